@@ -1,0 +1,117 @@
+"""The coordinator's part of the model: embeddings, norms, attention with its KV cache, lm_head.
+
+The FFN of every layer is delegated to a callable (the worker pool), so this module reads like
+a plain Llama forward pass. Arithmetic follows transformers' LlamaForCausalLM in float32
+(RMSNorm, rotate-half RoPE on un-permuted Q/K, SDPA) so greedy decoding matches it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparsecore.config import ModelConfig
+from sparsecore.tensors import TensorStore, unpermute_qk
+
+FfnFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden)) -> FFN output (T, hidden)."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(var + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class AttentionLayer:
+    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int):
+        p = f"blk.{i}."
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        self.attn_norm = t(store.matrix(p + "attn_norm.weight"))
+        self.ffn_norm = t(store.matrix(p + "ffn_norm.weight"))
+        self.wq = t(unpermute_qk(store.matrix(p + "attn_q.weight"), cfg.n_heads))
+        self.wk = t(unpermute_qk(store.matrix(p + "attn_k.weight"), cfg.n_kv_heads))
+        self.wv = t(store.matrix(p + "attn_v.weight"))
+        self.wo = t(store.matrix(p + "attn_output.weight"))
+
+
+class AttentionModel:
+    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int):
+        self.cfg = cfg
+        self.max_ctx = max_ctx
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        self.embed = t(store.matrix("token_embd.weight"))
+        self.lm_head = self.embed if cfg.tied_embeddings else t(store.matrix("output.weight"))
+        self.out_norm = t(store.matrix("output_norm.weight"))
+        self.layers = [AttentionLayer(store, cfg, i) for i in range(cfg.n_layers)]
+        shape = (cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
+        self.k_cache = torch.zeros(shape)
+        self.v_cache = torch.zeros(shape)
+        self._rope_tables(store)
+        self.pos = 0
+
+    def _rope_tables(self, store: TensorStore) -> None:
+        d = self.cfg.rope_dim
+        inv_freq = 1.0 / (self.cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if store.has("rope_freqs.weight"):  # Llama 3.1-style per-frequency scaling factors
+            inv_freq = inv_freq / torch.from_numpy(store.matrix("rope_freqs.weight"))
+        freqs = torch.arange(self.max_ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
+        d = self.cfg.rope_dim
+        cos, sin = self.cos[pos][None], self.sin[pos][None]
+        if d == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        xr, xp = x[..., :d], x[..., d:]
+        return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+    def _attention(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, L = self.cfg, self.layers[i]
+        T = x.shape[0]
+        start = self.pos
+        pos = slice(start, start + T)
+        q = (x @ L.wq.T).view(T, cfg.n_heads, cfg.head_dim).transpose(0, 1)
+        k = (x @ L.wk.T).view(T, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = (x @ L.wv.T).view(T, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        self.k_cache[i, :, pos] = k
+        self.v_cache[i, :, pos] = v
+        keys = self.k_cache[i, :, : start + T]
+        vals = self.v_cache[i, :, : start + T]
+        rep = cfg.n_heads // cfg.n_kv_heads
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=0)
+            vals = vals.repeat_interleave(rep, dim=0)
+        if T == 1:
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None])[0]
+        else:
+            # Causal over the new block, full over the cached prefix.
+            mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask)[0]
+        return out.transpose(0, 1).reshape(T, cfg.n_heads * cfg.head_dim) @ L.wo.T
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], ffn: FfnFn, all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` at the current position; returns logits of the last (or every) token."""
+        T = len(ids)
+        if self.pos + T > self.max_ctx:
+            raise ValueError(f"context full: {self.pos} + {T} tokens exceeds the context size {self.max_ctx}")
+        h = self.embed[torch.tensor(ids, dtype=torch.long)]
+        eps = self.cfg.rms_eps
+        for i, L in enumerate(self.layers):
+            h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))
+            h = h + ffn(i, rms_norm(h, L.ffn_norm, eps), h)
+        self.pos += T
+        h = rms_norm(h if all_logits else h[-1:], self.out_norm, eps)
+        return h @ self.lm_head.T

@@ -1,0 +1,177 @@
+"""The coordinator's engine: one model, its worker processes, and the token loop.
+
+    with Engine(path, EngineOptions()) as eng:
+        for tok in eng.generate(eng.tokenizer.encode("Hello"), max_tokens=32): ...
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from sparsecore.config import ModelConfig, read_config
+from sparsecore.errors import ModelFileError
+from sparsecore.gguf_file import check_supported_types, open_gguf
+from sparsecore.tensors import TensorStore
+
+from .attention_model import AttentionModel
+from .chat_template import chat_template_from_reader, render_chat
+from .placement import Plan, static_plan
+from .sampling import Sampler, SamplingParams
+from .tokenizer import GGUFTokenizer
+from .worker_pool import WorkerPool
+
+
+@dataclass
+class EngineOptions:
+    cpu_workers: int | None = None  # default: one per core left after the GPU worker
+    threads: int | None = None  # cores to use in all; default: all
+    gpu_share: float | None = None  # static share of each layer's neurons on the GPU worker
+    ctx: int = 2048  # KV cache length (capped at the model's context length)
+    max_batch: int = 256  # tokens per FFN exchange during prefill
+    gpu_device: str = "auto"
+    transport: str = "ipc"
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+def resolve_threads(opts: EngineOptions) -> tuple[int, int, int]:
+    """(total threads, cpu workers, threads per worker) without oversubscribing the cores.
+    The coordinator and the workers take turns (per layer), so the coordinator may use all;
+    the workers run at the same time, so together they use at most `total`."""
+    total = opts.threads or os.cpu_count() or 1
+    n_cpu = opts.cpu_workers if opts.cpu_workers is not None else max(1, total - 1)
+    per_worker = max(1, total // (n_cpu + 1))
+    return total, n_cpu, per_worker
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+    for i in range(cfg.n_layers):
+        names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+    return names
+
+
+class Engine:
+    def __init__(self, model_path: str | os.PathLike, opts: EngineOptions | None = None, launcher=None):
+        self.opts = opts = opts or EngineOptions()
+        self.path = Path(model_path)
+        reader = open_gguf(self.path)
+        self.cfg = cfg = read_config(self.path, reader)
+        names = {t.name for t in reader.tensors}
+        missing = [n for n in required_tensors(cfg) if n not in names and n.replace("ffn_down", "ffn_down_t") not in names]
+        if missing:
+            raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        check_supported_types(self.path, reader, [n for n in required_tensors(cfg) if n in names])
+        try:
+            self.tokenizer = GGUFTokenizer.from_reader(reader)
+        except ValueError as e:
+            raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
+        self.chat_template = chat_template_from_reader(reader)
+        self.reader = reader
+        total, n_cpu, per_worker = resolve_threads(opts)
+        torch.set_num_threads(total)
+        share = opts.gpu_share
+        if share is None:
+            share = 0.5 if torch.cuda.is_available() else 1.0 / (n_cpu + 1)
+        self.plan: Plan = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu)
+        self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
+                               opts.gpu_device, opts.transport, launcher=launcher)
+        try:
+            self.pool.spawn()  # workers start importing while we load attention weights
+            self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length))
+            self.pool.wait_ready()
+        except BaseException:
+            self.pool.close()
+            raise
+        self.last = RunStats()
+
+    # ---- FFN through the workers -----------------------------------------------------------
+
+    def _ffn(self, layer: int, x: torch.Tensor, _pre_norm: torch.Tensor) -> torch.Tensor:
+        xs = x.numpy()
+        out = np.empty_like(xs)
+        step = self.opts.max_batch
+        for a in range(0, len(xs), step):
+            chunk = xs[a:a + step]
+            self.pool.buffers.x[: len(chunk)] = chunk
+            out[a:a + step] = self.pool.run_ffn(layer, len(chunk), dense=True)
+        return torch.from_numpy(out)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def forward_logits(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits for every position of `ids`, from a fresh KV cache."""
+        self.reset()
+        return self.model.forward(list(ids), self._ffn, all_logits=True).numpy()
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None,
+                 stop_at_eos: bool = True) -> Iterator[int]:
+        if not prompt_ids:
+            raise ValueError("empty prompt: nothing to condition on")
+        if len(prompt_ids) + max_tokens > self.model.max_ctx:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_tokens} new tokens exceeds the "
+                             f"context size {self.model.max_ctx} (raise --ctx)")
+        sampler = Sampler(sampling or SamplingParams())
+        self.reset()
+        st = self.last = RunStats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        logits = self.model.forward(list(prompt_ids), self._ffn)[-1].numpy()
+        st.prefill_s = time.perf_counter() - t0
+        eos = self.tokenizer.eos_ids
+        for i in range(max_tokens):
+            tok = sampler(logits)
+            yield tok
+            if stop_at_eos and tok in eos:
+                return
+            if i == max_tokens - 1:
+                return
+            t1 = time.perf_counter()
+            logits = self.model.forward([tok], self._ffn)[-1].numpy()
+            dt = time.perf_counter() - t1
+            st.decode_s += dt
+            st.decode_tokens += 1
+            st.token_times.append(dt)
+
+    def chat_prompt(self, user_text: str, system: str | None = None) -> str:
+        """The user's text wrapped in the model's own chat template (ChatML when it has none)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+        tk = self.tokenizer
+        bos = tk.tokens[tk.bos_id] if tk.bos_id is not None else ""
+        eos = tk.tokens[tk.eos_id] if tk.eos_id is not None else ""
+        return render_chat(self.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+
+    def stats(self) -> dict:
+        return {
+            "sync_us": list(self.pool.stats.overhead_us),
+            "round_trip_us": list(self.pool.stats.round_trip_us),
+            "prefill_s": self.last.prefill_s,
+            "decode_s": self.last.decode_s,
+            "decode_tokens": self.last.decode_tokens,
+            "prompt_tokens": self.last.prompt_tokens,
+        }
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

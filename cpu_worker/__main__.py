@@ -1,0 +1,5 @@
+import sys
+
+from cpu_worker.worker import main
+
+sys.exit(main())

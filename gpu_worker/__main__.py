@@ -1,0 +1,5 @@
+import sys
+
+from gpu_worker.worker import main
+
+sys.exit(main())

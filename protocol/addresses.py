@@ -1,0 +1,24 @@
+"""Where processes find each other: ipc:// sockets in a private (0700) directory by default."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def private_runtime_dir() -> Path:
+    """A fresh 0700 directory for this run's ipc sockets."""
+    return Path(tempfile.mkdtemp(prefix="sparseinfer-"))
+
+
+def worker_endpoint(run_dir: Path, transport: str = "ipc") -> str:
+    if transport == "tcp":
+        return "tcp://127.0.0.1:*"  # bound with a random port; read back with LAST_ENDPOINT
+    return f"ipc://{run_dir}/workers.sock"
+
+
+def default_frontend_endpoint() -> str:
+    """The well-known address `scripts/launch` serves on and `sparseinfer prompt` connects to."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"sparseinfer-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    return f"ipc://{base}/coordinator.sock"

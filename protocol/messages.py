@@ -1,0 +1,154 @@
+"""Every message that crosses a process boundary, one dataclass each, encoded with msgpack.
+
+Wire format: a msgpack array [PROTOCOL_VERSION, kind, *fields in declaration order].
+Arrays never travel here: per-layer data lives in shared memory (see shm_layout.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(Exception):
+    """A message that cannot be decoded: wrong version, unknown kind, wrong fields."""
+
+
+# ---- coordinator <-> workers -------------------------------------------------------------
+
+@dataclass
+class Hello:
+    """Worker -> coordinator, first thing after connecting."""
+    worker_id: int
+    role: str  # "gpu" or "cpu"
+    pid: int
+
+
+@dataclass
+class Assign:
+    """Coordinator -> worker: what to load. Neuron indices are int32 bytes, one entry a layer."""
+    model_path: str
+    shm_name: str
+    slot: int
+    layers: list[int]
+    neurons: list[bytes]
+    threads: int = 1
+    device: str = "auto"
+
+
+@dataclass
+class Ready:
+    """Worker -> coordinator after its weights are loaded."""
+    worker_id: int
+    role: str
+    pid: int
+    n_neurons: int
+    device: str
+    load_s: float
+
+
+@dataclass
+class Ffn:
+    """Coordinator -> workers: x for `layer` is in shared memory; compute your partial FFN.
+    dense=False means: read the active-neuron mask from shared memory."""
+    layer: int
+    step: int
+    n_tokens: int
+    dense: bool = True
+
+
+@dataclass
+class Done:
+    """Worker -> coordinator: partial output for (layer, step) is in this worker's slot."""
+    worker_id: int
+    layer: int
+    step: int
+    compute_us: float
+    n_active: int = 0
+
+
+@dataclass
+class WorkerFailed:
+    """Worker -> coordinator when it cannot go on (bad file, out of memory, ...)."""
+    worker_id: int
+    role: str
+    reason: str
+
+
+@dataclass
+class Shutdown:
+    """Coordinator -> worker: exit now."""
+
+
+# ---- frontend (sparseinfer prompt, HTTP server) <-> coordinator ----------------------------
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt: str
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    chat: bool = False
+    stop_at_eos: bool = True
+
+
+@dataclass
+class TokenChunk:
+    request_id: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenerateDone:
+    request_id: str
+    n_prompt: int
+    n_generated: int
+    prefill_s: float
+    decode_s: float
+    finish_reason: str = "length"
+    error: str = ""
+
+
+@dataclass
+class StopServer:
+    """Frontend -> coordinator: shut down workers and exit."""
+
+
+MESSAGE_TYPES = [Hello, Assign, Ready, Ffn, Done, WorkerFailed, Shutdown,
+                 GenerateRequest, TokenChunk, GenerateDone, StopServer]
+_KIND = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES}
+
+
+def encode(msg) -> bytes:
+    cls = type(msg)
+    kind = _KIND.get(cls)
+    if kind is None:
+        raise ProtocolError(f"not a protocol message: {cls.__name__}")
+    return msgpack.packb([PROTOCOL_VERSION, kind, *(getattr(msg, n) for n in _FIELDS[cls])],
+                         use_bin_type=True)
+
+
+def decode(data: bytes):
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {e}") from None
+    if not isinstance(obj, list) or len(obj) < 2:
+        raise ProtocolError("message is not a [version, kind, ...] array")
+    version, kind, *values = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} received, this process speaks {PROTOCOL_VERSION}")
+    if not isinstance(kind, int) or not 0 <= kind < len(MESSAGE_TYPES):
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    cls = MESSAGE_TYPES[kind]
+    names = _FIELDS[cls]
+    if len(values) != len(names):
+        raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    return cls(*values)

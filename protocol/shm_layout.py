@@ -1,0 +1,118 @@
+"""The shared-memory segment of one run: a header, the FFN input, the active mask, output slots.
+
+    [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
+Each region starts on a 64-byte boundary. The coordinator creates and unlinks the segment;
+workers attach and refuse a header that does not match what they were told.
+"""
+from __future__ import annotations
+
+import secrets
+import struct
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from .messages import PROTOCOL_VERSION
+
+MAGIC = b"SPINFSHM"
+_HEADER = struct.Struct("<8sIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots
+HEADER_BYTES = 64
+SHM_PREFIX = "sparseinfer_"
+
+
+class LayoutError(Exception):
+    pass
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ShmLayout:
+    hidden: int
+    n_ff: int
+    max_tokens: int
+    n_slots: int
+
+    @property
+    def x_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def mask_offset(self) -> int:
+        return _align(self.x_offset + 4 * self.max_tokens * self.hidden)
+
+    @property
+    def out_offset(self) -> int:
+        return _align(self.mask_offset + self.n_ff)
+
+    @property
+    def size(self) -> int:
+        return _align(self.out_offset + 4 * self.n_slots * self.max_tokens * self.hidden)
+
+    def header(self) -> bytes:
+        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots)
+
+    @classmethod
+    def from_header(cls, buf) -> "ShmLayout":
+        magic, version, hidden, n_ff, max_tokens, n_slots = _HEADER.unpack_from(buf, 0)
+        if magic != MAGIC:
+            raise LayoutError(f"shared memory has magic {magic!r}, expected {MAGIC!r}")
+        if version != PROTOCOL_VERSION:
+            raise LayoutError(f"shared memory layout version {version}, this process speaks {PROTOCOL_VERSION}")
+        return cls(hidden, n_ff, max_tokens, n_slots)
+
+
+class SharedBuffers:
+    """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens, hidden)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
+        self.shm, self.layout, self.owner = shm, layout, owner
+        buf = shm.buf
+        L = layout
+        self.x = np.ndarray((L.max_tokens, L.hidden), np.float32, buf, L.x_offset)
+        self.mask = np.ndarray((L.n_ff,), np.uint8, buf, L.mask_offset)
+        self.out = np.ndarray((L.n_slots, L.max_tokens, L.hidden), np.float32, buf, L.out_offset)
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @classmethod
+    def create(cls, layout: ShmLayout) -> "SharedBuffers":
+        # Python creates POSIX segments with mode 0600; the random name avoids collisions.
+        shm = shared_memory.SharedMemory(SHM_PREFIX + secrets.token_hex(8), create=True, size=layout.size)
+        shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
+        return cls(shm, layout, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, expect: ShmLayout | None = None) -> "SharedBuffers":
+        shm = shared_memory.SharedMemory(name, create=False)
+        # Only the creator may unlink: stop this process's resource tracker from doing it at exit.
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")
+        except Exception:
+            pass
+        layout = ShmLayout.from_header(shm.buf)
+        if expect is not None and layout != expect:
+            shm.close()
+            raise LayoutError(f"shared memory layout {layout} does not match expected {expect}")
+        if shm.size < layout.size:
+            shm.close()
+            raise LayoutError(f"shared memory segment is {shm.size} bytes, layout needs {layout.size}")
+        return cls(shm, layout, owner=False)
+
+    def close(self) -> None:
+        # Views must go before the mmap can close.
+        self.x = self.mask = self.out = None
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass

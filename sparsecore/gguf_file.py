@@ -1,0 +1,95 @@
+"""Open a GGUF (or PowerInfer PWRI) file with gguf-py and validate it up front.
+
+Everything that can be wrong with a file is checked here, so that callers get one clear
+ModelFileError naming the file and the reason instead of a traceback from numpy later.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+
+from .errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"  # PowerInfer writes this magic; the layout after it is plain GGUF
+
+# Types we dequantize through gguf.quants and have tests for.
+SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+}
+
+
+class _PWRIReader(GGUFReader):
+    """GGUFReader refuses PowerInfer's magic; report the GGUF magic for the first word only."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if offset == 0 and override_order == "<":
+            return np.frombuffer(GGUF_MAGIC, dtype=np.uint32)
+        return super()._get(offset, dtype, count, override_order)
+
+
+def read_magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """Return a GGUFReader for `path`, or raise ModelFileError saying what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
+    magic = read_magic(path)
+    if magic not in (GGUF_MAGIC, PWRI_MAGIC):
+        raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    reader_cls = _PWRIReader if magic == PWRI_MAGIC else GGUFReader
+    try:
+        reader = reader_cls(path, "r")
+    except Exception as e:  # gguf-py raises ValueError/IndexError/... on a malformed header
+        size = path.stat().st_size
+        raise ModelFileError(f"{path}: malformed or truncated GGUF header ({size} bytes): {e}") from None
+    check_tensor_extents(path, reader)
+    return reader
+
+
+def tensor_nbytes(t) -> int:
+    block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+    n = int(np.prod([int(d) for d in t.shape]))
+    return n // block * type_size
+
+
+def check_tensor_extents(path: Path, reader: GGUFReader) -> None:
+    """A truncated file still parses its header; catch tensors that run past the end."""
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + tensor_nbytes(t)
+        if end > size:
+            raise ModelFileError(
+                f"{path}: truncated: tensor {t.name} needs bytes up to {end} but the file has {size}")
+
+
+def check_supported_types(path: Path, reader: GGUFReader, names) -> None:
+    by_name = {t.name: t for t in reader.tensors}
+    for name in names:
+        t = by_name[name]
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{path}: tensor {name} has type {t.tensor_type.name}, which sparseinfer does not support "
+                f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+
+
+def field_value(reader: GGUFReader, key: str, default=None):
+    """Decoded value of a metadata field (str, number, or list), or `default` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()

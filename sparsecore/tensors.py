@@ -1,0 +1,71 @@
+"""Tensor access by name: whole matrices, row subsets, column subsets, all as float32.
+
+GGUF stores a matrix W (out x in) row-major with its quant blocks running along `in`, so a
+row subset is a cheap slice of the memory-mapped blocks, while a column subset (the down
+projection's neurons) needs the whole matrix dequantized (or PowerInfer's ffn_down_t).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from .errors import ModelFileError
+from .gguf_file import SUPPORTED_TYPES
+
+
+class TensorStore:
+    def __init__(self, path: Path, reader: GGUFReader):
+        self.path = Path(path)
+        self.reader = reader
+        self.by_name = {t.name: t for t in reader.tensors}
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def info(self, name: str):
+        t = self.by_name.get(name)
+        if t is None:
+            raise ModelFileError(f"{self.path}: tensor {name} is missing")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{self.path}: tensor {name} has type {t.tensor_type.name}, which sparseinfer does not support")
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy order (rows, cols) — GGUF lists dimensions the other way round."""
+        return tuple(int(d) for d in reversed(self.info(name).shape))
+
+    def _rows_raw(self, t, rows) -> np.ndarray:
+        data = t.data
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return data.reshape(-1, int(t.shape[0]))[rows] if data.ndim == 1 else data[rows]
+        return data[rows]
+
+    def matrix(self, name: str) -> np.ndarray:
+        """The whole tensor as float32 in numpy order (1-D for norms)."""
+        t = self.info(name)
+        out = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if not out.flags.writeable:  # an F32 tensor comes back as a view of the read-only map
+            out = out.copy()
+        return out.reshape(self.shape(name))
+
+    def rows(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """Rows `idx` of a 2-D tensor as float32, touching only those rows' bytes."""
+        t = self.info(name)
+        n_rows, n_cols = self.shape(name)
+        raw = t.data.reshape(n_rows, -1)[np.asarray(idx, dtype=np.int64)]
+        return dequantize(raw, t.tensor_type).astype(np.float32, copy=False).reshape(len(idx), n_cols)
+
+    def columns(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """Columns `idx` of a 2-D tensor, returned transposed: shape (len(idx), n_rows)."""
+        return np.ascontiguousarray(self.matrix(name)[:, np.asarray(idx, dtype=np.int64)].T)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time Q/K row permutation so rotate-half RoPE applies (as HF does)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))

@@ -1,0 +1,161 @@
+"""The serve loop both worker kinds run: handshake, load owned neuron rows, answer "ffn" steps.
+
+A worker is started by the coordinator with an endpoint and an id. It says Hello, receives an
+Assign (model file, shared-memory name, its neuron indices per layer), memory-maps the model
+and slices its rows, says Ready, then for every Ffn message computes its partial FFN from
+shared memory into its own output slot and says Done. It never receives weights over the wire.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
+from protocol.shm_layout import SharedBuffers
+
+from .config import read_config
+from .ffn import ffn_partial
+from .gguf_file import open_gguf
+from .tensors import TensorStore
+
+PARENT_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the coordinator dies, so a crash orphans no worker."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LayerWeights:
+    """One layer's owned neurons: gate/up rows and down columns (as rows) on the device."""
+
+    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device):
+        self.idx = idx
+        p = f"blk.{layer}."
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        self.gate = dev(store.rows(p + "ffn_gate.weight", idx))
+        self.up = dev(store.rows(p + "ffn_up.weight", idx))
+        if store.has(p + "ffn_down_t.weight"):  # PowerInfer stores down transposed: rows are neurons
+            self.down_t = dev(store.rows(p + "ffn_down_t.weight", idx))
+        else:
+            self.down_t = dev(store.columns(p + "ffn_down.weight", idx))
+
+
+def pick_device(role: str, requested: str) -> torch.device:
+    if requested not in ("auto", ""):
+        return torch.device(requested)
+    if role == "gpu" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class Worker:
+    def __init__(self, endpoint: str, worker_id: int, role: str):
+        self.worker_id, self.role = worker_id, role
+        self.ppid = os.getppid()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{role}{worker_id}".encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(endpoint)
+        self.layers: dict[int, LayerWeights] = {}
+        self.buffers: SharedBuffers | None = None
+        self.activation = "silu"
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self):
+        """Next message, or None when the coordinator has gone away."""
+        while not self.sock.poll(PARENT_CHECK_MS):
+            if os.getppid() != self.ppid:
+                return None
+        return decode(self.sock.recv())
+
+    def load(self, a: Assign) -> None:
+        torch.set_num_threads(max(1, a.threads))
+        self.device = pick_device(self.role, a.device)
+        reader = open_gguf(a.model_path)
+        cfg = read_config(a.model_path, reader)
+        self.activation = cfg.activation
+        store = TensorStore(a.model_path, reader)
+        for layer, raw in zip(a.layers, a.neurons):
+            idx = np.frombuffer(raw, dtype=np.int32).astype(np.int64)
+            self.layers[layer] = LayerWeights(store, layer, idx, self.device)
+        self.buffers = SharedBuffers.attach(a.shm_name)
+        self.slot = a.slot
+
+    def step(self, m: Ffn) -> Done:
+        t0 = time.perf_counter()
+        w = self.layers[m.layer]
+        buf = self.buffers
+        x = torch.from_numpy(buf.x[: m.n_tokens]).to(self.device)
+        active = None
+        if not m.dense:
+            active = torch.from_numpy(np.flatnonzero(buf.mask[w.idx])).to(self.device)
+        y = ffn_partial(x, w.gate, w.up, w.down_t, self.activation, active)
+        buf.out[self.slot, : m.n_tokens] = y.cpu().numpy()
+        n_active = len(w.idx) if active is None else int(active.numel())
+        return Done(self.worker_id, m.layer, m.step, (time.perf_counter() - t0) * 1e6, n_active)
+
+    def serve(self) -> int:
+        self.send(Hello(self.worker_id, self.role, os.getpid()))
+        assign = self.recv()
+        if not isinstance(assign, Assign):
+            return 1
+        t0 = time.perf_counter()
+        try:
+            self.load(assign)
+        except Exception as e:  # report why, then exit: the coordinator names us in its error
+            self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
+            return 1
+        n = sum(len(w.idx) for w in self.layers.values())
+        self.send(Ready(self.worker_id, self.role, os.getpid(), n, str(self.device), time.perf_counter() - t0))
+        while True:
+            m = self.recv()
+            if m is None or isinstance(m, Shutdown):
+                return 0
+            if isinstance(m, Ffn):
+                try:
+                    self.send(self.step(m))
+                except Exception as e:
+                    self.send(WorkerFailed(self.worker_id, self.role, f"layer {m.layer}: {type(e).__name__}: {e}"))
+                    return 1
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"{role}_worker")
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--worker-id", type=int, required=True)
+    args = ap.parse_args(argv)
+    # Ctrl-C goes to the whole process group; the coordinator decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    w = Worker(args.endpoint, args.worker_id, role)
+    try:
+        return w.serve()
+    finally:
+        w.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
