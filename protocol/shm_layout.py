@@ -6,6 +6,7 @@ workers attach and refuse a header that does not match what they were told.
 """
 from __future__ import annotations
 
+import os
 import secrets
 import struct
 from dataclasses import dataclass
@@ -83,7 +84,9 @@ class SharedBuffers:
     @classmethod
     def create(cls, layout: ShmLayout) -> "SharedBuffers":
         # Python creates POSIX segments with mode 0600; the random name avoids collisions.
-        shm = shared_memory.SharedMemory(SHM_PREFIX + secrets.token_hex(8), create=True, size=layout.size)
+        # The creator's pid in the name lets a leak check tell orphans from live runs.
+        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        shm = shared_memory.SharedMemory(name, create=True, size=layout.size)
         shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
         return cls(shm, layout, owner=True)
 

@@ -1,0 +1,341 @@
+"""Tokenizer built from a GGUF file's own vocabulary with the HF `tokenizers` library.
+
+A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` metadata. We rebuild the
+same `tokenizers` pipeline transformers' GGUF loader builds
+(transformers/integrations/gguf/gguf_tokenizer_mapping.py), so ids match
+`AutoTokenizer.from_pretrained(dir, gguf_file=name)` without importing transformers:
+
+- "gpt2": byte-level BPE from tokens + merges, split regex chosen by `tokenizer.ggml.pre`.
+- "llama": sentencepiece-style BPE with byte fallback; merges come from the file or are derived
+  from the token scores the way transformers' `generate_merges` does.
+
+Two deliberate differences, both following llama.cpp and the original HF tokenizers:
+`add_space_prefix = false` is honoured (transformers ignores it), and "smollm"/"starcoder" split
+digits one by one (transformers uses plain GPT-2 splitting; the SmolLM2 vocab has no digit merges,
+so its ids are the same either way).
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import re
+from collections.abc import Iterable
+
+import gguf
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token types (gguf.TokenType)
+_CONTROL = 3
+_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> split regex, as in transformers' GGUF_PRE_TOKENIZER_SPLITS.
+_PRE_SPLITS = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
+# GPT-2 splitting after single-digit splitting (llama.cpp's "\p{N}" first pass).
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder"}
+
+# Texts llama.cpp treats as end of generation when the vocabulary has them.
+_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+               "<|eom_id|>", "<EOT>", "<|end_of_text|>")
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level vocabularies are spelled in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges a scored vocabulary implies: every split of a token into two known tokens, best
+    score first. Same order as transformers' `generate_merges`, which its ids depend on."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+class _Fields:
+    """Typed access to `tokenizer.ggml.*` values, with errors that name the field."""
+
+    def __init__(self, reader: gguf.GGUFReader):
+        self.reader = reader
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as e:
+            raise ValueError(f"{key} is unreadable: {e}") from e
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{key} missing")
+        return value
+
+    def string_list(self, key: str, required: bool = True) -> list[str] | None:
+        value = self.require(key) if required else self.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{key} must be an array of strings")
+        return value
+
+    def number_list(self, key: str, n: int) -> list | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or len(value) != n or (n and isinstance(value[0], str)):
+            raise ValueError(f"{key} must be an array of {n} numbers, one per token")
+        return value
+
+    def token_id(self, key: str, n: int) -> int | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or not 0 <= value < n:
+            raise ValueError(f"{key} = {value!r} is not a token id below {n}")
+        return value
+
+
+class GGUFTokenizer:
+    def __init__(self, tokenizer: Tokenizer, tokens: list[str], model: str, *, bos_id, eos_id,
+                 eos_ids: Iterable[int], add_bos: bool, add_eos: bool, strip_space: bool):
+        self._tk = tokenizer
+        self.tokens = tokens  # as the GGUF spells them
+        self.model = model
+        self.bos_id: int | None = bos_id
+        self.eos_id: int | None = eos_id
+        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self._strip_space = strip_space  # decode drops the prefix space sentencepiece added
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self._piece_bytes: dict[int, bytes] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_reader(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
+        fields = _Fields(reader)
+        model = fields.require("tokenizer.ggml.model")
+        tokens = fields.string_list("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError("tokenizer.ggml.tokens is empty")
+        n = len(tokens)
+        token_type = fields.number_list("tokenizer.ggml.token_type", n) or [1] * n
+
+        if model == "gpt2":
+            tk, control_ok = _byte_level(fields, tokens)
+            add_bos_default, strip_space = False, False
+        elif model == "llama":
+            add_prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
+            tk, control_ok = _sentencepiece(fields, tokens, bool(add_prefix))
+            add_bos_default, strip_space = True, bool(add_prefix)
+        else:
+            raise ValueError(f"tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')")
+
+        bos_id = fields.token_id("tokenizer.ggml.bos_token_id", n)
+        eos_id = fields.token_id("tokenizer.ggml.eos_token_id", n)
+        named = [fields.token_id(f"tokenizer.ggml.{k}_token_id", n) for k in ("unknown", "padding")]
+
+        # Control tokens become special (matched whole in text, skippable on decode); so do the
+        # bos/eos/unk/pad tokens, as transformers registers those as special tokens too.
+        special = [t for t, ty in zip(tokens, token_type) if ty == _CONTROL and control_ok(t)]
+        special += [tokens[i] for i in (bos_id, eos_id, *named) if i is not None]
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
+        vocab = tk.get_vocab(with_added_tokens=False)
+        user = [t for t, ty in zip(tokens, token_type) if ty == _USER_DEFINED and t in vocab]
+        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+        ends = {eos_id} if eos_id is not None else set()
+        for key in ("eot", "eom"):
+            if (i := fields.token_id(f"tokenizer.ggml.{key}_token_id", n)) is not None:
+                ends.add(i)
+        ends.update(i for i, t in enumerate(tokens) if t in _END_TOKENS)
+
+        return cls(tk, tokens, model, bos_id=bos_id, eos_id=eos_id, eos_ids=ends,
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+                   add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+                   strip_space=strip_space)
+
+    def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in it (e.g. "<|im_start|>") stay whole.
+        BOS/EOS are added as the GGUF says unless given."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as the decoder would produce them."""
+        cached = self._piece_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._tk.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        if self.model == "gpt2":
+            try:
+                out = bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:  # not byte-level spelled: the decoder keeps its UTF-8 bytes
+                out = piece.encode()
+        else:
+            piece = piece.replace("\u2581", " ")
+            m = _BYTE_TOKEN.fullmatch(piece)
+            out = bytes([int(m.group(1), 16)]) if m else piece.encode()
+        self._piece_bytes[token_id] = out
+        return out
+
+
+def _byte_level(fields: _Fields, tokens: list[str]):
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens stored as raw text (not byte-level spelled) get respelled, as transformers does.
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+             for i, t in enumerate(tokens)}
+    merges = _merges(fields, vocab, required=True)
+    tk = _bpe(vocab, merges, fuse_unk=False, byte_fallback=False)
+    pre = fields.get("tokenizer.ggml.pre")
+    split = _PRE_SPLITS.get(pre)
+    if split is not None:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_SPLIT_PRES:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ])
+    else:
+        if pre not in (None, "default", "gpt2"):
+            log.info("tokenizer.ggml.pre %r has no known split; using GPT-2's", pre)
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it.
+    return tk, lambda t: set(t) <= alphabet
+
+
+def _sentencepiece(fields: _Fields, tokens: list[str], add_prefix: bool):
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges(fields, vocab, required=False)
+    if merges is None:
+        scores = fields.number_list("tokenizer.ggml.scores", len(tokens))
+        if scores is None:
+            raise ValueError("tokenizer.ggml.scores missing (needed when tokenizer.ggml.merges is absent)")
+        merges = generate_merges(vocab, dict(zip(tokens, scores)))
+    tk = _bpe(vocab, merges, fuse_unk=True, byte_fallback=True)
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tk.decoder = decoders.Sequence(steps)
+    return tk, lambda t: True
+
+
+def _merges(fields: _Fields, vocab: dict[str, int], required: bool) -> list[tuple[str, str]] | None:
+    key = "tokenizer.ggml.merges"
+    raw = fields.string_list(key, required=required)
+    if raw is None:
+        return None
+    merges = []
+    for i, m in enumerate(raw):
+        pair = tuple(m.split(" "))
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
+            raise ValueError(f"{key}[{i}] = {m!r} is not two vocabulary tokens separated by one space")
+        merges.append(pair)
+    return merges
+
+
+def _bpe(vocab, merges, *, fuse_unk: bool, byte_fallback: bool) -> Tokenizer:
+    return Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                         end_of_word_suffix="", fuse_unk=fuse_unk, byte_fallback=byte_fallback))
+
+
+class StreamDecoder:
+    """Turns generated ids into text as they come, emitting only complete UTF-8 characters.
+
+    The concatenated output equals `tokenizer.decode(all_ids, skip_special)` for valid UTF-8."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip_space = tokenizer._strip_space  # only the very first character of the output
+
+    def push(self, token_id: int) -> str:
+        if self._skip_special and self._tok.is_special(token_id):
+            return ""
+        return self._emit(self._utf8.decode(self._tok.piece_bytes(token_id)))
+
+    def flush(self) -> str:
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if text and self._strip_space:
+            self._strip_space = False
+            if text[0] == " ":
+                text = text[1:]
+        return text

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny synthetic GGUF models, the SmolLM2 file, and leak checks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coordinator.model_fetch import default_model_path
+from protocol.shm_layout import SHM_PREFIX
+from tests.fixtures.tiny_gguf import write_tiny_llama
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer F32 Llama with a small byte-level BPE vocabulary."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", tensor_type="F32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Build (and cache) tiny models for other tensor types / shapes."""
+    made: dict[tuple, Path] = {}
+
+    def make(**kw) -> Path:
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            name = "tiny-" + "-".join(f"{k}{v}" for k, v in key) + ".gguf"
+            made[key] = write_tiny_llama(tmp_path_factory.mktemp("tiny") / name, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = default_model_path()
+    if not path.exists():
+        pytest.skip(f"SmolLM2 not present at {path}; run `sparseinfer pull` (the README's set-up does)")
+    return path
+
+
+def shm_segments() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith(SHM_PREFIX)}
+
+
+def children_of(pid: int) -> list[int]:
+    """Live descendants of `pid`, read from /proc (no psutil needed)."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(d)] = int(fields[1])
+        except (OSError, IndexError):
+            continue
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def segment_owner_pid(name: str) -> int | None:
+    """Segments are named sparseinfer_<creator pid>_<random>."""
+    try:
+        return int(name[len(SHM_PREFIX):].split("_")[0])
+    except ValueError:
+        return None
+
+
+def orphaned_segments(candidates: set[str]) -> set[str]:
+    """Segments whose creator is this process (its engines are closed) or no longer exists.
+    Segments of other live processes (a concurrent test run) are not ours to judge."""
+    out = set()
+    for name in candidates:
+        pid = segment_owner_pid(name)
+        if pid is None or pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+            out.add(name)
+    return out
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if it leaves a shared-memory segment behind."""
+    before = shm_segments()
+    yield
+    leaked = orphaned_segments(shm_segments() - before)
+    assert not leaked, f"shared memory segments leaked: {sorted(leaked)}"

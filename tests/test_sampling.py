@@ -1,0 +1,52 @@
+import numpy as np
+import pytest
+
+from coordinator.sampling import Sampler, SamplingParams
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    for seed in (None, 1, 2):
+        assert Sampler(SamplingParams(0.0, seed=seed))(LOGITS) == 0
+    assert Sampler(SamplingParams(0.0))(np.array([0.0, 5.0, 5.0])) == 1  # first of equal maxima
+
+
+def test_temperature_one_follows_softmax():
+    s = Sampler(SamplingParams(1.0, seed=0))
+    draws = np.bincount([s(LOGITS) for _ in range(20000)], minlength=len(LOGITS)) / 20000
+    want = np.exp(LOGITS - LOGITS.max())
+    want /= want.sum()
+    np.testing.assert_allclose(draws, want, atol=0.015)
+
+
+def test_low_temperature_sharpens():
+    p_hot = Sampler(SamplingParams(2.0)).probabilities(LOGITS)
+    p_cold = Sampler(SamplingParams(0.2)).probabilities(LOGITS)
+    assert p_cold[0] > 0.99 and p_hot[0] < 0.5
+
+
+def test_top_k_keeps_only_k_best():
+    p = Sampler(SamplingParams(1.0, top_k=2)).probabilities(LOGITS)
+    assert np.count_nonzero(p) == 2 and p[0] > p[1] > 0
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    full = Sampler(SamplingParams(1.0)).probabilities(LOGITS)
+    p = Sampler(SamplingParams(1.0, top_p=0.8)).probabilities(LOGITS)
+    k = int(np.searchsorted(np.cumsum(np.sort(full)[::-1]), 0.8)) + 1
+    assert np.count_nonzero(p) == k
+    assert full[np.argsort(-full)[: k - 1]].sum() < 0.8 <= full[np.argsort(-full)[:k]].sum()
+    np.testing.assert_allclose(p[p > 0], full[p > 0] / full[p > 0].sum())
+
+
+def test_seed_reproducible():
+    s1, s2 = Sampler(SamplingParams(1.0, seed=7)), Sampler(SamplingParams(1.0, seed=7))
+    assert [s1(LOGITS) for _ in range(50)] == [s2(LOGITS) for _ in range(50)]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
+def test_invalid_values_rejected(bad):
+    with pytest.raises(ValueError):
+        Sampler(SamplingParams(**bad))

@@ -1,0 +1,61 @@
+"""SmolLM2-135M-Instruct Q4_1 against transformers' GGUF loader (an oracle nobody here wrote).
+
+The fixture comes from scripts/make_reference.py: greedy token ids of 64 new tokens for several
+prompts and full-vocabulary logits at two steps, computed by transformers in float32 on the
+dequantized weights. Tolerance for logits: our attention and FFN run the same float32 math in a
+different summation order (the FFN is split across worker processes), which moves logits by
+~1e-4; we allow 2e-3 absolute (logits here range over about +-30).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.sampling import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "smollm2_reference.json").read_text())
+LOGITS_ATOL = 2e-3
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    with Engine(smollm2_path, EngineOptions(threads=2)) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("case", REF["prompts"], ids=[p["name"] for p in REF["prompts"]])
+def test_greedy_tokens_match_transformers(engine, case):
+    assert engine.tokenizer.encode(case["prompt_text"]) == case["prompt_ids"]
+    got = list(engine.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
+                               stop_at_eos=False))
+    assert got == case["generated_ids"], (
+        f"first difference at step {next(i for i, (a, b) in enumerate(zip(got, case['generated_ids'])) if a != b)}")
+
+
+def test_logits_match_transformers(engine):
+    arrays = np.load(FIXTURES / "smollm2_reference_logits.npz", allow_pickle=False)
+    steps = REF["logit_steps"]
+    worst = 0.0
+    for i, case in enumerate(REF["prompts"]):
+        seq = case["prompt_ids"] + case["generated_ids"]
+        logits = engine.forward_logits(seq[: len(case["prompt_ids"]) + max(steps)])
+        for step in steps:
+            want = arrays[f"p{i}_step{step}"].astype(np.float32)
+            got = logits[len(case["prompt_ids"]) - 1 + step]
+            worst = max(worst, float(np.abs(got - want).max()))
+            assert int(np.argmax(got)) == int(np.argmax(want))
+    assert worst < LOGITS_ATOL, f"max |logit difference| {worst:.2e} exceeds {LOGITS_ATOL}"
+
+
+def test_chat_prompt_uses_the_gguf_template(engine):
+    chat = next((p for p in REF["prompts"] if p["kind"] == "chat"), None)
+    if chat is None:
+        pytest.skip("fixture has no chat prompt")
+    assert engine.chat_prompt(chat["text"]) == chat["prompt_text"]
