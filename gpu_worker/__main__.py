@@ -1,5 +1,11 @@
+import os
 import sys
 
 from gpu_worker.worker import main
 
-sys.exit(main())
+rc = main()
+sys.stdout.flush()
+sys.stderr.flush()
+# Skip interpreter teardown: with torch loaded it takes ~1 s, longer than the coordinator
+# should wait for a worker to stop.
+os._exit(rc)

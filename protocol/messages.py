@@ -143,9 +143,9 @@ def decode(data: bytes):
     if not isinstance(obj, list) or len(obj) < 2:
         raise ProtocolError("message is not a [version, kind, ...] array")
     version, kind, *values = obj
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} received, this process speaks {PROTOCOL_VERSION}")
-    if not isinstance(kind, int) or not 0 <= kind < len(MESSAGE_TYPES):
+    if type(kind) is not int or not 0 <= kind < len(MESSAGE_TYPES):
         raise ProtocolError(f"unknown message kind {kind!r}")
     cls = MESSAGE_TYPES[kind]
     names = _FIELDS[cls]

@@ -6,11 +6,12 @@ workers attach and refuse a header that does not match what they were told.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import struct
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -66,6 +67,21 @@ class ShmLayout:
         return cls(hidden, n_ff, max_tokens, n_slots)
 
 
+class _Mapping:
+    """The attach side's view of a segment: what SharedBuffers uses of SharedMemory."""
+
+    def __init__(self, mm: mmap.mmap, name: str):
+        self._mm, self.name, self.size = mm, name, len(mm)
+        self.buf = memoryview(mm)
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes at exit
+            pass
+
+
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens, hidden)."""
 
@@ -92,20 +108,29 @@ class SharedBuffers:
 
     @classmethod
     def attach(cls, name: str, expect: ShmLayout | None = None) -> "SharedBuffers":
-        shm = shared_memory.SharedMemory(name, create=False)
-        # Only the creator may unlink: stop this process's resource tracker from doing it at exit.
+        """Map an existing segment. Mapped directly (not through SharedMemory) so that Python's
+        resource tracker never learns of it: only the creator may unlink the segment."""
         try:
-            resource_tracker.unregister(shm._name, "shared_memory")
-        except Exception:
-            pass
-        layout = ShmLayout.from_header(shm.buf)
-        if expect is not None and layout != expect:
-            shm.close()
-            raise LayoutError(f"shared memory layout {layout} does not match expected {expect}")
-        if shm.size < layout.size:
-            shm.close()
-            raise LayoutError(f"shared memory segment is {shm.size} bytes, layout needs {layout.size}")
-        return cls(shm, layout, owner=False)
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        except FileNotFoundError:
+            raise LayoutError(f"shared memory segment {name} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise LayoutError(f"shared memory segment {name} is {size} bytes, too small for a header")
+            mapping = _Mapping(mmap.mmap(fd, size), name)
+        finally:
+            os.close(fd)
+        try:
+            layout = ShmLayout.from_header(mapping.buf)
+            if expect is not None and layout != expect:
+                raise LayoutError(f"shared memory layout {layout} does not match expected {expect}")
+            if size < layout.size:
+                raise LayoutError(f"shared memory segment is {size} bytes, layout needs {layout.size}")
+        except BaseException:
+            mapping.close()
+            raise
+        return cls(mapping, layout, owner=False)
 
     def close(self) -> None:
         # Views must go before the mmap can close.

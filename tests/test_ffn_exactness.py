@@ -1,0 +1,167 @@
+"""Real workers (gpu_worker + cpu_worker processes, default launcher) compute the exact FFN:
+the sum of their partial outputs equals a dense reference computed here from weights read
+independently with gguf.GGUFReader + gguf.quants.dequantize, with the active mask applied."""
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from coordinator.placement import static_plan
+from coordinator.worker_pool import WorkerPool
+from sparsecore.ffn import ffn_dense_reference
+from tests.conftest import shm_segments
+
+MAX_TOKENS = 8
+GPU_SHARE, N_CPU = 0.4, 2
+
+
+def read_ffn_weights(path) -> tuple[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], int, int, str]:
+    """{layer: (gate (n_ff, hidden), up (n_ff, hidden), down (hidden, n_ff))}, hidden, n_ff, activation."""
+    r = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in r.tensors}
+
+    def mat(name):
+        t = by_name[name]
+        return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
+            tuple(int(d) for d in reversed(t.shape)))
+
+    act_field = r.fields.get("sparseinfer.activation")
+    activation = "silu" if act_field is None else bytes(act_field.parts[-1]).decode()
+    n_layers = int(r.fields["llama.block_count"].parts[-1][0])
+    weights = {l: (mat(f"blk.{l}.ffn_gate.weight"), mat(f"blk.{l}.ffn_up.weight"), mat(f"blk.{l}.ffn_down.weight"))
+               for l in range(n_layers)}
+    n_ff, hidden = weights[0][0].shape
+    assert weights[0][2].shape == (hidden, n_ff)
+    return weights, hidden, n_ff, activation
+
+
+def reference(weights, layer: int, x: np.ndarray, activation: str, mask: np.ndarray | None) -> np.ndarray:
+    gate, up, down = (torch.from_numpy(a) for a in weights[layer])
+    m = None if mask is None else torch.from_numpy(mask.astype(np.float64))
+    return ffn_dense_reference(torch.from_numpy(x.astype(np.float64)), gate, up, down, activation, m).numpy()
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    scale = float(np.abs(want).max())
+    assert scale > 0
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-4 * scale, f"max abs error {err:.3g} vs output scale {scale:.3g}"
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def setup(request, tiny_model, tiny_model_factory):
+    path = tiny_model if request.param == "F32" else tiny_model_factory(tensor_type=request.param)
+    weights, hidden, n_ff, activation = read_ffn_weights(path)
+    plan = static_plan(len(weights), n_ff, GPU_SHARE, N_CPU)
+    pool = WorkerPool(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1)
+    try:
+        pool.wait_ready()
+        yield pool, weights, activation
+    finally:
+        pool.close()
+    assert all(w.proc.returncode is not None for w in pool.workers)
+    assert pool.buffers.name not in shm_segments()
+    assert not pool.run_dir.exists()
+
+
+def run(pool: WorkerPool, layer: int, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    n = len(x)
+    pool.buffers.x[:] = np.nan  # rows past n_tokens must not leak into the result
+    pool.buffers.x[:n] = x
+    if mask is None:
+        pool.buffers.mask[:] = 0  # ignored on dense steps
+        return pool.run_ffn(layer, n, dense=True)
+    pool.buffers.mask[:] = mask
+    return pool.run_ffn(layer, n, dense=False)
+
+
+def test_both_worker_kinds_own_neurons(setup):
+    pool, weights, _ = setup
+    roles = [w.role for w in pool.workers]
+    assert roles == ["gpu", "cpu", "cpu"]
+    n_ff = pool.plan.n_ff
+    assert [w.n_neurons for w in pool.workers] == [len(weights) * len(s.neurons[0]) for s in pool.plan.shards]
+    assert pool.workers[0].n_neurons == len(weights) * round(GPU_SHARE * n_ff)
+    assert all(w.n_neurons > 0 for w in pool.workers)
+    assert all(w.proc.poll() is None and w.pid == w.proc.pid for w in pool.workers)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5])
+def test_dense(setup, n_tokens):
+    pool, weights, act = setup
+    rng = np.random.default_rng(n_tokens)
+    for layer in weights:
+        x = rng.standard_normal((n_tokens, pool.buffers.layout.hidden)).astype(np.float32)
+        got = run(pool, layer, x, None)
+        assert got.dtype == np.float32
+        assert_close(got, reference(weights, layer, x, act, None))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_sparse_masks(setup, n_tokens):
+    pool, weights, act = setup
+    n_ff, hidden = pool.plan.n_ff, pool.buffers.layout.hidden
+    rng = np.random.default_rng(100 + n_tokens)
+    masks = {f"p{p}": (rng.random(n_ff) < p).astype(np.uint8) for p in (0.05, 0.3, 0.7)}
+    masks["full"] = np.ones(n_ff, np.uint8)
+    for layer in weights:
+        for name, mask in masks.items():
+            x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+            got = run(pool, layer, x, mask)
+            want = reference(weights, layer, x, act, mask)
+            assert_close(got, want)
+            # the mask really is applied: the dense answer differs unless every neuron is active
+            if name != "full":
+                dense = reference(weights, layer, x, act, None)
+                assert np.abs(dense - want).max() > 1e-2 * np.abs(dense).max()
+
+
+def test_full_mask_equals_dense(setup):
+    pool, weights, _ = setup
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, pool.buffers.layout.hidden)).astype(np.float32)
+    for layer in weights:
+        sparse = run(pool, layer, x, np.ones(pool.plan.n_ff, np.uint8))
+        dense = run(pool, layer, x, None)
+        np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-6 * np.abs(dense).max())
+
+
+def test_empty_mask_is_exactly_zero(setup):
+    pool, weights, _ = setup
+    rng = np.random.default_rng(8)
+    for layer in weights:
+        for n in (1, 4):
+            x = rng.standard_normal((n, pool.buffers.layout.hidden)).astype(np.float32)
+            pool.buffers.out[:] = 123.0  # stale slot contents must be overwritten
+            got = run(pool, layer, x, np.zeros(pool.plan.n_ff, np.uint8))
+            assert got.shape == (n, pool.buffers.layout.hidden)
+            assert np.all(got == 0.0)
+
+
+def test_each_worker_kind_alone(setup):
+    """A mask that activates only one worker's neurons: that worker's partial is the whole answer,
+    so each kind (and each CPU shard) is checked on its own."""
+    pool, weights, act = setup
+    rng = np.random.default_rng(9)
+    for layer in weights:
+        for shard in pool.plan.shards:
+            mask = np.zeros(pool.plan.n_ff, np.uint8)
+            own = shard.neurons[layer]
+            mask[own[rng.random(len(own)) < 0.6]] = 1
+            assert mask.any()
+            x = rng.standard_normal((2, pool.buffers.layout.hidden)).astype(np.float32)
+            got = run(pool, layer, x, mask)
+            assert_close(got, reference(weights, layer, x, act, mask))
+
+
+def test_workers_still_alive(setup):
+    pool, _, _ = setup
+    assert all(w.proc.poll() is None for w in pool.workers)
+    assert len(pool.stats.round_trip_us) == pool.step
+    assert os.path.isdir(pool.run_dir)
+    assert pool.buffers.name in shm_segments()

@@ -1,0 +1,79 @@
+"""coordinator.placement.static_plan: every neuron of every layer owned exactly once, GPU share
+respected, CPU shards balanced, bad arguments refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.placement import Plan, WorkerShard, static_plan
+
+COMBOS = [  # (n_layers, n_ff, gpu_share, n_cpu_workers)
+    (2, 160, 0.4, 2),
+    (1, 160, 0.0, 1),
+    (3, 160, 1.0, 0),
+    (3, 160, 1.0, 2),   # GPU holds everything, CPU workers get empty shards
+    (2, 1536, 0.25, 3),
+    (4, 7, 0.5, 3),     # tiny, uneven
+    (2, 10, 0.33, 4),
+    (1, 1, 0.5, 1),
+    (2, 5, 0.1, 8),     # more CPU workers than cold neurons
+    (30, 8192, 0.617, 5),
+]
+
+
+@pytest.mark.parametrize("n_layers,n_ff,gpu_share,n_cpu", COMBOS, ids=str)
+def test_static_plan_partitions(n_layers, n_ff, gpu_share, n_cpu):
+    plan = static_plan(n_layers, n_ff, gpu_share, n_cpu)
+    assert isinstance(plan, Plan)
+    assert (plan.n_layers, plan.n_ff) == (n_layers, n_ff)
+    assert len(plan.shards) == 1 + n_cpu
+    assert [s.role for s in plan.shards] == ["gpu"] + ["cpu"] * n_cpu
+    ids = [s.worker_id for s in plan.shards]
+    assert len(set(ids)) == len(ids), "worker ids must be unique (they name the ZMQ identity)"
+    for s in plan.shards:
+        assert len(s.neurons) == n_layers
+    n_gpu = round(gpu_share * n_ff)
+    for layer in range(n_layers):
+        owned = [np.asarray(s.neurons[layer]) for s in plan.shards]
+        for o in owned:
+            assert o.dtype == np.int32
+            assert np.all(np.diff(o) > 0), "indices sorted, no duplicates"
+        counts = np.bincount(np.concatenate(owned).astype(np.int64), minlength=n_ff)
+        assert counts.shape == (n_ff,)
+        assert np.all(counts == 1), f"layer {layer}: some neuron owned {counts.min()}..{counts.max()} times"
+        # GPU share, rounded to a whole neuron.
+        assert len(owned[0]) == n_gpu
+        assert abs(len(owned[0]) - gpu_share * n_ff) <= 0.5
+        # CPU shards split the rest evenly (within one neuron).
+        if n_cpu:
+            sizes = [len(o) for o in owned[1:]]
+            assert sum(sizes) == n_ff - n_gpu
+            assert max(sizes) - min(sizes) <= 1
+    plan.check_partition()
+
+
+def test_check_partition_catches_bad_plans():
+    idx = np.arange(10, dtype=np.int32)
+    missing = Plan(1, 10, [WorkerShard("gpu", 0, [idx[:4]]), WorkerShard("cpu", 1, [idx[5:]])])
+    with pytest.raises(AssertionError, match="layer 0"):
+        missing.check_partition()
+    doubled = Plan(1, 10, [WorkerShard("gpu", 0, [idx[:6]]), WorkerShard("cpu", 1, [idx[4:]])])
+    with pytest.raises(AssertionError, match="layer 0"):
+        doubled.check_partition()
+    ok_then_bad = Plan(2, 10, [WorkerShard("gpu", 0, [idx[:5], idx[:5]]),
+                               WorkerShard("cpu", 1, [idx[5:], idx[6:]])])
+    with pytest.raises(AssertionError, match="layer 1"):
+        ok_then_bad.check_partition()
+
+
+@pytest.mark.parametrize("args", [
+    (2, 160, -0.1, 2),
+    (2, 160, 1.01, 2),
+    (2, 160, float("nan"), 2),
+    (2, 160, 0.5, 0),    # cold neurons but no CPU worker
+    (2, 160, 0.0, 0),
+    (2, 160, 0.5, -1),
+], ids=str)
+def test_static_plan_invalid(args):
+    with pytest.raises(ValueError):
+        static_plan(*args)

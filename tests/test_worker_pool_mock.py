@@ -1,0 +1,288 @@
+"""coordinator.worker_pool.WorkerPool against mock workers (tests/mock_worker.py) that speak the
+real ZMQ/msgpack/shared-memory protocol but compute a known function, so the pool's handshake,
+x/mask handoff, slot summation, failure reporting and cleanup are tested without torch."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.placement import Plan, WorkerShard, static_plan
+from coordinator.worker_pool import WorkerError, WorkerPool
+from tests.conftest import children_of, shm_segments
+from tests.mock_worker import compute_us
+
+MOCK = Path(__file__).resolve().parent / "mock_worker.py"
+HIDDEN, MAX_TOKENS = 16, 8
+MODEL = Path("/nonexistent/mock-model.gguf")  # mocks never open it
+
+
+def mock_launcher(behaviors: dict[int, str] | None = None):
+    """Launcher running tests/mock_worker.py; behaviors maps worker_id -> behavior (default ok)."""
+    behaviors = behaviors or {}
+
+    def launch(shard: WorkerShard, endpoint: str) -> list:
+        return [sys.executable, str(MOCK), "--endpoint", endpoint, "--worker-id", str(shard.worker_id),
+                "--role", shard.role, "--behavior", behaviors.get(shard.worker_id, "ok")]
+    return launch
+
+
+def shuffled_plan(n_layers: int = 3, n_ff: int = 40, seed: int = 0) -> Plan:
+    """Different random partitions per layer, and worker ids that differ from slot numbers,
+    so a pool that mixes up layers, slots or ids gives a wrong answer."""
+    rng = np.random.default_rng(seed)
+    ids = [("gpu", 0), ("cpu", 5), ("cpu", 2)]
+    per_worker: list[list[np.ndarray]] = [[] for _ in ids]
+    for _ in range(n_layers):
+        perm = rng.permutation(n_ff)
+        cuts = np.sort(rng.choice(np.arange(1, n_ff), size=len(ids) - 1, replace=False))
+        for w, part in enumerate(np.split(perm, cuts)):
+            per_worker[w].append(np.sort(part).astype(np.int32))
+    plan = Plan(n_layers, n_ff, [WorkerShard(r, i, per_worker[k]) for k, (r, i) in enumerate(ids)])
+    plan.check_partition()
+    return plan
+
+
+def make_pool(plan: Plan, behaviors=None, **kw) -> WorkerPool:
+    return WorkerPool(MODEL, plan, hidden=HIDDEN, max_tokens=MAX_TOKENS, launcher=mock_launcher(behaviors), **kw)
+
+
+def expected_dense(pool: WorkerPool, layer: int, n: int) -> np.ndarray:
+    x = pool.buffers.x[:n].astype(np.float64)
+    return sum(x * (s.worker_id + 1) + layer for s in pool.plan.shards)
+
+
+def write_x(pool: WorkerPool, rng, n: int) -> None:
+    pool.buffers.x[:] = np.nan  # rows past n_tokens must not matter
+    pool.buffers.x[:n] = rng.integers(-50, 50, size=(n, HIDDEN)).astype(np.float32)
+
+
+def assert_all_gone(pool: WorkerPool) -> None:
+    live = set(children_of(os.getpid()))
+    for w in pool.workers:
+        assert w.proc.returncode is not None, f"{w.label} still running after close()"
+        assert w.proc.pid not in live
+    assert pool.buffers.name not in shm_segments()
+    assert not pool.run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = make_pool(shuffled_plan(), startup_timeout_s=60)
+    try:
+        p.wait_ready()
+        yield p
+    finally:
+        p.close()
+
+
+# ---- the happy path ------------------------------------------------------------------------
+
+def test_handshake(pool):
+    assert [w.identity for w in pool.workers] == [b"gpu0", b"cpu5", b"cpu2"]
+    for slot, (w, shard) in enumerate(zip(pool.workers, pool.plan.shards)):
+        assert w.pid == w.proc.pid  # from Hello
+        assert w.device == "mock"   # from Ready
+        assert w.n_neurons == sum(len(a) for a in shard.neurons)
+        assert w.proc.poll() is None
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, MAX_TOKENS])
+def test_dense_sum_over_layers_and_steps(pool, n_tokens):
+    rng = np.random.default_rng(n_tokens)
+    for rep in range(2):
+        for layer in range(pool.plan.n_layers):
+            write_x(pool, rng, n_tokens)
+            want = expected_dense(pool, layer, n_tokens)
+            got = pool.run_ffn(layer, n_tokens)
+            assert got.shape == (n_tokens, HIDDEN)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_result_is_not_a_view_of_shared_memory(pool):
+    rng = np.random.default_rng(1)
+    write_x(pool, rng, 2)
+    got = pool.run_ffn(0, 2)
+    keep = got.copy()
+    write_x(pool, rng, 2)
+    pool.run_ffn(1, 2)
+    pool.buffers.out[:] = -1.0
+    np.testing.assert_array_equal(got, keep)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 4])
+def test_sparse_mask_handoff(pool, n_tokens):
+    """Each mock writes the number of its owned neurons active in the shared mask into
+    out[slot, 0, slot]; the summed row 0 thus holds every worker's count at its slot."""
+    rng = np.random.default_rng(10 + n_tokens)
+    plan = pool.plan
+    masks = [np.zeros(plan.n_ff, np.uint8), np.ones(plan.n_ff, np.uint8)]
+    masks += [(rng.random(plan.n_ff) < p).astype(np.uint8) for p in (0.1, 0.5, 0.9)]
+    masks.append(np.where(rng.random(plan.n_ff) < 0.5, 0, rng.integers(1, 255, plan.n_ff)).astype(np.uint8))
+    for mask in masks:
+        for layer in range(plan.n_layers):
+            write_x(pool, rng, n_tokens)
+            pool.buffers.mask[:] = mask
+            got = pool.run_ffn(layer, n_tokens, dense=False)
+            counts = [int(np.count_nonzero(mask[s.neurons[layer]])) for s in plan.shards]
+            row0 = np.zeros(HIDDEN, np.float32)
+            row0[: len(counts)] = counts
+            np.testing.assert_array_equal(got[0], row0)
+            assert got[0].sum() == np.count_nonzero(mask)
+            if n_tokens > 1:
+                np.testing.assert_array_equal(got[1:], expected_dense(pool, layer, n_tokens)[1:].astype(np.float32))
+
+
+def test_sync_stats(pool):
+    before = len(pool.stats.round_trip_us)
+    assert len(pool.stats.overhead_us) == before
+    rng = np.random.default_rng(2)
+    for layer in (0, 1, 2, 0):
+        write_x(pool, rng, 1)
+        pool.run_ffn(layer, 1)
+    rt, ov = pool.stats.round_trip_us[before:], pool.stats.overhead_us[before:]
+    assert len(rt) == 4 and len(ov) == 4
+    slowest = max(compute_us(s.worker_id) for s in pool.plan.shards)
+    for r, o in zip(rt, ov):
+        assert 0 < r < 5e6
+        assert o == pytest.approx(r - slowest)
+
+
+def test_static_plan_pool_and_close(no_leaks):
+    """The pool with a plan straight from static_plan (worker ids == slots), one token and many;
+    then close() leaves no process, no segment and no socket directory behind."""
+    plan = static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=2)
+    p = make_pool(plan, startup_timeout_s=60)
+    name, run_dir = p.buffers.name, p.run_dir
+    try:
+        assert name in shm_segments()
+        assert run_dir.is_dir()
+        p.wait_ready()
+        assert set(w.proc.pid for w in p.workers) <= set(children_of(os.getpid()))
+        rng = np.random.default_rng(3)
+        for n in (1, 5):
+            for layer in (1, 0):
+                write_x(p, rng, n)
+                np.testing.assert_array_equal(p.run_ffn(layer, n), expected_dense(p, layer, n).astype(np.float32))
+        assert len(p.stats.round_trip_us) == 4
+    finally:
+        p.close()
+    assert_all_gone(p)
+    assert not run_dir.exists()
+    assert name not in shm_segments()
+    assert [w.proc.returncode for w in p.workers] == [0, 0, 0]  # Shutdown honored, no kill
+    p.close()  # idempotent
+
+
+def test_single_worker_pool(no_leaks):
+    plan = static_plan(n_layers=1, n_ff=40, gpu_share=1.0, n_cpu_workers=0)
+    with make_pool(plan, startup_timeout_s=60) as p:
+        p.wait_ready()
+        rng = np.random.default_rng(4)
+        write_x(p, rng, 3)
+        got = p.run_ffn(0, 3)
+        want = p.buffers.x[:3].copy()  # worker id 0, layer 0: y = x * 1 + 0
+        np.testing.assert_array_equal(got, want)
+        p.buffers.out[:] = -1.0  # the returned array must not be a view of the slot
+        np.testing.assert_array_equal(got, want)
+    assert_all_gone(p)
+
+
+@pytest.mark.parametrize("behaviors", [{5: "stale_done"}, {5: "dup_done", 2: "slow_ffn"}],
+                         ids=["stale_done", "dup_done"])
+def test_only_current_done_counts(no_leaks, behaviors):
+    """stale_done: a Done for the previous step arrives before the worker has written this step's
+    output; dup_done: one worker's Done arrives twice while another worker is still computing.
+    Either way the pool must wait for one current Done from every worker before summing."""
+    plan = shuffled_plan(seed=1)
+    with make_pool(plan, behaviors=behaviors, startup_timeout_s=60) as p:
+        p.wait_ready()
+        rng = np.random.default_rng(5)
+        for layer in (0, 1, 2):
+            write_x(p, rng, 2)
+            np.testing.assert_array_equal(p.run_ffn(layer, 2), expected_dense(p, layer, 2).astype(np.float32))
+    assert_all_gone(p)
+
+
+# ---- failures ---------------------------------------------------------------------------------
+
+def test_fail_load(no_leaks):
+    p = make_pool(shuffled_plan(), behaviors={2: "fail_load"}, startup_timeout_s=60)
+    try:
+        with pytest.raises(WorkerError) as e:
+            p.wait_ready()
+        msg = str(e.value)
+        assert "cpu worker 2" in msg
+        assert f"mock cannot load {MODEL}" in msg
+        assert "cpu worker 5" not in msg and "gpu worker" not in msg
+    finally:
+        p.close()
+    assert_all_gone(p)
+
+
+def test_die_at_start(no_leaks):
+    p = make_pool(shuffled_plan(), behaviors={0: "die_at_start"}, startup_timeout_s=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"gpu worker 0 \(pid \d+\) died: exited with code 5"):
+            p.wait_ready()
+        assert time.monotonic() - t0 < 10
+    finally:
+        p.close()
+    assert_all_gone(p)
+
+
+def test_slow_ready_times_out(no_leaks):
+    p = make_pool(shuffled_plan(), behaviors={5: "slow_ready"}, startup_timeout_s=1.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="timed out") as e:
+            p.wait_ready()
+        waited = time.monotonic() - t0
+        assert 1.5 <= waited < 5
+        msg = str(e.value)
+        slow = next(w for w in p.workers if w.worker_id == 5)
+        assert f"cpu worker 5 (pid {slow.proc.pid})" in msg
+        assert "cpu worker 2" not in msg and "gpu worker 0" not in msg  # those were ready
+    finally:
+        p.close()
+    assert_all_gone(p)
+    assert slow.proc.returncode < 0  # ignored Shutdown while "loading": killed
+
+
+def test_die_on_ffn(no_leaks):
+    p = make_pool(shuffled_plan(), behaviors={5: "die_on_ffn"}, startup_timeout_s=60)
+    try:
+        p.wait_ready()
+        rng = np.random.default_rng(6)
+        for layer in (0, 1):
+            write_x(p, rng, 1)
+            p.run_ffn(layer, 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError) as e:
+            p.run_ffn(2, 1)
+        assert time.monotonic() - t0 < 2.0
+        msg = str(e.value)
+        assert "cpu worker 5" in msg and "died" in msg and "exited with code 3" in msg
+    finally:
+        p.close()
+    assert_all_gone(p)
+    codes = {w.worker_id: w.proc.returncode for w in p.workers}
+    assert codes == {0: 0, 5: 3, 2: 0}
+
+
+def test_fail_on_ffn(no_leaks):
+    p = make_pool(shuffled_plan(), behaviors={0: "fail_on_ffn"}, startup_timeout_s=60)
+    try:
+        p.wait_ready()
+        p.run_ffn(0, 1)
+        with pytest.raises(WorkerError, match=r"gpu worker 0 .*mock compute error at layer 1"):
+            p.run_ffn(1, 1)
+    finally:
+        p.close()
+    assert_all_gone(p)
