@@ -9,10 +9,10 @@ same `tokenizers` pipeline transformers' GGUF loader builds
 - "llama": sentencepiece-style BPE with byte fallback; merges come from the file or are derived
   from the token scores the way transformers' `generate_merges` does.
 
-Two deliberate differences, both following llama.cpp and the original HF tokenizers:
-`add_space_prefix = false` is honoured (transformers ignores it), and "smollm"/"starcoder" split
-digits one by one (transformers uses plain GPT-2 splitting; the SmolLM2 vocab has no digit merges,
-so its ids are the same either way).
+transformers' GGUF loader is the exact oracle, so "smollm" is split like plain GPT-2 as it does
+(llama.cpp isolates digits first, which changes ids where whitespace meets digits: "   8").
+StarCoder-style `pre` values do isolate digits. One deliberate difference, following llama.cpp:
+`add_space_prefix = false` is honoured (transformers always prepends "▁").
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ _PRE_SPLITS = {
     "tekken": _TEKKEN_SPLIT,
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
 }
-# GPT-2 splitting after single-digit splitting (llama.cpp's "\p{N}" first pass).
-_DIGIT_SPLIT_PRES = {"smollm", "starcoder"}
+# GPT-2 splitting after a first pass that isolates each digit (llama.cpp's "\p{N}").
+# "smollm" is left out on purpose: transformers' GGUF loader (our exact oracle) splits it
+# like plain GPT-2, which differs from llama.cpp only where whitespace meets digits.
+_DIGIT_SPLIT_PRES = {"starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
 
 # Texts llama.cpp treats as end of generation when the vocabulary has them.
 _END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -167,6 +169,14 @@ class GGUFTokenizer:
     def vocab_size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def bos_token(self) -> str:
+        return "" if self.bos_id is None else self.tokens[self.bos_id]
+
+    @property
+    def eos_token(self) -> str:
+        return "" if self.eos_id is None else self.tokens[self.eos_id]
+
     @classmethod
     def from_reader(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
         fields = _Fields(reader)
@@ -255,7 +265,7 @@ def _byte_level(fields: _Fields, tokens: list[str]):
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
              for i, t in enumerate(tokens)}
     merges = _merges(fields, vocab, required=True)
-    tk = _bpe(vocab, merges, fuse_unk=False, byte_fallback=False)
+    tk = _bpe(vocab, merges, fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix="")
     pre = fields.get("tokenizer.ggml.pre")
     split = _PRE_SPLITS.get(pre)
     if split is not None:
@@ -309,9 +319,8 @@ def _merges(fields: _Fields, vocab: dict[str, int], required: bool) -> list[tupl
     return merges
 
 
-def _bpe(vocab, merges, *, fuse_unk: bool, byte_fallback: bool) -> Tokenizer:
-    return Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                         end_of_word_suffix="", fuse_unk=fuse_unk, byte_fallback=byte_fallback))
+def _bpe(vocab, merges, **options) -> Tokenizer:
+    return Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, **options))
 
 
 class StreamDecoder:
