@@ -75,7 +75,8 @@ class Engine:
         missing = [n for n in required_tensors(cfg) if n not in names and n.replace("ffn_down", "ffn_down_t") not in names]
         if missing:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-        check_supported_types(self.path, reader, [n for n in required_tensors(cfg) if n in names])
+        down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
+        check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         try:
             self.tokenizer = GGUFTokenizer.from_reader(reader)
         except ValueError as e:

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from protocol.addresses import private_runtime_dir, worker_endpoint
+from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import SharedBuffers, ShmLayout
 
@@ -62,6 +62,13 @@ def default_launcher(shard: WorkerShard, endpoint: str) -> list:
     return [sys.executable, "-m", module, "--endpoint", endpoint, "--worker-id", str(shard.worker_id)]
 
 
+# Workers get a process group of their own, so a terminal's Ctrl-C (SIGINT to the foreground
+# group) reaches only the coordinator, which then stops them. Otherwise a worker still importing
+# torch (before it ignores SIGINT) dies of it with a KeyboardInterrupt traceback on the terminal.
+# When the coordinator dies (of a SIGHUP or anything else), PR_SET_PDEATHSIG still ends them.
+_OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+
+
 @dataclass
 class SyncStats:
     round_trip_us: list[float] = field(default_factory=list)
@@ -73,6 +80,9 @@ def _worker_env(threads: int) -> dict:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # never spin on cores another process computes on
+    # A worker that is still importing when the coordinator dies must notice it: see
+    # sparsecore.worker_runtime.main (PR_SET_PDEATHSIG only covers deaths after it is set).
+    env[COORDINATOR_PID_ENV] = str(os.getpid())
     # Make the repo importable when running from a checkout without installing.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -109,7 +119,7 @@ class WorkerPool:
         """Start the worker processes; they import and connect while the coordinator loads."""
         for shard in self.plan.shards:
             cmd = self.launcher(shard, self.endpoint)
-            proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, proc, f"{shard.role}{shard.worker_id}".encode()))
 
     def wait_ready(self) -> None:
@@ -151,7 +161,7 @@ class WorkerPool:
         t0 = time.perf_counter()
         for w in self.workers:
             self._send(w.identity, Ffn(layer, self.step, n_tokens, dense))
-        waiting = len(self.workers)
+        waiting = {w.identity for w in self.workers}  # a set: a duplicate Done counts once
         slowest_us = 0.0
         last_check = time.monotonic()
         while waiting:
@@ -163,7 +173,7 @@ class WorkerPool:
                     continue
             ident, msg = got
             if isinstance(msg, Done) and msg.step == self.step:
-                waiting -= 1
+                waiting.discard(ident)
                 slowest_us = max(slowest_us, msg.compute_us)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{self._by_ident(ident).label} failed: {msg.reason}")
@@ -203,6 +213,9 @@ class WorkerPool:
         self.closed = True
         for w in self.workers:
             if w.proc.poll() is None:
+                if not w.pid:  # never said Hello (still importing): holds nothing, may not be reachable
+                    w.proc.terminate()
+                    continue
                 try:
                     self.sock.send_multipart([w.identity, encode(Shutdown())], zmq.NOBLOCK)
                 except zmq.ZMQError:

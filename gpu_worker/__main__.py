@@ -1,11 +1,5 @@
-import os
 import sys
 
 from gpu_worker.worker import main
 
-rc = main()
-sys.stdout.flush()
-sys.stderr.flush()
-# Skip interpreter teardown: with torch loaded it takes ~1 s, longer than the coordinator
-# should wait for a worker to stop.
-os._exit(rc)
+sys.exit(main())  # main() ends the process with os._exit after a clean stop

@@ -22,3 +22,8 @@ def default_frontend_endpoint() -> str:
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"sparseinfer-{os.getuid()}"
     base.mkdir(mode=0o700, exist_ok=True)
     return f"ipc://{base}/coordinator.sock"
+
+
+# The coordinator's pid, passed to workers in the environment so a worker that was still
+# starting when the coordinator died (before PR_SET_PDEATHSIG was set) notices and exits.
+COORDINATOR_PID_ENV = "SPARSEINFER_COORDINATOR_PID"

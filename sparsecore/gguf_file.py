@@ -27,7 +27,30 @@ SUPPORTED_TYPES = {
 }
 
 
-class _PWRIReader(GGUFReader):
+class _Truncated(Exception):
+    def __init__(self, name: str, end: int, size: int):
+        self.name, self.end, self.size = name, end, size
+
+
+class _CheckedReader(GGUFReader):
+    """Checks that every tensor lies inside the file before gguf-py builds views of it (it
+    would fail with a reshape error that says nothing about truncation)."""
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for f in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = f.parts
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            except (ValueError, KeyError):
+                continue  # unknown type: let gguf-py report it
+            end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise _Truncated(bytes(name_data).decode("utf-8", "replace"), end, size)
+        return super()._build_tensors(start_offs, fields)
+
+
+class _PWRIReader(_CheckedReader):
     """GGUFReader refuses PowerInfer's magic; report the GGUF magic for the first word only."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
@@ -51,9 +74,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     magic = read_magic(path)
     if magic not in (GGUF_MAGIC, PWRI_MAGIC):
         raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    reader_cls = _PWRIReader if magic == PWRI_MAGIC else GGUFReader
+    reader_cls = _PWRIReader if magic == PWRI_MAGIC else _CheckedReader
     try:
         reader = reader_cls(path, "r")
+    except _Truncated as t:
+        raise ModelFileError(
+            f"{path}: truncated: tensor {t.name} needs bytes up to {t.end} but the file has {t.size}") from None
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on a malformed header
         size = path.stat().st_size
         raise ModelFileError(f"{path}: malformed or truncated GGUF header ({size} bytes): {e}") from None

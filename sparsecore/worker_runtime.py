@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import zmq
 
+from protocol.addresses import COORDINATOR_PID_ENV
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import SharedBuffers
 
@@ -35,6 +36,30 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _coordinator_pid() -> int | None:
+    try:
+        return int(os.environ[COORDINATOR_PID_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+def _process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (exited, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
 
 class LayerWeights:
@@ -64,6 +89,9 @@ class Worker:
     def __init__(self, endpoint: str, worker_id: int, role: str):
         self.worker_id, self.role = worker_id, role
         self.ppid = os.getppid()
+        # If the coordinator died while we were still importing, we were re-parented before
+        # recording ppid and PR_SET_PDEATHSIG came too late: check the coordinator's pid too.
+        self.coordinator_pid = _coordinator_pid()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"{role}{worker_id}".encode())
@@ -79,9 +107,14 @@ class Worker:
     def recv(self):
         """Next message, or None when the coordinator has gone away."""
         while not self.sock.poll(PARENT_CHECK_MS):
-            if os.getppid() != self.ppid:
+            if self.coordinator_gone():
                 return None
         return decode(self.sock.recv())
+
+    def coordinator_gone(self) -> bool:
+        if os.getppid() != self.ppid:
+            return True
+        return self.coordinator_pid is not None and _process_gone(self.coordinator_pid)
 
     def load(self, a: Assign) -> None:
         torch.set_num_threads(max(1, a.threads))
@@ -141,6 +174,8 @@ class Worker:
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
+    """A worker process's entry point. It ends the process itself once the serve loop is over
+    (see the end), so call it only as the whole program of a worker process."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=f"{role}_worker")
@@ -150,11 +185,20 @@ def main(role: str, argv: list[str] | None = None) -> int:
     # Ctrl-C goes to the whole process group; the coordinator decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    coordinator = _coordinator_pid()
+    if coordinator is not None and _process_gone(coordinator):
+        return 1  # it died before PR_SET_PDEATHSIG was in place: nobody is waiting for us
     w = Worker(args.endpoint, args.worker_id, role)
     try:
-        return w.serve()
+        rc = w.serve()
     finally:
         w.close()
+    # Sockets and shared memory are closed; skip the interpreter's teardown, which with torch
+    # loaded takes from 0.3 s to well over a second on a busy machine and holds up the
+    # coordinator's shutdown (multiprocessing's children end with os._exit the same way).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

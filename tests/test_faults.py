@@ -1,0 +1,481 @@
+"""Faults end to end, with real processes on the tiny synthetic model.
+
+- a bad model file gives one "error: <path>: <reason>" line, exit code 1, no traceback, fast;
+- a worker killed mid-generation is named by the coordinator, which exits within ~2 s;
+- Ctrl-C (SIGINT to the process group) and SIGTERM stop a run cleanly (exit code 130), also
+  while the workers are still starting;
+- a normal run, and a coordinator killed with SIGKILL (mid-generation, or while its workers
+  are still importing), leave no process behind;
+- a worker that fails while loading is reported by the Engine as a WorkerError naming it;
+and in every case no shared-memory segment and no private runtime directory stays behind.
+
+Every `sparseinfer generate` runs in its own session (start_new_session=True, so its session
+id is its pid): all its descendants, even re-parented orphans, are found by that session id in
+/proc. Each run gets its own TMPDIR, so the private runtime dir (sparseinfer-*) it creates is
+checked without racing other runs on the machine. Leaked shared memory is checked by name for
+segments the coordinator mapped, and otherwise as "new since the start and mapped by nobody"
+(a segment of some other live run is always mapped by its coordinator).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.worker_pool import WorkerError
+from protocol.shm_layout import SHM_PREFIX
+from tests.conftest import shm_segments
+from tests.fixtures.tiny_gguf import write_garbage_files
+
+MOCK_WORKER = Path(__file__).resolve().parent / "mock_worker.py"
+_BIN = Path(sys.executable).parent / "sparseinfer"
+SPARSEINFER = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "coordinator"]
+PROMPT = "hi"
+WORKERS = ["--cpu-workers", "1"]  # gpu worker 0 (on the CPU here) + cpu worker 1, on any machine
+LONG = [*WORKERS, "-n", "2000", "--ignore-eos", "--ctx", "4096"]  # runs far longer than any test waits
+START_TIMEOUT_S = 90  # until the first generated text; generous for a loaded 2-core machine
+EXIT_TIMEOUT_S = 30  # any wait for an exit: a hang fails the test instead of CI
+
+
+# --------------------------------------------------------------------------- /proc helpers
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session `sid`."""
+    out = []
+    for pid in _pids():
+        st = _stat(pid)
+        if st is not None and st[0] not in ("Z", "X") and int(st[3]) == sid:
+            out.append(pid)
+    return out
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    return [p for p in _pids() if p != os.getpid() and text in _cmdline(p) and _alive(p)]
+
+
+def _mapped_segments(pid: int | str) -> set[str]:
+    """Names of /dev/shm/sparseinfer_* segments that process `pid` has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    out = set()
+    for line in lines:
+        i = line.find("/dev/shm/" + SHM_PREFIX)
+        if i >= 0:
+            out.add(line[i + len("/dev/shm/"):].split()[0])
+    return out
+
+
+def _leaked_segments(before: set[str]) -> set[str]:
+    """Segments created since `before` that still exist and no live process has mapped."""
+    new = shm_segments() - before
+    if not new:
+        return set()
+    mapped = set()
+    for pid in _pids():
+        mapped |= _mapped_segments(pid)
+    return new - mapped
+
+
+def _wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def _no_traceback(run: "Generate") -> None:
+    both = run.stdout + run.stderr
+    assert "Traceback" not in both, f"traceback in the output:\n{both}"
+
+
+# --------------------------------------------------------------------------- one run
+
+class Generate:
+    """`sparseinfer generate -m MODEL -p hi ARGS` in its own session and its own TMPDIR,
+    stdout and stderr into files (no pipe to fill up). Use as a context manager: on exit every
+    process of its session that is still alive is SIGKILLed, so a failing test leaks nothing."""
+
+    def __init__(self, model, *args: str):
+        self.dir = Path(tempfile.mkdtemp(prefix="sif-"))  # short: ipc:// paths are limited to ~107 chars
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
+        self.out_path, self.err_path = self.dir / "stdout", self.dir / "stderr"
+        env = dict(os.environ, TMPDIR=str(self.tmp))
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([*SPARSEINFER, "generate", "-m", str(model), "-p", PROMPT, *args],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                         start_new_session=True)
+        self.pid = self.proc.pid  # == its session id and process group id
+        self.t0 = time.monotonic()
+        self.segments: set[str] = set()
+        self.workers: dict[str, tuple[int, int]] = {}  # role -> (worker id, pid)
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def find_workers(self) -> dict[str, tuple[int, int]]:
+        found = {}
+        for pid in _session_members(self.pid):
+            m = re.search(r"-m (cpu|gpu)_worker .*--worker-id (\d+)", _cmdline(pid))
+            if m:
+                found.setdefault(m.group(1), (int(m.group(2)), pid))
+        return found
+
+    def wait_workers(self, timeout: float = START_TIMEOUT_S) -> dict[str, tuple[int, int]]:
+        ok = _wait_for(lambda: self.proc.poll() is not None or len(self.find_workers()) >= 2, timeout)
+        if self.proc.poll() is not None:
+            pytest.fail(f"generate exited ({self.proc.returncode}) before its workers started:\n{self.stderr}")
+        assert ok, f"no workers after {timeout}s"
+        self.workers = self.find_workers()
+        return self.workers
+
+    def wait_text(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until some generated text (more than the echoed prompt) is on stdout."""
+        ok = _wait_for(lambda: self.proc.poll() is not None or self.out_path.stat().st_size > len(PROMPT),
+                       timeout, 0.1)
+        if self.proc.poll() is not None:
+            pytest.fail(f"generate exited ({self.proc.returncode}) before generating:\n{self.stderr}")
+        assert ok, f"no generated text after {timeout}s; stderr:\n{self.stderr}"
+        self.workers = self.find_workers()
+        assert set(self.workers) == {"cpu", "gpu"}, self.workers
+        self.segments = _mapped_segments(self.pid)
+        assert self.segments, "the coordinator has no shared-memory segment mapped"
+
+    def wait(self, timeout: float = EXIT_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"generate did not exit within {timeout}s; stderr:\n{self.stderr}")
+
+    def leftovers(self) -> list[str]:
+        return [f"{p}: {_cmdline(p)}" for p in _session_members(self.pid) if p != self.pid]
+
+    def assert_clean(self, timeout: float = 3.0) -> None:
+        """No process of the run, none of its segments, no private runtime dir."""
+        assert _wait_for(lambda: not self.leftovers(), timeout), f"processes left behind: {self.leftovers()}"
+        assert _wait_for(lambda: not (self.segments & shm_segments()), timeout), \
+            f"shared memory left behind: {sorted(self.segments & shm_segments())}"
+        left = sorted(p.name for p in self.tmp.iterdir())
+        assert not left, f"private runtime dir left in {self.tmp}: {left}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for pid in _session_members(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def long_model(tiny_model_factory) -> Path:
+    """The tiny model with room for 2000 tokens of context."""
+    return tiny_model_factory(ctx=4096)
+
+
+# --------------------------------------------------------------------------- 1. bad files
+
+# What the one stderr line must say besides the path (regular expressions).
+BAD_FILES = {
+    "missing": r"no such file",
+    "directory": r"is a directory",
+    "not_gguf": r"not a GGUF",
+    "empty": r"empty|not a GGUF",
+    "truncated": r"truncated",
+    "truncated_header": r"truncated",
+    "mamba_arch": r"architecture 'mamba'",
+    "unsupported_qtype": r"blk\.0\.ffn_gate\.weight.*IQ2_XXS",
+    "undequantizable_qtype": r"blk\.0\.ffn_gate\.weight.*Q1_0",
+}
+PARALLEL_BAD_RUNS = 4  # each one imports torch: more at once only makes each slower
+
+
+@pytest.fixture(scope="module")
+def bad_file_runs(tmp_path_factory):
+    """Run `generate` on every bad file, a few at a time; key -> (path, stdout, stderr, exit code,
+    seconds, processes left, runtime dirs left)."""
+    d = tmp_path_factory.mktemp("garbage")
+    files = {k: Path(v) for k, v in write_garbage_files(d).items() if k in BAD_FILES}  # not random_bytes: as not_gguf
+    files["missing"] = d / "does-not-exist.gguf"
+    files["directory"] = d
+    assert set(files) == set(BAD_FILES)
+    before = shm_segments()
+    todo, running, done = list(files), {}, {}
+    try:
+        while todo or running:
+            while todo and len(running) < PARALLEL_BAD_RUNS:
+                key = todo.pop(0)
+                running[key] = Generate(files[key], "-n", "2")
+            time.sleep(0.05)
+            for key, run in list(running.items()):
+                rc = run.proc.poll()
+                elapsed = time.monotonic() - run.t0
+                if rc is None and elapsed > EXIT_TIMEOUT_S:
+                    run.proc.kill()
+                    rc = run.proc.wait()
+                if rc is not None:
+                    done[key] = (files[key], run.stdout, run.stderr, rc, elapsed, run.leftovers(),
+                                 sorted(p.name for p in run.tmp.iterdir()))
+                    del running[key]
+                    run.__exit__(None, None, None)
+        yield done, before
+    finally:
+        for run in running.values():
+            run.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("key", sorted(BAD_FILES))
+def test_bad_model_file_gives_one_clear_error_line(bad_file_runs, key):
+    done, shm_before = bad_file_runs
+    path, out, err, rc, elapsed, leftovers, runtime_dirs = done[key]
+    assert "Traceback" not in out + err, f"traceback for {key}:\n{err}"
+    assert rc == 1, f"exit code {rc} for {key}; stderr:\n{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"stderr for {key} is not one line:\n{err}"
+    line = lines[0]
+    assert line.startswith("error:"), line
+    assert str(path) in line, f"the message does not name the file {path}: {line}"
+    assert re.search(BAD_FILES[key], line), f"the message does not say /{BAD_FILES[key]}/: {line}"
+    assert elapsed < 30, f"took {elapsed:.1f}s to refuse {key}"
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert not runtime_dirs, f"private runtime dir left behind: {runtime_dirs}"
+    assert not _leaked_segments(shm_before)
+
+
+# --------------------------------------------------------------------------- 2. a worker dies
+
+@pytest.mark.parametrize("role", ["cpu", "gpu"])
+def test_worker_killed_mid_generation_is_reported_fast(long_model, role):
+    shm_before = shm_segments()
+    with Generate(long_model, *LONG) as run:
+        run.wait_text()
+        worker_id, victim = run.workers[role]
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc = run.wait()
+        took = time.monotonic() - t_kill
+        _no_traceback(run)
+        err = run.stderr
+        assert rc == 1, f"exit code {rc}; stderr:\n{err}"
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), f"not one error line:\n{err}"
+        assert f"{role} worker {worker_id} (pid {victim}) died: killed by signal 9" in lines[0], lines[0]
+        print(f"coordinator exited {took:.2f}s after {role} worker {worker_id} was killed")
+        assert took < 3.0, f"the coordinator took {took:.1f}s to exit after its worker was killed"
+        run.assert_clean()
+    assert not _leaked_segments(shm_before)
+
+
+# --------------------------------------------------------------------------- 3. Ctrl-C, SIGTERM
+
+@pytest.mark.parametrize("how", ["sigint-to-group", "sigterm-to-coordinator"])
+def test_interrupt_stops_cleanly(long_model, how):
+    shm_before = shm_segments()
+    with Generate(long_model, *LONG) as run:
+        run.wait_text()
+        if how == "sigint-to-group":  # what a terminal's Ctrl-C does
+            os.killpg(run.pid, signal.SIGINT)
+        else:
+            os.kill(run.pid, signal.SIGTERM)
+        t_sig = time.monotonic()
+        rc = run.wait()
+        took = time.monotonic() - t_sig
+        _no_traceback(run)
+        assert rc == 130, f"exit code {rc}; stderr:\n{run.stderr}"
+        assert "interrupted" in run.stderr
+        print(f"stopped {took:.2f}s after {how}")
+        assert took < 5.0, f"took {took:.1f}s to stop after {how}"
+        run.assert_clean()
+    assert not _leaked_segments(shm_before)
+
+
+def test_ctrl_c_while_workers_start(long_model):
+    """Ctrl-C while the workers still import torch (before they ignore SIGINT): no worker
+    traceback on the terminal, and no 2 s wait for workers that cannot be told to stop yet."""
+    with Generate(long_model, *LONG) as run:
+        run.wait_workers()
+        os.killpg(run.pid, signal.SIGINT)
+        t_sig = time.monotonic()
+        rc = run.wait()
+        took = time.monotonic() - t_sig
+        _no_traceback(run)
+        assert rc == 130, f"exit code {rc}; stderr:\n{run.stderr}"
+        assert run.stderr.strip() == "interrupted", run.stderr
+        print(f"stopped {took:.2f}s after Ctrl-C during startup")
+        assert took < 5.0, f"took {took:.1f}s to stop"
+        run.assert_clean()
+
+
+# --------------------------------------------------------------------------- 4. normal exit
+
+def test_normal_exit_leaves_nothing_behind(tiny_model):
+    shm_before = shm_segments()
+    with Generate(tiny_model, *WORKERS, "-n", "4") as run:
+        workers = run.wait_workers()
+        endpoint = re.search(r"--endpoint (\S+)", _cmdline(workers["cpu"][1])).group(1)
+        run_dir = Path(endpoint.removeprefix("ipc://")).parent
+        assert run_dir.parent == run.tmp and run_dir.name.startswith("sparseinfer-"), endpoint
+        rc = run.wait()
+        _no_traceback(run)
+        assert rc == 0, run.stderr
+        assert run.stdout.startswith(PROMPT) and len(run.stdout) > len(PROMPT)
+        assert not run_dir.exists()
+        run.assert_clean()
+    assert not _leaked_segments(shm_before)
+
+
+# --------------------------------------------------------------------------- 5. coordinator SIGKILL
+
+def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
+    with Generate(long_model, *LONG) as run:
+        run.wait_text()
+        worker_pids = [pid for _, pid in run.workers.values()]
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        t_kill = time.monotonic()
+        # Workers: PR_SET_PDEATHSIG (and their parent check) end them.
+        assert _wait_for(lambda: not any(_alive(p) for p in worker_pids), 2.5), \
+            f"workers still alive 2.5 s after the coordinator died: {[p for p in worker_pids if _alive(p)]}"
+        print(f"workers gone {time.monotonic() - t_kill:.2f}s after the coordinator's SIGKILL")
+        assert _wait_for(lambda: not run.leftovers(), 3.0), f"left behind: {run.leftovers()}"
+        # The segment: the coordinator's multiprocessing resource tracker unlinks it when the
+        # coordinator's end of its pipe closes.
+        assert _wait_for(lambda: not (run.segments & shm_segments()), 3.0), \
+            f"shared memory left behind by a SIGKILLed coordinator: {sorted(run.segments & shm_segments())}"
+        # Not checked: the private runtime dir (an empty dir and a stale workers.sock) stays,
+        # since nobody is left to remove it. Generate.__exit__ removes our TMPDIR.
+
+
+def test_coordinator_sigkill_while_workers_start(long_model):
+    """Killed while its workers are still importing (before they set PR_SET_PDEATHSIG): they
+    must still notice and exit, not wait forever for an Assign from a dead coordinator."""
+    with Generate(long_model, *LONG) as run:
+        worker_pids = [pid for _, pid in run.wait_workers().values()]
+        segments = _mapped_segments(run.pid)  # created before the workers are started
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        # They finish importing torch first (seconds on a loaded machine), then exit at once.
+        assert _wait_for(lambda: not run.leftovers(), 20.0, 0.2), \
+            f"orphaned workers still alive 20 s after the coordinator died: {run.leftovers()}"
+        assert not any(_alive(p) for p in worker_pids)
+        assert segments and not (segments & shm_segments()), f"shared memory left behind: {segments}"
+
+
+# --------------------------------------------------------------------------- 6. load failure
+
+_FAILING_CPU_WORKER = """
+import sys
+from sparsecore import tensors
+from sparsecore.errors import ModelFileError
+
+_info = tensors.TensorStore.info
+
+def info(self, name):
+    if name == "blk.1.ffn_down.weight":  # as if this one tensor had a type we cannot read
+        raise ModelFileError(f"{self.path}: tensor {name} has type IQ2_XXS, which sparseinfer does not support")
+    return _info(self, name)
+
+tensors.TensorStore.info = info
+from sparsecore.worker_runtime import main
+sys.exit(main("cpu", sys.argv[1:]))
+"""
+
+
+def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
+    """Start an Engine whose cpu worker 1 runs `cpu_argv` and whose gpu worker 0 is the torch-free
+    tests/mock_worker.py (it starts fast and says Hello; the real gpu worker is covered above);
+    return (the WorkerError's message, the workers' endpoint)."""
+    endpoints = []
+
+    def launcher(shard, endpoint):
+        endpoints.append(endpoint)
+        if shard.role == "cpu":
+            argv = cpu_argv
+        else:
+            argv = [sys.executable, str(MOCK_WORKER), "--role", shard.role]
+        return [*argv, "--endpoint", endpoint, "--worker-id", str(shard.worker_id)]
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        Engine(model, EngineOptions(cpu_workers=1, threads=2), launcher=launcher)
+    assert time.monotonic() - t0 < 60
+    assert endpoints and len(set(endpoints)) == 1
+    return str(ei.value), endpoints[0]
+
+
+def _assert_engine_cleaned_up(endpoint: str, shm_before: set[str]) -> None:
+    assert _wait_for(lambda: not _procs_mentioning(endpoint), 3.0), \
+        f"worker processes left behind: {_procs_mentioning(endpoint)}"
+    if endpoint.startswith("ipc://"):
+        run_dir = Path(endpoint.removeprefix("ipc://")).parent
+        assert not run_dir.exists(), f"private runtime dir left behind: {run_dir}"
+    assert not _mapped_segments("self"), "this process still maps a segment"
+    assert not _leaked_segments(shm_before)
+
+
+def test_worker_failing_to_load_is_named(tiny_model):
+    shm_before = shm_segments()
+    msg, endpoint = _engine_failure(tiny_model, [sys.executable, "-c", _FAILING_CPU_WORKER])
+    assert re.search(r"cpu worker 1 \(pid \d+\) failed while loading: ", msg), msg
+    assert "blk.1.ffn_down.weight" in msg and "IQ2_XXS" in msg, msg
+    _assert_engine_cleaned_up(endpoint, shm_before)
+
+
+def test_worker_exiting_at_startup_is_named(tiny_model):
+    shm_before = shm_segments()
+    msg, endpoint = _engine_failure(tiny_model, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert re.search(r"cpu worker 1 \(pid \d+\) died: exited with code 3", msg), msg
+    _assert_engine_cleaned_up(endpoint, shm_before)
