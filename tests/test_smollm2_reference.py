@@ -4,7 +4,7 @@ The fixture comes from scripts/make_reference.py: greedy token ids of 64 new tok
 prompts and full-vocabulary logits at two steps, computed by transformers in float32 on the
 dequantized weights. Tolerance for logits: our attention and FFN run the same float32 math in a
 different summation order (the FFN is split across worker processes), which moves logits by
-~1e-4; we allow 2e-3 absolute (logits here range over about +-30).
+~4e-5 (measured); we allow 5e-4 absolute (logits here range over about +-30).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from coordinator.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REF = json.loads((FIXTURES / "smollm2_reference.json").read_text())
-LOGITS_ATOL = 2e-3
+LOGITS_ATOL = 5e-4
 
 pytestmark = pytest.mark.smollm2
 
