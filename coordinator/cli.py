@@ -38,6 +38,8 @@ def _engine_options(f):
         click.option("--ctx", type=int, default=2048, show_default=True, help="context size (KV cache length)"),
         click.option("--transport", type=click.Choice(["ipc", "tcp"]), default="ipc", show_default=True,
                      help="ZeroMQ transport between coordinator and workers"),
+        click.option("--sparsity", type=float, default=None,
+                     help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -60,11 +62,12 @@ def _sampling_options(f):
     return f
 
 
-def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport):
+def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None):
     from .engine import Engine, EngineOptions
 
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
-                                                       gpu_share=gpu_share, ctx=ctx, transport=transport))
+                                                       gpu_share=gpu_share, ctx=ctx, transport=transport,
+                                                       sparsity=sparsity))
 
 
 def _fail(msg: str) -> None:
@@ -104,15 +107,15 @@ def pull_cmd():
 @_sampling_options
 @click.option("-p", "--prompt", required=True, help="prompt text")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print speed figures to stderr")
-def generate(model, threads, cpu_workers, gpu_share, ctx, transport, max_tokens, temperature, top_k, top_p,
-             seed, chat, ignore_eos, prompt, stats):
+def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k,
+             top_p, seed, chat, ignore_eos, prompt, stats):
     """Start coordinator and workers, generate a continuation of PROMPT, shut down."""
     from .sampling import SamplingParams
     from .tokenizer import StreamDecoder
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     sampling.validate()
-    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport) as eng:
+    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         text = eng.chat_prompt(prompt) if chat else prompt
         ids = eng.tokenizer.encode(text)
         stream = StreamDecoder(eng.tokenizer, skip_special=True)
@@ -135,13 +138,13 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, max_tokens,
 @_engine_options
 @click.option("--endpoint", default=None, help="frontend endpoint (default: ipc socket in a private runtime dir)")
 @click.option("--ready-file", default=None, help="write the bound endpoint here once serving")
-def serve(model, threads, cpu_workers, gpu_share, ctx, transport, endpoint, ready_file):
+def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, endpoint, ready_file):
     """Run the coordinator (and its workers) until stopped; `sparseinfer prompt` talks to it."""
     from protocol.addresses import default_frontend_endpoint
 
     from .server import serve as serve_loop
 
-    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport) as eng:
+    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         serve_loop(eng, endpoint or default_frontend_endpoint(), ready_file)
 
 
@@ -185,6 +188,64 @@ def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt
     finally:
         sock.close()
         ctx.term()
+
+
+def _corpus_options(f):
+    opts = [
+        click.option("--corpus", default=None,
+                     help="UTF-8 text file (default: Python's pydoc_data.topics); split in halves, "
+                          "the first calibrates, the second is held out"),
+        click.option("--chunks", type=int, default=16, show_default=True, help="windows of text to use"),
+        click.option("--chunk-len", type=int, default=256, show_default=True, help="tokens per window"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _chunks(eng, corpus, part, chunks, chunk_len):
+    from . import corpus as corpus_mod
+
+    ids = eng.tokenizer.encode(corpus_mod.load(corpus, part))
+    return corpus_mod.token_chunks(ids, chunk_len, chunks)
+
+
+@main.command()
+@_engine_options
+@_corpus_options
+@click.option("--levels", default=None, help="comma-separated sparsities to store (default 0.1 ... 0.9)")
+def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, levels):
+    """Calibrate per-layer activation thresholds (CATS) for SwiGLU sparsity on calibration text."""
+    from tqdm import tqdm
+
+    from .thresholds import DEFAULT_LEVELS, calibrate as run_calibration, save
+
+    grid = sorted({float(v) for v in levels.split(",")} if levels else set(DEFAULT_LEVELS))
+    if sparsity is not None:
+        grid = sorted(set(grid) | {sparsity})
+    if not all(0.0 < s < 1.0 for s in grid):
+        raise ValueError(f"sparsity levels must be in (0, 1), got {grid}")
+    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
+        data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
+        table = run_calibration(eng, tqdm(data, desc="calibrating", unit="chunk"), grid)
+        path = save(eng.path, table)
+    click.echo(f"wrote {path} ({table['tokens']} calibration tokens, levels {', '.join(table['levels'])})")
+
+
+@main.command()
+@_engine_options
+@_corpus_options
+def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len):
+    """Perplexity on held-out text, dense or with --sparsity (applied to every token)."""
+    from tqdm import tqdm
+
+    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, sparsity) as eng:
+        data = _chunks(eng, corpus, "heldout", chunks, chunk_len)
+        with tqdm(total=len(data), desc="perplexity", unit="chunk") as bar:
+            r = eng.perplexity(data, bar.update)
+    mode = "dense" if sparsity is None else f"sparsity {sparsity:.2f}"
+    click.echo(f"{mode}: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
+               f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
 
 
 @main.command()

@@ -23,6 +23,7 @@ from .attention_model import AttentionModel
 from .chat_template import chat_template_from_reader, render_chat
 from .placement import Plan, static_plan
 from .sampling import Sampler, SamplingParams
+from .thresholds import load_thresholds
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
 
@@ -36,6 +37,8 @@ class EngineOptions:
     max_batch: int = 256  # tokens per FFN exchange during prefill
     gpu_device: str = "auto"
     transport: str = "ipc"
+    sparsity: float | None = None  # calibrated CATS threshold level for decoding; None = dense
+    thresholds_file: str | None = None  # default: <model>.thresholds.json
 
 
 @dataclass
@@ -99,23 +102,64 @@ class Engine:
             self.pool.close()
             raise
         self.last = RunStats()
+        self.ffn_observer = None  # calibration hook: called with (layer, FFN input rows)
+        self.sparse_batches = False  # perplexity: apply thresholds to multi-token batches too
+        self.sparsity: float | None = None
+        try:
+            self.set_sparsity(opts.sparsity)
+        except BaseException:
+            self.pool.close()
+            raise
+
+    def set_sparsity(self, sparsity: float | None) -> None:
+        """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
+        if sparsity is not None:
+            path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
+            self.pool.buffers.thresholds[:] = load_thresholds(self.path, sparsity, path)
+        self.sparsity = sparsity
 
     # ---- FFN through the workers -----------------------------------------------------------
 
     def _ffn(self, layer: int, x: torch.Tensor, _pre_norm: torch.Tensor) -> torch.Tensor:
         xs = x.numpy()
+        if self.ffn_observer is not None:
+            self.ffn_observer(layer, xs)
+        # Decoding is sparse when a sparsity is set; prefill stays dense (a long prompt's
+        # tokens together activate nearly every neuron) unless perplexity asks otherwise.
+        sparse = self.sparsity is not None and (len(xs) == 1 or self.sparse_batches)
         out = np.empty_like(xs)
         step = self.opts.max_batch
         for a in range(0, len(xs), step):
             chunk = xs[a:a + step]
             self.pool.buffers.x[: len(chunk)] = chunk
-            out[a:a + step] = self.pool.run_ffn(layer, len(chunk), dense=True)
+            out[a:a + step] = self.pool.run_ffn(layer, len(chunk), dense=True, threshold=sparse)
         return torch.from_numpy(out)
 
     # ---- public API -------------------------------------------------------------------------
 
     def reset(self) -> None:
         self.model.reset()
+
+    def perplexity(self, chunks: list[list[int]], progress=None) -> dict:
+        """Perplexity of next-token prediction over `chunks`, with this engine's sparsity
+        applied to every token (as decoding would), plus the fraction of FFN neurons computed."""
+        self.sparse_batches = True
+        self.pool.stats.active.clear()
+        self.pool.stats.tokens.clear()
+        nll, n = 0.0, 0
+        try:
+            for c in chunks:
+                logits = torch.from_numpy(self.forward_logits(c)[:-1]).double()
+                lp = torch.log_softmax(logits, dim=-1)
+                nll -= float(lp[torch.arange(len(c) - 1), torch.tensor(c[1:])].sum())
+                n += len(c) - 1
+                if progress:
+                    progress(1)
+        finally:
+            self.sparse_batches = False
+        st = self.pool.stats
+        computed = sum(st.active.values()) / max(1, sum(st.tokens.values()) * self.cfg.n_ff)
+        return {"ppl": float(np.exp(nll / n)), "nll": nll / n, "tokens": n, "active_fraction": computed}
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits for every position of `ids`, from a fresh KV cache."""

@@ -73,6 +73,8 @@ _OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 class SyncStats:
     round_trip_us: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)  # round trip minus slowest worker's compute
+    active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
+    tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
 
 
 def _worker_env(threads: int) -> dict:
@@ -109,7 +111,7 @@ class WorkerPool:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(worker_endpoint(self.run_dir, transport))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards))
+        layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
 
@@ -155,12 +157,15 @@ class WorkerPool:
 
     # ---- per-layer exchange -------------------------------------------------------------
 
-    def run_ffn(self, layer: int, n_tokens: int, dense: bool = True) -> np.ndarray:
-        """Ask every worker for its partial FFN of `layer`; return the sum, shape (n_tokens, hidden)."""
+    def run_ffn(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
+        """Ask every worker for its partial FFN of `layer`; return the sum, shape (n_tokens, hidden).
+        The number of (neuron, token) pairs computed is added to self.stats.active[layer]."""
+        if not 1 <= n_tokens <= self.buffers.layout.max_tokens:
+            raise ValueError(f"n_tokens {n_tokens} outside 1..{self.buffers.layout.max_tokens}")
         self.step += 1
         t0 = time.perf_counter()
         for w in self.workers:
-            self._send(w.identity, Ffn(layer, self.step, n_tokens, dense))
+            self._send(w.identity, Ffn(layer, self.step, n_tokens, dense, threshold))
         waiting = {w.identity for w in self.workers}  # a set: a duplicate Done counts once
         slowest_us = 0.0
         last_check = time.monotonic()
@@ -173,10 +178,13 @@ class WorkerPool:
                     continue
             ident, msg = got
             if isinstance(msg, Done) and msg.step == self.step:
+                if ident in waiting:
+                    self.stats.active[layer] = self.stats.active.get(layer, 0) + msg.n_active
                 waiting.discard(ident)
                 slowest_us = max(slowest_us, msg.compute_us)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{self._by_ident(ident).label} failed: {msg.reason}")
+        self.stats.tokens[layer] = self.stats.tokens.get(layer, 0) + n_tokens
         rt = (time.perf_counter() - t0) * 1e6
         self.stats.round_trip_us.append(rt)
         self.stats.overhead_us.append(rt - slowest_us)

@@ -52,11 +52,14 @@ class Ready:
 @dataclass
 class Ffn:
     """Coordinator -> workers: x for `layer` is in shared memory; compute your partial FFN.
-    dense=False means: read the active-neuron mask from shared memory."""
+    dense=False: only neurons set in the shared active mask (a predictor's choice).
+    threshold=True: only neurons whose |act(gate x)| exceeds the layer's threshold in shared
+    memory (CATS-style, decided per token by the worker that holds the gate rows)."""
     layer: int
     step: int
     n_tokens: int
     dense: bool = True
+    threshold: bool = False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The shared-memory segment of one run: a header, the FFN input, the active mask, output slots.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
+    [thresholds: f32 n_layers]
 Each region starts on a 64-byte boundary. The coordinator creates and unlinks the segment;
 workers attach and refuse a header that does not match what they were told.
 """
@@ -18,7 +19,7 @@ import numpy as np
 from .messages import PROTOCOL_VERSION
 
 MAGIC = b"SPINFSHM"
-_HEADER = struct.Struct("<8sIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots
+_HEADER = struct.Struct("<8sIIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots, n_layers
 HEADER_BYTES = 64
 SHM_PREFIX = "sparseinfer_"
 
@@ -37,6 +38,7 @@ class ShmLayout:
     n_ff: int
     max_tokens: int
     n_slots: int
+    n_layers: int = 1
 
     @property
     def x_offset(self) -> int:
@@ -51,20 +53,25 @@ class ShmLayout:
         return _align(self.mask_offset + self.n_ff)
 
     @property
-    def size(self) -> int:
+    def thresholds_offset(self) -> int:
         return _align(self.out_offset + 4 * self.n_slots * self.max_tokens * self.hidden)
 
+    @property
+    def size(self) -> int:
+        return _align(self.thresholds_offset + 4 * self.n_layers)
+
     def header(self) -> bytes:
-        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots)
+        return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots,
+                            self.n_layers)
 
     @classmethod
     def from_header(cls, buf) -> "ShmLayout":
-        magic, version, hidden, n_ff, max_tokens, n_slots = _HEADER.unpack_from(buf, 0)
+        magic, version, hidden, n_ff, max_tokens, n_slots, n_layers = _HEADER.unpack_from(buf, 0)
         if magic != MAGIC:
             raise LayoutError(f"shared memory has magic {magic!r}, expected {MAGIC!r}")
         if version != PROTOCOL_VERSION:
             raise LayoutError(f"shared memory layout version {version}, this process speaks {PROTOCOL_VERSION}")
-        return cls(hidden, n_ff, max_tokens, n_slots)
+        return cls(hidden, n_ff, max_tokens, n_slots, n_layers)
 
 
 class _Mapping:
@@ -92,6 +99,7 @@ class SharedBuffers:
         self.x = np.ndarray((L.max_tokens, L.hidden), np.float32, buf, L.x_offset)
         self.mask = np.ndarray((L.n_ff,), np.uint8, buf, L.mask_offset)
         self.out = np.ndarray((L.n_slots, L.max_tokens, L.hidden), np.float32, buf, L.out_offset)
+        self.thresholds = np.ndarray((L.n_layers,), np.float32, buf, L.thresholds_offset)
 
     @property
     def name(self) -> str:
@@ -134,7 +142,7 @@ class SharedBuffers:
 
     def close(self) -> None:
         # Views must go before the mmap can close.
-        self.x = self.mask = self.out = None
+        self.x = self.mask = self.out = self.thresholds = None
         try:
             self.shm.close()
         except BufferError:

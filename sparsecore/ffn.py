@@ -31,3 +31,21 @@ def ffn_dense_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     if mask is not None:
         h = h * mask.to(h.dtype)
     return h @ down.T
+
+
+def ffn_partial_threshold(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+                          activation: str, threshold: float) -> tuple[torch.Tensor, int]:
+    """CATS: a neuron is active for a token where |act(gate x)| > threshold; up and down are
+    computed for active neurons only. Returns (output, active neuron-token pairs).
+    One token: gather the active rows. Several: the same math with a mask (prefill-sized
+    batches activate nearly every neuron somewhere, so gathering would not pay)."""
+    g = ACTIVATIONS[activation](x @ gate.T)
+    keep = g.abs() > threshold
+    if x.shape[0] == 1:
+        active = keep[0].nonzero().squeeze(1)
+        if active.numel() == 0:
+            return x.new_zeros(x.shape), 0
+        h = g[:, active] * (x @ up.index_select(0, active).T)
+        return h @ down_t.index_select(0, active), int(active.numel())
+    h = g * (x @ up.T) * keep
+    return h @ down_t, int(keep.sum())

@@ -22,7 +22,7 @@ from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerF
 from protocol.shm_layout import SharedBuffers
 
 from .config import read_config
-from .ffn import ffn_partial
+from .ffn import ffn_partial, ffn_partial_threshold
 from .gguf_file import open_gguf
 from .tensors import TensorStore
 
@@ -134,12 +134,16 @@ class Worker:
         w = self.layers[m.layer]
         buf = self.buffers
         x = torch.from_numpy(buf.x[: m.n_tokens]).to(self.device)
-        active = None
-        if not m.dense:
-            active = torch.from_numpy(np.flatnonzero(buf.mask[w.idx])).to(self.device)
-        y = ffn_partial(x, w.gate, w.up, w.down_t, self.activation, active)
+        if m.threshold:
+            y, n_active = ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation,
+                                                float(buf.thresholds[m.layer]))
+        else:
+            active = None
+            if not m.dense:
+                active = torch.from_numpy(np.flatnonzero(buf.mask[w.idx])).to(self.device)
+            y = ffn_partial(x, w.gate, w.up, w.down_t, self.activation, active)
+            n_active = len(w.idx) * m.n_tokens if active is None else int(active.numel()) * m.n_tokens
         buf.out[self.slot, : m.n_tokens] = y.cpu().numpy()
-        n_active = len(w.idx) if active is None else int(active.numel())
         return Done(self.worker_id, m.layer, m.step, (time.perf_counter() - t0) * 1e6, n_active)
 
     def serve(self) -> int:

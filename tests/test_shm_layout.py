@@ -24,7 +24,7 @@ LAYOUTS = [
     ShmLayout(hidden=64, n_ff=160, max_tokens=1, n_slots=1),
     ShmLayout(hidden=64, n_ff=160, max_tokens=8, n_slots=3),
     ShmLayout(hidden=3, n_ff=7, max_tokens=5, n_slots=2),      # nothing is naturally aligned
-    ShmLayout(hidden=576, n_ff=1536, max_tokens=256, n_slots=5),
+    ShmLayout(hidden=576, n_ff=1536, max_tokens=256, n_slots=5, n_layers=30),
     ShmLayout(hidden=1, n_ff=1, max_tokens=1, n_slots=1),
 ]
 
@@ -40,6 +40,7 @@ def test_layout_regions(L):
         (L.x_offset, 4 * L.max_tokens * L.hidden),
         (L.mask_offset, L.n_ff),
         (L.out_offset, 4 * L.n_slots * L.max_tokens * L.hidden),
+        (L.thresholds_offset, 4 * L.n_layers),
     ]
     for start, _ in regions:
         assert start % 64 == 0, (start, L)
