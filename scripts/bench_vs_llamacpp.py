@@ -1,0 +1,217 @@
+"""Prefill and greedy-decode speed: our engine vs llama.cpp (llama-cpp-python), same GGUF.
+
+Both are loaded once; timed runs alternate between them (the order flips every rep) and
+the table shows medians. Prefill = evaluating --pp prompt tokens up to the first
+token; decode = the next --tg - 1 tokens, one forward each, greedy.
+
+Usage: python scripts/bench_vs_llamacpp.py [--threads 2] [--pp 128] [--tg 64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class LlamaCppRunner:
+    name = "llama.cpp"
+
+    def __init__(self, model: Path, threads: int, pp: int, tg: int, extra_bufts: bool):
+        from compare_llamacpp import open_llama
+
+        nb = max(pp, 512)
+        self.llm = open_llama(model, extra_bufts, n_ctx=pp + tg + 16, n_batch=nb, n_ubatch=nb,
+                              n_threads=threads, n_threads_batch=threads)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax_last(self) -> int:
+        # logits_all=False: llama-cpp-python keeps no scores; read the last row directly
+        row = self.llm._ctx.get_logits_ith(-1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
+
+    def run(self, prompt: list[int], tg: int) -> dict:
+        """(prefill seconds, decode seconds, generated ids), greedy argmax."""
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        ids = [self._argmax_last()]
+        t1 = time.perf_counter()
+        for _ in range(tg - 1):
+            llm.eval([ids[-1]])
+            ids.append(self._argmax_last())
+        t2 = time.perf_counter()
+        return dict(prefill_s=t1 - t0, decode_s=t2 - t1, ids=ids)
+
+    def close(self):
+        self.llm.close()
+
+
+class OursRunner:
+    name = "ours"
+
+    def __init__(self, model: Path, threads: int, cpu_workers: int):
+        from coordinator.engine import Engine, EngineOptions
+
+        self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads))
+        self.sync_us = {"prefill": [], "decode": []}  # per-layer exchanges, timed runs only
+
+    def run(self, prompt: list[int], tg: int) -> dict:
+        from coordinator.sampling import SamplingParams
+
+        n0 = len(self._sync())
+        t0 = time.perf_counter()
+        it = self.eng.generate(prompt, max_tokens=tg, sampling=SamplingParams(temperature=0.0),
+                               stop_at_eos=False)
+        ids = [next(it)]
+        t1 = time.perf_counter()
+        n1 = len(self._sync())
+        ids += list(it)
+        t2 = time.perf_counter()
+        sync = self._sync()
+        self.sync_us["prefill"] += sync[n0:n1]
+        self.sync_us["decode"] += sync[n1:]
+        return dict(prefill_s=t1 - t0, decode_s=t2 - t1, ids=ids, engine_stats=self._stats())
+
+    def _stats(self) -> dict:
+        s = self.eng.stats() if hasattr(self.eng, "stats") else {}
+        return {k: v for k, v in s.items() if not isinstance(v, list)}
+
+    def _sync(self) -> list[float]:
+        """The engine's per-layer sync overheads so far (a growing list), [] if not exposed."""
+        s = self.eng.stats() if hasattr(self.eng, "stats") else {}
+        return list(s.get("sync_us", []))
+
+    def close(self):
+        self.eng.close()
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes while we sit idle (Linux /proc/stat), else None."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except OSError:
+        return None
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
+def prompt_ids(model: Path, pp: int) -> list[int]:
+    """pp tokens of English text from pydoc topics (transformers' tokenizer)."""
+    from compare_llamacpp import heldout_chunks, load_hf_tokenizer
+    return heldout_chunks(load_hf_tokenizer(model), 1, pp)[0]
+
+
+def bench(runners, prompt, tg: int, reps: int, warmup: int) -> dict:
+    for r in runners:
+        for _ in range(warmup):
+            r.run(prompt, tg)
+        if isinstance(r, OursRunner):
+            r.sync_us = {k: [] for k in r.sync_us}  # keep only the timed runs' exchanges
+    runs = {r.name: [] for r in runners}
+    for rep in range(reps):
+        for r in (runners if rep % 2 == 0 else runners[::-1]):
+            runs[r.name].append(r.run(prompt, tg))
+    return runs
+
+
+def summarize(runs, pp: int, tg: int) -> dict:
+    out = {}
+    for name, rs in runs.items():
+        pre = statistics.median(r["prefill_s"] for r in rs)
+        dec = statistics.median(r["decode_s"] for r in rs)
+        out[name] = dict(prefill_s=pre, decode_s=dec, pp_tok_s=pp / pre,
+                         tg_tok_s=(tg - 1) / dec, ids=rs[-1]["ids"],
+                         all_prefill_s=[r["prefill_s"] for r in rs],
+                         all_decode_s=[r["decode_s"] for r in rs])
+        if "engine_stats" in rs[-1]:
+            out[name]["engine_stats"] = rs[-1]["engine_stats"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-workers", type=int, default=1, help="our engine's CPU workers")
+    ap.add_argument("--pp", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--tg", type=int, default=64, help="generated tokens")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="let llama.cpp use its extra CPU buffer types (AMX, repack)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    if args.tg < 2:
+        ap.error("--tg must be at least 2")
+
+    prompt = prompt_ids(args.model, args.pp)
+    busy_before = busy_cores()
+    runners = []
+    if args.only != "ours":
+        runners.append(LlamaCppRunner(args.model, args.threads, args.pp, args.tg,
+                                      args.llama_extra_bufts))
+    if args.only != "llamacpp":
+        runners.append(OursRunner(args.model, args.threads, args.cpu_workers))
+    try:
+        runs = bench(runners, prompt, args.tg, args.reps, args.warmup)
+        sync = next((r.sync_us for r in runners if isinstance(r, OursRunner)), {})
+    finally:
+        for r in runners:
+            r.close()
+
+    res = summarize(runs, args.pp, args.tg)
+    busy = [None if b is None else round(b, 2) for b in (busy_before, busy_cores())]
+    print(f"threads={args.threads} pp={args.pp} tg={args.tg} reps={args.reps} (medians); "
+          f"cores busy with other work before/after: {busy}")
+    spare = (os.cpu_count() or 1) - args.threads
+    if any(b is not None and b > spare + 0.25 for b in busy):
+        print("WARNING: other processes were using the cores; llama.cpp's OpenMP threads "
+              "suffer most from that, so these numbers and the ratio are unreliable")
+    print(f"{'':10s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
+    for name, r in res.items():
+        print(f"{name:10s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
+              f"{r['prefill_s']:10.3f} {r['decode_s']:10.3f}")
+    result = dict(model=str(args.model), threads=args.threads, pp=args.pp, tg=args.tg,
+                  reps=args.reps, cpu_workers=args.cpu_workers, busy_cores_other=busy,
+                  cpu_count=os.cpu_count(), results=res)
+    if "ours" in res and "llama.cpp" in res:
+        o, l = res["ours"], res["llama.cpp"]
+        result["ratio_ours_over_llamacpp"] = dict(pp=o["pp_tok_s"] / l["pp_tok_s"],
+                                                  tg=o["tg_tok_s"] / l["tg_tok_s"])
+        pairs = enumerate(zip(o["ids"], l["ids"]))
+        same = next((i for i, (a, b) in pairs if a != b), len(o["ids"]))
+        result["greedy_ids_agree_for"] = same
+        print(f"ours/llama.cpp: pp {result['ratio_ours_over_llamacpp']['pp']:.3f}x, "
+              f"tg {result['ratio_ours_over_llamacpp']['tg']:.3f}x; "
+              f"greedy ids agree for the first {same} of {len(o['ids'])} tokens")
+    for phase, us in sync.items():
+        if us:
+            result[f"sync_us_median_{phase}"] = statistics.median(us)
+            print(f"ours: median per-layer sync latency in {phase}: "
+                  f"{statistics.median(us):.1f} us over {len(us)} exchanges")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
