@@ -1,12 +1,24 @@
 """Which worker owns which FFN neurons of each layer.
 
-For now a static share: the GPU worker takes `gpu_share` of every layer's neurons, the CPU
-workers split the rest evenly. The sparse issue replaces this with a plan from activation
-profiles under a VRAM budget; the Plan shape (per worker, per layer, index arrays) stays.
+Two planners, one Plan shape (per worker, per layer, sorted int32 index arrays):
+  - static_plan: the GPU worker takes `gpu_share` of every layer's neurons, the CPU workers
+    split the rest evenly (no profile needed).
+  - budget_plan: from activation frequencies (coordinator.profiling) and a VRAM budget, the
+    GPU worker takes the globally most frequently active neurons that fit; each layer's cold
+    neurons are sharded across the CPU workers balanced by expected activations.
+
+A budget plan's GPU share is cached beside the model as `<model>.generated.gpuidx`, a GGUF in
+PowerInfer's layout (architecture "generic.gpu_index"; per layer `blk.N.gpu_idx`, int32 per
+neuron, 1 on the GPU else 0, and `blk.N.gpu_bucket`, the sorted indices of the GPU neurons;
+`split.vram_capacity`, the bytes the GPU neurons need), plus `sparseinfer.*` keys that say
+which model, profile, budget and neuron size it was made for, so a stale file is rebuilt.
 """
 from __future__ import annotations
 
+import heapq
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -46,3 +58,213 @@ def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int) 
     plan = Plan(n_layers, n_ff, shards)
     plan.check_partition()
     return plan
+
+
+# ---- placement under a VRAM budget ------------------------------------------------------------
+
+GIB = 1 << 30
+GPUIDX_ARCH = "generic.gpu_index"  # PowerInfer's export_split writes this architecture
+GPUIDX_FORMAT = "sparseinfer-gpuidx/1"
+
+
+def neuron_bytes(hidden: int, dtype=np.float32) -> int:
+    """Bytes one FFN neuron costs on a worker as sparsecore.worker_runtime.LayerWeights
+    allocates it: its gate row, its up row and its down column (held as a row), each `hidden`
+    values of `dtype` (today float32, whatever the file's quantization)."""
+    return 3 * int(hidden) * np.dtype(dtype).itemsize
+
+
+def choose_hot(freqs: list[np.ndarray], neuron_bytes: int, vram_budget_bytes: int) -> list[np.ndarray]:
+    """Per layer, a bool mask of the neurons the GPU worker holds: the globally most frequent
+    neurons, as many as fit in the budget. All neurons cost the same, so taking them in order
+    of frequency maximizes the expected activations on the GPU (exchange argument). Ties are
+    broken by (layer, index), so the result is deterministic."""
+    if neuron_bytes <= 0:
+        raise ValueError(f"bytes per neuron must be positive, got {neuron_bytes}")
+    if not vram_budget_bytes >= 0:
+        raise ValueError(f"VRAM budget must be >= 0 bytes, got {vram_budget_bytes}")
+    flat = np.concatenate([np.asarray(f, dtype=np.float64) for f in freqs]) if freqs else np.zeros(0)
+    n_hot = min(len(flat), int(vram_budget_bytes // neuron_bytes))
+    order = np.argsort(-flat, kind="stable")  # stable: equal frequencies keep (layer, index) order
+    mask = np.zeros(len(flat), dtype=bool)
+    mask[order[:n_hot]] = True
+    out, a = [], 0
+    for f in freqs:
+        out.append(mask[a:a + len(f)])
+        a += len(f)
+    return out
+
+
+def balance_by_load(weights: np.ndarray, n_bins: int, first: int = 0) -> list[np.ndarray]:
+    """Split item indices into `n_bins` sorted int32 arrays with nearly equal sums of weights:
+    largest first, each to the bin with the least load so far (then the fewest items, then
+    bin `first`, first + 1, ...). The loads end within max(weights) of each other; items of
+    weight 0 even out the counts. Rotating `first` per layer spreads the rounding over workers."""
+    weights = np.asarray(weights, dtype=np.float64)
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    heap = [(0.0, 0, (b - first) % n_bins, b) for b in range(n_bins)]
+    heapq.heapify(heap)
+    for i in np.argsort(-weights, kind="stable"):
+        load, count, rank, b = heapq.heappop(heap)
+        bins[b].append(int(i))
+        heapq.heappush(heap, (load + float(weights[i]), count + 1, rank, b))
+    return [np.array(sorted(x), dtype=np.int32) for x in bins]
+
+
+def plan_from_hot(hot: list[np.ndarray], freqs: list[np.ndarray], n_cpu_workers: int) -> Plan:
+    """The GPU worker gets each layer's hot neurons; the CPU workers share the cold ones,
+    balanced by expected activations (sum of frequencies), not by count."""
+    if n_cpu_workers < 0:
+        raise ValueError("the number of CPU workers must be >= 0")
+    n_layers = len(hot)
+    n_ff = len(hot[0]) if n_layers else 0
+    if any(len(h) != n_ff for h in hot) or any(len(f) != n_ff for f in freqs) or len(freqs) != n_layers:
+        raise ValueError("every layer must have the same number of neurons in the mask and the profile")
+    shards = [WorkerShard("gpu", 0, [])] + [WorkerShard("cpu", i + 1, []) for i in range(n_cpu_workers)]
+    for layer, (h, f) in enumerate(zip(hot, freqs)):
+        h = np.asarray(h, dtype=bool)
+        shards[0].neurons.append(np.flatnonzero(h).astype(np.int32))
+        cold = np.flatnonzero(~h).astype(np.int32)
+        if n_cpu_workers == 0:
+            if len(cold):
+                raise ValueError("at least one CPU worker is needed unless the GPU holds every neuron")
+            continue
+        for s, part in zip(shards[1:], balance_by_load(np.asarray(f, dtype=np.float64)[cold], n_cpu_workers,
+                                                        layer % n_cpu_workers)):
+            s.neurons.append(cold[part])
+    plan = Plan(n_layers, n_ff, shards)
+    plan.check_partition()
+    return plan
+
+
+def budget_plan(freqs: list[np.ndarray], neuron_bytes: int, vram_budget_bytes: int, n_cpu_workers: int) -> Plan:
+    """Hot neurons (global greedy by frequency) on the GPU within `vram_budget_bytes`, cold
+    neurons sharded over `n_cpu_workers` by expected activations."""
+    return plan_from_hot(choose_hot(freqs, neuron_bytes, vram_budget_bytes), freqs, n_cpu_workers)
+
+
+def plan_summary(plan: Plan, freqs: list[np.ndarray], neuron_bytes: int) -> dict:
+    """What a plan means: per layer the GPU's share of neurons and of expected activations,
+    overall coverage, and bytes and expected activations per worker."""
+    f64 = [np.asarray(f, dtype=np.float64) for f in freqs]
+    total = sum(float(f.sum()) for f in f64)
+    layers = []
+    for layer, f in enumerate(f64):
+        g = plan.shards[0].neurons[layer]
+        lt = float(f.sum())
+        layers.append({"layer": layer, "gpu_neurons": int(len(g)), "hot_share": len(g) / max(1, plan.n_ff),
+                       "coverage": float(f[g].sum()) / lt if lt > 0 else 0.0})
+    workers = []
+    for s in plan.shards:
+        n = int(sum(len(x) for x in s.neurons))
+        exp = float(sum(f64[l][x].sum() for l, x in enumerate(s.neurons)))
+        workers.append({"role": s.role, "worker_id": s.worker_id, "neurons": n, "bytes": n * neuron_bytes,
+                        "expected_activations_per_token": exp,
+                        "activation_share": exp / total if total > 0 else 0.0})
+    return {"n_layers": plan.n_layers, "n_ff": plan.n_ff, "neuron_bytes": neuron_bytes,
+            "coverage": workers[0]["activation_share"] if workers else 0.0,
+            "gpu_bytes": workers[0]["bytes"] if workers else 0, "layers": layers, "workers": workers}
+
+
+# ---- the GPU index cache (<model>.generated.gpuidx) --------------------------------------------
+
+def gpuidx_path(model: Path) -> Path:
+    return Path(str(model) + ".generated.gpuidx")
+
+
+def write_gpuidx(path: Path, hot: list[np.ndarray], meta: dict) -> Path:
+    """Write the GPU masks in PowerInfer's layout (standard GGUF magic; our reader also takes
+    PowerInfer's PWRI one). `meta` values (ints or strings) go in as `sparseinfer.<key>`."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = GGUFWriter(tmp, GPUIDX_ARCH)
+    w.add_block_count(len(hot))
+    n_gpu = int(sum(int(np.count_nonzero(h)) for h in hot))
+    w.add_uint64("split.vram_capacity", n_gpu * int(meta.get("neuron_bytes", 0)))
+    w.add_string("sparseinfer.format", GPUIDX_FORMAT)
+    for k, v in meta.items():
+        if isinstance(v, str):
+            w.add_string(f"sparseinfer.{k}", v)
+        else:
+            w.add_uint64(f"sparseinfer.{k}", int(v))
+    for i, h in enumerate(hot):
+        w.add_tensor(f"blk.{i}.gpu_idx", np.asarray(h, dtype=np.int32))
+        w.add_tensor(f"blk.{i}.gpu_bucket", np.flatnonzero(h).astype(np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def read_gpuidx(path: Path) -> tuple[list[np.ndarray], dict]:
+    """(per-layer bool GPU masks, metadata) from a gpuidx file, ours or PowerInfer's."""
+    from sparsecore.gguf_file import field_value, open_gguf
+
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+    if arch != GPUIDX_ARCH:
+        raise ValueError(f"{path}: architecture {arch!r}, expected {GPUIDX_ARCH!r}")
+    n_layers = int(field_value(reader, f"{GPUIDX_ARCH}.block_count", -1))
+    by_name = {t.name: t for t in reader.tensors}
+    hot = []
+    for i in range(n_layers):
+        t = by_name.get(f"blk.{i}.gpu_idx")
+        if t is None:
+            raise ValueError(f"{path}: tensor blk.{i}.gpu_idx is missing")
+        idx = np.asarray(t.data).reshape(-1)
+        bucket = by_name.get(f"blk.{i}.gpu_bucket")
+        if bucket is not None and not np.array_equal(np.asarray(bucket.data).reshape(-1), np.flatnonzero(idx)):
+            raise ValueError(f"{path}: blk.{i}.gpu_bucket disagrees with blk.{i}.gpu_idx")
+        hot.append(idx != 0)
+    meta = {k[len("sparseinfer."):]: field_value(reader, k) for k in reader.fields if k.startswith("sparseinfer.")}
+    meta["vram_capacity"] = field_value(reader, "split.vram_capacity")
+    return hot, meta
+
+
+def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_budget_gb: float,
+                      n_cpu_workers: int, reset_gpu_index: bool = False, disable_gpu_index: bool = False,
+                      write_cache: bool = True, profile_file: Path | None = None) -> tuple[Plan, list, str]:
+    """The engine's plan for a VRAM budget (GiB): frequencies from `<model>.profile.npz`, the
+    GPU share from `<model>.generated.gpuidx` when that file was made for the same model,
+    profile, budget and neuron size (unless reset or disabled), otherwise computed and cached.
+    Returns (plan, frequencies, where the GPU share came from)."""
+    from .profiling import load_profile, profile_path
+
+    if not vram_budget_gb >= 0:
+        raise ValueError(f"--vram-budget must be >= 0 GiB, got {vram_budget_gb}")
+    model = Path(model)
+    ppath = Path(profile_file) if profile_file else profile_path(model)
+    if not ppath.exists():
+        raise ValueError(f"{ppath}: no activation profile for a VRAM budget; run `sparseinfer profile -m {model}` "
+                         f"first (or leave out --vram-budget for the static split)")
+    prof = load_profile(ppath)
+    if prof.n_layers != n_layers or any(len(f) != n_ff for f in prof.freqs):
+        raise ValueError(f"{ppath}: profile has {prof.n_layers} layers x {len(prof.freqs[0])} neurons, the model "
+                         f"{n_layers} x {n_ff}; run `sparseinfer profile -m {model}` again")
+    nb = neuron_bytes(hidden)
+    budget = int(vram_budget_gb * GIB)
+    want = {"format": GPUIDX_FORMAT, "model_bytes": model.stat().st_size, "profile": prof.digest(),
+            "vram_budget": budget, "neuron_bytes": nb}
+    cache = gpuidx_path(model)
+    hot = None
+    source = "computed"
+    if not disable_gpu_index and not reset_gpu_index and cache.exists():
+        try:
+            cached, meta = read_gpuidx(cache)
+            if all(meta.get(k) == v for k, v in want.items()) and len(cached) == n_layers \
+                    and all(len(h) == n_ff for h in cached):
+                hot, source = cached, f"cached {cache}"
+        except Exception:  # unreadable or foreign: rebuild it
+            hot = None
+    if hot is None:
+        hot = choose_hot(prof.freqs, nb, budget)
+        if write_cache and not disable_gpu_index:
+            meta = {k: v for k, v in want.items() if k != "format"}
+            meta["model"] = model.name
+            write_gpuidx(cache, hot, meta)
+            source = f"computed, cached in {cache}"
+    return plan_from_hot(hot, prof.freqs, n_cpu_workers), prof.freqs, source
