@@ -40,7 +40,7 @@ def _engine_options(f):
                      help="ZeroMQ transport between coordinator and workers"),
         click.option("--sparsity", type=float, default=None,
                      help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
-    ]
+    ] + _placement_options + [_predictor_option]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -62,12 +62,53 @@ def _sampling_options(f):
     return f
 
 
+def _remember_placement(ctx, param, value):
+    ctx.meta.setdefault("sparseinfer.placement", {})[param.name] = value
+    return value
+
+
+# Placement options reach _open_engine through the click context rather than as parameters,
+# so that adding them did not change the signature of every command.
+_placement_options = [
+    click.option("--vram-budget", "vram_budget_gb", type=float, default=None, expose_value=False,
+                 callback=_remember_placement,
+                 help="GiB of FFN weights on the GPU worker: hot neurons chosen from `sparseinfer profile` "
+                      "(overrides --gpu-share)"),
+    click.option("--reset-gpu-index", is_flag=True, expose_value=False, callback=_remember_placement,
+                 help="with --vram-budget: rebuild <model>.generated.gpuidx even if it matches"),
+    click.option("--disable-gpu-index", is_flag=True, expose_value=False, callback=_remember_placement,
+                 help="with --vram-budget: neither read nor write <model>.generated.gpuidx"),
+]
+
+
+def _remember_predictor(ctx, param, value):
+    ctx.meta["sparseinfer.predictor"] = value
+    return value
+
+
+# Passed like the placement options, through the click context.
+_predictor_option = click.option(
+    "--predictor", default=None, metavar="FILE", expose_value=False, callback=_remember_predictor,
+    help="activation predictor GGUF (default: the model's own fc1/fc2, if any; 'none': off)")
+
+
+def _predictor_from_context() -> str | None:
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("sparseinfer.predictor") if ctx is not None else None
+
+
+def _placement_from_context() -> dict:
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.meta.get("sparseinfer.placement", {})) if ctx is not None else {}
+
+
 def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None):
     from .engine import Engine, EngineOptions
 
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
-                                                       sparsity=sparsity))
+                                                       sparsity=sparsity, predictor=_predictor_from_context(),
+                                                       **_placement_from_context()))
 
 
 def _fail(msg: str) -> None:
@@ -243,16 +284,80 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
         data = _chunks(eng, corpus, "heldout", chunks, chunk_len)
         with tqdm(total=len(data), desc="perplexity", unit="chunk") as bar:
             r = eng.perplexity(data, bar.update)
-    mode = "dense" if sparsity is None else f"sparsity {sparsity:.2f}"
+        pred = eng.predictors
+    mode = ("dense" if sparsity is None else f"sparsity {sparsity:.2f}") if pred is None else f"predictor {pred.path}"
     click.echo(f"{mode}: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
                f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
 
 
 @main.command()
+@_engine_options
+@_corpus_options
+@click.option("-o", "--out-dir", default=None,
+              help="directory for <model>.profile.npz and .png (default: beside the model, where "
+                   "--vram-budget looks)")
+@click.option("--powerinfer-activations", default=None,
+              help="convert PowerInfer's activation directory (activation_N.pt) instead of running the model")
+def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, out_dir,
+            powerinfer_activations):
+    """Measure how often each FFN neuron is active on calibration text (for --vram-budget)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from . import profiling
+    from .thresholds import load_thresholds
+
+    path = Path(_resolve_model(model))
+    if powerinfer_activations:
+        from sparsecore.config import read_config
+        from sparsecore.gguf_file import open_gguf
+
+        prof = profiling.profile_from_powerinfer(Path(powerinfer_activations), path,
+                                                 read_config(path, open_gguf(path)))
+    else:
+        s = profiling.DEFAULT_SPARSITY if sparsity is None else sparsity
+        with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
+            thresholds = None
+            if eng.cfg.activation != "relu":
+                try:
+                    thresholds = load_thresholds(eng.path, s)
+                except ValueError as e:
+                    click.echo(f"note: {e}\nnote: using per-layer quantiles of |act(gate x)| on this text instead",
+                               err=True)
+            data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
+            prof = profiling.collect(eng, tqdm(data, desc="profiling", unit="chunk"), s, thresholds)
+    npz = profiling.save_profile(prof, profiling.profile_path(path, Path(out_dir) if out_dir else None))
+    png = profiling.plot_profile(prof, profiling.plot_path(npz))
+    for line in profiling.summary_lines(prof):
+        click.echo(line)
+    mean = float(np.mean(np.concatenate(prof.freqs)))
+    click.echo(f"wrote {npz} and {png} ({prof.meta.get('tokens', '?')} tokens, mean activation frequency {mean:.3f})")
+
+
+def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
+    from .engine import EngineOptions, resolve_threads
+    from .placement import GIB, plan_summary, plan_under_budget
+
+    _, n_cpu, _ = resolve_threads(EngineOptions(cpu_workers=cpu_workers, threads=threads))
+    plan, freqs, source = plan_under_budget(path, cfg.n_layers, cfg.n_ff, cfg.hidden, vram_budget_gb, n_cpu,
+                                            write_cache=False)
+    from .placement import neuron_bytes
+
+    summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden))
+    return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": int(vram_budget_gb * GIB),
+            "source": source, **summary}
+
+
+@main.command()
 @click.option("-m", "--model", help="GGUF file (default: SmolLM2)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-def info(model, as_json):
-    """Print the model's configuration and tensor types."""
+@click.option("--vram-budget", "vram_budget_gb", type=float, default=None,
+              help="also print the placement plan for this many GiB on the GPU worker (needs `sparseinfer profile`)")
+@click.option("-t", "--threads", type=int, default=None, help="cores to use in all (default: all)")
+@click.option("--cpu-workers", type=int, default=None, help="CPU worker processes (default: cores - 1, at least 1)")
+def info(model, as_json, vram_budget_gb, threads, cpu_workers):
+    """Print the model's configuration and tensor types, and the placement for --vram-budget."""
     from collections import Counter
     from dataclasses import asdict
 
@@ -263,13 +368,94 @@ def info(model, as_json):
     reader = open_gguf(path)
     cfg = read_config(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
+    plan = None if vram_budget_gb is None else _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers)
     if as_json:
-        click.echo(json.dumps({"config": asdict(cfg), "tensor_types": dict(types)}, indent=2))
+        out = {"config": asdict(cfg), "tensor_types": dict(types)}
+        if plan is not None:
+            out["plan"] = plan
+        click.echo(json.dumps(out, indent=2))
         return
     for k, v in asdict(cfg).items():
         click.echo(f"{k:18s} {v}")
     click.echo("tensor types       " + ", ".join(f"{k}: {v}" for k, v in types.items()))
+    if plan is None:
+        return
+    mib = 1 << 20
+    total = plan["n_layers"] * plan["n_ff"]
+    gpu = plan["workers"][0]
+    click.echo(f"\nplacement for --vram-budget {vram_budget_gb:g} GiB ({plan['vram_budget_bytes']} bytes; "
+               f"{plan['neuron_bytes']} bytes per neuron as float32 gate row + up row + down column; "
+               f"GPU index: {plan['source']})")
+    click.echo(f"GPU neurons        {gpu['neurons']} of {total} ({100 * gpu['neurons'] / max(1, total):.1f}%)")
+    click.echo(f"expected coverage  {100 * plan['coverage']:.1f}% of expected activations on the GPU worker")
+    click.echo("layer  gpu neurons  hot share  coverage")
+    for l in plan["layers"]:
+        click.echo(f"{l['layer']:5d}  {l['gpu_neurons']:11d}  {100 * l['hot_share']:8.1f}%  {100 * l['coverage']:7.1f}%")
+    click.echo("worker            neurons        MiB  expected activations/token  share")
+    for w in plan["workers"]:
+        name = f"{w['role']} worker {w['worker_id']}"
+        click.echo(f"{name:16s} {w['neurons']:8d} {w['bytes'] / mib:10.2f}  {w['expected_activations_per_token']:26.1f}"
+                   f"  {100 * w['activation_share']:5.1f}%")
 
+
+@main.command("train-predictor")
+@click.option("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+@click.option("--sparsity", type=float, default=0.5, show_default=True,
+              help="SwiGLU: targets are the neurons kept by the calibrated thresholds at this sparsity "
+                   "(ignored for ReLU models, whose targets are relu(gate x) > 0)")
+@click.option("--rank", type=int, default=64, show_default=True, help="predictor rank (fc1 rows)")
+@click.option("--recall", type=float, default=0.95, show_default=True,
+              help="recall the decision threshold aims at (chosen on a validation slice of the calibration text)")
+@click.option("--corpus", default=None, help="UTF-8 text file (default: Python's pydoc_data.topics); "
+                                              "first half trains, second half is held out")
+@click.option("--chunks", type=int, default=48, show_default=True, help="calibration windows of text to train on")
+@click.option("--heldout-chunks", type=int, default=8, show_default=True, help="held-out windows to evaluate on")
+@click.option("--chunk-len", type=int, default=256, show_default=True, help="tokens per window")
+@click.option("--epochs", type=int, default=6, show_default=True, help="training epochs per layer")
+@click.option("--seed", type=int, default=0, show_default=True, help="random seed (initialisation, shuffling)")
+@click.option("--dtype", type=click.Choice(["F16", "F32"]), default="F16", show_default=True, help="stored weights")
+@click.option("-t", "--threads", type=int, default=None, help="cores to use in all (default: all)")
+@click.option("-o", "--output", default=None, help="output GGUF (default: <model>.predictor.gguf)")
+def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunks, chunk_len, epochs, seed, dtype,
+                    threads, output):
+    """Train low-rank activation predictors per layer (PowerInfer-style fc1/fc2) on calibration text."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from . import predictor_training as pt
+    from .thresholds import load_thresholds
+
+    t0 = time.perf_counter()
+    with _open_engine(model, threads, None, None, chunk_len, "ipc") as eng:
+        relu = eng.cfg.activation == "relu"
+        thr = None if relu else load_thresholds(eng.path, sparsity)
+        calib = _chunks(eng, corpus, "calibration", chunks, chunk_len)
+        held = _chunks(eng, corpus, "heldout", heldout_chunks, chunk_len)
+        with tqdm(total=len(calib) + len(held), desc="running the model", unit="chunk") as bar:
+            train_data = pt.collect(eng, calib, thr, bar.update)
+            held_data = pt.collect(eng, held, thr, bar.update)
+        path, arch, n_layers = eng.path, eng.cfg.arch, eng.cfg.n_layers
+    t1 = time.perf_counter()
+    with tqdm(total=n_layers, desc="training", unit="layer") as bar:
+        p = pt.train_predictors(train_data, held_data, rank=rank, recall=recall, epochs=epochs, seed=seed,
+                                dtype=dtype, target_sparsity=None if relu else sparsity, progress=bar.update)
+    out = pt.save(Path(output) if output else pt.predictor_path(path), p, arch=arch, model=path)
+    t2 = time.perf_counter()
+    click.echo(f"held-out ({p.info['heldout_tokens']} tokens; trained on {p.info['train_tokens']}, "
+               f"threshold chosen on {p.info['val_tokens']}):")
+    click.echo(f"{'layer':>5s} {'recall':>7s} {'precision':>9s} {'predicted':>9s} {'true':>6s}")
+    for i, m in enumerate(p.heldout):
+        click.echo(f"{i:5d} {m['recall']:7.3f} {m['precision']:9.3f} {m['predicted_active']:9.3f} "
+                   f"{m['true_active']:6.3f}")
+    m = p.mean()
+    click.echo(f"{'mean':>5s} {m['recall']:7.3f} {m['precision']:9.3f} {m['predicted_active']:9.3f} "
+               f"{m['true_active']:6.3f}")
+    rule = "relu(gate x) > 0" if relu else f"CATS thresholds at sparsity {sparsity:.2f}"
+    thr_note = (f"per-layer thresholds (sparseinfer.predictor.thresholds)" if p.per_layer
+                else f"powerinfer.sparse_threshold {p.sparse_threshold:g}")
+    click.echo(f"wrote {out} (rank {rank}, {dtype}, targets {rule}, {thr_note}; "
+               f"data {t1 - t0:.0f}s, training {t2 - t1:.0f}s)")
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,8 @@ from sparsecore.tensors import TensorStore
 
 from .attention_model import AttentionModel
 from .chat_template import chat_template_from_reader, render_chat
-from .placement import Plan, static_plan
+from .placement import Plan, plan_under_budget, static_plan
+from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
 from .thresholds import load_thresholds
 from .tokenizer import GGUFTokenizer
@@ -39,6 +40,10 @@ class EngineOptions:
     transport: str = "ipc"
     sparsity: float | None = None  # calibrated CATS threshold level for decoding; None = dense
     thresholds_file: str | None = None  # default: <model>.thresholds.json
+    vram_budget_gb: float | None = None  # GiB for hot neurons on the GPU worker (needs <model>.profile.npz)
+    reset_gpu_index: bool = False  # rebuild <model>.generated.gpuidx even if it matches
+    disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
+    predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
 
 
 @dataclass
@@ -86,12 +91,18 @@ class Engine:
             raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
         self.chat_template = chat_template_from_reader(reader)
         self.reader = reader
+        self.predictors = self._load_predictors(reader)
         total, n_cpu, per_worker = resolve_threads(opts)
         torch.set_num_threads(total)
         share = opts.gpu_share
         if share is None:
             share = 0.5 if torch.cuda.is_available() else 1.0 / (n_cpu + 1)
-        self.plan: Plan = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu)
+        if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
+            self.plan, _, self.plan_source = plan_under_budget(
+                self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
+                opts.reset_gpu_index, opts.disable_gpu_index)
+        else:
+            self.plan, self.plan_source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu), "static"
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                opts.gpu_device, opts.transport, launcher=launcher)
         try:
@@ -102,7 +113,7 @@ class Engine:
             self.pool.close()
             raise
         self.last = RunStats()
-        self.ffn_observer = None  # calibration hook: called with (layer, FFN input rows)
+        self.ffn_observer = None  # calibration hook: (layer, normed FFN input rows, pre-norm rows)
         self.sparse_batches = False  # perplexity: apply thresholds to multi-token batches too
         self.sparsity: float | None = None
         try:
@@ -111,8 +122,23 @@ class Engine:
             self.pool.close()
             raise
 
+    def _load_predictors(self, reader) -> Predictors | None:
+        p = self.opts.predictor
+        if p == "none":
+            return None
+        if p is not None:
+            if self.opts.sparsity is not None:
+                raise ValueError("choose one sparsity source: --sparsity (thresholds) or --predictor, not both")
+            return Predictors.load(p, self.cfg)
+        # A model's own predictors are the default unless thresholds were asked for explicitly.
+        if self.opts.sparsity is None and has_predictors(reader):
+            return Predictors.load(self.path, self.cfg, reader)
+        return None
+
     def set_sparsity(self, sparsity: float | None) -> None:
         """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
+        if sparsity is not None and self.predictors is not None:
+            raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         if sparsity is not None:
             path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
             self.pool.buffers.thresholds[:] = load_thresholds(self.path, sparsity, path)
@@ -122,10 +148,12 @@ class Engine:
 
     def _ffn(self, layer: int, x: torch.Tensor, _pre_norm: torch.Tensor) -> torch.Tensor:
         xs = x.numpy()
-        if self.ffn_observer is not None:
-            self.ffn_observer(layer, xs)
-        # Decoding is sparse when a sparsity is set; prefill stays dense (a long prompt's
-        # tokens together activate nearly every neuron) unless perplexity asks otherwise.
+        if self.ffn_observer is not None:  # (layer, FFN input after ffn_norm, residual before it)
+            self.ffn_observer(layer, xs, _pre_norm.numpy())
+        # Decoding is sparse when a sparsity or predictors are set; prefill stays dense (a long
+        # prompt's tokens together activate nearly every neuron) unless perplexity asks otherwise.
+        if self.predictors is not None and (len(xs) == 1 or self.sparse_batches):
+            return self._ffn_predicted(layer, xs, _pre_norm)
         sparse = self.sparsity is not None and (len(xs) == 1 or self.sparse_batches)
         out = np.empty_like(xs)
         step = self.opts.max_batch
@@ -133,6 +161,16 @@ class Engine:
             chunk = xs[a:a + step]
             self.pool.buffers.x[: len(chunk)] = chunk
             out[a:a + step] = self.pool.run_ffn(layer, len(chunk), dense=True, threshold=sparse)
+        return torch.from_numpy(out)
+
+    def _ffn_predicted(self, layer: int, xs: np.ndarray, pre_norm: torch.Tensor) -> torch.Tensor:
+        """One exchange per token: the shared-memory mask holds one active set per call."""
+        buf, out = self.pool.buffers, np.empty_like(xs)
+        masks = self.predictors.masks(layer, pre_norm)
+        for t in range(len(xs)):
+            buf.x[:1] = xs[t:t + 1]
+            buf.mask[:] = masks[t]
+            out[t:t + 1] = self.pool.run_ffn(layer, 1, dense=False)
         return torch.from_numpy(out)
 
     # ---- public API -------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
     cfg = engine.cfg
     inputs: dict[int, list[np.ndarray]] = {i: [] for i in range(cfg.n_layers)}
     engine.set_sparsity(None)
-    engine.ffn_observer = lambda layer, x: inputs[layer].append(x.copy())
+    engine.ffn_observer = lambda layer, x, *_: inputs[layer].append(x.copy())
     t0 = time.perf_counter()
     try:
         for c in chunks:
