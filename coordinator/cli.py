@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import click
 import numpy as np
@@ -301,7 +303,6 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
 def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, out_dir,
             powerinfer_activations):
     """Measure how often each FFN neuron is active on calibration text (for --vram-budget)."""
-    from pathlib import Path
 
     from tqdm import tqdm
 
@@ -419,7 +420,6 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
 def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunks, chunk_len, epochs, seed, dtype,
                     threads, output):
     """Train low-rank activation predictors per layer (PowerInfer-style fc1/fc2) on calibration text."""
-    from pathlib import Path
 
     from tqdm import tqdm
 
@@ -456,6 +456,60 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
                 else f"powerinfer.sparse_threshold {p.sparse_threshold:g}")
     click.echo(f"wrote {out} (rank {rank}, {dtype}, targets {rule}, {thr_note}; "
                f"data {t1 - t0:.0f}s, training {t2 - t1:.0f}s)")
+
+
+@main.command()
+@_engine_options
+@click.option("-p", "--n-prompt", "pp", type=int, default=128, show_default=True, help="prompt tokens (ppN)")
+@click.option("-n", "--n-gen", "tg", type=int, default=64, show_default=True, help="generated tokens (tgN)")
+@click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed runs of each mode (medians)")
+@click.option("--warmup", type=int, default=1, show_default=True, help="untimed runs of each mode first")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
+def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, tg, reps, warmup, as_json):
+    """Prefill and decode speed, dense vs sparse, with sync latency and weight bytes per token.
+
+    Sparse means the model's predictors (or --predictor) when there are any, else CATS
+    thresholds at --sparsity (default: the operating point, calibrated first if needed)."""
+    from tqdm import tqdm
+
+    from . import bench as b
+    from . import corpus as corpus_mod
+    from .profiling import DEFAULT_SPARSITY
+    from .thresholds import DEFAULT_LEVELS, calibrate as run_calibration, level_key, save, thresholds_path
+
+    if pp < 1 or tg < 2:
+        raise ValueError("need --n-prompt >= 1 and --n-gen >= 2")
+    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport) as eng:
+        prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
+        modes = [b.Mode("dense")]
+        if eng.predictors is not None:
+            modes.append(b.Mode("predictor", predictors=eng.predictors))
+        else:
+            s = DEFAULT_SPARSITY if sparsity is None else sparsity
+            try:
+                eng.set_sparsity(s)
+            except ValueError:  # not calibrated yet: do it now, as `sparseinfer calibrate` would
+                click.echo(f"no thresholds for sparsity {level_key(s)} in {thresholds_path(eng.path)}: "
+                           f"calibrating first", err=True)
+                data = _chunks(eng, None, "calibration", 16, 256)
+                save(eng.path, run_calibration(eng, data, sorted(set(DEFAULT_LEVELS) | {s})))
+            modes.append(b.Mode(f"sparse {level_key(s)}", sparsity=s))
+        with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
+            res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
+        info = dict(model=str(eng.path), n_layers=eng.cfg.n_layers, threads=eng.opts.threads, cpu_workers=len(eng.pool.workers) - 1,
+                    devices=[w.device for w in eng.pool.workers], pp=len(prompt), tg=tg, reps=reps)
+    bw = b.read_bandwidth_gbs(info["threads"] or os.cpu_count() or 1)
+    summary = dict(**info, read_bandwidth_gb_s=bw, results=res, ratios_vs_dense=b.ratios(res, "dense"))
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    click.echo(f"{Path(info['model']).name}: {len(eng.pool.workers)} workers ({', '.join(info['devices'])}), "
+               f"{reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
+    click.echo(b.format_table(res, len(prompt), tg))
+    for name, r in summary["ratios_vs_dense"].items():
+        click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "
+                   f"prefill {r['pp']:.2f}x tok/s")
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,62 @@
+"""`sparseinfer bench`: the byte accounting, and a real run on a tiny model (dense vs sparse)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coordinator.bench import Mode, ffn_bytes_per_token, ratios
+from coordinator.thresholds import thresholds_path
+
+
+def _fake_engine(hidden=8, n_ff=10, n_layers=3):
+    return SimpleNamespace(cfg=SimpleNamespace(hidden=hidden, n_ff=n_ff, n_layers=n_layers))
+
+
+def test_ffn_bytes_follow_what_each_mode_reads():
+    eng = _fake_engine()
+    row = 8 * 4  # one float32 row of `hidden`
+    n = 10 * 3
+    assert ffn_bytes_per_token(eng, Mode("dense"), 1.0) == n * 3 * row
+    # thresholds: every gate row is read to decide, up and down only for the active fifth
+    assert ffn_bytes_per_token(eng, Mode("s", sparsity=0.8), 0.2) == pytest.approx(n * (row + 2 * row * 0.2))
+    preds = SimpleNamespace(fc1=[torch.zeros(2, 8)] * 3, fc2=[torch.zeros(10, 2)] * 3)
+    assert ffn_bytes_per_token(eng, Mode("p", predictors=preds), 0.5) == pytest.approx(
+        n * 3 * row * 0.5 + 3 * (16 + 20) * 4)
+
+
+def test_ratios_against_the_base_mode():
+    res = {"dense": dict(pp_tok_s=100, tg_tok_s=10, ffn_ms_per_token=8.0),
+           "sparse": dict(pp_tok_s=100, tg_tok_s=15, ffn_ms_per_token=4.0)}
+    assert ratios(res, "dense") == {"sparse": dict(pp=1.0, tg=1.5, ffn_time=0.5)}
+
+
+def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model, tmp_path, no_leaks):
+    """Calibrates when the thresholds are missing, then reports both modes from real runs."""
+    model = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_model, model)
+    r = subprocess.run([sys.executable, "-m", "coordinator", "bench", "-m", str(model), "--json",
+                        "-p", "12", "-n", "5", "-r", "2", "--warmup", "0", "--sparsity", "0.5",
+                        "--threads", "2", "--cpu-workers", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "calibrating first" in r.stderr and thresholds_path(model).exists()
+    out = json.loads(r.stdout)
+    res = out["results"]
+    assert set(res) == {"dense", "sparse 0.50"}
+    for name, m in res.items():
+        assert len(m["ids"]) == 5
+        assert m["tg_tok_s"] > 0 and m["pp_tok_s"] > 0 and m["ffn_ms_per_token"] > 0
+        # one exchange per layer per decoded token, every timed rep
+        assert m["sync_exchanges"] == 2 * 4 * out["n_layers"]
+        assert m["sync_us_median"] <= m["sync_us_p99"]
+    assert res["dense"]["active_fraction"] == 1.0
+    assert 0.2 < res["sparse 0.50"]["active_fraction"] < 0.8  # held-out text: near, not at, 0.5
+    assert res["sparse 0.50"]["weight_mb_per_token"] < res["dense"]["weight_mb_per_token"]
+    assert set(out["ratios_vs_dense"]) == {"sparse 0.50"}
+    assert out["read_bandwidth_gb_s"] > 0
