@@ -4,7 +4,9 @@ Both are loaded once; timed runs alternate between them (the order flips every r
 the table shows medians. Prefill = evaluating --pp prompt tokens up to the first
 token; decode = the next --tg - 1 tokens, one forward each, greedy.
 
-Usage: python scripts/bench_vs_llamacpp.py [--threads 2] [--pp 128] [--tg 64] [--reps 3]
+Our engine runs dense and at each --sparsity level (default 0.2, the operating point).
+
+Usage: python scripts/bench_vs_llamacpp.py [--threads 2] [--pp 128] [--tg 64] [--reps 3] [--sparsity 0.2 0.5]
 """
 
 from __future__ import annotations
@@ -60,42 +62,26 @@ class LlamaCppRunner:
 
 
 class OursRunner:
-    name = "ours"
+    """Our engine in one mode (dense, or sparse at a calibrated level); runners may share an engine."""
 
-    def __init__(self, model: Path, threads: int, cpu_workers: int):
-        from coordinator.engine import Engine, EngineOptions
+    def __init__(self, eng, sparsity: float | None):
+        from coordinator.bench import Mode
 
-        self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads))
-        self.sync_us = {"prefill": [], "decode": []}  # per-layer exchanges, timed runs only
+        self.eng = eng
+        self.mode = Mode("dense") if sparsity is None else Mode(f"sparse {sparsity:.2f}", sparsity=sparsity)
+        self.name = f"ours {self.mode.name}"
+        self.sync_us = {"decode": []}  # per-layer exchange overheads, timed runs only
 
     def run(self, prompt: list[int], tg: int) -> dict:
-        from coordinator.sampling import SamplingParams
+        from coordinator.bench import timed_run
 
-        n0 = len(self._sync())
-        t0 = time.perf_counter()
-        it = self.eng.generate(prompt, max_tokens=tg, sampling=SamplingParams(temperature=0.0),
-                               stop_at_eos=False)
-        ids = [next(it)]
-        t1 = time.perf_counter()
-        n1 = len(self._sync())
-        ids += list(it)
-        t2 = time.perf_counter()
-        sync = self._sync()
-        self.sync_us["prefill"] += sync[n0:n1]
-        self.sync_us["decode"] += sync[n1:]
-        return dict(prefill_s=t1 - t0, decode_s=t2 - t1, ids=ids, engine_stats=self._stats())
-
-    def _stats(self) -> dict:
-        s = self.eng.stats() if hasattr(self.eng, "stats") else {}
-        return {k: v for k, v in s.items() if not isinstance(v, list)}
-
-    def _sync(self) -> list[float]:
-        """The engine's per-layer sync overheads so far (a growing list), [] if not exposed."""
-        s = self.eng.stats() if hasattr(self.eng, "stats") else {}
-        return list(s.get("sync_us", []))
+        self.mode.apply(self.eng)
+        r = timed_run(self.eng, prompt, tg)
+        self.sync_us["decode"] += r.sync_us
+        return dict(prefill_s=r.prefill_s, decode_s=r.decode_s, ids=r.ids, active_fraction=r.active_fraction)
 
     def close(self):
-        self.eng.close()
+        pass  # the engine is closed by whoever opened it
 
 
 def busy_cores(seconds: float = 1.0) -> float | None:
@@ -124,7 +110,7 @@ def bench(runners, prompt, tg: int, reps: int, warmup: int) -> dict:
         for _ in range(warmup):
             r.run(prompt, tg)
         if isinstance(r, OursRunner):
-            r.sync_us = {k: [] for k in r.sync_us}  # keep only the timed runs' exchanges
+            r.sync_us = {"decode": []}  # keep only the timed runs' exchanges
     runs = {r.name: [] for r in runners}
     for rep in range(reps):
         for r in (runners if rep % 2 == 0 else runners[::-1]):
@@ -141,8 +127,8 @@ def summarize(runs, pp: int, tg: int) -> dict:
                          tg_tok_s=(tg - 1) / dec, ids=rs[-1]["ids"],
                          all_prefill_s=[r["prefill_s"] for r in rs],
                          all_decode_s=[r["decode_s"] for r in rs])
-        if "engine_stats" in rs[-1]:
-            out[name]["engine_stats"] = rs[-1]["engine_stats"]
+        if "active_fraction" in rs[-1]:
+            out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
     return out
 
 
@@ -155,6 +141,8 @@ def main():
     ap.add_argument("--tg", type=int, default=64, help="generated tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
+                    help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its extra CPU buffer types (AMX, repack)")
@@ -169,14 +157,21 @@ def main():
     if args.only != "ours":
         runners.append(LlamaCppRunner(args.model, args.threads, args.pp, args.tg,
                                       args.llama_extra_bufts))
+    eng = None
     if args.only != "llamacpp":
-        runners.append(OursRunner(args.model, args.threads, args.cpu_workers))
+        from coordinator.engine import Engine, EngineOptions
+
+        eng = Engine(args.model, EngineOptions(cpu_workers=args.cpu_workers, threads=args.threads,
+                                               ctx=args.pp + args.tg + 16))
+        runners += [OursRunner(eng, None)] + [OursRunner(eng, s) for s in args.sparsity]
     try:
         runs = bench(runners, prompt, args.tg, args.reps, args.warmup)
-        sync = next((r.sync_us for r in runners if isinstance(r, OursRunner)), {})
+        sync = {r.name: r.sync_us["decode"] for r in runners if isinstance(r, OursRunner)}
     finally:
         for r in runners:
             r.close()
+        if eng is not None:
+            eng.close()
 
     res = summarize(runs, args.pp, args.tg)
     busy = [None if b is None else round(b, 2) for b in (busy_before, busy_cores())]
@@ -186,28 +181,30 @@ def main():
     if any(b is not None and b > spare + 0.25 for b in busy):
         print("WARNING: other processes were using the cores; llama.cpp's OpenMP threads "
               "suffer most from that, so these numbers and the ratio are unreliable")
-    print(f"{'':10s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
+    print(f"{'':18s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
     for name, r in res.items():
-        print(f"{name:10s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
+        print(f"{name:18s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
               f"{r['prefill_s']:10.3f} {r['decode_s']:10.3f}")
     result = dict(model=str(args.model), threads=args.threads, pp=args.pp, tg=args.tg,
                   reps=args.reps, cpu_workers=args.cpu_workers, busy_cores_other=busy,
                   cpu_count=os.cpu_count(), results=res)
-    if "ours" in res and "llama.cpp" in res:
-        o, l = res["ours"], res["llama.cpp"]
-        result["ratio_ours_over_llamacpp"] = dict(pp=o["pp_tok_s"] / l["pp_tok_s"],
-                                                  tg=o["tg_tok_s"] / l["tg_tok_s"])
-        pairs = enumerate(zip(o["ids"], l["ids"]))
-        same = next((i for i, (a, b) in pairs if a != b), len(o["ids"]))
-        result["greedy_ids_agree_for"] = same
-        print(f"ours/llama.cpp: pp {result['ratio_ours_over_llamacpp']['pp']:.3f}x, "
-              f"tg {result['ratio_ours_over_llamacpp']['tg']:.3f}x; "
-              f"greedy ids agree for the first {same} of {len(o['ids'])} tokens")
-    for phase, us in sync.items():
+    if "llama.cpp" in res:
+        l = res["llama.cpp"]
+        result["ratio_ours_over_llamacpp"] = {}
+        for name, o in res.items():
+            if name == "llama.cpp":
+                continue
+            ratio = dict(pp=o["pp_tok_s"] / l["pp_tok_s"], tg=o["tg_tok_s"] / l["tg_tok_s"])
+            result["ratio_ours_over_llamacpp"][name] = ratio
+            same = next((i for i, (a, b) in enumerate(zip(o["ids"], l["ids"])) if a != b), len(o["ids"]))
+            print(f"{name}/llama.cpp: pp {ratio['pp']:.3f}x, tg {ratio['tg']:.3f}x; "
+                  f"greedy ids agree for the first {same} of {len(o['ids'])} tokens")
+    for name, us in sync.items():
         if us:
-            result[f"sync_us_median_{phase}"] = statistics.median(us)
-            print(f"ours: median per-layer sync latency in {phase}: "
-                  f"{statistics.median(us):.1f} us over {len(us)} exchanges")
+            result.setdefault("sync_us", {})[name] = dict(median=statistics.median(us),
+                                                          p99=float(np.percentile(us, 99)), n=len(us))
+            print(f"{name}: per-layer sync overhead while decoding: median {statistics.median(us):.1f} us, "
+                  f"p99 {np.percentile(us, 99):.1f} us over {len(us)} exchanges")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
