@@ -40,7 +40,7 @@ def _engine_options(f):
                      help="ZeroMQ transport between coordinator and workers"),
         click.option("--sparsity", type=float, default=None,
                      help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
-    ] + _placement_options + [_predictor_option]
+    ] + _placement_options + [_predictor_option, _weights_option]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -92,6 +92,24 @@ _predictor_option = click.option(
     help="activation predictor GGUF (default: the model's own fc1/fc2, if any; 'none': off)")
 
 
+def _remember_weights(ctx, param, value):
+    ctx.meta["sparseinfer.weights"] = value
+    return value
+
+
+# Passed like the placement options, through the click context.
+_weights_option = click.option(
+    "--weights", type=click.Choice(["f32", "int8"]), default="f32", show_default=True, expose_value=False,
+    callback=_remember_weights,
+    help="how workers keep FFN weights in memory: float32, or int8 with one scale per neuron row "
+         "(a quarter of the memory; see scripts/bench_ffn_kernels.py)")
+
+
+def _weights_from_context() -> str:
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("sparseinfer.weights", "f32") if ctx is not None else "f32"
+
+
 def _predictor_from_context() -> str | None:
     ctx = click.get_current_context(silent=True)
     return ctx.meta.get("sparseinfer.predictor") if ctx is not None else None
@@ -108,6 +126,7 @@ def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsit
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
+                                                       weights=_weights_from_context(),
                                                        **_placement_from_context()))
 
 
@@ -172,7 +191,8 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
             tps = s["decode_tokens"] / s["decode_s"] if s["decode_s"] else float("nan")
             pps = s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] else float("nan")
             click.echo(f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
-                       f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer]", err=True)
+                       f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer | "
+                       f"{s['weights']} FFN weights {sum(s['worker_weight_bytes']) / 1e6:.0f} MB]", err=True)
 
 
 @main.command()
@@ -286,7 +306,7 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
             r = eng.perplexity(data, bar.update)
         pred = eng.predictors
     mode = ("dense" if sparsity is None else f"sparsity {sparsity:.2f}") if pred is None else f"predictor {pred.path}"
-    click.echo(f"{mode}: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
+    click.echo(f"{mode}, {_weights_from_context()} weights: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
                f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
 
 
