@@ -138,6 +138,46 @@ def i8fused_run(st, x, a):
     return mm8(h * ds, d.T.contiguous(), torch.ones(d.shape[1]))
 
 
+def _blocks_rows(w):
+    """Affine codes in blocks of 32 along each row, as GGUF's Q4_1/Q5_1/Q8_0 gate/up rows are
+    (w = code * d + m per block): the shape an exact copy of the file's blocks would have."""
+    n, k = w.shape
+    wg = w.reshape(n, k // GROUP, GROUP)
+    mn, mx = wg.amin(-1), wg.amax(-1)
+    d = ((mx - mn) / 15).clamp(min=1e-12)
+    return torch.round((wg - mn[..., None]) / d[..., None]).to(torch.int8).reshape(n, k), d, mn
+
+
+def _blocks_cols(w):
+    """down_t rows (neurons): the file's blocks run across 32 neighbouring neurons, so the
+    (d, m) tables have one row per block of neurons, gathered by neuron // 32."""
+    q, d, m = _blocks_rows(w.T.contiguous())
+    return q.T.contiguous(), d.T.contiguous(), m.T.contiguous()
+
+
+def blocks_prep(g, u, d):
+    return _blocks_rows(g), _blocks_rows(u), _blocks_cols(d)
+
+
+def _deq_rows(q, d, m):
+    n, k = q.shape
+    return torch.addcmul(m[..., None], q.view(n, -1, GROUP).float(), d[..., None]).view(n, k)
+
+
+def blocks_run(st, x, a):
+    (gq, gd, gm), (uq, ud, um), (dq, dd, dm) = st
+    if a is not None:
+        gq, gd, gm = gq.index_select(0, a), gd.index_select(0, a), gm.index_select(0, a)
+        uq, ud, um = uq.index_select(0, a), ud.index_select(0, a), um.index_select(0, a)
+        b = a // GROUP
+        dq, dd, dm = dq.index_select(0, a), dd.index_select(0, b), dm.index_select(0, b)
+    else:
+        b = torch.arange(dq.shape[0]) // GROUP
+        dd, dm = dd.index_select(0, b), dm.index_select(0, b)
+    h = F.silu(x @ _deq_rows(gq, gd, gm).T) * (x @ _deq_rows(uq, ud, um).T)
+    return h @ torch.addcmul(dm, dq.float(), dd)
+
+
 def w8a8_prep(g, u, d):
     return q8_rows(g), q8_rows(u), q8_rows(d.T.contiguous())
 
@@ -220,6 +260,7 @@ METHODS = {
     "bf16 mv": (bf16mv_prep, bf16mv_run),
     "i8 cast": (i8cast_prep, i8cast_run),
     "i8 pack": (i8pack_prep, i8pack_run),
+    "q4 blocks": (blocks_prep, blocks_run),
     "i8 pack dn-cols": (i8packdn_prep, i8packdn_run),
     "i8 pack fused": (i8fused_prep, i8fused_run),
     "w8a8 int_mm": (w8a8_prep, w8a8_run),
