@@ -75,7 +75,7 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     gate, up and down rows of computed neurons; threshold steps must read every gate row to
     decide, then up and down rows of the active ones. Predictors add their own fc1/fc2."""
     cfg = engine.cfg
-    per_neuron = neuron_bytes(cfg.hidden)
+    per_neuron = neuron_bytes(cfg.hidden, engine.opts.weights)
     row = per_neuron / 3
     n = cfg.n_ff * cfg.n_layers
     if mode.sparsity is not None:

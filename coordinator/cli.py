@@ -42,7 +42,7 @@ def _engine_options(f):
                      help="ZeroMQ transport between coordinator and workers"),
         click.option("--sparsity", type=float, default=None,
                      help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
-    ] + _placement_options + [_predictor_option]
+    ] + _placement_options + [_predictor_option, _weights_option]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -94,6 +94,24 @@ _predictor_option = click.option(
     help="activation predictor GGUF (default: the model's own fc1/fc2, if any; 'none': off)")
 
 
+def _remember_weights(ctx, param, value):
+    ctx.meta["sparseinfer.weights"] = value
+    return value
+
+
+# Passed like the placement options, through the click context.
+_weights_option = click.option(
+    "--weights", type=click.Choice(["f32", "int8"]), default="f32", show_default=True, expose_value=False,
+    callback=_remember_weights,
+    help="how workers keep FFN weights in memory: float32, or int8 with one scale per neuron row "
+         "(a quarter of the memory; see scripts/bench_ffn_kernels.py)")
+
+
+def _weights_from_context() -> str:
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("sparseinfer.weights", "f32") if ctx is not None else "f32"
+
+
 def _predictor_from_context() -> str | None:
     ctx = click.get_current_context(silent=True)
     return ctx.meta.get("sparseinfer.predictor") if ctx is not None else None
@@ -110,6 +128,7 @@ def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsit
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
+                                                       weights=_weights_from_context(),
                                                        **_placement_from_context()))
 
 
@@ -174,7 +193,8 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
             tps = s["decode_tokens"] / s["decode_s"] if s["decode_s"] else float("nan")
             pps = s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] else float("nan")
             click.echo(f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
-                       f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer]", err=True)
+                       f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer | "
+                       f"{s['weights']} FFN weights {sum(s['worker_weight_bytes']) / 1e6:.0f} MB]", err=True)
 
 
 @main.command()
@@ -288,7 +308,7 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
             r = eng.perplexity(data, bar.update)
         pred = eng.predictors
     mode = ("dense" if sparsity is None else f"sparsity {sparsity:.2f}") if pred is None else f"predictor {pred.path}"
-    click.echo(f"{mode}: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
+    click.echo(f"{mode}, {_weights_from_context()} weights: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
                f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
 
 
@@ -341,13 +361,14 @@ def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
     from .placement import GIB, plan_summary, plan_under_budget
 
     _, n_cpu, _ = resolve_threads(EngineOptions(cpu_workers=cpu_workers, threads=threads))
+    weights = _weights_from_context()
     plan, freqs, source = plan_under_budget(path, cfg.n_layers, cfg.n_ff, cfg.hidden, vram_budget_gb, n_cpu,
-                                            write_cache=False)
+                                            write_cache=False, weights=weights)
     from .placement import neuron_bytes
 
-    summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden))
+    summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden, weights))
     return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": int(vram_budget_gb * GIB),
-            "source": source, **summary}
+            "source": source, "weights": weights, **summary}
 
 
 @main.command()
@@ -357,6 +378,7 @@ def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
               help="also print the placement plan for this many GiB on the GPU worker (needs `sparseinfer profile`)")
 @click.option("-t", "--threads", type=int, default=None, help="cores to use in all (default: all)")
 @click.option("--cpu-workers", type=int, default=None, help="CPU worker processes (default: cores - 1, at least 1)")
+@_weights_option
 def info(model, as_json, vram_budget_gb, threads, cpu_workers):
     """Print the model's configuration and tensor types, and the placement for --vram-budget."""
     from collections import Counter
@@ -385,7 +407,7 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
     total = plan["n_layers"] * plan["n_ff"]
     gpu = plan["workers"][0]
     click.echo(f"\nplacement for --vram-budget {vram_budget_gb:g} GiB ({plan['vram_budget_bytes']} bytes; "
-               f"{plan['neuron_bytes']} bytes per neuron as float32 gate row + up row + down column; "
+               f"{plan['neuron_bytes']} bytes per neuron as {plan['weights']} gate row + up row + down column; "
                f"GPU index: {plan['source']})")
     click.echo(f"GPU neurons        {gpu['neurons']} of {total} ({100 * gpu['neurons'] / max(1, total):.1f}%)")
     click.echo(f"expected coverage  {100 * plan['coverage']:.1f}% of expected activations on the GPU worker")

@@ -16,6 +16,7 @@ import torch
 
 from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
+from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import TensorStore
 
@@ -44,6 +45,9 @@ class EngineOptions:
     reset_gpu_index: bool = False  # rebuild <model>.generated.gpuidx even if it matches
     disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
     predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
+    # How workers keep FFN rows in memory: "f32" (exact float32 arithmetic, what the oracle
+    # tests compare against transformers) or "int8" (per-row scales, a quarter of the bytes).
+    weights: str = "f32"
 
 
 @dataclass
@@ -76,6 +80,8 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 class Engine:
     def __init__(self, model_path: str | os.PathLike, opts: EngineOptions | None = None, launcher=None):
         self.opts = opts = opts or EngineOptions()
+        if opts.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {opts.weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
         self.path = Path(model_path)
         reader = open_gguf(self.path)
         self.cfg = cfg = read_config(self.path, reader)
@@ -100,11 +106,11 @@ class Engine:
         if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
             self.plan, _, self.plan_source = plan_under_budget(
                 self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
-                opts.reset_gpu_index, opts.disable_gpu_index)
+                opts.reset_gpu_index, opts.disable_gpu_index, weights=opts.weights)
         else:
             self.plan, self.plan_source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu), "static"
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
-                               opts.gpu_device, opts.transport, launcher=launcher)
+                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights)
         try:
             self.pool.spawn()  # workers start importing while we load attention weights
             self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length))
@@ -248,6 +254,8 @@ class Engine:
             "decode_s": self.last.decode_s,
             "decode_tokens": self.last.decode_tokens,
             "prompt_tokens": self.last.prompt_tokens,
+            "weights": self.opts.weights,
+            "worker_weight_bytes": [w.weight_bytes for w in self.pool.workers],
         }
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sparsecore.ffn import row_nbytes
+
 
 @dataclass
 class WorkerShard:
@@ -67,11 +69,11 @@ GPUIDX_ARCH = "generic.gpu_index"  # PowerInfer's export_split writes this archi
 GPUIDX_FORMAT = "sparseinfer-gpuidx/1"
 
 
-def neuron_bytes(hidden: int, dtype=np.float32) -> int:
+def neuron_bytes(hidden: int, weights: str = "f32") -> int:
     """Bytes one FFN neuron costs on a worker as sparsecore.worker_runtime.LayerWeights
     allocates it: its gate row, its up row and its down column (held as a row), each `hidden`
-    values of `dtype` (today float32, whatever the file's quantization)."""
-    return 3 * int(hidden) * np.dtype(dtype).itemsize
+    values in the workers' weight format (whatever the file's quantization)."""
+    return 3 * row_nbytes(hidden, weights)
 
 
 def choose_hot(freqs: list[np.ndarray], neuron_bytes: int, vram_budget_bytes: int) -> list[np.ndarray]:
@@ -227,7 +229,8 @@ def read_gpuidx(path: Path) -> tuple[list[np.ndarray], dict]:
 
 def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_budget_gb: float,
                       n_cpu_workers: int, reset_gpu_index: bool = False, disable_gpu_index: bool = False,
-                      write_cache: bool = True, profile_file: Path | None = None) -> tuple[Plan, list, str]:
+                      write_cache: bool = True, profile_file: Path | None = None,
+                      weights: str = "f32") -> tuple[Plan, list, str]:
     """The engine's plan for a VRAM budget (GiB): frequencies from `<model>.profile.npz`, the
     GPU share from `<model>.generated.gpuidx` when that file was made for the same model,
     profile, budget and neuron size (unless reset or disabled), otherwise computed and cached.
@@ -245,7 +248,7 @@ def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_b
     if prof.n_layers != n_layers or any(len(f) != n_ff for f in prof.freqs):
         raise ValueError(f"{ppath}: profile has {prof.n_layers} layers x {len(prof.freqs[0])} neurons, the model "
                          f"{n_layers} x {n_ff}; run `sparseinfer profile -m {model}` again")
-    nb = neuron_bytes(hidden)
+    nb = neuron_bytes(hidden, weights)
     budget = int(vram_budget_gb * GIB)
     want = {"format": GPUIDX_FORMAT, "model_bytes": model.stat().st_size, "profile": prof.digest(),
             "vram_budget": budget, "neuron_bytes": nb}

@@ -42,6 +42,7 @@ class WorkerProc:
     n_neurons: int = 0
     device: str = ""
     pid: int = 0
+    weight_bytes: int = 0
 
     @property
     def label(self) -> str:
@@ -94,11 +95,12 @@ def _worker_env(threads: int) -> dict:
 class WorkerPool:
     def __init__(self, model_path: Path, plan: Plan, hidden: int, max_tokens: int,
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
-                 startup_timeout_s: float = 120.0, launcher: Launcher | None = None):
+                 startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32"):
         self.model_path = Path(model_path).resolve()
         self.plan = plan
         self.threads = threads_per_worker
         self.gpu_device = gpu_device
+        self.weights = weights
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
         self.workers: list[WorkerProc] = []
@@ -148,9 +150,9 @@ class WorkerPool:
                 neurons = [np.asarray(shard.neurons[l], dtype=np.int32).tobytes() for l in layers]
                 dev = self.gpu_device if shard.role == "gpu" else "cpu"
                 self._send(ident, Assign(str(self.model_path), self.buffers.name, slot, layers, neurons,
-                                         self.threads, dev))
+                                         self.threads, dev, self.weights))
             elif isinstance(msg, Ready):
-                w.n_neurons, w.device = msg.n_neurons, msg.device
+                w.n_neurons, w.device, w.weight_bytes = msg.n_neurons, msg.device, msg.weight_bytes
                 pending_ready.discard(ident)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")

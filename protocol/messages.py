@@ -36,6 +36,7 @@ class Assign:
     neurons: list[bytes]
     threads: int = 1
     device: str = "auto"
+    weights: str = "f32"  # how the worker keeps its FFN rows: sparsecore.ffn.WEIGHT_FORMATS
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Ready:
     n_neurons: int
     device: str
     load_s: float
+    weight_bytes: int = 0  # FFN weights held in memory, in the Assign's weight format
 
 
 @dataclass

@@ -4,6 +4,9 @@ A worker holds, per layer, the gate and up rows of its neurons and the matching 
 columns stored as rows (down_t), so that both dense and sparse steps are row gathers:
     y = down_t[A]^T @ (act(gate[A] @ x) * (up[A] @ x))
 Summing y over workers gives the full FFN with inactive neurons zeroed.
+
+Each of the three matrices is either a float tensor or Int8Rows (weights kept quantized in
+worker memory, dequantized on the fly after the row gather): see WEIGHT_FORMATS.
 """
 from __future__ import annotations
 
@@ -13,15 +16,98 @@ import torch.nn.functional as F
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu}
 
 
-def ffn_partial(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+class Int8Rows:
+    """A row matrix kept as int8 with one float32 scale per row: W = q * scale[:, None].
+
+    Per-row (per-neuron) scales keep every row self-contained, so gathering active neurons
+    keeps the scales valid and the result does not depend on how neurons are sharded. The
+    kernel (gather int8 rows, convert the gathered rows to float32, float32 matmul, scale) won
+    the measurements in scripts/bench_ffn_kernels.py: 0.6-0.75x the float32 time on sparse
+    steps, about 1x dense, where torch's _weight_int8pack_mm took 2.6-4.9x and the int4 CPU
+    kernel 6.5x (README, "Worker weight format"). The products are those of the dequantized
+    weights up to float32 rounding."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        if q.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != q.shape[:1]:
+            raise ValueError(f"Int8Rows wants int8 (n, k) and float32 (n,), got {q.dtype} {tuple(q.shape)} "
+                             f"and {scale.dtype} {tuple(scale.shape)}")
+        self.q, self.scale = q, scale
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8Rows":
+        """Symmetric round-to-nearest: the largest |w| of a row maps to 127, so every weight is
+        within half a step, max|row| / 254, of its original value."""
+        w = w.float()
+        scale = w.abs().amax(1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+        return cls(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def index_select(self, dim: int, idx: torch.Tensor) -> "Int8Rows":
+        if dim != 0:
+            raise ValueError("Int8Rows gathers whole rows only (dim 0)")
+        return Int8Rows(self.q.index_select(0, idx), self.scale.index_select(0, idx))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+Rows = torch.Tensor | Int8Rows
+WEIGHT_FORMATS = ("f32", "int8")  # how workers keep their FFN rows in memory
+
+
+def quantize_rows(w: torch.Tensor, fmt: str) -> Rows:
+    """Float rows in the worker's weight format `fmt` (one of WEIGHT_FORMATS)."""
+    if fmt == "f32":
+        return w
+    if fmt == "int8":
+        return Int8Rows.quantize(w)
+    raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def row_nbytes(hidden: int, fmt: str) -> int:
+    """Bytes one row of `hidden` values takes in weight format `fmt` (as quantize_rows stores it)."""
+    if fmt == "f32":
+        return 4 * int(hidden)
+    if fmt == "int8":
+        return int(hidden) + 4  # int8 values + one float32 scale
+    raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def rows_nbytes(w: Rows) -> int:
+    return w.nbytes if isinstance(w, Int8Rows) else w.numel() * w.element_size()
+
+
+def _x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
+    """x @ W.T (one output per row of W)."""
+    if isinstance(w, Int8Rows):
+        return (x @ w.q.to(x.dtype).T) * w.scale.to(x.dtype)
+    return x @ w.T
+
+
+def _h_w(h: torch.Tensor, w: Rows) -> torch.Tensor:
+    """h @ W (W's rows weighted by h): the row scales fold into h before the product."""
+    if isinstance(w, Int8Rows):
+        return (h * w.scale.to(h.dtype)) @ w.q.to(h.dtype)
+    return h @ w
+
+
+def ffn_partial(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
                 activation: str, active: torch.Tensor | None = None) -> torch.Tensor:
     """x: (T, hidden); gate/up/down_t: (n_owned, hidden); active: local row indices or None (all)."""
     if active is not None:
         if active.numel() == 0:
             return x.new_zeros(x.shape)
         gate, up, down_t = gate.index_select(0, active), up.index_select(0, active), down_t.index_select(0, active)
-    h = ACTIVATIONS[activation](x @ gate.T) * (x @ up.T)
-    return h @ down_t
+    h = ACTIVATIONS[activation](_x_wt(x, gate)) * _x_wt(x, up)
+    return _h_w(h, down_t)
 
 
 def ffn_dense_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -33,19 +119,19 @@ def ffn_dense_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     return h @ down.T
 
 
-def ffn_partial_threshold(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
                           activation: str, threshold: float) -> tuple[torch.Tensor, int]:
     """CATS: a neuron is active for a token where |act(gate x)| > threshold; up and down are
     computed for active neurons only. Returns (output, active neuron-token pairs).
     One token: gather the active rows. Several: the same math with a mask (prefill-sized
     batches activate nearly every neuron somewhere, so gathering would not pay)."""
-    g = ACTIVATIONS[activation](x @ gate.T)
+    g = ACTIVATIONS[activation](_x_wt(x, gate))
     keep = g.abs() > threshold
     if x.shape[0] == 1:
         active = keep[0].nonzero().squeeze(1)
         if active.numel() == 0:
             return x.new_zeros(x.shape), 0
-        h = g[:, active] * (x @ up.index_select(0, active).T)
-        return h @ down_t.index_select(0, active), int(active.numel())
-    h = g * (x @ up.T) * keep
-    return h @ down_t, int(keep.sum())
+        h = g[:, active] * _x_wt(x, up.index_select(0, active))
+        return _h_w(h, down_t.index_select(0, active)), int(active.numel())
+    h = g * _x_wt(x, up) * keep
+    return _h_w(h, down_t), int(keep.sum())

@@ -22,7 +22,7 @@ from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerF
 from protocol.shm_layout import SharedBuffers
 
 from .config import read_config
-from .ffn import ffn_partial, ffn_partial_threshold
+from .ffn import ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
 from .tensors import TensorStore
 
@@ -63,18 +63,25 @@ def _process_gone(pid: int) -> bool:
 
 
 class LayerWeights:
-    """One layer's owned neurons: gate/up rows and down columns (as rows) on the device."""
+    """One layer's owned neurons: gate/up rows and down columns (as rows) on the device, in the
+    weight format `weights` (sparsecore.ffn.WEIGHT_FORMATS): float32, or int8 rows quantized
+    once here from the file's dequantized values."""
 
-    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device):
+    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device,
+                 weights: str = "f32"):
         self.idx = idx
         p = f"blk.{layer}."
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        dev = lambda a: quantize_rows(torch.from_numpy(np.ascontiguousarray(a)).to(device), weights)
         self.gate = dev(store.rows(p + "ffn_gate.weight", idx))
         self.up = dev(store.rows(p + "ffn_up.weight", idx))
         if store.has(p + "ffn_down_t.weight"):  # PowerInfer stores down transposed: rows are neurons
             self.down_t = dev(store.rows(p + "ffn_down_t.weight", idx))
         else:
             self.down_t = dev(store.columns(p + "ffn_down.weight", idx))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rows_nbytes(w) for w in (self.gate, self.up, self.down_t))
 
 
 def pick_device(role: str, requested: str) -> torch.device:
@@ -125,7 +132,7 @@ class Worker:
         store = TensorStore(a.model_path, reader)
         for layer, raw in zip(a.layers, a.neurons):
             idx = np.frombuffer(raw, dtype=np.int32).astype(np.int64)
-            self.layers[layer] = LayerWeights(store, layer, idx, self.device)
+            self.layers[layer] = LayerWeights(store, layer, idx, self.device, a.weights)
         self.buffers = SharedBuffers.attach(a.shm_name)
         self.slot = a.slot
 
@@ -158,7 +165,8 @@ class Worker:
             self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
             return 1
         n = sum(len(w.idx) for w in self.layers.values())
-        self.send(Ready(self.worker_id, self.role, os.getpid(), n, str(self.device), time.perf_counter() - t0))
+        nbytes = sum(w.nbytes for w in self.layers.values())
+        self.send(Ready(self.worker_id, self.role, os.getpid(), n, str(self.device), time.perf_counter() - t0, nbytes))
         while True:
             m = self.recv()
             if m is None or isinstance(m, Shutdown):

@@ -15,7 +15,8 @@ from coordinator.thresholds import thresholds_path
 
 
 def _fake_engine(hidden=8, n_ff=10, n_layers=3):
-    return SimpleNamespace(cfg=SimpleNamespace(hidden=hidden, n_ff=n_ff, n_layers=n_layers))
+    return SimpleNamespace(cfg=SimpleNamespace(hidden=hidden, n_ff=n_ff, n_layers=n_layers),
+                           opts=SimpleNamespace(weights="f32"))
 
 
 def test_ffn_bytes_follow_what_each_mode_reads():
@@ -28,6 +29,8 @@ def test_ffn_bytes_follow_what_each_mode_reads():
     preds = SimpleNamespace(fc1=[torch.zeros(2, 8)] * 3, fc2=[torch.zeros(10, 2)] * 3)
     assert ffn_bytes_per_token(eng, Mode("p", predictors=preds), 0.5) == pytest.approx(
         n * 3 * row * 0.5 + 3 * (16 + 20) * 4)
+    eng.opts.weights = "int8"  # int8 values and a float32 scale per row
+    assert ffn_bytes_per_token(eng, Mode("dense"), 1.0) == n * 3 * (8 + 4)
 
 
 def test_ratios_against_the_base_mode():

@@ -21,9 +21,16 @@ def _rand_freqs(seed, n_layers, n_ff, skew=1.5):
     return [(rng.pareto(skew, n_ff) / 10).clip(0, 1).astype(np.float32) for _ in range(n_layers)]
 
 
-def test_neuron_bytes_is_three_rows_of_hidden_at_the_worker_dtype():
-    assert neuron_bytes(576) == 3 * 576 * 4  # float32, as LayerWeights allocates today
-    assert neuron_bytes(576, np.float16) == 3 * 576 * 2
+@pytest.mark.parametrize("fmt", ["f32", "int8"])
+def test_neuron_bytes_is_three_rows_as_the_worker_stores_them(fmt):
+    import torch
+
+    from sparsecore.ffn import quantize_rows, rows_nbytes
+
+    assert neuron_bytes(576) == 3 * 576 * 4  # float32 by default
+    assert neuron_bytes(576, "int8") == 3 * (576 + 4)  # int8 values + a float32 scale per row
+    rows = quantize_rows(torch.randn(5, 576), fmt)  # what LayerWeights keeps for 5 neurons' gate rows
+    assert neuron_bytes(576, fmt) == 3 * rows_nbytes(rows) // 5
 
 
 @pytest.mark.parametrize("seed", range(6))
