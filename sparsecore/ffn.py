@@ -119,19 +119,30 @@ def ffn_dense_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     return h @ down.T
 
 
+# Above this fraction of active neurons, a one-token threshold step computes up and down densely
+# and zeroes the inactive neurons instead of gathering their rows: gathering copies the rows it
+# reads, so at SmolLM2's operating point (80 % active) it made the FFN 2.7x slower than dense,
+# and below ~35 % it wins (scripts/bench_ffn_kernels.py; README, "Worker weight format").
+GATHER_BELOW = 0.35
+
+
 def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
                           activation: str, threshold: float) -> tuple[torch.Tensor, int]:
     """CATS: a neuron is active for a token where |act(gate x)| > threshold; up and down are
     computed for active neurons only. Returns (output, active neuron-token pairs).
-    One token: gather the active rows. Several: the same math with a mask (prefill-sized
-    batches activate nearly every neuron somewhere, so gathering would not pay)."""
+    One token with few active neurons: gather the active rows. Otherwise the same math with a
+    mask (prefill-sized batches activate nearly every neuron somewhere, so gathering would not
+    pay). Either way inactive neurons contribute exactly zero."""
     g = ACTIVATIONS[activation](_x_wt(x, gate))
     keep = g.abs() > threshold
     if x.shape[0] == 1:
         active = keep[0].nonzero().squeeze(1)
-        if active.numel() == 0:
+        n = int(active.numel())
+        if n == 0:
             return x.new_zeros(x.shape), 0
-        h = g[:, active] * _x_wt(x, up.index_select(0, active))
-        return _h_w(h, down_t.index_select(0, active)), int(active.numel())
+        if n < GATHER_BELOW * g.shape[1]:
+            h = g[:, active] * _x_wt(x, up.index_select(0, active))
+            return _h_w(h, down_t.index_select(0, active)), n
+        return _h_w(g * _x_wt(x, up) * keep, down_t), n
     h = g * _x_wt(x, up) * keep
     return _h_w(h, down_t), int(keep.sum())
