@@ -100,9 +100,19 @@ def busy_cores(seconds: float = 1.0) -> float | None:
 
 
 def prompt_ids(model: Path, pp: int) -> list[int]:
-    """pp tokens of English text from pydoc topics (transformers' tokenizer)."""
-    from compare_llamacpp import heldout_chunks, load_hf_tokenizer
-    return heldout_chunks(load_hf_tokenizer(model), 1, pp)[0]
+    """pp tokens of English text from pydoc topics, by our GGUF tokenizer (tested to match
+    transformers'), so the benchmark needs no transformers."""
+    from compare_llamacpp import heldout_chunks
+    from coordinator.tokenizer import GGUFTokenizer
+    from sparsecore.gguf_file import open_gguf
+
+    tok = GGUFTokenizer.from_reader(open_gguf(model))
+
+    class _NoSpecials:  # heldout_chunks calls encode(text, add_special_tokens=False)
+        def encode(self, text, add_special_tokens=False):
+            return tok.encode(text, add_bos=add_special_tokens, add_eos=False)
+
+    return heldout_chunks(_NoSpecials(), 1, pp)[0]
 
 
 def bench(runners, prompt, tg: int, reps: int, warmup: int) -> dict:
