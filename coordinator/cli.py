@@ -35,8 +35,9 @@ def _engine_options(f):
     opts = [
         click.option("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, pulled on first use)"),
         click.option("-t", "--threads", type=int, default=None, help="cores to use in all (default: all)"),
-        click.option("--cpu-workers", type=int, default=None, help="CPU worker processes (default: cores - 1, at least 1)"),
-        click.option("--gpu-share", type=float, default=None, help="fraction of each layer's neurons on the GPU worker"),
+        click.option("--cpu-workers", type=int, default=None, help="CPU worker processes (default: cores - 1, with CUDA cores - 2; at least 1)"),
+        click.option("--gpu-share", type=float, default=None,
+                     help="fraction of each layer's neurons on the GPU worker (default: 0.5 with CUDA, else 0)"),
         click.option("--ctx", type=int, default=2048, show_default=True, help="context size (KV cache length)"),
         click.option("--transport", type=click.Choice(["ipc", "tcp"]), default="ipc", show_default=True,
                      help="ZeroMQ transport between coordinator and workers"),
@@ -360,7 +361,9 @@ def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
     from .engine import EngineOptions, resolve_threads
     from .placement import GIB, plan_summary, plan_under_budget
 
-    _, n_cpu, _ = resolve_threads(EngineOptions(cpu_workers=cpu_workers, threads=threads))
+    import torch
+
+    _, n_cpu, _ = resolve_threads(EngineOptions(cpu_workers=cpu_workers, threads=threads), torch.cuda.is_available())
     weights = _weights_from_context()
     plan, freqs, source = plan_under_budget(path, cfg.n_layers, cfg.n_ff, cfg.hidden, vram_budget_gb, n_cpu,
                                             write_cache=False, weights=weights)

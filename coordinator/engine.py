@@ -48,6 +48,9 @@ class EngineOptions:
     # How workers keep FFN rows in memory: "f32" (exact float32 arithmetic, what the oracle
     # tests compare against transformers) or "int8" (per-row scales, a quarter of the bytes).
     weights: str = "f32"
+    # Per-layer exchange: spin on shared-memory doorbells (True), messages only (False), or
+    # spin when the coordinator and every computing worker have a core each (None).
+    spin: bool | None = None
 
 
 @dataclass
@@ -59,14 +62,22 @@ class RunStats:
     token_times: list[float] = field(default_factory=list)
 
 
-def resolve_threads(opts: EngineOptions) -> tuple[int, int, int]:
+def resolve_threads(opts: EngineOptions, cuda: bool = False) -> tuple[int, int, int]:
     """(total threads, cpu workers, threads per worker) without oversubscribing the cores.
-    The coordinator and the workers take turns (per layer), so the coordinator may use all;
-    the workers run at the same time, so together they use at most `total`."""
+    The coordinator keeps one core; the workers share the rest. Without CUDA the GPU worker
+    holds no neuron by default (see default_gpu_share), so every other core gets a CPU worker;
+    with CUDA the GPU worker's feeding thread takes a core too."""
     total = opts.threads or os.cpu_count() or 1
-    n_cpu = opts.cpu_workers if opts.cpu_workers is not None else max(1, total - 1)
-    per_worker = max(1, total // (n_cpu + 1))
+    default_cpu = max(1, total - 2) if cuda else max(1, total - 1)
+    n_cpu = opts.cpu_workers if opts.cpu_workers is not None else default_cpu
+    per_worker = max(1, (total - 1) // n_cpu) if total > 1 else 1
     return total, n_cpu, per_worker
+
+
+def default_gpu_share(cuda: bool) -> float:
+    """Half of each layer on a real GPU. Without one the GPU worker would be one more CPU process
+    competing for the cores: it holds nothing, and the CPU workers take every neuron."""
+    return 0.5 if cuda else 0.0
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -98,11 +109,9 @@ class Engine:
         self.chat_template = chat_template_from_reader(reader)
         self.reader = reader
         self.predictors = self._load_predictors(reader)
-        total, n_cpu, per_worker = resolve_threads(opts)
-        torch.set_num_threads(total)
-        share = opts.gpu_share
-        if share is None:
-            share = 0.5 if torch.cuda.is_available() else 1.0 / (n_cpu + 1)
+        cuda = torch.cuda.is_available() and opts.gpu_device in ("auto", "cuda")
+        total, n_cpu, per_worker = resolve_threads(opts, cuda)
+        share = default_gpu_share(cuda) if opts.gpu_share is None else opts.gpu_share
         if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
             self.plan, _, self.plan_source = plan_under_budget(
                 self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
@@ -110,7 +119,10 @@ class Engine:
         else:
             self.plan, self.plan_source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu), "static"
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
-                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights)
+                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
+                               spin=opts.spin, cores=total)
+        # While workers spin on their cores, the coordinator computes on the one left to it.
+        torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
             self.pool.spawn()  # workers start importing while we load attention weights
             self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length))

@@ -1,9 +1,12 @@
 """Start the worker processes, run the per-layer FFN exchange with them, stop them cleanly.
 
-Per layer: the caller has written x (and the active mask) into shared memory; run_ffn sends one
-Ffn message to every worker, waits for every Done, and sums the workers' output slots. While
-waiting it polls in short slices and checks each process, so a dead worker is reported by
-name within a fraction of a second instead of hanging the token loop.
+Per layer: the caller has written x (and the active mask) into shared memory; run_ffn rings the
+doorbell (the request words in shared memory; an Ffn message to each worker that sleeps), waits
+until every worker that owns neurons of the layer reports the step done (its doorbell slot, or a
+Done message), and sums their output slots. Both sides spin on shared memory for a while before
+they sleep on their sockets (sparsecore/doorbell.py says why). While waiting, the pool checks
+each process, so a dead worker is reported by name within a fraction of a second instead of
+hanging the token loop.
 """
 from __future__ import annotations
 
@@ -21,12 +24,16 @@ import zmq
 
 from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import SharedBuffers, ShmLayout
+from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
+                                 REQ_STEP, REQ_TOKENS, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
+                                 SLOT_SLEEPING, SharedBuffers, ShmLayout)
+from sparsecore.doorbell import COORDINATOR_SPIN_US, WORKER_SPIN_US, spin_supported, usable_cores
 
 from .placement import Plan, WorkerShard
 
 POLL_SLICE_MS = 100
 DEATH_CHECK_S = 0.2
+SOCKET_CHECK_SPINS = 256  # while spinning, look at the socket (WorkerFailed, Done) this often
 
 
 class WorkerError(RuntimeError):
@@ -76,6 +83,7 @@ class SyncStats:
     overhead_us: list[float] = field(default_factory=list)  # round trip minus slowest worker's compute
     active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
     tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
+    ffn_messages: int = 0  # steps sent as Ffn messages to sleeping workers (the rest went by doorbell)
 
 
 def _worker_env(threads: int) -> dict:
@@ -95,7 +103,8 @@ def _worker_env(threads: int) -> dict:
 class WorkerPool:
     def __init__(self, model_path: Path, plan: Plan, hidden: int, max_tokens: int,
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
-                 startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32"):
+                 startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
+                 spin: bool | None = None, cores: int | None = None):
         self.model_path = Path(model_path).resolve()
         self.plan = plan
         self.threads = threads_per_worker
@@ -106,6 +115,7 @@ class WorkerPool:
         self.workers: list[WorkerProc] = []
         self.stats = SyncStats()
         self.step = 0
+        self._last_alive_check = 0.0
         self.run_dir = private_runtime_dir()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -116,6 +126,17 @@ class WorkerPool:
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
+        # Per layer, the slots of the workers that own neurons of it: only they get the step.
+        self.participants = [np.array([slot for slot, sh in enumerate(plan.shards) if len(sh.neurons[layer])],
+                                      dtype=np.intp) for layer in range(plan.n_layers)]
+        # Spin only when the coordinator and every worker that computes have a core each: a
+        # spinner sharing a core with the process it waits for delays it by a scheduler tick.
+        self.spinning_workers = sum(1 for sh in plan.shards if any(len(n) for n in sh.neurons))
+        if spin is None:
+            spin = spin_supported() and 1 + self.spinning_workers <= (cores or usable_cores())
+        self.spin = spin
+        if not self.spin:  # messages only: workers always get Ffn, always answer Done
+            self.buffers.request[REQ_COORD_SLEEPING] = 1
 
     # ---- startup ------------------------------------------------------------------------
 
@@ -125,6 +146,7 @@ class WorkerPool:
             cmd = self.launcher(shard, self.endpoint)
             proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, proc, f"{shard.role}{shard.worker_id}".encode()))
+        self._slot_of = {w.identity: slot for slot, w in enumerate(self.workers)}
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
@@ -150,7 +172,8 @@ class WorkerPool:
                 neurons = [np.asarray(shard.neurons[l], dtype=np.int32).tobytes() for l in layers]
                 dev = self.gpu_device if shard.role == "gpu" else "cpu"
                 self._send(ident, Assign(str(self.model_path), self.buffers.name, slot, layers, neurons,
-                                         self.threads, dev, self.weights))
+                                         self.threads, dev, self.weights,
+                                         WORKER_SPIN_US if self.spin else 0))
             elif isinstance(msg, Ready):
                 w.n_neurons, w.device, w.weight_bytes = msg.n_neurons, msg.device, msg.weight_bytes
                 pending_ready.discard(ident)
@@ -160,38 +183,94 @@ class WorkerPool:
     # ---- per-layer exchange -------------------------------------------------------------
 
     def run_ffn(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
-        """Ask every worker for its partial FFN of `layer`; return the sum, shape (n_tokens, hidden).
-        The number of (neuron, token) pairs computed is added to self.stats.active[layer]."""
+        """Ask every worker that owns neurons of `layer` for its partial FFN; return the sum, shape
+        (n_tokens, hidden). The (neuron, token) pairs computed are added to self.stats.active[layer]."""
         if not 1 <= n_tokens <= self.buffers.layout.max_tokens:
             raise ValueError(f"n_tokens {n_tokens} outside 1..{self.buffers.layout.max_tokens}")
         self.step += 1
+        step = self.step
         t0 = time.perf_counter()
-        for w in self.workers:
-            self._send(w.identity, Ffn(layer, self.step, n_tokens, dense, threshold))
-        waiting = {w.identity for w in self.workers}  # a set: a duplicate Done counts once
-        slowest_us = 0.0
-        last_check = time.monotonic()
-        while waiting:
-            got = self._recv(POLL_SLICE_MS)
-            if got is None or time.monotonic() - last_check > DEATH_CHECK_S:
-                self._check_alive()
-                last_check = time.monotonic()
-                if got is None:
-                    continue
-            ident, msg = got
-            if isinstance(msg, Done) and msg.step == self.step:
-                if ident in waiting:
-                    self.stats.active[layer] = self.stats.active.get(layer, 0) + msg.n_active
-                waiting.discard(ident)
-                slowest_us = max(slowest_us, msg.compute_us)
-            elif isinstance(msg, WorkerFailed):
-                raise WorkerError(f"{self._by_ident(ident).label} failed: {msg.reason}")
+        buf = self.buffers
+        req, slots = buf.request, buf.slots
+        req[REQ_LAYER], req[REQ_TOKENS] = layer, n_tokens
+        req[REQ_FLAGS] = (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0)
+        req[REQ_STEP] = step  # last: a spinning worker that sees it reads a complete request
+        part = self.participants[layer]
+        for slot in part:
+            if slots[slot, SLOT_SLEEPING]:
+                self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
+                self.stats.ffn_messages += 1
+        n_active, slowest_ns = self._wait_done(step, part)
+        self.stats.active[layer] = self.stats.active.get(layer, 0) + n_active
         self.stats.tokens[layer] = self.stats.tokens.get(layer, 0) + n_tokens
         rt = (time.perf_counter() - t0) * 1e6
         self.stats.round_trip_us.append(rt)
-        self.stats.overhead_us.append(rt - slowest_us)
-        out = self.buffers.out[:, :n_tokens]
-        return out.sum(axis=0) if len(self.workers) > 1 else out[0].copy()
+        self.stats.overhead_us.append(rt - slowest_ns / 1e3)
+        if len(part) == 1:
+            return buf.out[part[0], :n_tokens].copy()
+        if len(part) == len(self.workers):
+            return buf.out[:, :n_tokens].sum(axis=0)
+        return buf.out[part, :n_tokens].sum(axis=0)
+
+    def _wait_done(self, step: int, part: np.ndarray) -> tuple[int, int]:
+        """Wait until every slot in `part` has done `step`: spin on the doorbell, then sleep on the
+        socket. Returns (active pairs summed, slowest compute in ns). A slot counts once, whether
+        its doorbell or a Done message (or both) says so; a stale or duplicate Done is ignored."""
+        slots = self.buffers.slots
+        waiting = set(int(s) for s in part)
+        n_active, slowest = 0, 0
+
+        def take(slot: int, active: int, compute_ns: int) -> None:
+            nonlocal n_active, slowest
+            waiting.discard(slot)
+            n_active += active
+            slowest = max(slowest, compute_ns)
+
+        def check_doorbell() -> None:
+            for slot in [s for s in waiting if slots[s, SLOT_DONE] == step]:
+                take(slot, int(slots[slot, SLOT_ACTIVE]), int(slots[slot, SLOT_COMPUTE_NS]))
+
+        def handle(got) -> None:
+            ident, msg = got
+            if isinstance(msg, WorkerFailed):
+                raise WorkerError(f"{self._by_ident(ident).label} failed: {msg.reason}")
+            if isinstance(msg, Done) and msg.step == step:
+                slot = self._slot_of[ident]
+                if slot in waiting:
+                    take(slot, msg.n_active, int(msg.compute_us * 1e3))
+
+        self._check_alive_every(DEATH_CHECK_S)  # also workers that sit this layer out
+        deadline = time.monotonic() + (COORDINATOR_SPIN_US / 1e6 if self.spin else 0.0)
+        n = 0
+        while waiting and self.spin:
+            check_doorbell()
+            n += 1
+            if waiting and n % SOCKET_CHECK_SPINS == 0:
+                if self.sock.poll(0):
+                    handle(self._recv(0))
+                self._check_alive_every(DEATH_CHECK_S)
+                if time.monotonic() > deadline:
+                    break
+        if not waiting:
+            return n_active, slowest
+        # Sleep on the socket; workers that see the flag answer with Done messages. The first
+        # waits are short in case a worker finished just as the flag went up.
+        req = self.buffers.request
+        req[REQ_COORD_SLEEPING] = 1
+        try:
+            timeout = 1
+            while True:
+                check_doorbell()
+                if not waiting:
+                    return n_active, slowest
+                got = self._recv(timeout)
+                if got is not None:
+                    handle(got)
+                self._check_alive_every(0.0 if got is None else DEATH_CHECK_S)
+                timeout = min(POLL_SLICE_MS, timeout * 4)
+        finally:
+            if self.spin:
+                req[REQ_COORD_SLEEPING] = 0
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -210,6 +289,13 @@ class WorkerPool:
             return None
         ident, data = self.sock.recv_multipart()
         return ident, decode(data)
+
+    def _check_alive_every(self, interval_s: float) -> None:
+        """_check_alive, at most once per `interval_s` across exchanges (one is far shorter)."""
+        now = time.monotonic()
+        if now - self._last_alive_check >= interval_s:
+            self._check_alive()
+            self._last_alive_check = now
 
     def _check_alive(self) -> None:
         for w in self.workers:

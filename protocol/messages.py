@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: doorbell words in shared memory
 
 
 class ProtocolError(Exception):
@@ -37,6 +37,9 @@ class Assign:
     threads: int = 1
     device: str = "auto"
     weights: str = "f32"  # how the worker keeps its FFN rows: sparsecore.ffn.WEIGHT_FORMATS
+    # Doorbell: how long to spin on shared memory for the next step before sleeping on the
+    # socket (0: never spin, messages only).
+    spin_us: int = 0
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Ready:
 @dataclass
 class Ffn:
     """Coordinator -> workers: x for `layer` is in shared memory; compute your partial FFN.
+    Sent only to a worker whose doorbell slot says it sleeps; a spinning worker reads the same
+    fields from the shared-memory request (protocol/shm_layout.py).
     dense=False: only neurons set in the shared active mask (a predictor's choice).
     threshold=True: only neurons whose |act(gate x)| exceeds the layer's threshold in shared
     memory (CATS-style, decided per token by the worker that holds the gate rows)."""
@@ -66,7 +71,9 @@ class Ffn:
 
 @dataclass
 class Done:
-    """Worker -> coordinator: partial output for (layer, step) is in this worker's slot."""
+    """Worker -> coordinator: partial output for (layer, step) is in this worker's slot.
+    Sent when the shared-memory request says the coordinator sleeps (or by a worker that does
+    not use the doorbell); otherwise the worker's doorbell slot carries the same fields."""
     worker_id: int
     layer: int
     step: int

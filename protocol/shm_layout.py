@@ -1,9 +1,21 @@
-"""The shared-memory segment of one run: a header, the FFN input, the active mask, output slots.
+"""The shared-memory segment of one run: a header, the FFN input, the active mask, output slots,
+and the doorbell words that synchronize each layer without a system call.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
-    [thresholds: f32 n_layers]
-Each region starts on a 64-byte boundary. The coordinator creates and unlinks the segment;
-workers attach and refuse a header that does not match what they were told.
+    [thresholds: f32 n_layers][request: i64 x 8][slot 0: i64 x 8]...[slot n_slots-1: i64 x 8]
+Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
+line of their own, so a worker spinning on the request never shares a line another one writes.
+
+Doorbell (the fast path of the per-layer exchange; ZMQ messages carry the same facts when a
+side sleeps, see coordinator/worker_pool.py and sparsecore/worker_runtime.py):
+    request[REQ_LAYER, REQ_TOKENS, REQ_FLAGS] are written first, request[REQ_STEP] last: a
+    worker that sees a new step reads a complete request (x86-TSO keeps stores in order; on
+    other CPUs the pool does not spin and uses messages only).
+    slot[SLOT_ACTIVE, SLOT_COMPUTE_NS] are written after the output rows, slot[SLOT_DONE] last.
+    slot[SLOT_SLEEPING] = 1: this worker blocks on its socket, wake it with an Ffn message.
+    request[REQ_COORD_SLEEPING] = 1: the coordinator blocks on its socket, send Done messages.
+The coordinator creates and unlinks the segment; workers attach and refuse a header that does
+not match what they were told.
 """
 from __future__ import annotations
 
@@ -22,6 +34,12 @@ MAGIC = b"SPINFSHM"
 _HEADER = struct.Struct("<8sIIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots, n_layers
 HEADER_BYTES = 64
 SHM_PREFIX = "sparseinfer_"
+
+# Doorbell words (int64 indices into SharedBuffers.request and SharedBuffers.slots[slot]).
+REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
+SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
+FLAG_DENSE, FLAG_THRESHOLD = 1, 2
+LINE_WORDS = 8  # int64 words in one 64-byte cache line
 
 
 class LayoutError(Exception):
@@ -57,8 +75,16 @@ class ShmLayout:
         return _align(self.out_offset + 4 * self.n_slots * self.max_tokens * self.hidden)
 
     @property
-    def size(self) -> int:
+    def request_offset(self) -> int:
         return _align(self.thresholds_offset + 4 * self.n_layers)
+
+    @property
+    def slots_offset(self) -> int:
+        return self.request_offset + 8 * LINE_WORDS
+
+    @property
+    def size(self) -> int:
+        return self.slots_offset + 8 * LINE_WORDS * self.n_slots
 
     def header(self) -> bytes:
         return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots,
@@ -90,7 +116,8 @@ class _Mapping:
 
 
 class SharedBuffers:
-    """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens, hidden)."""
+    """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
+    hidden), thresholds (n_layers,), and the doorbell: request (8,) and slots (n_slots, 8) int64."""
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
         self.shm, self.layout, self.owner = shm, layout, owner
@@ -100,6 +127,8 @@ class SharedBuffers:
         self.mask = np.ndarray((L.n_ff,), np.uint8, buf, L.mask_offset)
         self.out = np.ndarray((L.n_slots, L.max_tokens, L.hidden), np.float32, buf, L.out_offset)
         self.thresholds = np.ndarray((L.n_layers,), np.float32, buf, L.thresholds_offset)
+        self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
+        self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
 
     @property
     def name(self) -> str:
@@ -142,7 +171,7 @@ class SharedBuffers:
 
     def close(self) -> None:
         # Views must go before the mmap can close.
-        self.x = self.mask = self.out = self.thresholds = None
+        self.x = self.mask = self.out = self.thresholds = self.request = self.slots = None
         try:
             self.shm.close()
         except BufferError:

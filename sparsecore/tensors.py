@@ -56,6 +56,8 @@ class TensorStore:
         """Rows `idx` of a 2-D tensor as float32, touching only those rows' bytes."""
         t = self.info(name)
         n_rows, n_cols = self.shape(name)
+        if len(idx) == 0:  # a worker that owns no neuron of this layer
+            return np.zeros((0, n_cols), np.float32)
         raw = t.data.reshape(n_rows, -1)[np.asarray(idx, dtype=np.int64)]
         return dequantize(raw, t.tensor_type).astype(np.float32, copy=False).reshape(len(idx), n_cols)
 

@@ -2,8 +2,11 @@
 
 A worker is started by the coordinator with an endpoint and an id. It says Hello, receives an
 Assign (model file, shared-memory name, its neuron indices per layer), memory-maps the model
-and slices its rows, says Ready, then for every Ffn message computes its partial FFN from
-shared memory into its own output slot and says Done. It never receives weights over the wire.
+and slices its rows, says Ready, then for every step computes its partial FFN from shared
+memory into its own output slot and reports it done. It never receives weights over the wire.
+
+Steps arrive through the shared-memory doorbell while the worker spins (Assign.spin_us after
+its last step), or as Ffn messages once it sleeps on its socket; see protocol/shm_layout.py.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import zmq
 
 from protocol.addresses import COORDINATOR_PID_ENV
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import SharedBuffers
+from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
+                                 REQ_STEP, REQ_TOKENS, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
+                                 SLOT_SLEEPING, SharedBuffers)
 
 from .config import read_config
 from .ffn import ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
@@ -27,6 +32,7 @@ from .gguf_file import open_gguf
 from .tensors import TensorStore
 
 PARENT_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
+SOCKET_CHECK_SPINS = 256  # a spinning worker looks at its socket (Shutdown) this often
 
 
 def _die_with_parent() -> None:
@@ -107,6 +113,8 @@ class Worker:
         self.layers: dict[int, LayerWeights] = {}
         self.buffers: SharedBuffers | None = None
         self.activation = "silu"
+        self.last_step = 0
+        self.spin_s = 0.0
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
@@ -135,8 +143,91 @@ class Worker:
             self.layers[layer] = LayerWeights(store, layer, idx, self.device, a.weights)
         self.buffers = SharedBuffers.attach(a.shm_name)
         self.slot = a.slot
+        # A worker that owns no neuron (the GPU worker on a machine without one, by default)
+        # is never asked for a step: it sleeps instead of spinning on a core others compute on.
+        owns = any(len(w.idx) for w in self.layers.values())
+        self.spin_s = a.spin_us / 1e6 if owns else 0.0
 
-    def step(self, m: Ffn) -> Done:
+    # ---- receiving steps ------------------------------------------------------------------
+
+    def _doorbell_request(self) -> Ffn | None:
+        """The shared-memory request if it is a new step for this worker, else None. Read like a
+        seqlock: the step before and after the fields must agree."""
+        req = self.buffers.request
+        while True:
+            step = int(req[REQ_STEP])
+            if step == self.last_step:
+                return None
+            layer, n_tokens, flags = int(req[REQ_LAYER]), int(req[REQ_TOKENS]), int(req[REQ_FLAGS])
+            if int(req[REQ_STEP]) == step:
+                break
+        w = self.layers.get(layer)
+        if w is None or len(w.idx) == 0:  # not a participant: the coordinator does not wait for us
+            self.last_step = step
+            return None
+        return Ffn(layer, step, n_tokens, bool(flags & FLAG_DENSE), bool(flags & FLAG_THRESHOLD))
+
+    def _from_socket(self, msg):
+        """A message from the socket: Shutdown, a new Ffn, or None (a wake-up for a step we
+        already took from the doorbell, or anything else stale)."""
+        if isinstance(msg, Shutdown):
+            return msg
+        if isinstance(msg, Ffn) and msg.step > self.last_step:
+            return msg
+        return None
+
+    def next_step(self):
+        """The next Ffn for this worker, Shutdown, or None when the coordinator has gone away."""
+        req = self.buffers.request
+        if self.spin_s > 0:
+            deadline = time.perf_counter() + self.spin_s
+            n = 0
+            while True:
+                if req[REQ_STEP] != self.last_step:
+                    m = self._doorbell_request()
+                    if m is not None:
+                        return m
+                n += 1
+                if n % SOCKET_CHECK_SPINS == 0:
+                    if self.sock.poll(0):
+                        m = self._from_socket(decode(self.sock.recv()))
+                        if m is not None:
+                            return m
+                    if time.perf_counter() > deadline:
+                        break
+        # Sleep on the socket. The flag goes up before the doorbell is checked once more, so a
+        # step posted meanwhile is either seen here or answered by the coordinator with an Ffn
+        # message; the first waits are short in case both looked at once (store-load reordering).
+        slot = self.buffers.slots[self.slot]
+        slot[SLOT_SLEEPING] = 1
+        try:
+            timeout = 1
+            while True:
+                m = self._doorbell_request()
+                if m is not None:
+                    return m
+                if self.sock.poll(timeout):
+                    m = self._from_socket(decode(self.sock.recv()))
+                    if m is not None:
+                        return m
+                elif self.coordinator_gone():
+                    return None
+                timeout = min(PARENT_CHECK_MS, timeout * 4)
+        finally:
+            slot[SLOT_SLEEPING] = 0
+
+    def finish(self, m: Ffn, n_active: int, compute_ns: int) -> None:
+        """Report step `m` done: the doorbell slot always, a Done message if the coordinator sleeps."""
+        slot = self.buffers.slots[self.slot]
+        slot[SLOT_ACTIVE] = n_active
+        slot[SLOT_COMPUTE_NS] = compute_ns
+        slot[SLOT_DONE] = m.step
+        self.last_step = m.step
+        if self.buffers.request[REQ_COORD_SLEEPING]:
+            self.send(Done(self.worker_id, m.layer, m.step, compute_ns / 1e3, n_active))
+
+    def step(self, m: Ffn) -> tuple[int, int]:
+        """Compute step `m` into this worker's output slot: (active neuron-token pairs, ns taken)."""
         t0 = time.perf_counter()
         w = self.layers[m.layer]
         buf = self.buffers
@@ -151,7 +242,7 @@ class Worker:
             y = ffn_partial(x, w.gate, w.up, w.down_t, self.activation, active)
             n_active = len(w.idx) * m.n_tokens if active is None else int(active.numel()) * m.n_tokens
         buf.out[self.slot, : m.n_tokens] = y.cpu().numpy()
-        return Done(self.worker_id, m.layer, m.step, (time.perf_counter() - t0) * 1e6, n_active)
+        return n_active, int((time.perf_counter() - t0) * 1e9)
 
     def serve(self) -> int:
         self.send(Hello(self.worker_id, self.role, os.getpid()))
@@ -168,12 +259,12 @@ class Worker:
         nbytes = sum(w.nbytes for w in self.layers.values())
         self.send(Ready(self.worker_id, self.role, os.getpid(), n, str(self.device), time.perf_counter() - t0, nbytes))
         while True:
-            m = self.recv()
+            m = self.next_step()
             if m is None or isinstance(m, Shutdown):
                 return 0
             if isinstance(m, Ffn):
                 try:
-                    self.send(self.step(m))
+                    self.finish(m, *self.step(m))
                 except Exception as e:
                     self.send(WorkerFailed(self.worker_id, self.role, f"layer {m.layer}: {type(e).__name__}: {e}"))
                     return 1

@@ -7,8 +7,10 @@ Identity f"{role}{id}", Hello -> Assign -> attach SharedBuffers -> Ready, then p
     dense:   out[slot, :n] = x[:n] * (worker_id + 1) + layer
     sparse:  the same, then row 0 is replaced by zeros except out[slot, 0, slot] = number of this
              worker's owned neurons of `layer` that are active in the shared mask
-and reply Done(compute_us = 10 * (worker_id + 1)). It imports neither torch nor sparsecore, so
-it starts fast.
+and reply Done(compute_us = 10 * (worker_id + 1)). It never uses the shared-memory doorbell: its
+slot says it sleeps, so every step comes as an Ffn message and every answer goes back as Done
+(the pool's fallback path; the real workers' doorbell is tested end to end). It imports neither
+torch nor sparsecore, so it starts fast.
 
 Behaviors:
     ok            as above
@@ -40,7 +42,7 @@ import zmq  # noqa: E402
 
 from protocol.messages import (Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed,  # noqa: E402
                                decode, encode)
-from protocol.shm_layout import SharedBuffers  # noqa: E402
+from protocol.shm_layout import SLOT_SLEEPING, SharedBuffers  # noqa: E402
 
 BEHAVIORS = ("ok", "fail_load", "die_at_start", "die_on_ffn", "fail_on_ffn", "dup_done", "stale_done",
              "slow_ffn", "slow_ready")
@@ -87,6 +89,7 @@ def main(argv=None) -> int:
         owned = {layer: np.frombuffer(raw, dtype=np.int32) for layer, raw in zip(a.layers, a.neurons)}
         buffers = SharedBuffers.attach(a.shm_name)
         slot = a.slot
+        buffers.slots[slot, SLOT_SLEEPING] = 1  # always asleep: steps come as Ffn messages
         send(Ready(wid, role, os.getpid(), sum(len(v) for v in owned.values()), "mock", 0.0))
         n_ffn, last_step = 0, -1
         while True:

@@ -34,6 +34,26 @@ def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=2e-3 * np.abs(ref_logits).max())
 
 
+def test_doorbell_and_messages_give_the_same_tokens(tiny_model, no_leaks):
+    """One worker and the coordinator on two cores spin on the shared-memory doorbell; forced
+    off, every step goes as a message. Both must produce the oracle's tokens, and the doorbell
+    run must really have skipped the messages (all but the wake-ups after idle gaps)."""
+    ref = ReferenceLlama(tiny_model)
+    ids = [5, 17, 33, 80, 120]
+    want = ref.greedy(ids, 16)
+    for spin in (True, False):
+        with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, spin=spin)) as eng:
+            assert eng.pool.spin is spin
+            got = list(eng.generate(ids, 16, SamplingParams(temperature=0.0), stop_at_eos=False))
+            st = eng.pool.stats
+            exchanges = len(st.round_trip_us)
+        assert got == want, f"spin={spin}"
+        if spin:
+            assert st.ffn_messages < exchanges / 4, (st.ffn_messages, exchanges)
+        else:
+            assert st.ffn_messages == exchanges
+
+
 def test_prefill_in_chunks_equals_one_batch(tiny_model):
     """The FFN exchange splits long prompts into max_batch chunks; the result must not change."""
     ids = list(range(3, 60))

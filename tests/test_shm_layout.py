@@ -41,7 +41,8 @@ def test_layout_regions(L):
         (L.mask_offset, L.n_ff),
         (L.out_offset, 4 * L.n_slots * L.max_tokens * L.hidden),
         (L.thresholds_offset, 4 * L.n_layers),
-    ]
+        (L.request_offset, 64),  # doorbell: the request line, then one line per slot
+    ] + [(L.slots_offset + 64 * i, 64) for i in range(L.n_slots)]
     for start, _ in regions:
         assert start % 64 == 0, (start, L)
     assert L.size % 64 == 0
