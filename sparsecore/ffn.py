@@ -135,14 +135,11 @@ def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
     pay). Either way inactive neurons contribute exactly zero."""
     g = ACTIVATIONS[activation](_x_wt(x, gate))
     keep = g.abs() > threshold
-    if x.shape[0] == 1:
+    n = int(keep.sum())
+    if n == 0:
+        return x.new_zeros(x.shape), 0
+    if x.shape[0] == 1 and n < GATHER_BELOW * g.shape[1]:
         active = keep[0].nonzero().squeeze(1)
-        n = int(active.numel())
-        if n == 0:
-            return x.new_zeros(x.shape), 0
-        if n < GATHER_BELOW * g.shape[1]:
-            h = g[:, active] * _x_wt(x, up.index_select(0, active))
-            return _h_w(h, down_t.index_select(0, active)), n
-        return _h_w(g * _x_wt(x, up) * keep, down_t), n
-    h = g * _x_wt(x, up) * keep
-    return _h_w(h, down_t), int(keep.sum())
+        h = g[:, active] * _x_wt(x, up.index_select(0, active))
+        return _h_w(h, down_t.index_select(0, active)), n
+    return _h_w(g.mul_(keep).mul_(_x_wt(x, up)), down_t), n  # in place: g is ours
