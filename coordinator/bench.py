@@ -65,9 +65,9 @@ def coordinator_bytes_per_token(engine) -> int:
     """Weights the coordinator reads per decoded token: attention and norms of every layer,
     the final norm, the lm_head, and one embedding row."""
     m = engine.model
-    tensors = [m.lm_head, m.out_norm] + [t for layer in m.layers for t in vars(layer).values()
-                                        if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors) + m.embed[0].numel() * m.embed.element_size()
+    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    head = m.head_q8.nbytes if m.head_q8 is not None else m.lm_head.numel() * m.lm_head.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
 
 
 def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
