@@ -50,8 +50,8 @@ def test_doorbell_and_messages_give_the_same_tokens(tiny_model, no_leaks):
         assert got == want, f"spin={spin}"
         if spin:
             assert st.ffn_messages < exchanges / 4, (st.ffn_messages, exchanges)
-        else:
-            assert st.ffn_messages == exchanges
+        else:  # a worker that has not yet marked itself asleep takes the step from the doorbell
+            assert st.ffn_messages > exchanges * 3 / 4, (st.ffn_messages, exchanges)
 
 
 def test_prefill_in_chunks_equals_one_batch(tiny_model):
