@@ -262,6 +262,10 @@ class WorkerPool:
             while True:
                 check_doorbell()
                 if not waiting:
+                    # Done messages whose doorbell answered first are still queued: read them
+                    # now, or they pile up until the workers' sends block at the high-water mark.
+                    while self.sock.poll(0):
+                        handle(self._recv(0))
                     return n_active, slowest
                 got = self._recv(timeout)
                 if got is not None:
