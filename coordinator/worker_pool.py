@@ -27,13 +27,13 @@ from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerF
 from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
                                  REQ_STEP, REQ_TOKENS, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
                                  SLOT_SLEEPING, SharedBuffers, ShmLayout)
-from sparsecore.doorbell import COORDINATOR_SPIN_US, WORKER_SPIN_US, spin_supported, usable_cores
+from sparsecore.doorbell import (COORDINATOR_SPIN_US, SOCKET_CHECK_SPINS, WORKER_SPIN_US, spin_supported,
+                                 usable_cores)
 
 from .placement import Plan, WorkerShard
 
 POLL_SLICE_MS = 100
 DEATH_CHECK_S = 0.2
-SOCKET_CHECK_SPINS = 256  # while spinning, look at the socket (WorkerFailed, Done) this often
 
 
 class WorkerError(RuntimeError):

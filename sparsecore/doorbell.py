@@ -13,6 +13,7 @@ import platform
 
 WORKER_SPIN_US = 50_000  # a worker spins this long for the next step (covers lm_head + sampling)
 COORDINATOR_SPIN_US = 20_000  # the coordinator spins this long for Done before it sleeps
+SOCKET_CHECK_SPINS = 256  # a spinner looks at its socket (Shutdown, WorkerFailed, Done) this often
 
 
 def spin_supported() -> bool:

@@ -27,12 +27,12 @@ from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING,
                                  SLOT_SLEEPING, SharedBuffers)
 
 from .config import read_config
+from .doorbell import SOCKET_CHECK_SPINS
 from .ffn import ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
 from .tensors import TensorStore
 
 PARENT_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
-SOCKET_CHECK_SPINS = 256  # a spinning worker looks at its socket (Shutdown) this often
 
 
 def _die_with_parent() -> None:
