@@ -1,12 +1,13 @@
 """Start the worker processes, run the per-layer FFN exchange with them, stop them cleanly.
 
 Per layer: the caller has written x (and the active mask) into shared memory; run_ffn rings the
-doorbell (the request words in shared memory; an Ffn message to each worker that sleeps), waits
-until every worker that owns neurons of the layer reports the step done (its doorbell slot, or a
-Done message), and sums their output slots. Both sides spin on shared memory for a while before
-they sleep on their sockets (sparsecore/doorbell.py says why). While waiting, the pool checks
-each process, so a dead worker is reported by name within a fraction of a second instead of
-hanging the token loop.
+doorbell (the request words in shared memory, and the wake pipe of each worker that sleeps),
+waits until every worker that owns neurons of the layer reports the step done (its doorbell
+slot), and sums their output slots. When there are cores for it, both sides spin on shared
+memory for a while before they sleep on their wake pipes (sparsecore/doorbell.py says why).
+While waiting, the pool checks each process, so a dead worker is reported by name within a
+fraction of a second instead of hanging the token loop. A worker without a wake pipe (the test
+suite's mock workers) gets Ffn messages and answers with Done messages instead.
 """
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ import zmq
 from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
-                                 REQ_STEP, REQ_TOKENS, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
-                                 SLOT_SLEEPING, SharedBuffers, ShmLayout)
-from sparsecore.doorbell import (COORDINATOR_SPIN_US, SOCKET_CHECK_SPINS, WORKER_SPIN_US, spin_supported,
-                                 usable_cores)
+                                 REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLEEP_ON_SOCKET, SLOT_ACTIVE,
+                                 SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING, SharedBuffers, ShmLayout)
+from sparsecore.doorbell import (COORDINATOR_SPIN_US, SOCKET_CHECK_SPINS, WORKER_SPIN_US, WakePipe,
+                                 spin_supported, usable_cores)
 
 from .placement import Plan, WorkerShard
 
@@ -83,7 +84,8 @@ class SyncStats:
     overhead_us: list[float] = field(default_factory=list)  # round trip minus slowest worker's compute
     active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
     tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
-    ffn_messages: int = 0  # steps sent as Ffn messages to sleeping workers (the rest went by doorbell)
+    wakeups: int = 0  # steps posted to sleeping workers (by wake pipe or Ffn message)
+    ffn_messages: int = 0  # of those, sent as Ffn messages (workers without a wake pipe)
 
 
 def _worker_env(threads: int) -> dict:
@@ -126,6 +128,12 @@ class WorkerPool:
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
+        self.wake = WakePipe.create(str(self.run_dir / "coordinator.wake"))
+        self.worker_wakes = [WakePipe.create(str(self.run_dir / f"slot{slot}.wake"))
+                             for slot in range(len(plan.shards))]
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.wake.fileno(), zmq.POLLIN)
         # Per layer, the slots of the workers that own neurons of it: only they get the step.
         self.participants = [np.array([slot for slot, sh in enumerate(plan.shards) if len(sh.neurons[layer])],
                                       dtype=np.intp) for layer in range(plan.n_layers)]
@@ -135,8 +143,8 @@ class WorkerPool:
         if spin is None:
             spin = spin_supported() and 1 + self.spinning_workers <= (cores or usable_cores())
         self.spin = spin
-        if not self.spin:  # messages only: workers always get Ffn, always answer Done
-            self.buffers.request[REQ_COORD_SLEEPING] = 1
+        if not self.spin:  # the coordinator always sleeps: workers always ring its wake pipe
+            self.buffers.request[REQ_COORD_SLEEPING] = SLEEP_ON_PIPE
 
     # ---- startup ------------------------------------------------------------------------
 
@@ -173,7 +181,8 @@ class WorkerPool:
                 dev = self.gpu_device if shard.role == "gpu" else "cpu"
                 self._send(ident, Assign(str(self.model_path), self.buffers.name, slot, layers, neurons,
                                          self.threads, dev, self.weights,
-                                         WORKER_SPIN_US if self.spin else 0))
+                                         WORKER_SPIN_US if self.spin else 0,
+                                         self.worker_wakes[slot].path, self.wake.path))
             elif isinstance(msg, Ready):
                 w.n_neurons, w.device, w.weight_bytes = msg.n_neurons, msg.device, msg.weight_bytes
                 pending_ready.discard(ident)
@@ -197,9 +206,14 @@ class WorkerPool:
         req[REQ_STEP] = step  # last: a spinning worker that sees it reads a complete request
         part = self.participants[layer]
         for slot in part:
-            if slots[slot, SLOT_SLEEPING]:
-                self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
-                self.stats.ffn_messages += 1
+            sleeping = slots[slot, SLOT_SLEEPING]
+            if sleeping:
+                self.stats.wakeups += 1
+                if sleeping == SLEEP_ON_PIPE:
+                    self.worker_wakes[slot].ring()
+                else:
+                    self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
+                    self.stats.ffn_messages += 1
         n_active, slowest_ns = self._wait_done(step, part)
         self.stats.active[layer] = self.stats.active.get(layer, 0) + n_active
         self.stats.tokens[layer] = self.stats.tokens.get(layer, 0) + n_tokens
@@ -253,10 +267,11 @@ class WorkerPool:
                     break
         if not waiting:
             return n_active, slowest
-        # Sleep on the socket; workers that see the flag answer with Done messages. The first
-        # waits are short in case a worker finished just as the flag went up.
+        # Sleep on the wake pipe and the socket; workers that see the flag ring the pipe (mock
+        # workers send Done). The first waits are short in case a worker finished just as the
+        # flag went up (its store and our load may pass each other).
         req = self.buffers.request
-        req[REQ_COORD_SLEEPING] = 1
+        req[REQ_COORD_SLEEPING] = SLEEP_ON_PIPE
         try:
             timeout = 1
             while True:
@@ -267,10 +282,12 @@ class WorkerPool:
                     while self.sock.poll(0):
                         handle(self._recv(0))
                     return n_active, slowest
-                got = self._recv(timeout)
-                if got is not None:
-                    handle(got)
-                self._check_alive_every(0.0 if got is None else DEATH_CHECK_S)
+                ready = dict(self._poller.poll(timeout))
+                if self.wake.fileno() in ready:
+                    self.wake.drain()
+                if self.sock in ready:
+                    handle(self._recv(0))
+                self._check_alive_every(0.0 if not ready else DEATH_CHECK_S)
                 timeout = min(POLL_SLICE_MS, timeout * 4)
         finally:
             if self.spin:
@@ -329,6 +346,8 @@ class WorkerPool:
                 w.proc.wait()
         self.sock.close(0)
         self.ctx.term()
+        for pipe in (self.wake, *self.worker_wakes):
+            pipe.close()
         self.buffers.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 

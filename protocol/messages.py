@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: doorbell words in shared memory
+PROTOCOL_VERSION = 3  # 2: doorbell words in shared memory; 3: wake pipes
 
 
 class ProtocolError(Exception):
@@ -37,9 +37,13 @@ class Assign:
     threads: int = 1
     device: str = "auto"
     weights: str = "f32"  # how the worker keeps its FFN rows: sparsecore.ffn.WEIGHT_FORMATS
-    # Doorbell: how long to spin on shared memory for the next step before sleeping on the
-    # socket (0: never spin, messages only).
+    # Doorbell: how long to spin on shared memory for the next step before sleeping (0: never
+    # spin).
     spin_us: int = 0
+    # Wake pipes (sparsecore.doorbell.WakePipe): the worker's own, which it polls while it
+    # sleeps, and the coordinator's, which it rings when a step is done. Empty: use messages.
+    wake_pipe: str = ""
+    coordinator_pipe: str = ""
 
 
 @dataclass

@@ -5,8 +5,9 @@ Assign (model file, shared-memory name, its neuron indices per layer), memory-ma
 and slices its rows, says Ready, then for every step computes its partial FFN from shared
 memory into its own output slot and reports it done. It never receives weights over the wire.
 
-Steps arrive through the shared-memory doorbell while the worker spins (Assign.spin_us after
-its last step), or as Ffn messages once it sleeps on its socket; see protocol/shm_layout.py.
+Steps arrive through the shared-memory doorbell: the worker spins on it for Assign.spin_us
+after its last step, then sleeps on its wake pipe until the coordinator rings it; see
+protocol/shm_layout.py and sparsecore/doorbell.py.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ import zmq
 from protocol.addresses import COORDINATOR_PID_ENV
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
-                                 REQ_STEP, REQ_TOKENS, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
-                                 SLOT_SLEEPING, SharedBuffers)
+                                 REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLEEP_ON_SOCKET, SLOT_ACTIVE,
+                                 SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING, SharedBuffers)
 
 from .config import read_config
-from .doorbell import SOCKET_CHECK_SPINS
+from .doorbell import SOCKET_CHECK_SPINS, WakePipe
 from .ffn import ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
 from .tensors import TensorStore
@@ -115,6 +116,10 @@ class Worker:
         self.activation = "silu"
         self.last_step = 0
         self.spin_s = 0.0
+        self.wake: WakePipe | None = None  # ours: the coordinator rings it while we sleep
+        self.coordinator_wake: WakePipe | None = None  # the coordinator's: rung when a step is done
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
@@ -147,6 +152,9 @@ class Worker:
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.
         owns = any(len(w.idx) for w in self.layers.values())
         self.spin_s = a.spin_us / 1e6 if owns else 0.0
+        if a.wake_pipe and a.coordinator_pipe:
+            self.wake, self.coordinator_wake = WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe)
+            self.poller.register(self.wake.fileno(), zmq.POLLIN)
 
     # ---- receiving steps ------------------------------------------------------------------
 
@@ -195,35 +203,41 @@ class Worker:
                             return m
                     if time.perf_counter() > deadline:
                         break
-        # Sleep on the socket. The flag goes up before the doorbell is checked once more, so a
-        # step posted meanwhile is either seen here or answered by the coordinator with an Ffn
-        # message; the first waits are short in case both looked at once (store-load reordering).
+        # Sleep on the wake pipe and the socket. The flag goes up before the doorbell is checked
+        # once more, so a step posted meanwhile is either seen here or followed by a ring; the
+        # first waits are short in case both looked at once (store-load reordering).
         slot = self.buffers.slots[self.slot]
-        slot[SLOT_SLEEPING] = 1
+        slot[SLOT_SLEEPING] = SLEEP_ON_PIPE if self.wake is not None else SLEEP_ON_SOCKET
         try:
             timeout = 1
             while True:
                 m = self._doorbell_request()
                 if m is not None:
                     return m
-                if self.sock.poll(timeout):
+                ready = dict(self.poller.poll(timeout))
+                if self.wake is not None and self.wake.fileno() in ready:
+                    self.wake.drain()
+                if self.sock in ready:
                     m = self._from_socket(decode(self.sock.recv()))
                     if m is not None:
                         return m
-                elif self.coordinator_gone():
+                elif not ready and self.coordinator_gone():
                     return None
                 timeout = min(PARENT_CHECK_MS, timeout * 4)
         finally:
             slot[SLOT_SLEEPING] = 0
 
     def finish(self, m: Ffn, n_active: int, compute_ns: int) -> None:
-        """Report step `m` done: the doorbell slot always, a Done message if the coordinator sleeps."""
+        """Report step `m` done: the doorbell slot always, a ring (or Done) if the coordinator sleeps."""
         slot = self.buffers.slots[self.slot]
         slot[SLOT_ACTIVE] = n_active
         slot[SLOT_COMPUTE_NS] = compute_ns
         slot[SLOT_DONE] = m.step
         self.last_step = m.step
-        if self.buffers.request[REQ_COORD_SLEEPING]:
+        sleeping = self.buffers.request[REQ_COORD_SLEEPING]
+        if sleeping == SLEEP_ON_PIPE and self.coordinator_wake is not None:
+            self.coordinator_wake.ring()
+        elif sleeping:
             self.send(Done(self.worker_id, m.layer, m.step, compute_ns / 1e3, n_active))
 
     def step(self, m: Ffn) -> tuple[int, int]:
@@ -272,6 +286,9 @@ class Worker:
     def close(self) -> None:
         if self.buffers is not None:
             self.buffers.close()
+        for pipe in (self.wake, self.coordinator_wake):
+            if pipe is not None:
+                pipe.close()
         self.sock.close()
         self.ctx.term()
 

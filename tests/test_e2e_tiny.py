@@ -34,10 +34,11 @@ def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=2e-3 * np.abs(ref_logits).max())
 
 
-def test_doorbell_and_messages_give_the_same_tokens(tiny_model, no_leaks):
+def test_spinning_and_sleeping_give_the_same_tokens(tiny_model, no_leaks):
     """One worker and the coordinator on two cores spin on the shared-memory doorbell; forced
-    off, every step goes as a message. Both must produce the oracle's tokens, and the doorbell
-    run must really have skipped the messages (all but the wake-ups after idle gaps)."""
+    off, both sleep on their wake pipes and ring each other. Both must produce the oracle's
+    tokens; the spinning run must really have skipped the wake-ups (all but those after idle
+    gaps), and the sleeping one must have woken its worker by pipe, never by message."""
     ref = ReferenceLlama(tiny_model)
     ids = [5, 17, 33, 80, 120]
     want = ref.greedy(ids, 16)
@@ -48,10 +49,11 @@ def test_doorbell_and_messages_give_the_same_tokens(tiny_model, no_leaks):
             st = eng.pool.stats
             exchanges = len(st.round_trip_us)
         assert got == want, f"spin={spin}"
+        assert st.ffn_messages == 0
         if spin:
-            assert st.ffn_messages < exchanges / 4, (st.ffn_messages, exchanges)
+            assert st.wakeups < exchanges / 4, (st.wakeups, exchanges)
         else:  # a worker that has not yet marked itself asleep takes the step from the doorbell
-            assert st.ffn_messages > exchanges * 3 / 4, (st.ffn_messages, exchanges)
+            assert st.wakeups > exchanges * 3 / 4, (st.wakeups, exchanges)
 
 
 def test_prefill_in_chunks_equals_one_batch(tiny_model):

@@ -1,0 +1,60 @@
+"""The wake pipe a sleeping process polls: a ring from another process wakes it, rings never
+block the ringer (even when nobody drains), and the pool removes the pipes with its run dir."""
+import os
+import select
+import signal
+import time
+
+from coordinator.placement import static_plan
+from coordinator.worker_pool import WorkerPool
+from sparsecore.doorbell import WakePipe
+
+
+def test_ring_wakes_a_poller_in_another_process(tmp_path):
+    pipe = WakePipe.create(str(tmp_path / "w.wake"))
+    assert not select.select([pipe], [], [], 0)[0]  # nothing rung yet
+    pid = os.fork()
+    if pid == 0:  # the ringer opens the FIFO by path, as a worker does
+        time.sleep(0.05)
+        WakePipe(str(tmp_path / "w.wake")).ring()
+        os._exit(0)
+    t0 = time.monotonic()
+    readable = select.select([pipe], [], [], 5.0)[0]
+    os.waitpid(pid, 0)
+    assert readable and time.monotonic() - t0 < 4.0
+    pipe.drain()
+    assert not select.select([pipe], [], [], 0)[0]  # drained: the next poll sleeps again
+    pipe.close()
+
+
+def test_ringing_a_full_pipe_does_not_block(tmp_path):
+    pipe = WakePipe.create(str(tmp_path / "w.wake"))
+    other = WakePipe(pipe.path)
+    def blocked(*_):
+        raise AssertionError("ring() blocked on a full pipe")
+
+    old = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(30)
+    try:
+        for _ in range(200_000):  # far more than a pipe buffer holds
+            other.ring()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    pipe.drain()
+    assert not select.select([pipe], [], [], 0)[0]
+    pipe.close(), other.close()
+
+
+def test_pool_makes_one_pipe_per_slot_and_removes_them(tmp_path):
+    plan = static_plan(2, 8, 0.0, 2)
+    pool = WorkerPool(tmp_path / "model.gguf", plan, hidden=4, max_tokens=2)
+    paths = [pool.wake.path] + [w.path for w in pool.worker_wakes]
+    try:
+        assert len(paths) == 1 + len(plan.shards) == len(set(paths))
+        assert all(os.path.exists(p) for p in paths)
+    finally:
+        pool.close()
+    assert not any(os.path.exists(p) for p in paths)
+    assert not os.path.exists(pool.run_dir)
+    assert pool.wake.fd == -1
