@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsecore.config import ModelConfig
+from sparsecore.ffn import HalfRows, x_wt
 from sparsecore.tensors import TensorStore, unpermute_qk
 
 from .lm_head import Q8Head
@@ -32,21 +33,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionLayer:
-    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int):
+    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32"):
         p = f"blk.{i}."
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        # --weights f16 halves the bytes the coordinator reads per token here too (the matrices
+        # are a quarter of all bytes a decoded token reads); other formats keep float32.
+        mat = (lambda a: HalfRows.convert(t(a))) if weights == "f16" else t
         self.attn_norm = t(store.matrix(p + "attn_norm.weight"))
         self.ffn_norm = t(store.matrix(p + "ffn_norm.weight"))
         # Q, K and V as one matrix: one matmul per token instead of three (Python and torch
         # dispatch cost as much as the arithmetic at this size).
-        self.wqkv = t(np.concatenate([unpermute_qk(store.matrix(p + "attn_q.weight"), cfg.n_heads),
+        self.wqkv = mat(np.concatenate([unpermute_qk(store.matrix(p + "attn_q.weight"), cfg.n_heads),
                                       unpermute_qk(store.matrix(p + "attn_k.weight"), cfg.n_kv_heads),
                                       store.matrix(p + "attn_v.weight")]))
-        self.wo = t(store.matrix(p + "attn_output.weight"))
+        self.wo = mat(store.matrix(p + "attn_output.weight"))
 
 
 class AttentionModel:
-    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int):
+    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, weights: str = "f32"):
         self.cfg = cfg
         self.max_ctx = max_ctx
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
@@ -57,7 +61,7 @@ class AttentionModel:
         # quarter of the bytes); batches (perplexity) use the float32 matrix's GEMM.
         self.head_q8 = Q8Head.from_tensor(store.info(head_name))
         self.out_norm = t(store.matrix("output_norm.weight"))
-        self.layers = [AttentionLayer(store, cfg, i) for i in range(cfg.n_layers)]
+        self.layers = [AttentionLayer(store, cfg, i, weights) for i in range(cfg.n_layers)]
         shape = (cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self.k_cache = torch.zeros(shape)
         self.v_cache = torch.zeros(shape)
@@ -91,7 +95,7 @@ class AttentionModel:
         start = self.pos
         pos = slice(start, start + T)
         nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = (x @ L.wqkv.T).view(T, nq + 2 * nkv, hd)
+        qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
         qk = self._rope(qkv[:, : nq + nkv], pos)
         q = qk[:, :nq].transpose(0, 1)
         self.k_cache[i, :, pos] = qk[:, nq:].transpose(0, 1)
@@ -105,7 +109,7 @@ class AttentionModel:
             # Causal over the new block, full over the cached prefix.
             mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
             out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa)[0]
-        return out.transpose(0, 1).reshape(T, nq * hd) @ L.wo.T
+        return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], ffn: FfnFn, all_logits: bool = False) -> torch.Tensor:

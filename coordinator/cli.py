@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
 from .model_fetch import FetchError, default_model_path, pull
@@ -102,10 +103,11 @@ def _remember_weights(ctx, param, value):
 
 # Passed like the placement options, through the click context.
 _weights_option = click.option(
-    "--weights", type=click.Choice(["f32", "int8"]), default="f32", show_default=True, expose_value=False,
+    "--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="f32", show_default=True, expose_value=False,
     callback=_remember_weights,
-    help="how workers keep FFN weights in memory: float32, or int8 with one scale per neuron row "
-         "(a quarter of the memory; see scripts/bench_ffn_kernels.py)")
+    help="how workers keep FFN weights in memory: float32 (exact), int8 with one scale per neuron row "
+         "(a quarter of the memory), or float16 (half the bytes read per token; faster decoding "
+         "where memory bandwidth bounds it; see README, 'Worker weight format')")
 
 
 def _weights_from_context() -> str:

@@ -46,7 +46,9 @@ class EngineOptions:
     disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
     predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
     # How workers keep FFN rows in memory: "f32" (exact float32 arithmetic, what the oracle
-    # tests compare against transformers) or "int8" (per-row scales, a quarter of the bytes).
+    # tests compare against transformers), "int8" (per-row scales, a quarter of the bytes) or
+    # "f16" (half the bytes, for the coordinator's attention matrices too; float16 products
+    # for one-token steps).
     weights: str = "f32"
     # Per-layer exchange: spin on shared-memory doorbells (True), messages only (False), or
     # spin when the coordinator and every computing worker have a core each (None).
@@ -125,7 +127,8 @@ class Engine:
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
             self.pool.spawn()  # workers start importing while we load attention weights
-            self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length))
+            self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length),
+                                        opts.weights)
             self.pool.wait_ready()
         except BaseException:
             self.pool.close()

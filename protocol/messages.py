@@ -26,6 +26,12 @@ class Hello:
     pid: int
 
 
+# How a worker keeps its FFN rows in memory (sparsecore.ffn implements each): float32, int8
+# with one scale per row, float16. Here, beside the field that carries it, so the CLI can offer
+# the choices without importing torch.
+WEIGHT_FORMATS = ("f32", "int8", "f16")
+
+
 @dataclass
 class Assign:
     """Coordinator -> worker: what to load. Neuron indices are int32 bytes, one entry a layer."""
@@ -36,7 +42,7 @@ class Assign:
     neurons: list[bytes]
     threads: int = 1
     device: str = "auto"
-    weights: str = "f32"  # how the worker keeps its FFN rows: sparsecore.ffn.WEIGHT_FORMATS
+    weights: str = "f32"  # how the worker keeps its FFN rows: one of WEIGHT_FORMATS
     # Doorbell: how long to spin on shared memory for the next step before sleeping (0: never
     # spin).
     spin_us: int = 0

@@ -71,20 +71,21 @@ def _process_gone(pid: int) -> bool:
 
 class LayerWeights:
     """One layer's owned neurons: gate/up rows and down columns (as rows) on the device, in the
-    weight format `weights` (sparsecore.ffn.WEIGHT_FORMATS): float32, or int8 rows quantized
-    once here from the file's dequantized values."""
+    weight format `weights` (sparsecore.ffn.WEIGHT_FORMATS): float32, or int8 or float16 rows
+    converted once here from the file's dequantized values."""
 
     def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device,
                  weights: str = "f32"):
         self.idx = idx
         p = f"blk.{layer}."
-        dev = lambda a: quantize_rows(torch.from_numpy(np.ascontiguousarray(a)).to(device), weights)
+        dev = lambda a, down=False: quantize_rows(torch.from_numpy(np.ascontiguousarray(a)).to(device),
+                                                  weights, for_h_w=down)
         self.gate = dev(store.rows(p + "ffn_gate.weight", idx))
         self.up = dev(store.rows(p + "ffn_up.weight", idx))
         if store.has(p + "ffn_down_t.weight"):  # PowerInfer stores down transposed: rows are neurons
-            self.down_t = dev(store.rows(p + "ffn_down_t.weight", idx))
+            self.down_t = dev(store.rows(p + "ffn_down_t.weight", idx), down=True)
         else:
-            self.down_t = dev(store.columns(p + "ffn_down.weight", idx))
+            self.down_t = dev(store.columns(p + "ffn_down.weight", idx), down=True)
 
     @property
     def nbytes(self) -> int:
