@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparsecore.ffn import HalfRows, rows_nbytes
+
 from .placement import neuron_bytes
 from .sampling import SamplingParams
 
@@ -65,9 +67,10 @@ def coordinator_bytes_per_token(engine) -> int:
     """Weights the coordinator reads per decoded token: attention and norms of every layer,
     the final norm, the lm_head, and one embedding row."""
     m = engine.model
-    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values()
+                              if isinstance(t, (torch.Tensor, HalfRows))]  # HalfRows: --weights f16
     head = m.head_q8.nbytes if m.head_q8 is not None else m.lm_head.numel() * m.lm_head.element_size()
-    return sum(t.numel() * t.element_size() for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
+    return sum(rows_nbytes(t) for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
 
 
 def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:

@@ -4,9 +4,11 @@ Both are loaded once; timed runs alternate between them (the order flips every r
 the table shows medians. Prefill = evaluating --pp prompt tokens up to the first
 token; decode = the next --tg - 1 tokens, one forward each, greedy.
 
-Our engine runs dense and at each --sparsity level (default 0.2, the operating point).
+Our engine runs dense and at each --sparsity level (default 0.2, the operating point), with
+each --weights format (default f32, the exact one; f16 halves the bytes a token reads).
 
 Usage: python scripts/bench_vs_llamacpp.py [--threads 2] [--pp 128] [--tg 64] [--reps 3] [--sparsity 0.2 0.5]
+                                           [--weights f32 f16]
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (after the path insert)
 
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -64,12 +68,12 @@ class LlamaCppRunner:
 class OursRunner:
     """Our engine in one mode (dense, or sparse at a calibrated level); runners may share an engine."""
 
-    def __init__(self, eng, sparsity: float | None):
+    def __init__(self, eng, sparsity: float | None, label: str = ""):
         from coordinator.bench import Mode
 
         self.eng = eng
         self.mode = Mode("dense") if sparsity is None else Mode(f"sparse {sparsity:.2f}", sparsity=sparsity)
-        self.name = f"ours {self.mode.name}"
+        self.name = f"ours {label}{self.mode.name}"
         self.sync_us = {"decode": []}  # per-layer exchange overheads, timed runs only
 
     def run(self, prompt: list[int], tg: int) -> dict:
@@ -153,6 +157,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
                     help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
+    ap.add_argument("--weights", nargs="+", default=["f32"], choices=WEIGHT_FORMATS,
+                    help="our workers' weight formats, one engine each (f32: exact; f16: half the bytes)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its extra CPU buffer types (AMX, repack)")
@@ -167,20 +173,23 @@ def main():
     if args.only != "ours":
         runners.append(LlamaCppRunner(args.model, args.threads, args.pp, args.tg,
                                       args.llama_extra_bufts))
-    eng = None
+    engines = []
     if args.only != "llamacpp":
         from coordinator.engine import Engine, EngineOptions
 
-        eng = Engine(args.model, EngineOptions(cpu_workers=args.cpu_workers, threads=args.threads,
-                                               ctx=args.pp + args.tg + 16))
-        runners += [OursRunner(eng, None)] + [OursRunner(eng, s) for s in args.sparsity]
+        for w in args.weights:  # all open at once, so load from other processes hits each alike
+            eng = Engine(args.model, EngineOptions(cpu_workers=args.cpu_workers, threads=args.threads,
+                                                   ctx=args.pp + args.tg + 16, weights=w))
+            engines.append(eng)
+            label = "" if args.weights == ["f32"] else f"{w} "
+            runners += [OursRunner(eng, None, label)] + [OursRunner(eng, s, label) for s in args.sparsity]
     try:
         runs = bench(runners, prompt, args.tg, args.reps, args.warmup)
         sync = {r.name: r.sync_us["decode"] for r in runners if isinstance(r, OursRunner)}
     finally:
         for r in runners:
             r.close()
-        if eng is not None:
+        for eng in engines:
             eng.close()
 
     res = summarize(runs, args.pp, args.tg)
@@ -191,12 +200,12 @@ def main():
     if any(b is not None and b > spare + 0.25 for b in busy):
         print("WARNING: other processes were using the cores; llama.cpp's OpenMP threads "
               "suffer most from that, so these numbers and the ratio are unreliable")
-    print(f"{'':18s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
+    print(f"{'':22s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
     for name, r in res.items():
-        print(f"{name:18s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
+        print(f"{name:22s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
               f"{r['prefill_s']:10.3f} {r['decode_s']:10.3f}")
     result = dict(model=str(args.model), threads=args.threads, pp=args.pp, tg=args.tg,
-                  reps=args.reps, cpu_workers=args.cpu_workers, busy_cores_other=busy,
+                  reps=args.reps, cpu_workers=args.cpu_workers, weights=args.weights, busy_cores_other=busy,
                   cpu_count=os.cpu_count(), results=res)
     if "llama.cpp" in res:
         l = res["llama.cpp"]

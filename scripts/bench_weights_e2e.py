@@ -20,7 +20,7 @@ from coordinator.model_fetch import default_model_path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--formats", default="f32,int8")
+    ap.add_argument("--formats", default="f32,int8,f16")
     ap.add_argument("--sparsity", type=float, default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", type=int, default=48, help="tokens per generation")

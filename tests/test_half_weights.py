@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.bench import coordinator_bytes_per_token
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import neuron_bytes, static_plan
 from coordinator.sampling import SamplingParams
@@ -140,7 +141,7 @@ def test_engine_decodes_like_f32(tiny_model):
     """On the tiny model float16 rounding does not change greedy tokens; the attention matrices
     are float16 too, and the stats report the format."""
     ids = None
-    out = {}
+    out, coord_bytes = {}, {}
     for fmt in ("f32", "f16"):
         with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, weights=fmt)) as eng:
             ids = ids or eng.tokenizer.encode("Hello world")
@@ -152,4 +153,7 @@ def test_engine_decodes_like_f32(tiny_model):
             per_value = {"f32": 12, "f16": 8}[fmt]
             assert s["weights"] == fmt
             assert sum(s["worker_weight_bytes"]) == eng.cfg.n_layers * eng.cfg.n_ff * eng.cfg.hidden * per_value
+            coord_bytes[fmt] = coordinator_bytes_per_token(eng)
+            attn_values = sum(l.wqkv.shape.numel() + l.wo.shape.numel() for l in eng.model.layers)
     assert out["f16"] == out["f32"]
+    assert coord_bytes["f32"] - coord_bytes["f16"] == 2 * attn_values  # bench counts 2 bytes, not 0 or 4
