@@ -371,7 +371,9 @@ def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
                                             write_cache=False, weights=weights)
     from .placement import neuron_bytes
 
-    summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden, weights))
+    gpu_on_cpu = not torch.cuda.is_available()  # then the GPU worker computes on the CPU too
+    summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden, weights, on_cpu=gpu_on_cpu),
+                           neuron_bytes(cfg.hidden, weights, on_cpu=True))
     return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": int(vram_budget_gb * GIB),
             "source": source, "weights": weights, **summary}
 

@@ -69,11 +69,13 @@ GPUIDX_ARCH = "generic.gpu_index"  # PowerInfer's export_split writes this archi
 GPUIDX_FORMAT = "sparseinfer-gpuidx/1"
 
 
-def neuron_bytes(hidden: int, weights: str = "f32") -> int:
+def neuron_bytes(hidden: int, weights: str = "f32", on_cpu: bool = False) -> int:
     """Bytes one FFN neuron costs on a worker as sparsecore.worker_runtime.LayerWeights
     allocates it: its gate row, its up row and its down column (held as a row), each `hidden`
-    values in the workers' weight format (whatever the file's quantization)."""
-    return 3 * row_nbytes(hidden, weights)
+    values in the workers' weight format (whatever the file's quantization). `on_cpu`: a worker
+    computing on the CPU, where f16 keeps the down rows transposed too (sparsecore.ffn.HalfRows)."""
+    extra = row_nbytes(hidden, weights) if on_cpu and weights == "f16" else 0
+    return 3 * row_nbytes(hidden, weights) + extra
 
 
 def choose_hot(freqs: list[np.ndarray], neuron_bytes: int, vram_budget_bytes: int) -> list[np.ndarray]:
@@ -145,9 +147,11 @@ def budget_plan(freqs: list[np.ndarray], neuron_bytes: int, vram_budget_bytes: i
     return plan_from_hot(choose_hot(freqs, neuron_bytes, vram_budget_bytes), freqs, n_cpu_workers)
 
 
-def plan_summary(plan: Plan, freqs: list[np.ndarray], neuron_bytes: int) -> dict:
+def plan_summary(plan: Plan, freqs: list[np.ndarray], neuron_bytes: int, cpu_neuron_bytes: int | None = None) -> dict:
     """What a plan means: per layer the GPU's share of neurons and of expected activations,
-    overall coverage, and bytes and expected activations per worker."""
+    overall coverage, and bytes and expected activations per worker (`neuron_bytes` a neuron on
+    the GPU worker, `cpu_neuron_bytes`, default the same, on a CPU worker)."""
+    cpu_neuron_bytes = neuron_bytes if cpu_neuron_bytes is None else cpu_neuron_bytes
     f64 = [np.asarray(f, dtype=np.float64) for f in freqs]
     total = sum(float(f.sum()) for f in f64)
     layers = []
@@ -160,7 +164,8 @@ def plan_summary(plan: Plan, freqs: list[np.ndarray], neuron_bytes: int) -> dict
     for s in plan.shards:
         n = int(sum(len(x) for x in s.neurons))
         exp = float(sum(f64[l][x].sum() for l, x in enumerate(s.neurons)))
-        workers.append({"role": s.role, "worker_id": s.worker_id, "neurons": n, "bytes": n * neuron_bytes,
+        workers.append({"role": s.role, "worker_id": s.worker_id, "neurons": n,
+                        "bytes": n * (neuron_bytes if s.role == "gpu" else cpu_neuron_bytes),
                         "expected_activations_per_token": exp,
                         "activation_share": exp / total if total > 0 else 0.0})
     return {"n_layers": plan.n_layers, "n_ff": plan.n_ff, "neuron_bytes": neuron_bytes,

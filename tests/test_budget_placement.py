@@ -78,6 +78,9 @@ def test_coverage_and_bytes_in_summary():
     assert [w["neurons"] for w in s["workers"]] == [3, 2, 1]
     assert s["gpu_bytes"] == 30 and [w["bytes"] for w in s["workers"]] == [30, 20, 10]
     assert s["workers"][1]["expected_activations_per_token"] == pytest.approx(0.15)
+    # CPU workers may hold a neuron in more bytes than the GPU worker (f16's transposed down)
+    s = plan_summary(plan, freqs, 10, cpu_neuron_bytes=15)
+    assert s["gpu_bytes"] == 30 and [w["bytes"] for w in s["workers"]] == [30, 30, 15]
     assert sum(w["activation_share"] for w in s["workers"]) == pytest.approx(1.0)
 
 

@@ -120,6 +120,7 @@ def test_workers_hold_float16(pool):
     hidden = p.buffers.layout.hidden
     for w in p.workers:
         assert w.weight_bytes == w.n_neurons * hidden * (2 + 2 + 4), w.label
+        assert w.weight_bytes == w.n_neurons * neuron_bytes(hidden, "f16", on_cpu=True)  # what `info` reports
 
 
 def test_worker_steps_match_half_reference(pool):
@@ -157,3 +158,22 @@ def test_engine_decodes_like_f32(tiny_model):
             attn_values = sum(l.wqkv.shape.numel() + l.wo.shape.numel() for l in eng.model.layers)
     assert out["f16"] == out["f32"]
     assert coord_bytes["f32"] - coord_bytes["f16"] == 2 * attn_values  # bench counts 2 bytes, not 0 or 4
+
+
+def test_powerinfer_model_runs_f16_with_its_predictors(tmp_path):
+    """PowerInfer's layout (down stored transposed as ffn_down_t, gpu share, predictor masks that
+    gather rows) in float16: same greedy tokens as float32, fewer bytes, predictors in use."""
+    from tests.fixtures.tiny_powerinfer import write_tiny_powerinfer
+
+    path = write_tiny_powerinfer(tmp_path / "tiny.powerinfer.gguf")
+    out, bytes_ = {}, {}
+    for fmt in ("f32", "f16"):
+        with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, weights=fmt)) as eng:
+            assert eng.predictors is not None
+            ids = eng.tokenizer.encode("the quick brown fox")
+            out[fmt] = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
+            computed = sum(eng.pool.stats.active.values())
+            assert computed < sum(eng.pool.stats.tokens.values()) * eng.cfg.n_ff  # masks applied
+            bytes_[fmt] = sum(eng.stats()["worker_weight_bytes"])
+    assert out["f16"] == out["f32"]
+    assert bytes_["f16"] * 12 == bytes_["f32"] * 8
