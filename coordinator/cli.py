@@ -82,6 +82,9 @@ _placement_options = [
                  help="with --vram-budget: rebuild <model>.generated.gpuidx even if it matches"),
     click.option("--disable-gpu-index", is_flag=True, expose_value=False, callback=_remember_placement,
                  help="with --vram-budget: neither read nor write <model>.generated.gpuidx"),
+    click.option("--coordinator-share", type=float, default=None, expose_value=False, callback=_remember_placement,
+                 help="fraction of the CPU side's FFN neurons the coordinator computes itself while the "
+                      "workers compute theirs (default: its core's share without CUDA or --vram-budget, else 0)"),
 ]
 
 
@@ -197,7 +200,7 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
             pps = s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] else float("nan")
             click.echo(f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
                        f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer | "
-                       f"{s['weights']} FFN weights {sum(s['worker_weight_bytes']) / 1e6:.0f} MB]", err=True)
+                       f"{s['weights']} FFN weights {(sum(s['worker_weight_bytes']) + s['coordinator_ffn_bytes']) / 1e6:.0f} MB]", err=True)
 
 
 @main.command()

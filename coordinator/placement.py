@@ -27,7 +27,7 @@ from sparsecore.ffn import row_nbytes
 
 @dataclass
 class WorkerShard:
-    role: str  # "gpu" or "cpu"
+    role: str  # "gpu", "cpu", or "coordinator" (computed in the coordinator's process; always last)
     worker_id: int
     neurons: list[np.ndarray]  # per layer, sorted int32 neuron indices
 
@@ -46,17 +46,26 @@ class Plan:
                 raise AssertionError(f"layer {layer}: neurons are not partitioned across workers")
 
 
-def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int) -> Plan:
+def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int,
+                coordinator_share: float = 0.0) -> Plan:
+    """`coordinator_share`: the fraction of the non-GPU neurons the coordinator computes itself
+    while the workers compute theirs (a last shard, role "coordinator")."""
     if not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"gpu share must be within [0, 1], got {gpu_share}")
+    if not 0.0 <= coordinator_share < 1.0:
+        raise ValueError(f"coordinator share must be within [0, 1), got {coordinator_share}")
     if n_cpu_workers < 0 or (n_cpu_workers == 0 and gpu_share < 1.0):
         raise ValueError("at least one CPU worker is needed unless the GPU holds every neuron")
     n_gpu = int(round(gpu_share * n_ff))
-    cuts = np.linspace(n_gpu, n_ff, n_cpu_workers + 1).round().astype(int) if n_cpu_workers else [n_ff]
+    n_coord = int(round(coordinator_share * (n_ff - n_gpu)))
+    end = n_ff - n_coord
+    cuts = np.linspace(n_gpu, end, n_cpu_workers + 1).round().astype(int) if n_cpu_workers else [end]
     all_idx = np.arange(n_ff, dtype=np.int32)
     shards = [WorkerShard("gpu", 0, [all_idx[:n_gpu]] * n_layers)]
     for i in range(n_cpu_workers):
         shards.append(WorkerShard("cpu", i + 1, [all_idx[cuts[i]:cuts[i + 1]]] * n_layers))
+    if n_coord:
+        shards.append(WorkerShard("coordinator", n_cpu_workers + 1, [all_idx[end:]] * n_layers))
     plan = Plan(n_layers, n_ff, shards)
     plan.check_partition()
     return plan

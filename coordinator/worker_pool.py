@@ -8,6 +8,11 @@ memory for a while before they sleep on their wake pipes (sparsecore/doorbell.py
 While waiting, the pool checks each process, so a dead worker is reported by name within a
 fraction of a second instead of hanging the token loop. A worker without a wake pipe (the test
 suite's mock workers) gets Ffn messages and answers with Done messages instead.
+
+A plan may end with a "coordinator" shard: neurons the coordinator computes itself, between
+ringing the workers and waiting for them, into its own output slot. On a CPU-only machine the
+coordinator's core would otherwise only wait during the FFN, so the layer's FFN is split over
+every core instead of running on the workers' alone.
 """
 from __future__ import annotations
 
@@ -107,6 +112,8 @@ class WorkerPool:
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
                  spin: bool | None = None, cores: int | None = None):
+        if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
+            raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
         self.plan = plan
         self.threads = threads_per_worker
@@ -125,21 +132,30 @@ class WorkerPool:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(worker_endpoint(self.run_dir, transport))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Worker processes for every shard but a last "coordinator" one, which this process computes.
+        self.proc_shards = [sh for sh in plan.shards if sh.role != "coordinator"]
+        self.local_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
+        self.local_layers: dict = {}  # layer -> LayerWeights of the coordinator's own neurons
+        self.local_weight_bytes = 0
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
         self.wake = WakePipe.create(str(self.run_dir / "coordinator.wake"))
         self.worker_wakes = [WakePipe.create(str(self.run_dir / f"slot{slot}.wake"))
-                             for slot in range(len(plan.shards))]
+                             for slot in range(len(self.proc_shards))]
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.wake.fileno(), zmq.POLLIN)
         # Per layer, the slots of the workers that own neurons of it: only they get the step.
-        self.participants = [np.array([slot for slot, sh in enumerate(plan.shards) if len(sh.neurons[layer])],
+        self.participants = [np.array([slot for slot, sh in enumerate(self.proc_shards) if len(sh.neurons[layer])],
                                       dtype=np.intp) for layer in range(plan.n_layers)]
+        # ... and the slots whose outputs are summed: theirs and, where it has neurons, ours.
+        local = plan.shards[self.local_slot] if self.local_slot is not None else None
+        self.sum_slots = [p if local is None or not len(local.neurons[layer]) else np.append(p, self.local_slot)
+                          for layer, p in enumerate(self.participants)]
         # Spin only when the coordinator and every worker that computes have a core each: a
         # spinner sharing a core with the process it waits for delays it by a scheduler tick.
-        self.spinning_workers = sum(1 for sh in plan.shards if any(len(n) for n in sh.neurons))
+        self.spinning_workers = sum(1 for sh in self.proc_shards if any(len(n) for n in sh.neurons))
         if spin is None:
             spin = spin_supported() and 1 + self.spinning_workers <= (cores or usable_cores())
         self.spin = spin
@@ -150,7 +166,7 @@ class WorkerPool:
 
     def spawn(self) -> None:
         """Start the worker processes; they import and connect while the coordinator loads."""
-        for shard in self.plan.shards:
+        for shard in self.proc_shards:
             cmd = self.launcher(shard, self.endpoint)
             proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, proc, f"{shard.role}{shard.worker_id}".encode()))
@@ -160,6 +176,7 @@ class WorkerPool:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
         if not self.workers:
             self.spawn()
+        self._load_local()  # while the workers start up
         by_identity = {w.identity: (slot, w) for slot, w in enumerate(self.workers)}
         pending_ready = set(by_identity)
         deadline = time.monotonic() + self.startup_timeout_s
@@ -189,6 +206,28 @@ class WorkerPool:
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")
 
+    def _load_local(self) -> None:
+        """The coordinator shard's rows, read from the model file like a worker reads its own."""
+        if self.local_slot is None or self.local_layers:
+            return
+        import torch
+
+        from sparsecore.config import read_config
+        from sparsecore.gguf_file import open_gguf
+        from sparsecore.tensors import TensorStore
+        from sparsecore.worker_runtime import LayerWeights
+
+        self.local_device = torch.device("cpu")
+        reader = open_gguf(self.model_path)
+        self.local_activation = read_config(self.model_path, reader).activation
+        store = TensorStore(self.model_path, reader)
+        shard = self.plan.shards[self.local_slot]
+        for layer in range(self.plan.n_layers):
+            idx = np.asarray(shard.neurons[layer], dtype=np.int64)
+            if len(idx):
+                self.local_layers[layer] = LayerWeights(store, layer, idx, torch.device("cpu"), self.weights)
+        self.local_weight_bytes = sum(w.nbytes for w in self.local_layers.values())
+
     # ---- per-layer exchange -------------------------------------------------------------
 
     def run_ffn(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
@@ -214,17 +253,27 @@ class WorkerPool:
                 else:
                     self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
                     self.stats.ffn_messages += 1
+        local = self.local_layers.get(layer)
+        if local is not None:  # our own neurons while the workers compute theirs
+            from sparsecore.worker_runtime import compute_step
+
+            n_local, local_ns = compute_step(local, buf, self.local_slot, layer, n_tokens, dense, threshold,
+                                             self.local_activation, self.local_device)
         n_active, slowest_ns = self._wait_done(step, part)
+        if local is not None:
+            n_active += n_local
+            slowest_ns = max(slowest_ns, local_ns)
         self.stats.active[layer] = self.stats.active.get(layer, 0) + n_active
         self.stats.tokens[layer] = self.stats.tokens.get(layer, 0) + n_tokens
         rt = (time.perf_counter() - t0) * 1e6
         self.stats.round_trip_us.append(rt)
         self.stats.overhead_us.append(rt - slowest_ns / 1e3)
-        if len(part) == 1:
-            return buf.out[part[0], :n_tokens].copy()
-        if len(part) == len(self.workers):
+        summed = self.sum_slots[layer]
+        if len(summed) == 1:
+            return buf.out[summed[0], :n_tokens].copy()
+        if len(summed) == len(self.plan.shards):
             return buf.out[:, :n_tokens].sum(axis=0)
-        return buf.out[part, :n_tokens].sum(axis=0)
+        return buf.out[summed, :n_tokens].sum(axis=0)
 
     def _wait_done(self, step: int, part: np.ndarray) -> tuple[int, int]:
         """Wait until every slot in `part` has done `step`: spin on the doorbell, then sleep on the

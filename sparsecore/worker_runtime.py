@@ -92,6 +92,25 @@ class LayerWeights:
         return sum(rows_nbytes(w) for w in (self.gate, self.up, self.down_t))
 
 
+def compute_step(w: LayerWeights, buf: SharedBuffers, slot: int, layer: int, n_tokens: int, dense: bool,
+                 threshold: bool, activation: str, device: torch.device) -> tuple[int, int]:
+    """One FFN step over the neurons of `w`: x, the mask and the thresholds from shared memory,
+    the partial output into `slot`. Returns (active neuron-token pairs, ns taken). Workers run
+    it per step; so does the coordinator for the share of neurons it computes itself."""
+    t0 = time.perf_counter()
+    x = torch.from_numpy(buf.x[:n_tokens]).to(device)
+    if threshold:
+        y, n_active = ffn_partial_threshold(x, w.gate, w.up, w.down_t, activation, float(buf.thresholds[layer]))
+    else:
+        active = None
+        if not dense:
+            active = torch.from_numpy(np.flatnonzero(buf.mask[w.idx])).to(device)
+        y = ffn_partial(x, w.gate, w.up, w.down_t, activation, active)
+        n_active = len(w.idx) * n_tokens if active is None else int(active.numel()) * n_tokens
+    buf.out[slot, :n_tokens] = y.cpu().numpy()
+    return n_active, int((time.perf_counter() - t0) * 1e9)
+
+
 def pick_device(role: str, requested: str) -> torch.device:
     if requested not in ("auto", ""):
         return torch.device(requested)
@@ -243,21 +262,8 @@ class Worker:
 
     def step(self, m: Ffn) -> tuple[int, int]:
         """Compute step `m` into this worker's output slot: (active neuron-token pairs, ns taken)."""
-        t0 = time.perf_counter()
-        w = self.layers[m.layer]
-        buf = self.buffers
-        x = torch.from_numpy(buf.x[: m.n_tokens]).to(self.device)
-        if m.threshold:
-            y, n_active = ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation,
-                                                float(buf.thresholds[m.layer]))
-        else:
-            active = None
-            if not m.dense:
-                active = torch.from_numpy(np.flatnonzero(buf.mask[w.idx])).to(self.device)
-            y = ffn_partial(x, w.gate, w.up, w.down_t, self.activation, active)
-            n_active = len(w.idx) * m.n_tokens if active is None else int(active.numel()) * m.n_tokens
-        buf.out[self.slot, : m.n_tokens] = y.cpu().numpy()
-        return n_active, int((time.perf_counter() - t0) * 1e9)
+        return compute_step(self.layers[m.layer], self.buffers, self.slot, m.layer, m.n_tokens, m.dense,
+                            m.threshold, self.activation, self.device)
 
     def serve(self) -> int:
         self.send(Hello(self.worker_id, self.role, os.getpid()))

@@ -56,6 +56,35 @@ def test_spinning_and_sleeping_give_the_same_tokens(tiny_model, no_leaks):
             assert st.wakeups > exchanges * 3 / 4, (st.wakeups, exchanges)
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5, 0.9])
+def test_coordinator_share_gives_the_oracle_tokens(tiny_model, share, no_leaks):
+    """The coordinator computing a share of each layer's neurons itself (between ringing the
+    workers and waiting for them) changes which process computes a neuron, not the result:
+    the oracle's greedy tokens and logits for every share, with the stats accounting for the
+    coordinator's rows and neurons (thresholded steps: tests/test_thresholds.py)."""
+    ref = ReferenceLlama(tiny_model)
+    ids = [5, 17, 33, 80, 120]
+    want = ref.greedy(ids, 10)
+    with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, coordinator_share=share)) as eng:
+        n_ff, hidden, n_layers = eng.cfg.n_ff, eng.cfg.hidden, eng.cfg.n_layers
+        n_local = round(share * n_ff)
+        assert eng.pool.local_slot == (1 + 1 if n_local else None)  # after the GPU and CPU workers
+        got = list(eng.generate(ids, 10, SamplingParams(temperature=0.0), stop_at_eos=False))
+        s = eng.stats()
+        assert s["coordinator_ffn_bytes"] == n_layers * n_local * hidden * 12
+        assert sum(s["worker_weight_bytes"]) == n_layers * (n_ff - n_local) * hidden * 12
+        assert sum(eng.pool.stats.active.values()) == sum(eng.pool.stats.tokens.values()) * n_ff  # dense
+        logits = eng.forward_logits(ids + got)
+    assert got == want
+    ref_logits = ref.logits(ids + got)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=2e-3 * np.abs(ref_logits).max())
+
+
+def test_coordinator_share_is_refused_with_a_vram_budget(tiny_model):
+    with pytest.raises(ValueError, match="--coordinator-share"):
+        Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, coordinator_share=0.3, vram_budget_gb=0.01))
+
+
 def test_prefill_in_chunks_equals_one_batch(tiny_model):
     """The FFN exchange splits long prompts into max_batch chunks; the result must not change."""
     ids = list(range(3, 60))

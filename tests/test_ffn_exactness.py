@@ -12,7 +12,7 @@ import torch
 
 from coordinator.placement import static_plan
 from coordinator.worker_pool import WorkerPool
-from sparsecore.ffn import ffn_dense_reference
+from sparsecore.ffn import ACTIVATIONS, ffn_dense_reference
 from tests.conftest import shm_segments
 
 MAX_TOKENS = 8
@@ -45,6 +45,15 @@ def reference(weights, layer: int, x: np.ndarray, activation: str, mask: np.ndar
     return ffn_dense_reference(torch.from_numpy(x.astype(np.float64)), gate, up, down, activation, m).numpy()
 
 
+def threshold_with_gap(g: np.ndarray) -> float:
+    """A threshold near the median of |g| in the widest gap between neighbouring values, so
+    float32 vs float64 rounding cannot move a neuron across it."""
+    v = np.sort(np.abs(g).ravel())
+    lo, hi = len(v) // 4, 3 * len(v) // 4
+    k = lo + int(np.argmax(np.diff(v[lo:hi + 1])))
+    return float((v[k] + v[k + 1]) / 2)
+
+
 def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert got.shape == want.shape
     scale = float(np.abs(want).max())
@@ -53,11 +62,15 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert err <= 1e-4 * scale, f"max abs error {err:.3g} vs output scale {scale:.3g}"
 
 
-@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+COORDINATOR_SHARE = 0.3  # the "+coordinator" setups: the coordinator computes this share itself
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0", "F32+coordinator"])
 def setup(request, tiny_model, tiny_model_factory):
-    path = tiny_model if request.param == "F32" else tiny_model_factory(tensor_type=request.param)
+    tensor_type, _, coordinator = request.param.partition("+")
+    path = tiny_model if tensor_type == "F32" else tiny_model_factory(tensor_type=tensor_type)
     weights, hidden, n_ff, activation = read_ffn_weights(path)
-    plan = static_plan(len(weights), n_ff, GPU_SHARE, N_CPU)
+    plan = static_plan(len(weights), n_ff, GPU_SHARE, N_CPU, COORDINATOR_SHARE if coordinator else 0.0)
     pool = WorkerPool(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1)
     try:
         pool.wait_ready()
@@ -85,7 +98,13 @@ def test_both_worker_kinds_own_neurons(setup):
     roles = [w.role for w in pool.workers]
     assert roles == ["gpu", "cpu", "cpu"]
     n_ff = pool.plan.n_ff
-    assert [w.n_neurons for w in pool.workers] == [len(weights) * len(s.neurons[0]) for s in pool.plan.shards]
+    procs = [s for s in pool.plan.shards if s.role != "coordinator"]
+    assert [w.n_neurons for w in pool.workers] == [len(weights) * len(s.neurons[0]) for s in procs]
+    if pool.local_slot is not None:  # the rest is the coordinator's, computed in this process
+        local = pool.plan.shards[pool.local_slot]
+        assert local.role == "coordinator" and pool.local_slot == len(pool.workers)
+        assert len(local.neurons[0]) == round(COORDINATOR_SHARE * (n_ff - round(GPU_SHARE * n_ff))) > 0
+        assert sorted(pool.local_layers) == list(weights) and pool.local_weight_bytes > 0
     assert pool.workers[0].n_neurons == len(weights) * round(GPU_SHARE * n_ff)
     assert all(w.n_neurons > 0 for w in pool.workers)
     assert all(w.proc.poll() is None and w.pid == w.proc.pid for w in pool.workers)
@@ -119,6 +138,29 @@ def test_sparse_masks(setup, n_tokens):
             if name != "full":
                 dense = reference(weights, layer, x, act, None)
                 assert np.abs(dense - want).max() > 1e-2 * np.abs(dense).max()
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_threshold_steps(setup, n_tokens):
+    """Threshold steps: every process keeps, per token, the neurons with |act(gate x)| above the
+    layer's threshold in shared memory, and reports how many neuron-token pairs it computed."""
+    pool, weights, act = setup
+    if act == "relu":
+        pytest.skip("thresholds are for SwiGLU models")
+    rng = np.random.default_rng(200 + n_tokens)
+    for layer in weights:
+        gate, up, down = (torch.from_numpy(a) for a in weights[layer])
+        x = rng.standard_normal((n_tokens, pool.buffers.layout.hidden)).astype(np.float32)
+        x64 = torch.from_numpy(x.astype(np.float64))
+        g = ACTIVATIONS[act](x64 @ gate.T)
+        thr = threshold_with_gap(g.numpy())
+        keep = g.abs() > thr
+        pool.buffers.x[:n_tokens] = x
+        pool.buffers.thresholds[layer] = thr
+        before = pool.stats.active.get(layer, 0)
+        got = pool.run_ffn(layer, n_tokens, dense=False, threshold=True)
+        assert_close(got, ((g * keep * (x64 @ up.T)) @ down.T).numpy())
+        assert pool.stats.active[layer] - before == int(keep.sum()) < keep.numel()
 
 
 def test_full_mask_equals_dense(setup):

@@ -20,8 +20,8 @@ from coordinator.sampling import SamplingParams
 from coordinator.worker_pool import WorkerPool
 from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_dense_reference, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)
-from tests.test_ffn_exactness import assert_close, read_ffn_weights
-from tests.test_quantized_weights import _run, _threshold_with_gap
+from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
+from tests.test_quantized_weights import _run
 
 ONE_TOKEN_TOL = 2e-3  # float16 rounding of x, of the products and of h: ~2**-11 each
 
@@ -90,7 +90,7 @@ def test_one_token_steps_run_in_float16(rows):
     for t, in_half in ((1, True), (4, False)):
         y = x_wt(torch.randn(t, 40), half[0]).numpy()
         assert np.array_equal(y.astype(np.float16).astype(np.float32), y) == in_half
-    thr = _threshold_with_gap(ACTIVATIONS["silu"](torch.from_numpy(x).double() @ w64[0].T).numpy())
+    thr = threshold_with_gap(ACTIVATIONS["silu"](torch.from_numpy(x).double() @ w64[0].T).numpy())
     got, n_active = ffn_partial_threshold(torch.from_numpy(x), *half, "silu", thr)
     g = ACTIVATIONS["silu"](torch.from_numpy(x).double() @ w64[0].T)
     keep = g.abs() > thr
@@ -153,7 +153,8 @@ def test_engine_decodes_like_f32(tiny_model):
             assert isinstance(attn.wo, HalfRows) == (fmt == "f16")
             per_value = {"f32": 12, "f16": 8}[fmt]
             assert s["weights"] == fmt
-            assert sum(s["worker_weight_bytes"]) == eng.cfg.n_layers * eng.cfg.n_ff * eng.cfg.hidden * per_value
+            held = sum(s["worker_weight_bytes"]) + s["coordinator_ffn_bytes"]
+            assert held == eng.cfg.n_layers * eng.cfg.n_ff * eng.cfg.hidden * per_value
             coord_bytes[fmt] = coordinator_bytes_per_token(eng)
             attn_values = sum(l.wqkv.shape.numel() + l.wo.shape.numel() for l in eng.model.layers)
     assert out["f16"] == out["f32"]
@@ -174,6 +175,6 @@ def test_powerinfer_model_runs_f16_with_its_predictors(tmp_path):
             out[fmt] = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
             computed = sum(eng.pool.stats.active.values())
             assert computed < sum(eng.pool.stats.tokens.values()) * eng.cfg.n_ff  # masks applied
-            bytes_[fmt] = sum(eng.stats()["worker_weight_bytes"])
+            bytes_[fmt] = sum(eng.stats()["worker_weight_bytes"]) + eng.stats()["coordinator_ffn_bytes"]
     assert out["f16"] == out["f32"]
     assert bytes_["f16"] * 12 == bytes_["f32"] * 8

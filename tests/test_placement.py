@@ -77,3 +77,31 @@ def test_check_partition_catches_bad_plans():
 def test_static_plan_invalid(args):
     with pytest.raises(ValueError):
         static_plan(*args)
+
+
+@pytest.mark.parametrize("n_ff,gpu_share,n_cpu,coord", [
+    (1536, 0.0, 1, 0.5), (1536, 0.0, 3, 0.25), (160, 0.4, 2, 1 / 3), (7, 0.0, 1, 0.5), (160, 0.0, 1, 0.001)])
+def test_static_plan_coordinator_share(n_ff, gpu_share, n_cpu, coord):
+    """The coordinator's shard is the last one and takes its fraction of the non-GPU neurons;
+    GPU and CPU shards split the rest as before, every neuron still owned exactly once."""
+    plan = static_plan(2, n_ff, gpu_share, n_cpu, coord)
+    n_gpu = round(gpu_share * n_ff)
+    n_coord = round(coord * (n_ff - n_gpu))
+    roles = [s.role for s in plan.shards]
+    assert roles == ["gpu"] + ["cpu"] * n_cpu + (["coordinator"] if n_coord else [])
+    assert len({s.worker_id for s in plan.shards}) == len(plan.shards)
+    plan.check_partition()
+    for layer in range(2):
+        assert len(plan.shards[0].neurons[layer]) == n_gpu
+        if n_coord:
+            own = plan.shards[-1].neurons[layer]
+            assert len(own) == n_coord and own.dtype == np.int32
+            np.testing.assert_array_equal(own, np.arange(n_ff - n_coord, n_ff))
+        cpu = [len(s.neurons[layer]) for s in plan.shards if s.role == "cpu"]
+        assert sum(cpu) == n_ff - n_gpu - n_coord and max(cpu) - min(cpu) <= 1
+
+
+@pytest.mark.parametrize("coord", [-0.1, 1.0, float("nan")])
+def test_static_plan_coordinator_share_invalid(coord):
+    with pytest.raises(ValueError, match="coordinator share"):
+        static_plan(2, 160, 0.0, 1, coord)

@@ -13,7 +13,7 @@ from coordinator.placement import static_plan
 from coordinator.worker_pool import WorkerPool
 from sparsecore.ffn import (ACTIVATIONS, Int8Rows, ffn_dense_reference, ffn_partial, ffn_partial_threshold,
                             quantize_rows)
-from tests.test_ffn_exactness import assert_close, read_ffn_weights
+from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
 
 TOL = 1e-4  # of the output's max |value|, as tests/test_ffn_exactness.py
 
@@ -21,15 +21,6 @@ TOL = 1e-4  # of the output's max |value|, as tests/test_ffn_exactness.py
 def _q64(w: np.ndarray) -> np.ndarray:
     """Dequantized int8 rows as float64 (the rows of w are quantized independently)."""
     return Int8Rows.quantize(torch.from_numpy(w).float()).dequantize().double().numpy()
-
-
-def _threshold_with_gap(g: np.ndarray) -> float:
-    """A threshold near the median of |g| in the widest gap between neighbouring values, so
-    float32 vs float64 rounding cannot move a neuron across it."""
-    v = np.sort(np.abs(g).ravel())
-    lo, hi = len(v) // 4, 3 * len(v) // 4
-    k = lo + int(np.argmax(np.diff(v[lo:hi + 1])))
-    return float((v[k] + v[k + 1]) / 2)
 
 
 # ---- the format itself ----------------------------------------------------------------------
@@ -103,7 +94,7 @@ def test_threshold_steps(rows, n_tokens):
     q, deq, rng, original = rows
     x = rng.standard_normal((n_tokens, q[0].shape[1])).astype(np.float32)
     g = ACTIVATIONS["silu"](torch.from_numpy(x).double() @ deq[0].T).numpy()
-    thr = _threshold_with_gap(g)
+    thr = threshold_with_gap(g)
     keep = np.abs(g) > thr
     got, n_active = ffn_partial_threshold(torch.from_numpy(x), *q, "silu", thr)
     assert n_active == int(keep.sum()) and 0 < n_active < keep.size
@@ -164,7 +155,7 @@ def test_worker_steps_match_dequantized_reference(pool):
                 want = ffn_dense_reference(x64, gq, uq, dq, act, torch.from_numpy(mask.astype(np.float64)))
                 assert_close(_run(p, layer, x, mask), want.numpy())
             g = ACTIVATIONS[act](x64 @ gq.T)
-            thr = _threshold_with_gap(g.numpy())
+            thr = threshold_with_gap(g.numpy())
             keep = g.abs() > thr
             want = (g * keep * (x64 @ uq.T)) @ dq.T
             assert_close(_run(p, layer, x, threshold=thr), want.numpy())
@@ -183,4 +174,4 @@ def test_engine_runs_int8(tiny_model):
     cfg = eng.cfg
     assert len(toks) == 4
     assert s["weights"] == "int8"
-    assert sum(s["worker_weight_bytes"]) == cfg.n_layers * cfg.n_ff * 3 * (cfg.hidden + 4)
+    assert sum(s["worker_weight_bytes"]) + s["coordinator_ffn_bytes"] == cfg.n_layers * cfg.n_ff * 3 * (cfg.hidden + 4)

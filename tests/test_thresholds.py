@@ -72,12 +72,16 @@ def test_calibration_hits_target_sparsity_on_its_own_text(calibrated):
     assert all(a < b for a, b in zip(t30, t50))  # more sparsity, higher thresholds
 
 
-def test_sparse_decoding_matches_oracle_with_same_thresholds(calibrated):
-    """Real workers skipping neurons per token give the oracle's tokens, and differ from dense."""
+@pytest.mark.parametrize("coordinator_share", [0.0, 0.4])
+def test_sparse_decoding_matches_oracle_with_same_thresholds(calibrated, coordinator_share):
+    """Real workers (and the coordinator, for its share) skipping neurons per token give the
+    oracle's tokens, and differ from dense."""
     path, _ = calibrated
     thr = load_thresholds(path, 0.5)
     ref = ReferenceLlama(path)
-    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5)) as eng:
+    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5,
+                                    coordinator_share=coordinator_share)) as eng:
+        assert (eng.pool.local_slot is not None) == (coordinator_share > 0)
         ids = eng.tokenizer.encode("the quick brown fox")
         got = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
         st = eng.pool.stats

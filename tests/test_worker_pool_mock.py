@@ -179,6 +179,14 @@ def test_static_plan_pool_and_close(no_leaks):
     p.close()  # idempotent
 
 
+def test_coordinator_shard_must_come_last(tiny_model, no_leaks):
+    idx = np.arange(40, dtype=np.int32)
+    plan = Plan(1, 40, [WorkerShard("gpu", 0, [idx[:10]]), WorkerShard("coordinator", 1, [idx[10:20]]),
+                        WorkerShard("cpu", 2, [idx[20:]])])
+    with pytest.raises(ValueError, match="coordinator shard"):
+        WorkerPool(tiny_model, plan, hidden=8, max_tokens=4)
+
+
 def test_single_worker_pool(no_leaks):
     plan = static_plan(n_layers=1, n_ff=40, gpu_share=1.0, n_cpu_workers=0)
     with make_pool(plan, startup_timeout_s=60) as p:
