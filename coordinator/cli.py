@@ -529,14 +529,17 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
         with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
             res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
         info = dict(model=str(eng.path), n_layers=eng.cfg.n_layers, threads=eng.opts.threads, cpu_workers=len(eng.pool.workers) - 1,
-                    devices=[w.device for w in eng.pool.workers], pp=len(prompt), tg=tg, reps=reps)
+                    devices=[w.device for w in eng.pool.workers], pp=len(prompt), tg=tg, reps=reps,
+                    coordinator_ffn_share=eng.pool.local_neuron_share)
     bw = b.read_bandwidth_gbs(info["threads"] or os.cpu_count() or 1)
     summary = dict(**info, read_bandwidth_gb_s=bw, results=res, ratios_vs_dense=b.ratios(res, "dense"))
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
-    click.echo(f"{Path(info['model']).name}: {len(eng.pool.workers)} workers ({', '.join(info['devices'])}), "
-               f"{reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
+    coord = info["coordinator_ffn_share"]
+    click.echo(f"{Path(info['model']).name}: {len(eng.pool.workers)} workers ({', '.join(info['devices'])})"
+               + (f" + the coordinator computing {100 * coord:.0f}% of FFN neurons" if coord else "")
+               + f", {reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
     click.echo(b.format_table(res, len(prompt), tg))
     for name, r in summary["ratios_vs_dense"].items():
         click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "

@@ -228,6 +228,14 @@ class WorkerPool:
                 self.local_layers[layer] = LayerWeights(store, layer, idx, torch.device("cpu"), self.weights)
         self.local_weight_bytes = sum(w.nbytes for w in self.local_layers.values())
 
+    @property
+    def local_neuron_share(self) -> float:
+        """The fraction of all FFN neurons (every layer) the coordinator computes itself."""
+        if self.local_slot is None:
+            return 0.0
+        own = sum(len(n) for n in self.plan.shards[self.local_slot].neurons)
+        return own / (self.plan.n_layers * self.plan.n_ff)
+
     # ---- per-layer exchange -------------------------------------------------------------
 
     def run_ffn(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
