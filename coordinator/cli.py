@@ -484,7 +484,7 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
     click.echo(f"{'mean':>5s} {m['recall']:7.3f} {m['precision']:9.3f} {m['predicted_active']:9.3f} "
                f"{m['true_active']:6.3f}")
     rule = "relu(gate x) > 0" if relu else f"CATS thresholds at sparsity {sparsity:.2f}"
-    thr_note = (f"per-layer thresholds (sparseinfer.predictor.thresholds)" if p.per_layer
+    thr_note = ("per-layer thresholds (sparseinfer.predictor.thresholds)" if p.per_layer
                 else f"powerinfer.sparse_threshold {p.sparse_threshold:g}")
     click.echo(f"wrote {out} (rank {rank}, {dtype}, targets {rule}, {thr_note}; "
                f"data {t1 - t0:.0f}s, training {t2 - t1:.0f}s)")

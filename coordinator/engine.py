@@ -22,7 +22,7 @@ from sparsecore.tensors import TensorStore
 
 from .attention_model import AttentionModel
 from .chat_template import chat_template_from_reader, render_chat
-from .placement import Plan, plan_under_budget, static_plan
+from .placement import plan_under_budget, static_plan
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
 from .thresholds import load_thresholds

@@ -31,7 +31,7 @@ import zmq
 from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
-                                 REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLEEP_ON_SOCKET, SLOT_ACTIVE,
+                                 REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLOT_ACTIVE,
                                  SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING, SharedBuffers, ShmLayout)
 from sparsecore.doorbell import (COORDINATOR_SPIN_US, SOCKET_CHECK_SPINS, WORKER_SPIN_US, WakePipe,
                                  spin_supported, usable_cores)

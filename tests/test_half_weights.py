@@ -21,7 +21,7 @@ from coordinator.worker_pool import WorkerPool
 from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_dense_reference, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)
 from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
-from tests.test_quantized_weights import _run
+from tests.test_quantized_weights import _run, check_float32_steps
 
 ONE_TOKEN_TOL = 2e-3  # float16 rounding of x, of the products and of h: ~2**-11 each
 
@@ -66,13 +66,7 @@ def _ref(w64, x, mask=None):
 
 def test_batches_are_float32_on_the_half_weights(rows):
     half, w64, _, rng = rows
-    for p in (1.0, 0.5, 0.2):
-        mask = rng.random(96) < p
-        x = rng.standard_normal((4, 40)).astype(np.float32)
-        active = None if p == 1.0 else torch.from_numpy(np.flatnonzero(mask))
-        got = ffn_partial(torch.from_numpy(x), *half, "silu", active).numpy()
-        assert got.dtype == np.float32
-        assert_close(got, _ref(w64, x, None if p == 1.0 else mask))
+    check_float32_steps(half, w64, rng, 4, (1.0, 0.5, 0.2))
 
 
 def test_one_token_steps_run_in_float16(rows):

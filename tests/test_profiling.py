@@ -15,7 +15,7 @@ from coordinator import corpus
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import gpuidx_path
 from coordinator.profiling import (
-    Profile, collect, load_powerinfer_activations, load_profile, plot_path, plot_profile, profile_from_powerinfer,
+    collect, load_powerinfer_activations, load_profile, plot_path, plot_profile, profile_from_powerinfer,
     profile_path, save_profile,
 )
 from coordinator.sampling import SamplingParams

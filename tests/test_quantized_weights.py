@@ -68,14 +68,20 @@ def _ref(deq, x, mask=None):
 @pytest.mark.parametrize("n_tokens", [1, 4])
 def test_dense_and_masked_steps(rows, n_tokens):
     q, deq, rng, original = rows
-    n = q[0].shape[0]
-    for p in (1.0, 0.5, 0.2, 0.03):
+    check_float32_steps(q, deq, rng, n_tokens, (1.0, 0.5, 0.2, 0.03))
+
+
+def check_float32_steps(rows, ref_weights, rng, n_tokens: int, fractions) -> None:
+    """ffn_partial over `rows` (dense at fraction 1.0, else a random active set of that
+    fraction) returns float32 close to the float64 reference over `ref_weights`."""
+    n, hidden = rows[0].shape
+    for p in fractions:
         mask = rng.random(n) < p
-        x = rng.standard_normal((n_tokens, q[0].shape[1])).astype(np.float32)
+        x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
         active = None if p == 1.0 else torch.from_numpy(np.flatnonzero(mask))
-        got = ffn_partial(torch.from_numpy(x), *q, "silu", active).numpy()
+        got = ffn_partial(torch.from_numpy(x), *rows, "silu", active).numpy()
         assert got.dtype == np.float32
-        assert_close(got, _ref(deq, x, None if p == 1.0 else mask))
+        assert_close(got, _ref(ref_weights, x, None if p == 1.0 else mask))
 
 
 def test_result_is_that_of_the_quantized_weights(rows):

@@ -1,7 +1,6 @@
 """scripts/launch keeps a coordinator serving; `sparseinfer prompt` streams replies from it."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
