@@ -27,11 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 class AttentionLayer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32"):
         p = f"blk.{i}."
@@ -76,6 +71,10 @@ class AttentionModel:
         freqs = torch.arange(self.max_ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
+        # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin):
+        # one flip per step instead of two slices, a neg and a cat.
+        half = d // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def reset(self) -> None:
         self.pos = 0
@@ -83,11 +82,13 @@ class AttentionModel:
     def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
         """Rotate-half RoPE on x (T, heads, head_dim): Q and K heads together, one pass."""
         d = self.cfg.rope_dim
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        if d == x.shape[-1]:
-            return x * cos + rotate_half(x) * sin
+        cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]
+        T, H, hd = x.shape
+        if d == hd:
+            return x * cos + x.view(T, H, 2, d // 2).flip(2).view(T, H, d) * sin
         xr, xp = x[..., :d], x[..., d:]
-        return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+        swapped = xr.reshape(T, H, 2, d // 2).flip(2).reshape(T, H, d)
+        return torch.cat((xr * cos + swapped * sin, xp), dim=-1)
 
     def _attention(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg, L = self.cfg, self.layers[i]

@@ -191,8 +191,11 @@ class Engine:
         if self.predictors is not None and (len(xs) == 1 or self.sparse_batches):
             return self._ffn_predicted(layer, xs, _pre_norm)
         sparse = self.sparsity is not None and (len(xs) == 1 or self.sparse_batches)
-        out = np.empty_like(xs)
         step = self.opts.max_batch
+        if len(xs) <= step:  # one exchange (every decoded token): no chunking, no extra copy
+            self.pool.buffers.x[: len(xs)] = xs
+            return torch.from_numpy(self.pool.run_ffn(layer, len(xs), dense=True, threshold=sparse))
+        out = np.empty_like(xs)
         for a in range(0, len(xs), step):
             chunk = xs[a:a + step]
             self.pool.buffers.x[: len(chunk)] = chunk

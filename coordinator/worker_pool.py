@@ -215,7 +215,9 @@ class WorkerPool:
         from sparsecore.config import read_config
         from sparsecore.gguf_file import open_gguf
         from sparsecore.tensors import TensorStore
-        from sparsecore.worker_runtime import LayerWeights
+        from sparsecore.worker_runtime import LayerWeights, compute_step
+
+        self._compute_step = compute_step
 
         self.local_device = torch.device("cpu")
         reader = open_gguf(self.model_path)
@@ -263,10 +265,8 @@ class WorkerPool:
                     self.stats.ffn_messages += 1
         local = self.local_layers.get(layer)
         if local is not None:  # our own neurons while the workers compute theirs
-            from sparsecore.worker_runtime import compute_step
-
-            n_local, local_ns = compute_step(local, buf, self.local_slot, layer, n_tokens, dense, threshold,
-                                             self.local_activation, self.local_device)
+            n_local, local_ns = self._compute_step(local, buf, self.local_slot, layer, n_tokens, dense, threshold,
+                                                   self.local_activation, self.local_device)
         n_active, slowest_ns = self._wait_done(step, part)
         if local is not None:
             n_active += n_local
@@ -279,6 +279,8 @@ class WorkerPool:
         summed = self.sum_slots[layer]
         if len(summed) == 1:
             return buf.out[summed[0], :n_tokens].copy()
+        if len(summed) == 2:  # one worker and the coordinator: the common CPU-only case
+            return np.add(buf.out[summed[0], :n_tokens], buf.out[summed[1], :n_tokens])
         if len(summed) == len(self.plan.shards):
             return buf.out[:, :n_tokens].sum(axis=0)
         return buf.out[summed, :n_tokens].sum(axis=0)

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Where a decoded token's time goes: the whole token, the coordinator alone (every layer's FFN
+replaced by zeros), the lm_head, and the per-layer FFN exchange, each a median over repeated
+one-token steps (SmolLM2 by default).
+
+    PYTHONPATH=. python3 scripts/profile_decode.py [-m MODEL] [-t 2] [--weights f32|f16] [-n 40]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.model_fetch import default_model_path
+
+
+def median_ms(fn, n: int) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--weights", default="f32")
+    ap.add_argument("-n", type=int, default=40, help="one-token steps per measurement")
+    args = ap.parse_args()
+    with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads, weights=args.weights)) as eng:
+        m = eng.model
+        ids = eng.tokenizer.encode("The history of the city of Paris begins")
+        zero_ffn = lambda layer, x, pre: torch.zeros_like(x)  # noqa: E731
+        room = m.max_ctx - len(ids) - 1
+        n = min(args.n, room // 2 - 1)
+
+        def steps(ffn):
+            m.reset()
+            m.forward(ids, ffn)
+            return lambda: m.forward([5], ffn)
+
+        full = median_ms(steps(eng._ffn), n)
+        exchanges = np.array(eng.pool.stats.round_trip_us[-n * eng.cfg.n_layers:])
+        alone = median_ms(steps(zero_ffn), n)
+        x = torch.randn(1, eng.cfg.hidden)
+        with torch.inference_mode():
+            head = median_ms(lambda: m.head_q8(x) if m.head_q8 is not None else x @ m.lm_head.T, 50)
+        layers = eng.cfg.n_layers
+        print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * eng.pool.local_neuron_share:.0f}%, "
+              f"medians of {n} one-token steps")
+        print(f"  whole token                  {full:7.2f} ms")
+        print(f"  coordinator alone (FFN = 0)  {alone:7.2f} ms   of which lm_head {head:.2f} ms")
+        print(f"  FFN exchanges                {layers} x {np.median(exchanges):.0f} us = "
+              f"{layers * np.median(exchanges) / 1e3:.2f} ms")
+        print(f"  not accounted for            {full - alone - layers * np.median(exchanges) / 1e3:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
