@@ -479,3 +479,17 @@ def test_worker_exiting_at_startup_is_named(tiny_model):
     msg, endpoint = _engine_failure(tiny_model, [sys.executable, "-c", "import sys; sys.exit(3)"])
     assert re.search(r"cpu worker 1 \(pid \d+\) died: exited with code 3", msg), msg
     _assert_engine_cleaned_up(endpoint, shm_before)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--coordinator-share", "1.5"], "coordinator share must be within [0, 1), got 1.5"),
+    (["--coordinator-share", "0.3", "--vram-budget", "0.01"], "--coordinator-share goes with the static split"),
+], ids=["out-of-range", "with-vram-budget"])
+def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
+    shm_before = shm_segments()
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(tiny_model), "-p", "hi",
+                        "-n", "2", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert shm_segments() == shm_before
