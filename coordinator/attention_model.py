@@ -16,7 +16,7 @@ from sparsecore.config import ModelConfig
 from sparsecore.ffn import HalfRows, x_wt
 from sparsecore.tensors import TensorStore, unpermute_qk
 
-from .lm_head import Q8Head
+from sparsecore.lm_head import Q8Head, head_tensor_name
 
 FfnFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden)) -> FFN output (T, hidden)."""
@@ -50,11 +50,13 @@ class AttentionModel:
         self.max_ctx = max_ctx
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         self.embed = t(store.matrix("token_embd.weight"))
-        head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        head_name = head_tensor_name(cfg.tied_embeddings)
         self.lm_head = self.embed if cfg.tied_embeddings else t(store.matrix(head_name))
         # One decoded token reads the lm_head in its Q8_0 blocks when the file has them (a
         # quarter of the bytes); batches (perplexity) use the float32 matrix's GEMM.
         self.head_q8 = Q8Head.from_tensor(store.info(head_name))
+        # Set by the engine when the worker pool splits the head's rows across processes.
+        self.one_token_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.out_norm = t(store.matrix("output_norm.weight"))
         self.layers = [AttentionLayer(store, cfg, i, weights) for i in range(cfg.n_layers)]
         shape = (cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
@@ -125,6 +127,8 @@ class AttentionModel:
             h = h + ffn(i, rms_norm(h, L.ffn_norm, eps), h)
         self.pos += T
         h = rms_norm(h if all_logits else h[-1:], self.out_norm, eps)
+        if h.shape[0] == 1 and self.one_token_head is not None:
+            return self.one_token_head(h)
         if self.head_q8 is not None and h.shape[0] == 1:
             return self.head_q8(h)
         return h @ self.lm_head.T

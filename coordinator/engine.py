@@ -56,6 +56,8 @@ class EngineOptions:
     # Fraction of the CPU side's neurons (those not on the GPU worker) the coordinator computes
     # itself during each FFN step; None: default_coordinator_share.
     coordinator_share: float | None = None
+    # With a coordinator share, split the lm_head's vocabulary rows across the same processes.
+    split_lm_head: bool = True
 
 
 @dataclass
@@ -137,7 +139,7 @@ class Engine:
             self.plan, self.plan_source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord), "static"
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
-                               spin=opts.spin, cores=total)
+                               spin=opts.spin, cores=total, split_lm_head=opts.split_lm_head)
         # While workers spin on their cores, the coordinator computes on the one left to it.
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
@@ -148,6 +150,8 @@ class Engine:
         except BaseException:
             self.pool.close()
             raise
+        if self.pool.local_head is not None:  # the lm_head's rows are split across processes
+            self.model.one_token_head = lambda h: torch.from_numpy(self.pool.run_lm_head(h.numpy()[0]))[None]
         self.last = RunStats()
         self.ffn_observer = None  # calibration hook: (layer, normed FFN input rows, pre-norm rows)
         self.sparse_batches = False  # perplexity: apply thresholds to multi-token batches too

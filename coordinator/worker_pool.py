@@ -30,7 +30,7 @@ import zmq
 
 from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
+from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, HEAD_LAYER, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
                                  REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLOT_ACTIVE,
                                  SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING, SharedBuffers, ShmLayout)
 from sparsecore.doorbell import (COORDINATOR_SPIN_US, SOCKET_CHECK_SPINS, WORKER_SPIN_US, WakePipe,
@@ -89,6 +89,7 @@ class SyncStats:
     overhead_us: list[float] = field(default_factory=list)  # round trip minus slowest worker's compute
     active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
     tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
+    head_us: list[float] = field(default_factory=list)  # lm_head steps split across processes
     wakeups: int = 0  # steps posted to sleeping workers (by wake pipe or Ffn message)
     ffn_messages: int = 0  # of those, sent as Ffn messages (workers without a wake pipe)
 
@@ -111,7 +112,7 @@ class WorkerPool:
     def __init__(self, model_path: Path, plan: Plan, hidden: int, max_tokens: int,
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
-                 spin: bool | None = None, cores: int | None = None):
+                 spin: bool | None = None, cores: int | None = None, split_lm_head: bool = False):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -137,6 +138,13 @@ class WorkerPool:
         self.local_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
         self.local_layers: dict = {}  # layer -> LayerWeights of the coordinator's own neurons
         self.local_weight_bytes = 0
+        # With a coordinator shard the lm_head's vocabulary rows may be split too: each worker
+        # that computes FFN neurons and the coordinator take rows in proportion to their neurons.
+        self.split_lm_head = split_lm_head
+        self.head_rows: dict[int, tuple[int, int]] = {}  # worker slot -> [start, stop)
+        self.head_participants = np.array([], dtype=np.intp)
+        self.local_head = None  # the coordinator's rows (sparsecore.lm_head.HeadRows)
+        self.n_vocab = 0
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
@@ -199,7 +207,8 @@ class WorkerPool:
                 self._send(ident, Assign(str(self.model_path), self.buffers.name, slot, layers, neurons,
                                          self.threads, dev, self.weights,
                                          WORKER_SPIN_US if self.spin else 0,
-                                         self.worker_wakes[slot].path, self.wake.path))
+                                         self.worker_wakes[slot].path, self.wake.path,
+                                         list(self.head_rows.get(slot, ()))))
             elif isinstance(msg, Ready):
                 w.n_neurons, w.device, w.weight_bytes = msg.n_neurons, msg.device, msg.weight_bytes
                 pending_ready.discard(ident)
@@ -229,6 +238,27 @@ class WorkerPool:
             if len(idx):
                 self.local_layers[layer] = LayerWeights(store, layer, idx, torch.device("cpu"), self.weights)
         self.local_weight_bytes = sum(w.nbytes for w in self.local_layers.values())
+        if self.split_lm_head:
+            self._split_head(store, read_config(self.model_path, reader).tied_embeddings)
+
+    def _split_head(self, store, tied: bool) -> None:
+        """Vocabulary rows per process, in proportion to the FFN neurons each computes; none
+        when a worker's rows would not fit its output slot (then the coordinator keeps them all)."""
+        from sparsecore.lm_head import HeadRows, head_tensor_name
+
+        name = head_tensor_name(tied)
+        n_vocab = store.shape(name)[0]
+        slots = [slot for slot, sh in enumerate(self.proc_shards) if any(len(n) for n in sh.neurons)]
+        slots.append(self.local_slot)
+        load = np.array([sum(len(n) for n in self.plan.shards[slot].neurons) for slot in slots], dtype=np.float64)
+        cuts = np.concatenate([[0], np.round(np.cumsum(load) / load.sum() * n_vocab)]).astype(int)
+        capacity = self.buffers.layout.max_tokens * self.buffers.layout.hidden
+        if len(slots) < 2 or np.diff(cuts).max() > capacity:
+            return
+        self.n_vocab = n_vocab
+        self.head_rows = {slot: (int(cuts[i]), int(cuts[i + 1])) for i, slot in enumerate(slots[:-1])}
+        self.head_participants = np.array(slots[:-1], dtype=np.intp)
+        self.local_head = HeadRows(store, name, int(cuts[-2]), n_vocab)
 
     @property
     def local_neuron_share(self) -> float:
@@ -249,20 +279,8 @@ class WorkerPool:
         step = self.step
         t0 = time.perf_counter()
         buf = self.buffers
-        req, slots = buf.request, buf.slots
-        req[REQ_LAYER], req[REQ_TOKENS] = layer, n_tokens
-        req[REQ_FLAGS] = (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0)
-        req[REQ_STEP] = step  # last: a spinning worker that sees it reads a complete request
         part = self.participants[layer]
-        for slot in part:
-            sleeping = slots[slot, SLOT_SLEEPING]
-            if sleeping:
-                self.stats.wakeups += 1
-                if sleeping == SLEEP_ON_PIPE:
-                    self.worker_wakes[slot].ring()
-                else:
-                    self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
-                    self.stats.ffn_messages += 1
+        self._post(step, layer, n_tokens, dense, threshold, part)
         local = self.local_layers.get(layer)
         if local is not None:  # our own neurons while the workers compute theirs
             n_local, local_ns = self._compute_step(local, buf, self.local_slot, layer, n_tokens, dense, threshold,
@@ -284,6 +302,41 @@ class WorkerPool:
         if len(summed) == len(self.plan.shards):
             return buf.out[:, :n_tokens].sum(axis=0)
         return buf.out[summed, :n_tokens].sum(axis=0)
+
+    def run_lm_head(self, x: np.ndarray) -> np.ndarray:
+        """Logits (n_vocab,) for one final normed hidden state x (hidden,): each worker in
+        head_rows computes its vocabulary rows while the coordinator computes the last ones."""
+        self.step += 1
+        step = self.step
+        t0 = time.perf_counter()
+        buf = self.buffers
+        buf.x[0] = x
+        part = self.head_participants
+        self._post(step, HEAD_LAYER, 1, True, False, part)
+        logits = np.empty(self.n_vocab, np.float32)
+        logits[self.local_head.start:] = self.local_head(buf.x[:1])
+        self._wait_done(step, part)
+        for slot in part:
+            a, b = self.head_rows[int(slot)]
+            logits[a:b] = buf.out[slot].reshape(-1)[: b - a]
+        self.stats.head_us.append((time.perf_counter() - t0) * 1e6)
+        return logits
+
+    def _post(self, step: int, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray) -> None:
+        """Publish step `step` in the shared request words, then wake the slots in `part` that sleep."""
+        req, slots = self.buffers.request, self.buffers.slots
+        req[REQ_LAYER], req[REQ_TOKENS] = layer, n_tokens
+        req[REQ_FLAGS] = (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0)
+        req[REQ_STEP] = step  # last: a spinning worker that sees it reads a complete request
+        for slot in part:
+            sleeping = slots[slot, SLOT_SLEEPING]
+            if sleeping:
+                self.stats.wakeups += 1
+                if sleeping == SLEEP_ON_PIPE:
+                    self.worker_wakes[slot].ring()
+                else:
+                    self._send(self.workers[slot].identity, Ffn(layer, step, n_tokens, dense, threshold))
+                    self.stats.ffn_messages += 1
 
     def _wait_done(self, step: int, part: np.ndarray) -> tuple[int, int]:
         """Wait until every slot in `part` has done `step`: spin on the doorbell, then sleep on the

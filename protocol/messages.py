@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: doorbell words in shared memory; 3: wake pipes
+PROTOCOL_VERSION = 4  # 2: doorbell words in shared memory; 3: wake pipes; 4: lm_head rows
 
 
 class ProtocolError(Exception):
@@ -50,6 +50,9 @@ class Assign:
     # sleeps, and the coordinator's, which it rings when a step is done. Empty: use messages.
     wake_pipe: str = ""
     coordinator_pipe: str = ""
+    # [start, stop): vocabulary rows of the output projection this worker computes in lm_head
+    # steps (Ffn.layer == shm_layout.HEAD_LAYER); empty: none.
+    head_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -71,7 +74,9 @@ class Ffn:
     fields from the shared-memory request (protocol/shm_layout.py).
     dense=False: only neurons set in the shared active mask (a predictor's choice).
     threshold=True: only neurons whose |act(gate x)| exceeds the layer's threshold in shared
-    memory (CATS-style, decided per token by the worker that holds the gate rows)."""
+    memory (CATS-style, decided per token by the worker that holds the gate rows).
+    layer == shm_layout.HEAD_LAYER: an lm_head step instead; x[0] is the final normed hidden
+    state and the worker writes the logits of its Assign.head_rows into its output slot."""
     layer: int
     step: int
     n_tokens: int

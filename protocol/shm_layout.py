@@ -12,6 +12,8 @@ and sparsecore/doorbell.py for when a side spins and when it sleeps):
     worker that sees a new step reads a complete request (x86-TSO keeps stores in order; on
     other CPUs the pool does not spin and uses messages only).
     slot[SLOT_ACTIVE, SLOT_COMPUTE_NS] are written after the output rows, slot[SLOT_DONE] last.
+    An lm_head step (request[REQ_LAYER] == HEAD_LAYER) reads x[0] and writes the worker's
+    logits into the start of its output slot, flattened.
     slot[SLOT_SLEEPING] says how to wake a worker that no longer spins: SLEEP_ON_PIPE, ring its
     wake pipe (it then reads the request here); SLEEP_ON_SOCKET, send it an Ffn message.
     request[REQ_COORD_SLEEPING] likewise: SLEEP_ON_PIPE, ring the coordinator's wake pipe once
@@ -41,6 +43,7 @@ SHM_PREFIX = "sparseinfer_"
 REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
 SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
 FLAG_DENSE, FLAG_THRESHOLD = 1, 2
+HEAD_LAYER = -1  # request[REQ_LAYER] of an lm_head step: logits of the worker's vocabulary rows
 SLEEP_ON_SOCKET, SLEEP_ON_PIPE = 1, 2  # values of the sleeping words (0: spinning)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line
 

@@ -6,8 +6,10 @@ layer (round trip minus sync overhead), which isolates the FFN kernels from the 
 
     PYTHONPATH=. python3 scripts/bench_weights_e2e.py --rounds 4 -n 48 [--sparsity 0.2]
 
-A variant may fix the coordinator's share of the FFN neurons: `--formats f32:0,f32` compares
-the coordinator computing none of them with its default share.
+A variant may fix the coordinator's share of the FFN neurons and whether the lm_head's rows
+are split too (FORMAT[:SHARE[:split|whole]]): `--formats f32:0,f32` compares the coordinator
+computing none of them with its default share; `f32::whole,f32` the lm_head on one core with
+the lm_head split.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from coordinator.model_fetch import default_model_path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--formats", default="f32,int8,f16", help="comma-separated FORMAT[:COORDINATOR_SHARE]")
+    ap.add_argument("--formats", default="f32,int8,f16", help="comma-separated FORMAT[:COORDINATOR_SHARE[:split|whole]]")
     ap.add_argument("--sparsity", type=float, default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", type=int, default=48, help="tokens per generation")
@@ -32,9 +34,10 @@ def main() -> None:
     path = args.model or default_model_path()
     engines = {}
     for variant in args.formats.split(","):
-        fmt, _, share = variant.partition(":")
+        fmt, share, head = (variant.split(":") + ["", ""])[:3]
         engines[variant] = Engine(path, EngineOptions(threads=args.threads, sparsity=args.sparsity, weights=fmt,
-                                                      coordinator_share=float(share) if share else None))
+                                                      coordinator_share=float(share) if share else None,
+                                                      split_lm_head=head != "whole"))
     tps = {f: [] for f in engines}
     compute = {f: [] for f in engines}
     try:
@@ -55,7 +58,7 @@ def main() -> None:
     mode = "dense" if args.sparsity is None else f"sparsity {args.sparsity}"
     print(f"{mode}, {args.threads} threads, {args.rounds} rounds x {args.n} tokens, medians")
     for f in engines:
-        print(f"  {f:8s} decode {statistics.median(tps[f]):6.2f} tok/s ({statistics.median(tps[f]) / base:.2f}x)   "
+        print(f"  {f:11s} decode {statistics.median(tps[f]):6.2f} tok/s ({statistics.median(tps[f]) / base:.2f}x)   "
               f"slowest worker FFN compute {statistics.median(compute[f]):7.1f} us/layer   "
               f"runs: {', '.join(f'{v:.1f}' for v in tps[f])}")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decoded token's time goes: the whole token, the coordinator alone (every layer's FFN
-replaced by zeros), the lm_head, and the per-layer FFN exchange, each a median over repeated
-one-token steps (SmolLM2 by default).
+replaced by zeros), the lm_head (on one core, and split across processes when it is), and the
+per-layer FFN exchange, each a median over repeated one-token steps (SmolLM2 by default).
 
     PYTHONPATH=. python3 scripts/profile_decode.py [-m MODEL] [-t 2] [--weights f32|f16] [-n 40]
 """
@@ -57,7 +57,9 @@ def main() -> None:
         print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * eng.pool.local_neuron_share:.0f}%, "
               f"medians of {n} one-token steps")
         print(f"  whole token                  {full:7.2f} ms")
-        print(f"  coordinator alone (FFN = 0)  {alone:7.2f} ms   of which lm_head {head:.2f} ms")
+        split = eng.pool.stats.head_us
+        head_note = (f"; split across processes {np.median(split) / 1e3:.2f} ms (used)" if split else "")
+        print(f"  coordinator alone (FFN = 0)  {alone:7.2f} ms   lm_head on one core {head:.2f} ms{head_note}")
         print(f"  FFN exchanges                {layers} x {np.median(exchanges):.0f} us = "
               f"{layers * np.median(exchanges) / 1e3:.2f} ms")
         print(f"  not accounted for            {full - alone - layers * np.median(exchanges) / 1e3:7.2f} ms")

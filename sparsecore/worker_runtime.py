@@ -23,7 +23,7 @@ import zmq
 
 from protocol.addresses import COORDINATOR_PID_ENV
 from protocol.messages import Assign, Done, Ffn, Hello, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
+from protocol.shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, HEAD_LAYER, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER,
                                  REQ_STEP, REQ_TOKENS, SLEEP_ON_PIPE, SLEEP_ON_SOCKET, SLOT_ACTIVE,
                                  SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING, SharedBuffers)
 
@@ -31,6 +31,7 @@ from .config import read_config
 from .doorbell import SOCKET_CHECK_SPINS, WakePipe
 from .ffn import ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
+from .lm_head import HeadRows, head_tensor_name
 from .tensors import TensorStore
 
 PARENT_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
@@ -111,6 +112,15 @@ def compute_step(w: LayerWeights, buf: SharedBuffers, slot: int, layer: int, n_t
     return n_active, int((time.perf_counter() - t0) * 1e9)
 
 
+def head_step(head: HeadRows, buf: SharedBuffers, slot: int) -> tuple[int, int]:
+    """One lm_head step: the logits of `head`'s vocabulary rows for x[0], written flat into the
+    start of `slot`. Returns (0 neurons, ns taken), like compute_step."""
+    t0 = time.perf_counter()
+    logits = head(buf.x[:1])
+    buf.out[slot].reshape(-1)[: len(logits)] = logits
+    return 0, int((time.perf_counter() - t0) * 1e9)
+
+
 def pick_device(role: str, requested: str) -> torch.device:
     if requested not in ("auto", ""):
         return torch.device(requested)
@@ -132,6 +142,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(endpoint)
         self.layers: dict[int, LayerWeights] = {}
+        self.head: HeadRows | None = None  # our vocabulary rows of the lm_head, if we have any
         self.buffers: SharedBuffers | None = None
         self.activation = "silu"
         self.last_step = 0
@@ -166,6 +177,8 @@ class Worker:
         for layer, raw in zip(a.layers, a.neurons):
             idx = np.frombuffer(raw, dtype=np.int32).astype(np.int64)
             self.layers[layer] = LayerWeights(store, layer, idx, self.device, a.weights)
+        if a.head_rows:
+            self.head = HeadRows(store, head_tensor_name(cfg.tied_embeddings), *a.head_rows)
         self.buffers = SharedBuffers.attach(a.shm_name)
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
@@ -189,8 +202,12 @@ class Worker:
             layer, n_tokens, flags = int(req[REQ_LAYER]), int(req[REQ_TOKENS]), int(req[REQ_FLAGS])
             if int(req[REQ_STEP]) == step:
                 break
-        w = self.layers.get(layer)
-        if w is None or len(w.idx) == 0:  # not a participant: the coordinator does not wait for us
+        if layer == HEAD_LAYER:
+            w = self.head
+        else:
+            w = self.layers.get(layer)
+            w = None if w is None or len(w.idx) == 0 else w
+        if w is None:  # not a participant: the coordinator does not wait for us
             self.last_step = step
             return None
         return Ffn(layer, step, n_tokens, bool(flags & FLAG_DENSE), bool(flags & FLAG_THRESHOLD))
@@ -262,6 +279,8 @@ class Worker:
 
     def step(self, m: Ffn) -> tuple[int, int]:
         """Compute step `m` into this worker's output slot: (active neuron-token pairs, ns taken)."""
+        if m.layer == HEAD_LAYER:
+            return head_step(self.head, self.buffers, self.slot)
         return compute_step(self.layers[m.layer], self.buffers, self.slot, m.layer, m.n_tokens, m.dense,
                             m.threshold, self.activation, self.device)
 

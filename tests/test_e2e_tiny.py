@@ -59,7 +59,8 @@ def test_spinning_and_sleeping_give_the_same_tokens(tiny_model, no_leaks):
 @pytest.mark.parametrize("share", [0.0, 0.5, 0.9])
 def test_coordinator_share_gives_the_oracle_tokens(tiny_model, share, no_leaks):
     """The coordinator computing a share of each layer's neurons itself (between ringing the
-    workers and waiting for them) changes which process computes a neuron, not the result:
+    workers and waiting for them), and of the lm_head's rows, changes which process computes
+    a neuron or a logit, not the result:
     the oracle's greedy tokens and logits for every share, with the stats accounting for the
     coordinator's rows and neurons (thresholded steps: tests/test_thresholds.py)."""
     ref = ReferenceLlama(tiny_model)
@@ -71,6 +72,9 @@ def test_coordinator_share_gives_the_oracle_tokens(tiny_model, share, no_leaks):
         assert eng.pool.local_slot == (1 + 1 if n_local else None)  # after the GPU and CPU workers
         got = list(eng.generate(ids, 10, SamplingParams(temperature=0.0), stop_at_eos=False))
         s = eng.stats()
+        # the lm_head's rows are split with the FFN: one head step per generated token
+        assert (eng.pool.local_head is not None) == bool(n_local)
+        assert len(eng.pool.stats.head_us) == (10 if n_local else 0)
         assert s["coordinator_ffn_bytes"] == n_layers * n_local * hidden * 12
         assert sum(s["worker_weight_bytes"]) == n_layers * (n_ff - n_local) * hidden * 12
         assert sum(eng.pool.stats.active.values()) == sum(eng.pool.stats.tokens.values()) * n_ff  # dense

@@ -65,13 +65,15 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 COORDINATOR_SHARE = 0.3  # the "+coordinator" setups: the coordinator computes this share itself
 
 
-@pytest.fixture(scope="module", params=["F32", "Q8_0", "F32+coordinator"])
+@pytest.fixture(scope="module", params=["F32", "Q8_0", "F32+coordinator", "Q8_0+coordinator"])
 def setup(request, tiny_model, tiny_model_factory):
     tensor_type, _, coordinator = request.param.partition("+")
     path = tiny_model if tensor_type == "F32" else tiny_model_factory(tensor_type=tensor_type)
     weights, hidden, n_ff, activation = read_ffn_weights(path)
     plan = static_plan(len(weights), n_ff, GPU_SHARE, N_CPU, COORDINATOR_SHARE if coordinator else 0.0)
-    pool = WorkerPool(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1)
+    # With a coordinator shard the lm_head's rows are split too (test_split_lm_head).
+    pool = WorkerPool(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1,
+                      split_lm_head=bool(coordinator))
     try:
         pool.wait_ready()
         yield pool, weights, activation
@@ -201,9 +203,36 @@ def test_each_worker_kind_alone(setup):
             assert_close(got, reference(weights, layer, x, act, mask))
 
 
+def test_split_lm_head(setup):
+    """Each CPU worker and the coordinator compute their vocabulary rows of the lm_head; side by
+    side they equal the head read independently (GGUFReader + dequantize)."""
+    pool, weights, _ = setup
+    if pool.local_slot is None:
+        assert pool.local_head is None and not pool.head_rows
+        return
+    r = gguf.GGUFReader(pool.model_path)
+    t = next(t for t in r.tensors if t.name == "output.weight")
+    head = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
+        tuple(int(d) for d in reversed(t.shape)))
+    n_vocab = head.shape[0]
+    ranges = sorted(pool.head_rows.values()) + [(pool.local_head.start, pool.local_head.stop)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_vocab
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+    assert sorted(pool.head_rows) == [0, 1, 2]  # every worker that computes FFN neurons (GPU_SHARE > 0)
+    rng = np.random.default_rng(11)
+    for _ in range(3):
+        x = rng.standard_normal(pool.buffers.layout.hidden).astype(np.float32)
+        pool.buffers.out[:] = np.nan  # every logit must come from this step
+        got = pool.run_lm_head(x)
+        want = head @ x.astype(np.float64)
+        assert got.shape == (n_vocab,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert len(pool.stats.head_us) == 3
+
+
 def test_workers_still_alive(setup):
     pool, _, _ = setup
     assert all(w.proc.poll() is None for w in pool.workers)
-    assert len(pool.stats.round_trip_us) == pool.step
+    assert len(pool.stats.round_trip_us) + len(pool.stats.head_us) == pool.step
     assert os.path.isdir(pool.run_dir)
     assert pool.buffers.name in shm_segments()

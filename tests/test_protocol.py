@@ -21,7 +21,8 @@ SAMPLES = {
     M.Assign: M.Assign(
         model_path="/models/tiny é.gguf", shm_name="sparseinfer_0123abcd", slot=2, layers=[0, 1, 5],
         neurons=[np.array([0, 7, 9], np.int32).tobytes(), b"", np.arange(1000, dtype=np.int32).tobytes()],
-        threads=4, device="cuda:1", weights="int8"),
+        threads=4, device="cuda:1", weights="int8", spin_us=50000, wake_pipe="/run/a/slot2.wake",
+        coordinator_pipe="/run/a/coordinator.wake", head_rows=[24576, 49152]),
     M.Ready: M.Ready(worker_id=0, role="gpu", pid=17, n_neurons=12345, device="cuda", load_s=1.25,
                      weight_bytes=2**33),
     M.Ffn: M.Ffn(layer=11, step=2**40, n_tokens=7, dense=False),

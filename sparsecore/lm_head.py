@@ -1,4 +1,5 @@
-"""The output projection for one decoded token, read in the file's own Q8_0 blocks.
+"""The output projection for one decoded token, read in the file's own Q8_0 blocks, whole or
+a range of its vocabulary rows (the coordinator and the workers split it on CPU-only machines).
 
 The lm_head is the largest matrix a token reads (SmolLM2: 49152 x 576, 113 MB as float32, a
 fifth of all bytes per token). When it is stored as Q8_0 (32 int8 values and one f16 scale per
@@ -48,14 +49,14 @@ class Q8Head:
         self.op = _kernel()
 
     @classmethod
-    def from_tensor(cls, t) -> "Q8Head | None":
-        """A Q8Head for a GGUF tensor when it is Q8_0 and torch has the kernel, else None."""
+    def from_tensor(cls, t, rows: slice = slice(None)) -> "Q8Head | None":
+        """A Q8Head for `rows` of a GGUF tensor when it is Q8_0 and torch has the kernel, else None."""
         if t.tensor_type != GGMLQuantizationType.Q8_0 or _kernel() is None:
             return None
         n_cols = int(t.shape[0])
         if n_cols % QK8_0:
             return None
-        return cls(np.asarray(t.data).reshape(int(t.shape[1]), -1), n_cols)
+        return cls(np.asarray(t.data).reshape(int(t.shape[1]), -1)[rows], n_cols)
 
     @property
     def nbytes(self) -> int:
@@ -66,3 +67,28 @@ class Q8Head:
         partial = self.op(self.table, self.indices, self.offsets, False, 0, False,
                           x.reshape(-1).contiguous(), None, False)  # (n_blocks, n_rows)
         return partial.mul_(self.scales).sum(0, keepdim=True)
+
+
+def head_tensor_name(tied_embeddings: bool) -> str:
+    return "token_embd.weight" if tied_embeddings else "output.weight"
+
+
+class HeadRows:
+    """Vocabulary rows [start, stop) of the output projection for one token: in Q8_0 blocks
+    when the file has them, else as float32 rows. Each logit is its own row's dot product, so
+    the rows computed in several processes and put side by side equal the whole head's."""
+
+    def __init__(self, store, name: str, start: int, stop: int):
+        self.start, self.stop = start, stop
+        self.q8 = Q8Head.from_tensor(store.info(name), slice(start, stop))
+        self.w = None if self.q8 is not None else torch.from_numpy(
+            np.ascontiguousarray(store.rows(name, np.arange(start, stop))))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q8.nbytes if self.q8 is not None else self.w.numel() * 4
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x: (1, n_cols) float32 (shared memory, as the processes hold it) -> (stop - start,) logits."""
+        t = torch.from_numpy(x)
+        return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()
