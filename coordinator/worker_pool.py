@@ -226,11 +226,11 @@ class WorkerPool:
         from sparsecore.tensors import TensorStore
         from sparsecore.worker_runtime import LayerWeights, compute_step
 
-        self._compute_step = compute_step
-
+        self._compute_step = compute_step  # imported here: the pool module stays free of torch
         self.local_device = torch.device("cpu")
         reader = open_gguf(self.model_path)
-        self.local_activation = read_config(self.model_path, reader).activation
+        cfg = read_config(self.model_path, reader)
+        self.local_activation = cfg.activation
         store = TensorStore(self.model_path, reader)
         shard = self.plan.shards[self.local_slot]
         for layer in range(self.plan.n_layers):
@@ -239,7 +239,7 @@ class WorkerPool:
                 self.local_layers[layer] = LayerWeights(store, layer, idx, torch.device("cpu"), self.weights)
         self.local_weight_bytes = sum(w.nbytes for w in self.local_layers.values())
         if self.split_lm_head:
-            self._split_head(store, read_config(self.model_path, reader).tied_embeddings)
+            self._split_head(store, cfg.tied_embeddings)
 
     def _split_head(self, store, tied: bool) -> None:
         """Vocabulary rows per process, in proportion to the FFN neurons each computes; none
