@@ -143,8 +143,7 @@ class WorkerPool:
         self.split_lm_head = split_lm_head
         self.head_rows: dict[int, tuple[int, int]] = {}  # worker slot -> [start, stop)
         self.head_participants = np.array([], dtype=np.intp)
-        self.local_head = None  # the coordinator's rows (sparsecore.lm_head.HeadRows)
-        self.n_vocab = 0
+        self.local_head = None  # the coordinator's rows, the last ones (sparsecore.lm_head.HeadRows)
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
         self.buffers = SharedBuffers.create(layout)
         self.closed = False
@@ -255,7 +254,6 @@ class WorkerPool:
         capacity = self.buffers.layout.max_tokens * self.buffers.layout.hidden
         if len(slots) < 2 or np.diff(cuts).max() > capacity:
             return
-        self.n_vocab = n_vocab
         self.head_rows = {slot: (int(cuts[i]), int(cuts[i + 1])) for i, slot in enumerate(slots[:-1])}
         self.head_participants = np.array(slots[:-1], dtype=np.intp)
         self.local_head = HeadRows(store, name, int(cuts[-2]), n_vocab)
@@ -313,7 +311,7 @@ class WorkerPool:
         buf.x[0] = x
         part = self.head_participants
         self._post(step, HEAD_LAYER, 1, True, False, part)
-        logits = np.empty(self.n_vocab, np.float32)
+        logits = np.empty(self.local_head.stop, np.float32)  # the coordinator's rows end the vocabulary
         logits[self.local_head.start:] = self.local_head(buf.x[:1])
         self._wait_done(step, part)
         for slot in part:
