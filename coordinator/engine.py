@@ -25,7 +25,7 @@ from .chat_template import chat_template_from_reader, render_chat
 from .placement import plan_under_budget, static_plan
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
-from .thresholds import load_thresholds
+from .model_files import load_thresholds
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
 

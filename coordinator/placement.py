@@ -16,13 +16,14 @@ which model, profile, budget and neuron size it was made for, so a stale file is
 from __future__ import annotations
 
 import heapq
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from sparsecore.ffn import row_nbytes
+
+from .model_files import GPUIDX_FORMAT, gpuidx_path, read_gpuidx, write_gpuidx
 
 
 @dataclass
@@ -74,8 +75,6 @@ def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int,
 # ---- placement under a VRAM budget ------------------------------------------------------------
 
 GIB = 1 << 30
-GPUIDX_ARCH = "generic.gpu_index"  # PowerInfer's export_split writes this architecture
-GPUIDX_FORMAT = "sparseinfer-gpuidx/1"
 
 
 def neuron_bytes(hidden: int, weights: str = "f32", on_cpu: bool = False) -> int:
@@ -182,65 +181,6 @@ def plan_summary(plan: Plan, freqs: list[np.ndarray], neuron_bytes: int, cpu_neu
             "gpu_bytes": workers[0]["bytes"] if workers else 0, "layers": layers, "workers": workers}
 
 
-# ---- the GPU index cache (<model>.generated.gpuidx) --------------------------------------------
-
-def gpuidx_path(model: Path) -> Path:
-    return Path(str(model) + ".generated.gpuidx")
-
-
-def write_gpuidx(path: Path, hot: list[np.ndarray], meta: dict) -> Path:
-    """Write the GPU masks in PowerInfer's layout (standard GGUF magic; our reader also takes
-    PowerInfer's PWRI one). `meta` values (ints or strings) go in as `sparseinfer.<key>`."""
-    from gguf import GGUFWriter
-
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    w = GGUFWriter(tmp, GPUIDX_ARCH)
-    w.add_block_count(len(hot))
-    n_gpu = int(sum(int(np.count_nonzero(h)) for h in hot))
-    w.add_uint64("split.vram_capacity", n_gpu * int(meta.get("neuron_bytes", 0)))
-    w.add_string("sparseinfer.format", GPUIDX_FORMAT)
-    for k, v in meta.items():
-        if isinstance(v, str):
-            w.add_string(f"sparseinfer.{k}", v)
-        else:
-            w.add_uint64(f"sparseinfer.{k}", int(v))
-    for i, h in enumerate(hot):
-        w.add_tensor(f"blk.{i}.gpu_idx", np.asarray(h, dtype=np.int32))
-        w.add_tensor(f"blk.{i}.gpu_bucket", np.flatnonzero(h).astype(np.int32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
-
-
-def read_gpuidx(path: Path) -> tuple[list[np.ndarray], dict]:
-    """(per-layer bool GPU masks, metadata) from a gpuidx file, ours or PowerInfer's."""
-    from sparsecore.gguf_file import field_value, open_gguf
-
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-    if arch != GPUIDX_ARCH:
-        raise ValueError(f"{path}: architecture {arch!r}, expected {GPUIDX_ARCH!r}")
-    n_layers = int(field_value(reader, f"{GPUIDX_ARCH}.block_count", -1))
-    by_name = {t.name: t for t in reader.tensors}
-    hot = []
-    for i in range(n_layers):
-        t = by_name.get(f"blk.{i}.gpu_idx")
-        if t is None:
-            raise ValueError(f"{path}: tensor blk.{i}.gpu_idx is missing")
-        idx = np.asarray(t.data).reshape(-1)
-        bucket = by_name.get(f"blk.{i}.gpu_bucket")
-        if bucket is not None and not np.array_equal(np.asarray(bucket.data).reshape(-1), np.flatnonzero(idx)):
-            raise ValueError(f"{path}: blk.{i}.gpu_bucket disagrees with blk.{i}.gpu_idx")
-        hot.append(idx != 0)
-    meta = {k[len("sparseinfer."):]: field_value(reader, k) for k in reader.fields if k.startswith("sparseinfer.")}
-    meta["vram_capacity"] = field_value(reader, "split.vram_capacity")
-    return hot, meta
-
-
 def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_budget_gb: float,
                       n_cpu_workers: int, reset_gpu_index: bool = False, disable_gpu_index: bool = False,
                       write_cache: bool = True, profile_file: Path | None = None,
@@ -249,7 +189,7 @@ def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_b
     GPU share from `<model>.generated.gpuidx` when that file was made for the same model,
     profile, budget and neuron size (unless reset or disabled), otherwise computed and cached.
     Returns (plan, frequencies, where the GPU share came from)."""
-    from .profiling import load_profile, profile_path
+    from .model_files import load_profile, profile_path
 
     if not vram_budget_gb >= 0:
         raise ValueError(f"--vram-budget must be >= 0 GiB, got {vram_budget_gb}")

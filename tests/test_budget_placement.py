@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from coordinator.placement import (
-    balance_by_load, budget_plan, choose_hot, gpuidx_path, neuron_bytes, plan_summary, plan_under_budget,
-    read_gpuidx, static_plan, write_gpuidx,
+from coordinator.model_files import (
+    Profile, gpuidx_path, profile_path, read_gpuidx, save_profile, write_gguf, write_gpuidx,
 )
-from coordinator.profiling import Profile, profile_path, save_profile
+from coordinator.placement import (
+    balance_by_load, budget_plan, choose_hot, neuron_bytes, plan_summary, plan_under_budget, static_plan,
+)
 from sparsecore.gguf_file import field_value, open_gguf
 
 
@@ -142,6 +143,23 @@ def test_gpuidx_round_trip_in_powerinfer_layout(tmp_path):
     back, meta = read_gpuidx(path)
     assert all(np.array_equal(a, b) for a, b in zip(back, hot))
     assert meta["model_bytes"] == 1234 and meta["profile"] == "abc" and meta["vram_capacity"] == 480
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
+    """Side files are written to a temporary name and renamed: a writer that fails midway (as a
+    crash or Ctrl-C would) leaves the previous file as it was and no half file beside it."""
+    hot = choose_hot(_rand_freqs(3, 2, 16), 12, 12 * 8)
+    path = write_gpuidx(tmp_path / "m.gguf.generated.gpuidx", hot, {"neuron_bytes": 12})
+    before = path.read_bytes()
+
+    def half(w):
+        w.add_block_count(2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_gguf(path, "generic.gpu_index", half)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 @pytest.fixture
