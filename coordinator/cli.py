@@ -273,7 +273,7 @@ def _corpus_options(f):
 
 
 def _chunks(eng, corpus, part, chunks, chunk_len):
-    from . import corpus as corpus_mod
+    from .tools import corpus as corpus_mod
 
     ids = eng.tokenizer.encode(corpus_mod.load(corpus, part))
     return corpus_mod.token_chunks(ids, chunk_len, chunks)
@@ -287,7 +287,8 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
     """Calibrate per-layer activation thresholds (CATS) for SwiGLU sparsity on calibration text."""
     from tqdm import tqdm
 
-    from .thresholds import DEFAULT_LEVELS, calibrate as run_calibration, save
+    from .model_files import save_thresholds
+    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
 
     grid = sorted({float(v) for v in levels.split(",")} if levels else set(DEFAULT_LEVELS))
     if sparsity is not None:
@@ -297,7 +298,7 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
     with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
         data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
         table = run_calibration(eng, tqdm(data, desc="calibrating", unit="chunk"), grid)
-        path = save(eng.path, table)
+        path = save_thresholds(eng.path, table)
     click.echo(f"wrote {path} ({table['tokens']} calibration tokens, levels {', '.join(table['levels'])})")
 
 
@@ -308,11 +309,14 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
     """Perplexity on held-out text, dense or with --sparsity (applied to every token)."""
     from tqdm import tqdm
 
+    from .tools.observe import predictors
+    from .tools.perplexity import perplexity as run_perplexity
+
     with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, sparsity) as eng:
         data = _chunks(eng, corpus, "heldout", chunks, chunk_len)
         with tqdm(total=len(data), desc="perplexity", unit="chunk") as bar:
-            r = eng.perplexity(data, bar.update)
-        pred = eng.predictors
+            r = run_perplexity(eng, data, bar.update)
+        pred = predictors(eng)
     mode = ("dense" if sparsity is None else f"sparsity {sparsity:.2f}") if pred is None else f"predictor {pred.path}"
     click.echo(f"{mode}, {_weights_from_context()} weights: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
                f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
@@ -332,8 +336,8 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
 
     from tqdm import tqdm
 
-    from . import profiling
-    from .thresholds import load_thresholds
+    from . import model_files
+    from .tools import profile as profiling
 
     path = Path(_resolve_model(model))
     if powerinfer_activations:
@@ -348,14 +352,14 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
             thresholds = None
             if eng.cfg.activation != "relu":
                 try:
-                    thresholds = load_thresholds(eng.path, s)
+                    thresholds = model_files.load_thresholds(eng.path, s)
                 except ValueError as e:
                     click.echo(f"note: {e}\nnote: using per-layer quantiles of |act(gate x)| on this text instead",
                                err=True)
             data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
             prof = profiling.collect(eng, tqdm(data, desc="profiling", unit="chunk"), s, thresholds)
-    npz = profiling.save_profile(prof, profiling.profile_path(path, Path(out_dir) if out_dir else None))
-    png = profiling.plot_profile(prof, profiling.plot_path(npz))
+    npz = model_files.save_profile(prof, model_files.profile_path(path, Path(out_dir) if out_dir else None))
+    png = profiling.plot_profile(prof, model_files.plot_path(npz))
     for line in profiling.summary_lines(prof):
         click.echo(line)
     mean = float(np.mean(np.concatenate(prof.freqs)))
@@ -455,8 +459,8 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
 
     from tqdm import tqdm
 
-    from . import predictor_training as pt
-    from .thresholds import load_thresholds
+    from .model_files import load_thresholds, predictor_path, save_predictor
+    from .tools import train_predictor as pt
 
     t0 = time.perf_counter()
     with _open_engine(model, threads, None, None, chunk_len, "ipc") as eng:
@@ -472,7 +476,7 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
     with tqdm(total=n_layers, desc="training", unit="layer") as bar:
         p = pt.train_predictors(train_data, held_data, rank=rank, recall=recall, epochs=epochs, seed=seed,
                                 dtype=dtype, target_sparsity=None if relu else sparsity, progress=bar.update)
-    out = pt.save(Path(output) if output else pt.predictor_path(path), p, arch=arch, model=path)
+    out = save_predictor(Path(output) if output else predictor_path(path), p, arch=arch, model=path)
     t2 = time.perf_counter()
     click.echo(f"held-out ({p.info['heldout_tokens']} tokens; trained on {p.info['train_tokens']}, "
                f"threshold chosen on {p.info['val_tokens']}):")
@@ -504,18 +508,20 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     thresholds at --sparsity (default: the operating point, calibrated first if needed)."""
     from tqdm import tqdm
 
-    from . import bench as b
-    from . import corpus as corpus_mod
-    from .profiling import DEFAULT_SPARSITY
-    from .thresholds import DEFAULT_LEVELS, calibrate as run_calibration, level_key, save, thresholds_path
+    from .model_files import level_key, save_thresholds, thresholds_path
+    from .tools import bench as b
+    from .tools import corpus as corpus_mod
+    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
+    from .tools.observe import predictors, worker_layout
+    from .tools.profile import DEFAULT_SPARSITY
 
     if pp < 1 or tg < 2:
         raise ValueError("need --n-prompt >= 1 and --n-gen >= 2")
     with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport) as eng:
         prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
         modes = [b.Mode("dense")]
-        if eng.predictors is not None:
-            modes.append(b.Mode("predictor", predictors=eng.predictors))
+        if predictors(eng) is not None:
+            modes.append(b.Mode("predictor", predictors=predictors(eng)))
         else:
             s = DEFAULT_SPARSITY if sparsity is None else sparsity
             try:
@@ -524,20 +530,19 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
                 click.echo(f"no thresholds for sparsity {level_key(s)} in {thresholds_path(eng.path)}: "
                            f"calibrating first", err=True)
                 data = _chunks(eng, None, "calibration", 16, 256)
-                save(eng.path, run_calibration(eng, data, sorted(set(DEFAULT_LEVELS) | {s})))
+                save_thresholds(eng.path, run_calibration(eng, data, sorted(set(DEFAULT_LEVELS) | {s})))
             modes.append(b.Mode(f"sparse {level_key(s)}", sparsity=s))
         with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
             res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
-        info = dict(model=str(eng.path), n_layers=eng.cfg.n_layers, threads=eng.opts.threads, cpu_workers=len(eng.pool.workers) - 1,
-                    devices=[w.device for w in eng.pool.workers], pp=len(prompt), tg=tg, reps=reps,
-                    coordinator_ffn_share=eng.pool.local_neuron_share)
+        info = dict(model=str(eng.path), n_layers=eng.cfg.n_layers, **worker_layout(eng), pp=len(prompt), tg=tg,
+                    reps=reps)
     bw = b.read_bandwidth_gbs(info["threads"] or os.cpu_count() or 1)
     summary = dict(**info, read_bandwidth_gb_s=bw, results=res, ratios_vs_dense=b.ratios(res, "dense"))
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
     coord = info["coordinator_ffn_share"]
-    click.echo(f"{Path(info['model']).name}: {len(eng.pool.workers)} workers ({', '.join(info['devices'])})"
+    click.echo(f"{Path(info['model']).name}: {len(info['devices'])} workers ({', '.join(info['devices'])})"
                + (f" + the coordinator computing {100 * coord:.0f}% of FFN neurons" if coord else "")
                + f", {reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
     click.echo(b.format_table(res, len(prompt), tg))

@@ -69,7 +69,7 @@ class OursRunner:
     """Our engine in one mode (dense, or sparse at a calibrated level); runners may share an engine."""
 
     def __init__(self, eng, sparsity: float | None, label: str = ""):
-        from coordinator.bench import Mode
+        from coordinator.tools.bench import Mode
 
         self.eng = eng
         self.mode = Mode("dense") if sparsity is None else Mode(f"sparse {sparsity:.2f}", sparsity=sparsity)
@@ -77,7 +77,7 @@ class OursRunner:
         self.sync_us = {"decode": []}  # per-layer exchange overheads, timed runs only
 
     def run(self, prompt: list[int], tg: int) -> dict:
-        from coordinator.bench import timed_run
+        from coordinator.tools.bench import timed_run
 
         self.mode.apply(self.eng)
         r = timed_run(self.eng, prompt, tg)

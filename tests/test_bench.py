@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.bench import Mode, ffn_bytes_per_token, ratios
-from coordinator.thresholds import thresholds_path
+from coordinator.model_files import thresholds_path
+from coordinator.tools.bench import Mode, ffn_bytes_per_token, ratios
 
 
 def _fake_engine(hidden=8, n_ff=10, n_layers=3):

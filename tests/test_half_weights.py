@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.bench import coordinator_bytes_per_token
+from coordinator.tools.observe import coordinator_bytes_per_token
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import neuron_bytes, static_plan
 from coordinator.sampling import SamplingParams

@@ -14,6 +14,8 @@ import torch
 from coordinator.engine import Engine, EngineOptions
 from coordinator.predictor import Predictors
 from coordinator.sampling import SamplingParams
+from coordinator.tools import observe
+from coordinator.tools.perplexity import perplexity
 from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
@@ -141,10 +143,9 @@ def test_decode_uses_the_files_predictors(pwri, oracle, no_leaks):
 def test_perplexity_applies_a_predicted_mask_per_token(pwri, oracle, no_leaks):
     with Engine(pwri, EngineOptions(**OPTS)) as eng:
         ids = eng.tokenizer.encode("Hello, world! How are you today? The weather is nice.")
-        eng.sparse_batches = True
-        got = eng.forward_logits(ids)
-        eng.sparse_batches = False
-        r = eng.perplexity([ids])
+        with observe.sparse_batches(eng):
+            got = observe.all_logits(eng, ids)
+        r = perplexity(eng, [ids])
     want = oracle.logits(ids, predictor=True)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
     # float32 vs float64 may flip a score sitting on the threshold: allow one neuron

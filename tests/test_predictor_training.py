@@ -6,10 +6,11 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from coordinator import corpus
-from coordinator import predictor_training as pt
 from coordinator.engine import Engine, EngineOptions
-from coordinator.thresholds import calibrate, load_thresholds, save
+from coordinator.model_files import load_predictor, load_thresholds, save_predictor, save_thresholds
+from coordinator.tools import corpus, observe
+from coordinator.tools import train_predictor as pt
+from coordinator.tools.calibrate import calibrate
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +20,9 @@ def observed(tiny_model_factory):
     with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:60000])
         chunks = corpus.token_chunks(ids, 128, 24)
-        save(path, calibrate(eng, chunks, levels=(0.5,)))
+        save_thresholds(path, calibrate(eng, chunks, levels=(0.5,)))
         seen = []
-        eng.ffn_observer = lambda layer, x, pre: seen.append((layer, x.shape, pre.shape))
-        eng.forward_logits(chunks[0][:5])
-        eng.ffn_observer = None
+        observe.dense_run(eng, [chunks[0][:5]], lambda layer, x, pre: seen.append((layer, x.shape, pre.shape)))
         assert seen and all(s == p for _, s, p in seen)  # the observer gets normed and pre-norm rows
         train = pt.collect(eng, chunks, load_thresholds(path, 0.5))
         hid = eng.tokenizer.encode(corpus.load(None, "heldout")[:30000])
@@ -61,7 +60,7 @@ def test_training_beats_random_init_and_meets_recall_on_heldout(observed):
 def test_saved_gguf_round_trips(observed, tmp_path):
     path, cfg, train, held = observed
     p = pt.train_predictors(train, held, rank=8, recall=0.9, epochs=1, dtype="F16", target_sparsity=0.5)
-    out = pt.save(tmp_path / "p.predictor.gguf", p, model=path)
+    out = save_predictor(tmp_path / "p.predictor.gguf", p, model=path)
     assert out.read_bytes()[:4] == b"GGUF"
     r = GGUFReader(out)
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}
@@ -71,7 +70,7 @@ def test_saved_gguf_round_trips(observed, tmp_path):
         want[f"blk.{i}.fc2.weight"] = (cfg.n_ff, 8)
     assert shapes == want
     assert {t.tensor_type.name for t in r.tensors} == {"F16"}
-    fc1, fc2, thr, meta = pt.load(out)
+    fc1, fc2, thr, meta = load_predictor(out)
     assert meta["sparseinfer.predictor.rank"] == 8
     assert meta["sparseinfer.predictor.target_sparsity"] == pytest.approx(0.5)
     assert meta["powerinfer.sparse_threshold"] == pytest.approx(p.sparse_threshold)

@@ -1,4 +1,4 @@
-"""coordinator.profiling: activation frequencies from the dense engine, the .npz and .png files,
+"""coordinator.tools.profile: activation frequencies from the dense engine, the .npz and .png files,
 PowerInfer's activation_N.pt directories, and a budget plan built from a real profile."""
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import corpus
 from coordinator.engine import Engine, EngineOptions
-from coordinator.placement import gpuidx_path
-from coordinator.profiling import (
-    collect, load_powerinfer_activations, load_profile, plot_path, plot_profile, profile_from_powerinfer,
-    profile_path, save_profile,
-)
+from coordinator.model_files import gpuidx_path, load_profile, plot_path, profile_path, save_profile
 from coordinator.sampling import SamplingParams
+from coordinator.tools import corpus, observe
+from coordinator.tools.profile import collect, load_powerinfer_activations, plot_profile, profile_from_powerinfer
 from tests.conftest import REPO
 from tests.reference_llama import ReferenceLlama
 
@@ -56,15 +53,9 @@ def test_relu_model_counts_positive_gate(tiny_model_factory):
     path = tiny_model_factory(tensor_type="F32", seed=2, activation="relu")
     with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
         xs = {}
-        old = eng.ffn_observer
         prof = collect(eng, _chunks(eng, 2, 32), sparsity=0.9)  # sparsity does not matter for ReLU
-        eng.ffn_observer = lambda layer, x, *rest: xs.setdefault(layer, []).append(x.copy())
-        for c in _chunks(eng, 2, 32):
-            eng.forward_logits(c)
-        eng.ffn_observer = old
-        from sparsecore.tensors import TensorStore
-
-        gate = TensorStore(eng.path, eng.reader).matrix("blk.0.ffn_gate.weight")
+        observe.dense_run(eng, _chunks(eng, 2, 32), lambda layer, x, *rest: xs.setdefault(layer, []).append(x.copy()))
+        gate = observe.GateActivity(eng).gate(0).numpy()
     want = (np.concatenate(xs[0]) @ gate.T > 0).mean(axis=0)
     np.testing.assert_allclose(prof.freqs[0], want, atol=1e-6)
     assert prof.meta["rule"] == "relu(gate x) > 0" and prof.meta["thresholds"] == [0.0, 0.0]

@@ -8,10 +8,12 @@ import sys
 import pytest
 import torch
 
-from coordinator import corpus
 from coordinator.engine import Engine, EngineOptions
+from coordinator.model_files import load_thresholds, save_thresholds, thresholds_path
 from coordinator.sampling import SamplingParams
-from coordinator.thresholds import calibrate, load_thresholds, save, thresholds_path
+from coordinator.tools import corpus
+from coordinator.tools.calibrate import calibrate
+from coordinator.tools.perplexity import perplexity
 from sparsecore.ffn import ffn_dense_reference, ffn_partial_threshold
 from tests.conftest import REPO
 from tests.reference_llama import ReferenceLlama
@@ -56,7 +58,7 @@ def calibrated(tiny_model_factory):
     with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:20000])
         table = calibrate(eng, corpus.token_chunks(ids, 64, 6), levels=(0.3, 0.5))
-    save(path, table)
+    save_thresholds(path, table)
     return path, table
 
 
@@ -65,7 +67,7 @@ def test_calibration_hits_target_sparsity_on_its_own_text(calibrated):
     assert json.loads(thresholds_path(path).read_text())["levels"].keys() == {"0.30", "0.50"}
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:20000])
-        r = eng.perplexity(corpus.token_chunks(ids, 64, 6))
+        r = perplexity(eng, corpus.token_chunks(ids, 64, 6))
     assert r["active_fraction"] == pytest.approx(0.5, abs=0.02)
     t30, t50 = table["levels"]["0.30"], table["levels"]["0.50"]
     assert all(a < b for a, b in zip(t30, t50))  # more sparsity, higher thresholds

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparsecore.ffn import HalfRows, rows_nbytes
-
-from .placement import neuron_bytes
-from .sampling import SamplingParams
+from ..placement import neuron_bytes
+from . import observe
 
 
 @dataclass
@@ -31,8 +29,7 @@ class Mode:
     predictors: object | None = None
 
     def apply(self, engine) -> None:
-        engine.predictors = self.predictors
-        engine.set_sparsity(self.sparsity)
+        observe.set_sparsity_source(engine, self.sparsity, self.predictors)
 
 
 @dataclass
@@ -48,37 +45,24 @@ class RunResult:
 
 def timed_run(engine, prompt: list[int], tg: int) -> RunResult:
     """Prefill `prompt`, then greedily decode until `tg` tokens exist (EOS does not stop it)."""
-    st = engine.pool.stats
     t0 = time.perf_counter()
-    it = engine.generate(prompt, max_tokens=tg, sampling=SamplingParams(temperature=0.0), stop_at_eos=False)
+    it = observe.greedy(engine, prompt, tg)
     ids = [next(it)]
     t1 = time.perf_counter()
-    n1, active1, tokens1 = len(st.round_trip_us), sum(st.active.values()), sum(st.tokens.values())
+    meter = observe.FfnMeter(engine)
     ids += list(it)
     t2 = time.perf_counter()
     n_dec = len(ids) - 1
-    layer_tokens = sum(st.tokens.values()) - tokens1
-    active = (sum(st.active.values()) - active1) / max(1, layer_tokens * engine.cfg.n_ff)
-    return RunResult(t1 - t0, t2 - t1, n_dec, ids, sum(st.round_trip_us[n1:]) / max(1, n_dec),
-                     list(st.overhead_us[n1:]), active)
-
-
-def coordinator_bytes_per_token(engine) -> int:
-    """Weights the coordinator reads per decoded token: attention and norms of every layer,
-    the final norm, the lm_head, and one embedding row."""
-    m = engine.model
-    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values()
-                              if isinstance(t, (torch.Tensor, HalfRows))]  # HalfRows: --weights f16
-    head = m.head_q8.nbytes if m.head_q8 is not None else m.lm_head.numel() * m.lm_head.element_size()
-    return sum(rows_nbytes(t) for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
+    return RunResult(t1 - t0, t2 - t1, n_dec, ids, sum(meter.round_trip_us()) / max(1, n_dec),
+                     meter.overhead_us(), meter.active_fraction())
 
 
 def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     """FFN weights the workers read per decoded token. Dense and predictor steps read the
     gate, up and down rows of computed neurons; threshold steps must read every gate row to
     decide, then up and down rows of the active ones. Predictors add their own fc1/fc2."""
-    cfg = engine.cfg
-    per_neuron = neuron_bytes(cfg.hidden, engine.opts.weights)
+    cfg = observe.config(engine)
+    per_neuron = neuron_bytes(cfg.hidden, observe.weights_format(engine))
     row = per_neuron / 3
     n = cfg.n_ff * cfg.n_layers
     if mode.sparsity is not None:
@@ -129,7 +113,7 @@ def bench(engine, prompt: list[int], tg: int, modes: list[Mode], reps: int = 3, 
                     progress(1)
     finally:
         modes[0].apply(engine)
-    coord = coordinator_bytes_per_token(engine)
+    coord = observe.coordinator_bytes_per_token(engine)
     out = {}
     for m in modes:
         rs = runs[m.name]

@@ -1,7 +1,8 @@
 """Activation profiles: how often each FFN neuron of each layer is active.
 
-`sparseinfer profile` runs the dense model over the calibration text (coordinator.corpus) and
-counts, per layer and neuron, the fraction of tokens for which the neuron is active:
+`sparseinfer profile` runs the dense model over the calibration text (coordinator.tools.corpus)
+and counts, per layer and neuron, the fraction of tokens for which the neuron is active (the
+rule of coordinator.tools.observe):
   - SwiGLU (silu) models: |act(gate x)| > the layer's calibrated CATS threshold at sparsity S
     (`<model>.thresholds.json`, written by `sparseinfer calibrate`); without calibrated
     thresholds, the per-layer quantile S of |act(gate x)| on this same text is used instead;
@@ -9,10 +10,10 @@ counts, per layer and neuron, the fraction of tokens for which the neuron is act
 Placement under a VRAM budget (coordinator.placement) puts the most frequently active
 neurons on the GPU worker.
 
-The result is `<model>.profile.npz`: one float32 array `layer_N` of frequencies in [0, 1] per
-layer, and `metadata`, a JSON document stored as a one-element string array, so that the file
-loads with `allow_pickle=False`. A PNG beside it plots the sorted frequencies per layer on
-log-log axes (the hot/cold split) and the share of activations covered by the hottest neurons.
+The result is `<model>.profile.npz` (coordinator.model_files: one float32 array of frequencies
+in [0, 1] per layer and a JSON metadata document). A PNG beside it plots the sorted frequencies
+per layer on log-log axes (the hot/cold split) and the share of activations covered by the
+hottest neurons.
 
 PowerInfer ships its profiles as a directory `activation/activation_N.pt` of torch tensors
 (activation counts per neuron); `load_powerinfer_activations` reads them into the same
@@ -21,62 +22,32 @@ puts activation_10 before activation_2).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from sparsecore.ffn import ACTIVATIONS
-from sparsecore.tensors import TensorStore
+from ..model_files import PROFILE_FORMAT, Profile
+from . import observe
 
-FORMAT = "sparseinfer-profile/1"
 DEFAULT_SPARSITY = 0.2  # the default operating point of SwiGLU models
 FLUSH_BYTES = 256 << 20  # FFN inputs buffered before they are turned into counts
 
 
-def profile_path(model: Path, out_dir: Path | None = None) -> Path:
-    model = Path(model)
-    return (Path(out_dir) if out_dir else model.parent) / (model.name + ".profile.npz")
-
-
-def plot_path(npz: Path) -> Path:
-    return Path(str(npz)[: -len(".npz")] + ".png" if str(npz).endswith(".npz") else str(npz) + ".png")
-
-
-@dataclass
-class Profile:
-    freqs: list[np.ndarray]  # per layer, float32 (n_ff,)
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.freqs)
-
-    def digest(self) -> str:
-        """Identifies these frequencies (the GPU index cache records which profile it came from)."""
-        h = hashlib.sha256()
-        for f in self.freqs:
-            h.update(np.ascontiguousarray(f, dtype=np.float32).tobytes())
-        return h.hexdigest()[:16]
-
-
 class ActivationCounter:
-    """Turns FFN inputs (the engine's ffn_observer) into per-neuron activation counts.
+    """Turns FFN inputs (an observe.dense_run observer) into per-neuron activation counts.
 
     Inputs are buffered per layer and converted in batches, one gate matrix at a time, so
     memory stays bounded by FLUSH_BYTES plus one layer's gate matrix. With `thresholds` None
     (SwiGLU without calibration), each layer's threshold is the `sparsity` quantile of
     |act(gate x)| over the first batch of that layer's inputs."""
 
-    def __init__(self, store: TensorStore, n_layers: int, n_ff: int, activation: str,
+    def __init__(self, gates: observe.GateActivity, n_layers: int, n_ff: int,
                  thresholds: list[float] | None, sparsity: float):
-        self.store, self.n_layers, self.n_ff = store, n_layers, n_ff
-        self.activation, self.sparsity = activation, sparsity
+        self.gates, self.n_layers, self.n_ff = gates, n_layers, n_ff
+        self.activation, self.sparsity = gates.activation, sparsity
         self.thresholds = None if thresholds is None else list(thresholds)
         self.auto = [None] * n_layers  # thresholds derived on the fly
         self.counts = [np.zeros(n_ff, dtype=np.int64) for _ in range(n_layers)]
@@ -85,7 +56,7 @@ class ActivationCounter:
         self._buffered = 0
 
     def __call__(self, layer: int, x, *_rest) -> None:
-        """The engine's ffn_observer: (layer, normalized FFN input rows, [pre-norm rows ...])."""
+        """The observer: (layer, normalized FFN input rows, pre-norm rows)."""
         x = np.asarray(x, dtype=np.float32)
         self._buf[layer].append(x.copy())
         self._buffered += x.nbytes
@@ -98,25 +69,18 @@ class ActivationCounter:
         if self.thresholds is not None:
             return float(self.thresholds[layer])
         if self.auto[layer] is None:
-            flat = mags.flatten()
-            if flat.numel() > 1 << 24:
-                flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[: 1 << 24]]
-            self.auto[layer] = float(torch.quantile(flat, self.sparsity))
+            self.auto[layer] = float(observe.magnitude_quantiles(mags, [self.sparsity])[0])
         return self.auto[layer]
 
     def flush(self) -> None:
-        act = ACTIVATIONS[self.activation]
         for layer in range(self.n_layers):
             rows = self._buf[layer]
             if not rows:
                 continue
-            x = torch.from_numpy(np.concatenate(rows))
+            x = np.concatenate(rows)
             self._buf[layer] = []
-            gate = torch.from_numpy(self.store.matrix(f"blk.{layer}.ffn_gate.weight"))
-            a = act(x @ gate.T)
-            mags = a if self.activation == "relu" else a.abs()
-            active = mags > self.threshold(layer, mags)
-            self.counts[layer] += active.sum(dim=0).numpy()
+            mags = self.gates(layer, x)
+            self.counts[layer] += observe.active(mags, self.threshold(layer, mags)).sum(dim=0).numpy()
             self.tokens[layer] += len(x)
         self._buffered = 0
 
@@ -133,25 +97,15 @@ class ActivationCounter:
 def collect(engine, chunks, sparsity: float = DEFAULT_SPARSITY, thresholds: list[float] | None = None) -> Profile:
     """Run the dense engine over `chunks` (lists of token ids) and count active neurons.
     `thresholds`: per-layer calibrated thresholds (SwiGLU); None derives them on the fly."""
-    cfg = engine.cfg
+    cfg = observe.config(engine)
+    path = observe.model_path(engine)
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     if thresholds is not None and len(thresholds) != cfg.n_layers:
         raise ValueError(f"{len(thresholds)} thresholds for {cfg.n_layers} layers")
-    counter = ActivationCounter(TensorStore(engine.path, engine.reader), cfg.n_layers, cfg.n_ff,
-                                cfg.activation, thresholds, sparsity)
-    old_sparsity, old_observer = engine.sparsity, engine.ffn_observer
-    engine.set_sparsity(None)
-    engine.ffn_observer = counter
+    counter = ActivationCounter(observe.GateActivity(engine), cfg.n_layers, cfg.n_ff, thresholds, sparsity)
     t0 = time.perf_counter()
-    n_tokens = 0
-    try:
-        for c in chunks:
-            engine.forward_logits(c)
-            n_tokens += len(c)
-    finally:
-        engine.ffn_observer = old_observer
-        engine.set_sparsity(old_sparsity)
+    n_tokens = observe.dense_run(engine, chunks, counter)
     freqs = counter.frequencies()
     if cfg.activation == "relu":
         rule = "relu(gate x) > 0"
@@ -159,9 +113,9 @@ def collect(engine, chunks, sparsity: float = DEFAULT_SPARSITY, thresholds: list
         rule = "|act(gate x)| > calibrated threshold" if thresholds is not None else \
             "|act(gate x)| > per-layer quantile of this text"
     meta = {
-        "format": FORMAT,
-        "model": engine.path.name,
-        "model_bytes": engine.path.stat().st_size,
+        "format": PROFILE_FORMAT,
+        "model": path.name,
+        "model_bytes": path.stat().st_size,
         "activation": cfg.activation,
         "sparsity": None if cfg.activation == "relu" else sparsity,
         "rule": rule,
@@ -175,34 +129,7 @@ def collect(engine, chunks, sparsity: float = DEFAULT_SPARSITY, thresholds: list
     return Profile(freqs, meta)
 
 
-# ---- files -------------------------------------------------------------------------------------
-
-def save_profile(profile: Profile, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"layer_{i}": np.asarray(f, dtype=np.float32) for i, f in enumerate(profile.freqs)}
-    arrays["metadata"] = np.array([json.dumps(profile.meta)])  # a unicode array: no pickle needed
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
-    return path
-
-
-def load_profile(path: Path) -> Profile:
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["metadata"][0])) if "metadata" in z.files else {}
-            layers = sorted((int(m.group(1)), k) for k in z.files if (m := re.fullmatch(r"layer_(\d+)", k)))
-            freqs = [np.asarray(z[k], dtype=np.float32) for _, k in layers]
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{path}: not a readable activation profile ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if [i for i, _ in layers] != list(range(len(layers))) or not layers:
-        raise ValueError(f"{path}: layers {[i for i, _ in layers]} are not 0..N-1")
-    return Profile(freqs, meta)
-
+# ---- PowerInfer's activation counts -------------------------------------------------------------
 
 def load_powerinfer_activations(directory: Path) -> list[np.ndarray]:
     """PowerInfer's `activation_N.pt` files (one 1-D tensor of activation counts per layer),
@@ -241,7 +168,7 @@ def profile_from_powerinfer(directory: Path, model: Path | None = None, cfg=None
     top = max(float(c.max()) for c in counts)
     scale = top if top > 1.0 else 1.0
     meta = {
-        "format": FORMAT,
+        "format": PROFILE_FORMAT,
         "model": Path(model).name if model else None,
         "model_bytes": Path(model).stat().st_size if model else None,
         "activation": cfg.activation if cfg is not None else None,

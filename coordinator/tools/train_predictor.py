@@ -6,9 +6,10 @@ after attention, as in PowerInfer), which FFN neurons will be active for a token
     logits = fc2 @ relu(fc1 @ x)        fc1: (rank, hidden), fc2: (n_ff, rank), no biases
     neuron n is predicted active where logits[n] > powerinfer.sparse_threshold
 
-Targets come from the dense model run over calibration text:
+Targets come from the dense model run over calibration text, by the rule of
+coordinator.tools.observe:
   - SwiGLU models: active where |act(gate x_normed)| > the layer's calibrated CATS threshold at
-    the target sparsity (coordinator/thresholds.py), i.e. the neurons threshold sparsity keeps;
+    the target sparsity (coordinator/tools/calibrate.py), i.e. the neurons threshold sparsity keeps;
   - ReLU models: active where relu(gate x_normed) > 0.
 Training: Adam, BCE-with-logits with pos_weight > 1 (a missed active neuron costs more than a
 wasted one), a fixed seed. Inputs are scaled per dimension while training and the scale is
@@ -22,28 +23,22 @@ threshold has the same sign, each fc2 is rescaled so that all layers share one t
 `sparseinfer.predictor.thresholds` always holds the per-layer thresholds for the stored weights
 (all equal to `powerinfer.sparse_threshold` when folded); `sparseinfer.predictor.per_layer` says
 whether they differ. Recall, precision and the predicted-active fraction are then measured on the
-held-out half of the corpus with the weights exactly as stored.
+held-out half of the corpus with the weights exactly as stored. The file is written by
+coordinator.model_files.save_predictor (`<model>.predictor.gguf`).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from sparsecore.ffn import ACTIVATIONS
-from sparsecore.tensors import TensorStore
+from . import observe
 
-FORMAT = "sparseinfer-predictor/1"
 DEFAULT_RANK = 64
 DEFAULT_RECALL = 0.95
-
-
-def predictor_path(model: Path) -> Path:
-    return Path(str(model) + ".predictor.gguf")
 
 
 @dataclass
@@ -60,28 +55,17 @@ class LayerData:
 def collect(engine, chunks, thresholds: list[float] | None, progress=None) -> list[LayerData]:
     """Run the dense model over `chunks`, recording per layer the pre-norm FFN input and which
     neurons are active. `thresholds`: per-layer CATS thresholds (SwiGLU) or None (ReLU: > 0)."""
-    cfg = engine.cfg
-    store = TensorStore(engine.path, engine.reader)
-    gates = [torch.from_numpy(store.matrix(f"blk.{i}.ffn_gate.weight")) for i in range(cfg.n_layers)]
-    act = ACTIVATIONS[cfg.activation]
+    cfg = observe.config(engine)
+    gates = observe.GateActivity(engine, keep=True)
     xs: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
     ys: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
 
-    def observe(layer, x_normed, pre_norm):
-        g = act(torch.from_numpy(x_normed) @ gates[layer].T)
-        on = g > 0 if thresholds is None else g.abs() > thresholds[layer]
+    def observe_layer(layer, x_normed, pre_norm):
+        on = observe.active(gates(layer, x_normed), 0.0 if thresholds is None else thresholds[layer])
         xs[layer].append(np.array(pre_norm, dtype=np.float32, copy=True))
         ys[layer].append(np.packbits(on.numpy(), axis=1))
 
-    engine.set_sparsity(None)
-    engine.ffn_observer = observe
-    try:
-        for c in chunks:
-            engine.forward_logits(c)
-            if progress:
-                progress(1)
-    finally:
-        engine.ffn_observer = None
+    observe.dense_run(engine, chunks, observe_layer, progress)
     return [LayerData(np.concatenate(xs[i]), np.concatenate(ys[i]), cfg.n_ff) for i in range(cfg.n_layers)]
 
 
@@ -227,50 +211,3 @@ def evaluate(p: TrainedPredictors, layers: list[LayerData]) -> list[dict]:
         for i, d in enumerate(layers):
             rows.append(metrics(logits(p.fc1[i], p.fc2[i], d.x), d.targets(), p.thresholds[i]))
     return rows
-
-
-def save(path: Path, p: TrainedPredictors, *, arch: str = "llama", model: Path | None = None) -> Path:
-    """A standard GGUF: blk.N.fc1.weight (rank, hidden), blk.N.fc2.weight (n_ff, rank) + metadata."""
-    import gguf
-
-    path = Path(path)
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name("sparseinfer activation predictor")
-    w.add_string("sparseinfer.predictor.format", FORMAT)
-    w.add_float32("powerinfer.sparse_threshold", float(p.sparse_threshold))
-    w.add_uint32("sparseinfer.predictor.rank", int(p.rank))
-    w.add_float32("sparseinfer.predictor.target_sparsity",
-                  float(p.target_sparsity) if p.target_sparsity is not None else 0.0)
-    w.add_string("sparseinfer.predictor.target_rule", "relu>0" if p.target_sparsity is None else "cats")
-    w.add_float32("sparseinfer.predictor.target_recall", float(p.target_recall))
-    w.add_bool("sparseinfer.predictor.per_layer", bool(p.per_layer))
-    w.add_array("sparseinfer.predictor.thresholds", [float(t) for t in p.thresholds])
-    w.add_uint32("sparseinfer.predictor.n_layers", len(p.fc1))
-    if model is not None:
-        w.add_string("sparseinfer.predictor.model", Path(model).name)
-        w.add_uint64("sparseinfer.predictor.model_bytes", Path(model).stat().st_size)
-    np_dtype = np.float16 if p.dtype == "F16" else np.float32
-    for i, (a, b) in enumerate(zip(p.fc1, p.fc2)):
-        w.add_tensor(f"blk.{i}.fc1.weight", np.ascontiguousarray(a, dtype=np_dtype))
-        w.add_tensor(f"blk.{i}.fc2.weight", np.ascontiguousarray(b, dtype=np_dtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def load(path: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[float], dict]:
-    """(fc1s, fc2s, per-layer thresholds, metadata) from a file `save` wrote (for tests and tools)."""
-    from gguf import GGUFReader
-
-    from sparsecore.gguf_file import field_value
-
-    r = GGUFReader(path)
-    by = {t.name: t for t in r.tensors}
-    n = int(field_value(r, "sparseinfer.predictor.n_layers"))
-    fc1 = [np.asarray(by[f"blk.{i}.fc1.weight"].data, dtype=np.float32) for i in range(n)]
-    fc2 = [np.asarray(by[f"blk.{i}.fc2.weight"].data, dtype=np.float32) for i in range(n)]
-    meta = {k: field_value(r, k) for k in r.fields if k.startswith(("powerinfer.", "sparseinfer."))}
-    thr = [float(v) for v in meta["sparseinfer.predictor.thresholds"]]
-    return fc1, fc2, thr, meta

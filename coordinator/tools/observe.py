@@ -1,0 +1,188 @@
+"""The offline tools' one door into the engine, and the one rule for which FFN neurons are active.
+
+The tools (calibrate, profile, train-predictor, perplexity, bench) touch an Engine only through
+the functions below: no other module of coordinator/tools/ reads or sets an engine attribute, so
+a change of the engine's internals is fixed here and nowhere else.
+
+The rule the tools share: for an FFN input row x, neuron n fires with magnitude
+|act(gate[n] · x)| (`gate_activity`), and is active where that exceeds its layer's threshold
+(`active`): the calibrated CATS threshold of SwiGLU/GeGLU models, 0 for ReLU models (where
+|relu(z)| > 0 is relu(z) > 0). The workers apply the same rule while decoding
+(sparsecore.ffn); calibration chooses the thresholds as quantiles of these magnitudes
+(`magnitude_quantiles`).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from sparsecore.ffn import ACTIVATIONS, HalfRows, rows_nbytes
+from sparsecore.tensors import TensorStore
+
+QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sampled (seeded)
+
+# An observer: (layer, FFN input after ffn_norm (T, hidden), residual before ffn_norm (T, hidden)),
+# float32 numpy arrays valid only during the call (copy what you keep).
+Observer = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+# ---- what the engine is ------------------------------------------------------------------------
+
+def config(engine):
+    """The model's sparsecore.config.ModelConfig."""
+    return engine.cfg
+
+
+def model_path(engine) -> Path:
+    return engine.path
+
+
+def weights_format(engine) -> str:
+    """How workers hold FFN weights in memory (protocol.messages.WEIGHT_FORMATS)."""
+    return engine.opts.weights
+
+
+def predictors(engine):
+    """The engine's activation predictors (coordinator.predictor.Predictors), or None."""
+    return engine.predictors
+
+
+def worker_layout(engine) -> dict:
+    """Cores, worker processes and their devices, and the coordinator's own share of FFN neurons."""
+    pool = engine.pool
+    return dict(threads=engine.opts.threads, cpu_workers=len(pool.workers) - 1,
+                devices=[w.device for w in pool.workers], coordinator_ffn_share=pool.local_neuron_share)
+
+
+def coordinator_bytes_per_token(engine) -> int:
+    """Weights the coordinator reads per decoded token: attention and norms of every layer,
+    the final norm, the lm_head, and one embedding row."""
+    m = engine.model
+    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values()
+                              if isinstance(t, (torch.Tensor, HalfRows))]  # HalfRows: --weights f16
+    head = m.head_q8.nbytes if m.head_q8 is not None else m.lm_head.numel() * m.lm_head.element_size()
+    return sum(rows_nbytes(t) for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
+
+
+# ---- running it ----------------------------------------------------------------------------------
+
+def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None:
+    """Decode with calibrated thresholds at `sparsity`, or with `predictors`, or densely (both None)."""
+    engine.predictors = predictors
+    engine.set_sparsity(sparsity)
+
+
+def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=None) -> int:
+    """Run each chunk of token ids through the dense model (a fresh KV cache per chunk), calling
+    `observer` with every layer's FFN input; the engine's sparsity and observer are restored
+    afterwards. `progress(1)` after each chunk. Returns the number of tokens run."""
+    old_sparsity, old_observer = engine.sparsity, engine.ffn_observer
+    engine.set_sparsity(None)
+    engine.ffn_observer = observer
+    n = 0
+    try:
+        for c in chunks:
+            engine.forward_logits(c)
+            n += len(c)
+            if progress:
+                progress(1)
+    finally:
+        engine.ffn_observer = old_observer
+        engine.set_sparsity(old_sparsity)
+    return n
+
+
+def all_logits(engine, ids: list[int]) -> np.ndarray:
+    """Teacher-forced logits (len(ids), vocab) from a fresh KV cache, with the engine's sparsity
+    applied as it is set (see `sparse_batches`)."""
+    return engine.forward_logits(ids)
+
+
+@contextlib.contextmanager
+def sparse_batches(engine) -> Iterator[None]:
+    """Within the block the engine's thresholds or predictors apply to every token of a
+    multi-token batch too, as decoding would (by default prefill is dense)."""
+    engine.sparse_batches = True
+    try:
+        yield
+    finally:
+        engine.sparse_batches = False
+
+
+def greedy(engine, prompt: list[int], n_tokens: int) -> Iterator[int]:
+    """Greedy continuation: the prompt's next token, then decoded ones, `n_tokens` in all (EOS
+    does not stop it)."""
+    from ..sampling import SamplingParams
+
+    return engine.generate(prompt, max_tokens=n_tokens, sampling=SamplingParams(temperature=0.0),
+                           stop_at_eos=False)
+
+
+class FfnMeter:
+    """What the engine's FFN exchanges did since the meter was made: per exchange the round trip
+    and the synchronization overhead (round trip minus the slowest worker's compute), and the
+    fraction of FFN neurons computed per token and layer."""
+
+    def __init__(self, engine):
+        self._stats = st = engine.pool.stats
+        self._n_ff = engine.cfg.n_ff
+        self._exchanges = len(st.round_trip_us)
+        self._active = sum(st.active.values())
+        self._tokens = sum(st.tokens.values())
+
+    def round_trip_us(self) -> list[float]:
+        return list(self._stats.round_trip_us[self._exchanges:])
+
+    def overhead_us(self) -> list[float]:
+        return list(self._stats.overhead_us[self._exchanges:])
+
+    def active_fraction(self) -> float:
+        st = self._stats
+        tokens = sum(st.tokens.values()) - self._tokens
+        return (sum(st.active.values()) - self._active) / max(1, tokens * self._n_ff)
+
+
+# ---- the gate-activity rule ----------------------------------------------------------------------
+
+def gate_activity(gate: torch.Tensor, x, activation: str) -> torch.Tensor:
+    """|act(x @ gate.T)|, shape (rows of x, neurons): how strongly each neuron fires per row."""
+    return ACTIVATIONS[activation](torch.as_tensor(x) @ gate.T).abs()
+
+
+def active(mags: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which neurons are active: gate activity above the layer's threshold (0 for ReLU models)."""
+    return mags > threshold
+
+
+def magnitude_quantiles(mags: torch.Tensor, qs) -> torch.Tensor:
+    """Quantiles `qs` of all the magnitudes (a seeded sample of QUANTILE_SAMPLE when there are more)."""
+    flat = mags.flatten()
+    if flat.numel() > QUANTILE_SAMPLE:
+        flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:QUANTILE_SAMPLE]]
+    return torch.quantile(flat, torch.as_tensor(qs, dtype=torch.float32))
+
+
+class GateActivity:
+    """`gate_activity` for the engine's model, layer by layer. `keep`: hold every layer's gate
+    matrix after its first use (for per-chunk observers), else read it from the file each time
+    (memory bounded by one layer's gate)."""
+
+    def __init__(self, engine, keep: bool = False):
+        self._store = TensorStore(engine.path, engine.reader)
+        self.activation = engine.cfg.activation
+        self._kept: dict[int, torch.Tensor] | None = {} if keep else None
+
+    def gate(self, layer: int) -> torch.Tensor:
+        if self._kept is not None and layer in self._kept:
+            return self._kept[layer]
+        g = torch.from_numpy(self._store.matrix(f"blk.{layer}.ffn_gate.weight"))
+        if self._kept is not None:
+            self._kept[layer] = g
+        return g
+
+    def __call__(self, layer: int, x) -> torch.Tensor:
+        return gate_activity(self.gate(layer), x, self.activation)
