@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 import uuid
@@ -15,13 +14,10 @@ import numpy as np
 from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
+from .interrupts import stop_on_signals
 from .model_fetch import FetchError, default_model_path, pull
 
 EXIT_ERROR = 1
-
-
-def _sigterm_to_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _resolve_model(model: str | None) -> str:
@@ -149,7 +145,7 @@ class _Cli(click.Group):
     def invoke(self, ctx):
         from .worker_pool import WorkerError
 
-        signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+        stop_on_signals()
         try:
             return super().invoke(ctx)
         except (ModelFileError, WorkerError, FetchError, ValueError) as e:

@@ -296,6 +296,10 @@ class Engine:
             "coordinator_ffn_bytes": self.pool.local_weight_bytes,
         }
 
+    def check_workers(self) -> None:
+        """Raise WorkerError if a worker process has died (for callers idle between requests)."""
+        self.pool._check_alive()
+
     def close(self) -> None:
         self.pool.close()
 

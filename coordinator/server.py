@@ -6,7 +6,6 @@ text is produced, then GenerateDone. A StopServer request shuts everything down.
 """
 from __future__ import annotations
 
-import signal
 import sys
 
 import zmq
@@ -14,11 +13,8 @@ import zmq
 from protocol.messages import GenerateDone, GenerateRequest, StopServer, TokenChunk, decode, encode
 
 from .engine import Engine
+from .interrupts import stop_on_signals
 from .sampling import SamplingParams
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def handle_request(eng: Engine, req: GenerateRequest, send) -> None:
@@ -47,7 +43,7 @@ def handle_request(eng: Engine, req: GenerateRequest, send) -> None:
 
 
 def serve(eng: Engine, endpoint: str, ready_file: str | None = None) -> None:
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stop_on_signals()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -60,7 +56,7 @@ def serve(eng: Engine, endpoint: str, ready_file: str | None = None) -> None:
     try:
         while True:
             if not sock.poll(500):
-                eng.pool._check_alive()  # a worker dying while idle is still reported promptly
+                eng.check_workers()  # a worker dying while idle is still reported promptly
                 continue
             ident, data = sock.recv_multipart()
             msg = decode(data)
