@@ -1,6 +1,7 @@
 """scripts/launch keeps a coordinator serving; `sparseinfer prompt` streams replies from it."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -18,18 +19,37 @@ def _run(args, **kw):
                           timeout=120, cwd=REPO, **kw)
 
 
-def test_launch_prompt_matches_generate_then_stops_cleanly(tiny_model, tmp_path, no_leaks):
+@contextlib.contextmanager
+def _server(model, tmp_path, **popen_kw):
+    """scripts/launch serving `model`, ready; yields (process, endpoint) and kills it if still running."""
     endpoint = f"ipc://{tmp_path}/front.sock"
     ready = tmp_path / "ready"
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch"), "-m", str(tiny_model),
+    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch"), "-m", str(model),
                                "--endpoint", endpoint, "--ready-file", str(ready), "-t", "2", "--cpu-workers", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
     try:
         deadline = time.monotonic() + 90
         while not ready.exists():
             assert server.poll() is None, server.stderr.read()
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.1)
+        yield server, endpoint
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def _assert_gone(workers: list[int]) -> None:
+    """Workers (and the resource tracker) exit right after the coordinator; allow them a moment."""
+    deadline = time.monotonic() + 5
+    while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in workers if _alive(p)]
+
+
+def test_launch_prompt_matches_generate_then_stops_cleanly(tiny_model, tmp_path, no_leaks):
+    with _server(tiny_model, tmp_path) as (server, endpoint):
         workers = children_of(server.pid)
         assert len(workers) >= 2  # coordinator started its GPU and CPU workers as processes
 
@@ -48,29 +68,7 @@ def test_launch_prompt_matches_generate_then_stops_cleanly(tiny_model, tmp_path,
         stop = _run(["prompt", "-p", "x", "-n", "1", "--endpoint", endpoint, "--stop-server"])
         assert stop.returncode == 0, stop.stderr
         assert server.wait(timeout=15) == 0
-        # Workers (and the resource tracker) exit right after the coordinator; allow them a moment.
-        deadline = time.monotonic() + 5
-        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in workers if _alive(p)]
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-
-
-def _start_server(model, tmp_path, **popen_kw):
-    endpoint = f"ipc://{tmp_path}/front.sock"
-    ready = tmp_path / "ready"
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch"), "-m", str(model),
-                               "--endpoint", endpoint, "--ready-file", str(ready), "-t", "2", "--cpu-workers", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
-    deadline = time.monotonic() + 90
-    while not ready.exists():
-        assert server.poll() is None, server.stderr.read()
-        assert time.monotonic() < deadline, "server did not become ready"
-        time.sleep(0.1)
-    return server
+        _assert_gone(workers)
 
 
 def _ignore_sigint():
@@ -81,20 +79,12 @@ def _ignore_sigint():
 def test_signals_stop_the_server_cleanly_even_started_as_a_background_job(tiny_model, tmp_path, no_leaks, signum):
     """SIGTERM and SIGINT both stop the coordinator and its workers, also when it was started with
     SIGINT ignored, as a shell's background job is (`kill -INT` and Ctrl-C after `fg` still work)."""
-    server = _start_server(tiny_model, tmp_path, preexec_fn=_ignore_sigint)
-    try:
+    with _server(tiny_model, tmp_path, preexec_fn=_ignore_sigint) as (server, _):
         workers = children_of(server.pid)
         server.send_signal(signum)
         assert server.wait(timeout=30) == 130
         assert "interrupted" in server.stderr.read()
-        deadline = time.monotonic() + 5
-        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in workers if _alive(p)]
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        _assert_gone(workers)
 
 
 def _alive(pid: int) -> bool:
