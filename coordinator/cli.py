@@ -363,16 +363,14 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
 
 
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
-    from .engine import EngineOptions, resolve_threads
-    from .placement import GIB, plan_summary, plan_under_budget
-
     import torch
 
-    _, n_cpu, _ = resolve_threads(EngineOptions(cpu_workers=cpu_workers, threads=threads), torch.cuda.is_available())
+    from .placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
+
+    _, n_cpu, _ = resolve_threads(threads, cpu_workers, torch.cuda.is_available())
     weights = _weights_from_context()
     plan, freqs, source = plan_under_budget(path, cfg.n_layers, cfg.n_ff, cfg.hidden, vram_budget_gb, n_cpu,
                                             write_cache=False, weights=weights)
-    from .placement import neuron_bytes
 
     gpu_on_cpu = not torch.cuda.is_available()  # then the GPU worker computes on the CPU too
     summary = plan_summary(plan, freqs, neuron_bytes(cfg.hidden, weights, on_cpu=gpu_on_cpu),

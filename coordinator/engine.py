@@ -20,12 +20,16 @@ from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import TensorStore
 
-from .attention_model import AttentionModel
+from sparsecore.lm_head import head_tensor_name
+
 from .chat_template import chat_template_from_reader, render_chat
-from .placement import plan_under_budget, static_plan
+from .model import LmHead, Transformer
+from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
+                        split_vocabulary, static_plan)
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
 from .model_files import load_thresholds
+from .sparse_ffn import SparseFfn, SplitHead
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
 
@@ -69,32 +73,6 @@ class RunStats:
     token_times: list[float] = field(default_factory=list)
 
 
-def resolve_threads(opts: EngineOptions, cuda: bool = False) -> tuple[int, int, int]:
-    """(total threads, cpu workers, threads per worker) without oversubscribing the cores.
-    The coordinator keeps one core; the workers share the rest. Without CUDA the GPU worker
-    holds no neuron by default (see default_gpu_share), so every other core gets a CPU worker;
-    with CUDA the GPU worker's feeding thread takes a core too."""
-    total = opts.threads or os.cpu_count() or 1
-    default_cpu = max(1, total - 2) if cuda else max(1, total - 1)
-    n_cpu = opts.cpu_workers if opts.cpu_workers is not None else default_cpu
-    per_worker = max(1, (total - 1) // n_cpu) if total > 1 else 1
-    return total, n_cpu, per_worker
-
-
-def default_gpu_share(cuda: bool) -> float:
-    """Half of each layer on a real GPU. Without one the GPU worker would be one more CPU process
-    competing for the cores: it holds nothing, and the CPU workers take every neuron."""
-    return 0.5 if cuda else 0.0
-
-
-def default_coordinator_share(cuda: bool, n_cpu: int, per_worker: int) -> float:
-    """Without CUDA the coordinator's core only waits while the workers compute a layer's FFN,
-    so it takes a core's share of the neurons (SmolLM2 on 2 cores: two processes computing half
-    a layer each took 470 us against 810 us for one computing all of it). With CUDA its core
-    feeds the GPU worker and it takes none."""
-    return 0.0 if cuda else 1.0 / (1 + n_cpu * per_worker)
-
-
 def required_tensors(cfg: ModelConfig) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
     for i in range(cfg.n_layers):
@@ -104,6 +82,8 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 
 class Engine:
+    """Load a model, plan where its neurons go, start the workers, and run the token loop."""
+
     def __init__(self, model_path: str | os.PathLike, opts: EngineOptions | None = None, launcher=None):
         self.opts = opts = opts or EngineOptions()
         if opts.weights not in WEIGHT_FORMATS:
@@ -122,45 +102,60 @@ class Engine:
         except ValueError as e:
             raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
         self.chat_template = chat_template_from_reader(reader)
-        self.reader = reader
-        self.predictors = self._load_predictors(reader)
+        predictors = self._load_predictors(reader)
+        self.reader = reader  # the tools (coordinator/tools/) read tensors through it
+        store = TensorStore(self.path, reader)
+        self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
+        self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
+                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
+                               spin=opts.spin, cores=total, head_rows=head_rows)
+        # While workers spin on their cores, the coordinator computes on the one left to it.
+        torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
+        try:
+            self.pool.spawn()  # workers start importing while we load our share and attention
+            self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights)
+            embed = torch.from_numpy(np.ascontiguousarray(store.matrix("token_embd.weight")))
+            self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn))
+            self.model = Transformer(store, cfg, min(opts.ctx, cfg.context_length), embed, self.ffn, self.head,
+                                     opts.weights)
+            self.pool.wait_ready()
+            self.last = RunStats()
+            self.sparsity: float | None = None
+            self.set_sparsity(opts.sparsity)
+        except BaseException:
+            self.pool.close()
+            raise
+
+    @property
+    def predictors(self) -> Predictors | None:
+        """The activation predictors decoding uses (None: thresholds or dense)."""
+        return self.ffn.predictors
+
+    @predictors.setter
+    def predictors(self, p: Predictors | None) -> None:
+        self.ffn.predictors = p
+
+    def _place(self, store: TensorStore):
+        """(plan, where it came from, lm_head rows per slot, threads per worker, total threads)."""
+        opts, cfg = self.opts, self.cfg
         cuda = torch.cuda.is_available() and opts.gpu_device in ("auto", "cuda")
-        total, n_cpu, per_worker = resolve_threads(opts, cuda)
+        total, n_cpu, per_worker = resolve_threads(opts.threads, opts.cpu_workers, cuda)
         share = default_gpu_share(cuda) if opts.gpu_share is None else opts.gpu_share
         if opts.vram_budget_gb is not None and opts.coordinator_share:
             raise ValueError("--coordinator-share goes with the static split, not with --vram-budget")
         if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
-            self.plan, _, self.plan_source = plan_under_budget(
+            plan, _, source = plan_under_budget(
                 self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
                 opts.reset_gpu_index, opts.disable_gpu_index, weights=opts.weights)
         else:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
-            self.plan, self.plan_source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord), "static"
-        self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
-                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
-                               spin=opts.spin, cores=total, split_lm_head=opts.split_lm_head)
-        # While workers spin on their cores, the coordinator computes on the one left to it.
-        torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
-        try:
-            self.pool.spawn()  # workers start importing while we load attention weights
-            self.model = AttentionModel(TensorStore(self.path, reader), cfg, min(opts.ctx, cfg.context_length),
-                                        opts.weights)
-            self.pool.wait_ready()
-        except BaseException:
-            self.pool.close()
-            raise
-        if self.pool.local_head is not None:  # the lm_head's rows are split across processes
-            self.model.one_token_head = lambda h: torch.from_numpy(self.pool.run_lm_head(h.numpy()[0]))[None]
-        self.last = RunStats()
-        self.ffn_observer = None  # calibration hook: (layer, normed FFN input rows, pre-norm rows)
-        self.sparse_batches = False  # perplexity: apply thresholds to multi-token batches too
-        self.sparsity: float | None = None
-        try:
-            self.set_sparsity(opts.sparsity)
-        except BaseException:
-            self.pool.close()
-            raise
+            plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord), "static"
+        head_rows = {}
+        if opts.split_lm_head:
+            n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]
+            head_rows = split_vocabulary(plan, n_vocab, opts.max_batch * cfg.hidden)
+        return plan, source, head_rows, per_worker, total
 
     def _load_predictors(self, reader) -> Predictors | None:
         p = self.opts.predictor
@@ -177,75 +172,28 @@ class Engine:
 
     def set_sparsity(self, sparsity: float | None) -> None:
         """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
-        if sparsity is not None and self.predictors is not None:
+        if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         if sparsity is not None:
             path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
-            self.pool.buffers.thresholds[:] = load_thresholds(self.path, sparsity, path)
+            self.ffn.set_thresholds(load_thresholds(self.path, sparsity, path))
+        else:
+            self.ffn.set_thresholds(None)
         self.sparsity = sparsity
-
-    # ---- FFN through the workers -----------------------------------------------------------
-
-    def _ffn(self, layer: int, x: torch.Tensor, _pre_norm: torch.Tensor) -> torch.Tensor:
-        xs = x.numpy()
-        if self.ffn_observer is not None:  # (layer, FFN input after ffn_norm, residual before it)
-            self.ffn_observer(layer, xs, _pre_norm.numpy())
-        # Decoding is sparse when a sparsity or predictors are set; prefill stays dense (a long
-        # prompt's tokens together activate nearly every neuron) unless perplexity asks otherwise.
-        if self.predictors is not None and (len(xs) == 1 or self.sparse_batches):
-            return self._ffn_predicted(layer, xs, _pre_norm)
-        sparse = self.sparsity is not None and (len(xs) == 1 or self.sparse_batches)
-        step = self.opts.max_batch
-        if len(xs) <= step:  # one exchange (every decoded token): no chunking, no extra copy
-            self.pool.buffers.x[: len(xs)] = xs
-            return torch.from_numpy(self.pool.run_ffn(layer, len(xs), dense=True, threshold=sparse))
-        out = np.empty_like(xs)
-        for a in range(0, len(xs), step):
-            chunk = xs[a:a + step]
-            self.pool.buffers.x[: len(chunk)] = chunk
-            out[a:a + step] = self.pool.run_ffn(layer, len(chunk), dense=True, threshold=sparse)
-        return torch.from_numpy(out)
-
-    def _ffn_predicted(self, layer: int, xs: np.ndarray, pre_norm: torch.Tensor) -> torch.Tensor:
-        """One exchange per token: the shared-memory mask holds one active set per call."""
-        buf, out = self.pool.buffers, np.empty_like(xs)
-        masks = self.predictors.masks(layer, pre_norm)
-        for t in range(len(xs)):
-            buf.x[:1] = xs[t:t + 1]
-            buf.mask[:] = masks[t]
-            out[t:t + 1] = self.pool.run_ffn(layer, 1, dense=False)
-        return torch.from_numpy(out)
 
     # ---- public API -------------------------------------------------------------------------
 
     def reset(self) -> None:
-        self.model.reset()
+        self.model.cache.reset()
 
-    def perplexity(self, chunks: list[list[int]], progress=None) -> dict:
-        """Perplexity of next-token prediction over `chunks`, with this engine's sparsity
-        applied to every token (as decoding would), plus the fraction of FFN neurons computed."""
-        self.sparse_batches = True
-        self.pool.stats.active.clear()
-        self.pool.stats.tokens.clear()
-        nll, n = 0.0, 0
-        try:
-            for c in chunks:
-                logits = torch.from_numpy(self.forward_logits(c)[:-1]).double()
-                lp = torch.log_softmax(logits, dim=-1)
-                nll -= float(lp[torch.arange(len(c) - 1), torch.tensor(c[1:])].sum())
-                n += len(c) - 1
-                if progress:
-                    progress(1)
-        finally:
-            self.sparse_batches = False
-        st = self.pool.stats
-        computed = sum(st.active.values()) / max(1, sum(st.tokens.values()) * self.cfg.n_ff)
-        return {"ppl": float(np.exp(nll / n)), "nll": nll / n, "tokens": n, "active_fraction": computed}
+    def check_workers(self) -> None:
+        """Raise WorkerError naming a worker that failed or died (also while idle)."""
+        self.pool.check_alive()
 
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits for every position of `ids`, from a fresh KV cache."""
         self.reset()
-        return self.model.forward(list(ids), self._ffn, all_logits=True).numpy()
+        return self.model.forward(list(ids), all_logits=True).numpy()
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stop_at_eos: bool = True) -> Iterator[int]:
@@ -258,7 +206,7 @@ class Engine:
         self.reset()
         st = self.last = RunStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
-        logits = self.model.forward(list(prompt_ids), self._ffn)[-1].numpy()
+        logits = self.model.forward(list(prompt_ids))[-1].numpy()
         st.prefill_s = time.perf_counter() - t0
         eos = self.tokenizer.eos_ids
         for i in range(max_tokens):
@@ -269,7 +217,7 @@ class Engine:
             if i == max_tokens - 1:
                 return
             t1 = time.perf_counter()
-            logits = self.model.forward([tok], self._ffn)[-1].numpy()
+            logits = self.model.forward([tok])[-1].numpy()
             dt = time.perf_counter() - t1
             st.decode_s += dt
             st.decode_tokens += 1
@@ -285,20 +233,16 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            "sync_us": list(self.pool.stats.overhead_us),
-            "round_trip_us": list(self.pool.stats.round_trip_us),
+            "sync_us": list(self.ffn.stats.overhead_us),
+            "round_trip_us": list(self.ffn.stats.round_trip_us),
             "prefill_s": self.last.prefill_s,
             "decode_s": self.last.decode_s,
             "decode_tokens": self.last.decode_tokens,
             "prompt_tokens": self.last.prompt_tokens,
             "weights": self.opts.weights,
             "worker_weight_bytes": [w.weight_bytes for w in self.pool.workers],
-            "coordinator_ffn_bytes": self.pool.local_weight_bytes,
+            "coordinator_ffn_bytes": self.ffn.own.nbytes if self.ffn.own is not None else 0,
         }
-
-    def check_workers(self) -> None:
-        """Raise WorkerError if a worker process has died (for callers idle between requests)."""
-        self.pool._check_alive()
 
     def close(self) -> None:
         self.pool.close()

@@ -1,10 +1,110 @@
-"""CPU worker: holds one shard of the cold neurons of every layer and computes the active ones.
+"""A worker's logic: handshake, load its FfnShard, then wait for each step, compute it, finish.
 
-Runs the shared serve loop on the CPU with one thread (the coordinator gives each worker its
-share of the cores so processes do not oversubscribe them).
+The coordinator starts a worker with an endpoint and an id. The worker says Hello, receives an
+Assign (model file, shared-memory name, its neuron indices per layer, wake pipes), memory-maps
+the model and keeps only its rows (sparsecore/shard.py), says Ready, then serves steps posted
+through the doorbell (protocol/doorbell.py) until Shutdown or until its coordinator is gone.
+It never receives weights over the wire. The GPU worker runs this same class on a CUDA device
+(gpu_worker/worker.py picks it); the process around it is __main__.py.
 """
-from sparsecore.worker_runtime import main as _serve
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import zmq
+
+from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell
+from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
+from protocol.shm_layout import SharedBuffers
+from sparsecore.lifeline import Lifeline
+from sparsecore.shard import FfnShard
+
+IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
 
 
-def main(argv=None) -> int:
-    return _serve("cpu", argv)
+def cpu_device(requested: str) -> torch.device:
+    """A CPU worker computes on the CPU whatever it is told, unless told a device explicitly."""
+    return torch.device("cpu" if requested in ("auto", "") else requested)
+
+
+class Worker:
+    def __init__(self, endpoint: str, worker_id: int, role: str = "cpu",
+                 pick_device: Callable[[str], torch.device] = cpu_device):
+        self.worker_id, self.role, self.pick_device = worker_id, role, pick_device
+        self.lifeline = Lifeline()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{role}{worker_id}".encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(endpoint)
+        self.shard: FfnShard | None = None
+        self.buffers: SharedBuffers | None = None
+        self.bell: WorkerBell | None = None
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self):
+        """Next message, or None when the coordinator has gone away."""
+        while not self.sock.poll(IDLE_CHECK_MS):
+            if self.lifeline.gone():
+                return None
+        return decode(self.sock.recv())
+
+    def load(self, a: Assign) -> None:
+        torch.set_num_threads(max(1, a.threads))
+        device = self.pick_device(a.device)
+        neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
+        self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None)
+        self.buffers = SharedBuffers.attach(a.shm_name)
+        self.slot = a.slot
+        # A worker that owns no neuron (the GPU worker on a machine without one, by default)
+        # is never asked for a step: it sleeps instead of spinning on a core others compute on.
+        spin_s = a.spin_us / 1e6 if self.shard.layers else 0.0
+        self.bell = WorkerBell(self.buffers, a.slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s,
+                               self.sock, self.shard.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
+
+    def serve(self) -> int:
+        """The worker's whole life after connecting; returns the process's exit code."""
+        self.send(Hello(self.worker_id, self.role, os.getpid()))
+        assign = self.recv()
+        if not isinstance(assign, Assign):
+            return 1
+        t0 = time.perf_counter()
+        try:
+            self.load(assign)
+        except Exception as e:  # report why, then exit: the coordinator names us in its error
+            self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
+            return 1
+        self.send(Ready(self.worker_id, self.role, os.getpid(), self.shard.n_neurons, str(self.shard.device),
+                        time.perf_counter() - t0, self.shard.nbytes))
+        while True:
+            req = self.bell.wait()
+            if req is GONE:
+                return 0
+            if req is MESSAGE:
+                try:
+                    msg = decode(self.sock.recv())
+                except ProtocolError:
+                    continue  # nothing but Shutdown is expected here; ignore anything else
+                if isinstance(msg, Shutdown):
+                    return 0
+                continue
+            try:
+                n_active, ns = self.shard.serve(self.buffers, self.slot, req)
+            except Exception as e:
+                self.send(WorkerFailed(self.worker_id, self.role, f"layer {req.layer}: {type(e).__name__}: {e}"))
+                return 1
+            self.bell.finish(req.step, n_active, ns)
+
+    def close(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
+        if self.buffers is not None:
+            self.buffers.close()
+        self.sock.close()
+        self.ctx.term()

@@ -1,5 +1,7 @@
+"""The GPU worker process: the CPU worker's process wrapper with the GPU worker's device choice."""
 import sys
 
-from gpu_worker.worker import main
+from cpu_worker.__main__ import main
+from gpu_worker.worker import pick_device
 
-sys.exit(main())  # main() ends the process with os._exit after a clean stop
+sys.exit(main("gpu", pick_device))

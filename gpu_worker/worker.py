@@ -1,7 +1,11 @@
-"""GPU worker: holds the hot neurons of every layer as torch tensors on CUDA when present,
-else on the CPU with the same code."""
-from sparsecore.worker_runtime import main as _serve
+"""The GPU worker: the CPU worker's logic (cpu_worker/worker.py) holding the hot neurons on a
+CUDA device when there is one. It differs only in the device it picks."""
+from __future__ import annotations
+
+import torch
 
 
-def main(argv=None) -> int:
-    return _serve("gpu", argv)
+def pick_device(requested: str) -> torch.device:
+    if requested not in ("auto", ""):
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, one dataclass each, encoded with msgpack.
 
 Wire format: a msgpack array [PROTOCOL_VERSION, kind, *fields in declaration order].
-Arrays never travel here: per-layer data lives in shared memory (see shm_layout.py).
+Arrays never travel here: per-layer data lives in shared memory (see shm_layout.py), and
+per-layer steps go through the doorbell (doorbell.py), never through messages.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: doorbell words in shared memory; 3: wake pipes; 4: lm_head rows
+PROTOCOL_VERSION = 5  # 2: doorbell words in shared memory; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done
 
 
 class ProtocolError(Exception):
@@ -46,12 +47,12 @@ class Assign:
     # Doorbell: how long to spin on shared memory for the next step before sleeping (0: never
     # spin).
     spin_us: int = 0
-    # Wake pipes (sparsecore.doorbell.WakePipe): the worker's own, which it polls while it
-    # sleeps, and the coordinator's, which it rings when a step is done. Empty: use messages.
+    # Wake pipes (protocol.doorbell.WakePipe): the worker's own, which it polls while it
+    # sleeps, and the coordinator's, which it rings when a step is done.
     wake_pipe: str = ""
     coordinator_pipe: str = ""
     # [start, stop): vocabulary rows of the output projection this worker computes in lm_head
-    # steps (Ffn.layer == shm_layout.HEAD_LAYER); empty: none.
+    # steps (request layer shm_layout.HEAD_LAYER); empty: none.
     head_rows: list[int] = field(default_factory=list)
 
 
@@ -65,35 +66,6 @@ class Ready:
     device: str
     load_s: float
     weight_bytes: int = 0  # FFN weights held in memory, in the Assign's weight format
-
-
-@dataclass
-class Ffn:
-    """Coordinator -> workers: x for `layer` is in shared memory; compute your partial FFN.
-    Sent only to a worker whose doorbell slot says it sleeps; a spinning worker reads the same
-    fields from the shared-memory request (protocol/shm_layout.py).
-    dense=False: only neurons set in the shared active mask (a predictor's choice).
-    threshold=True: only neurons whose |act(gate x)| exceeds the layer's threshold in shared
-    memory (CATS-style, decided per token by the worker that holds the gate rows).
-    layer == shm_layout.HEAD_LAYER: an lm_head step instead; x[0] is the final normed hidden
-    state and the worker writes the logits of its Assign.head_rows into its output slot."""
-    layer: int
-    step: int
-    n_tokens: int
-    dense: bool = True
-    threshold: bool = False
-
-
-@dataclass
-class Done:
-    """Worker -> coordinator: partial output for (layer, step) is in this worker's slot.
-    Sent when the shared-memory request says the coordinator sleeps (or by a worker that does
-    not use the doorbell); otherwise the worker's doorbell slot carries the same fields."""
-    worker_id: int
-    layer: int
-    step: int
-    compute_us: float
-    n_active: int = 0
 
 
 @dataclass
@@ -147,7 +119,7 @@ class StopServer:
     """Frontend -> coordinator: shut down workers and exit."""
 
 
-MESSAGE_TYPES = [Hello, Assign, Ready, Ffn, Done, WorkerFailed, Shutdown,
+MESSAGE_TYPES = [Hello, Assign, Ready, WorkerFailed, Shutdown,
                  GenerateRequest, TokenChunk, GenerateDone, StopServer]
 _KIND = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES}

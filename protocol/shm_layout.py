@@ -6,18 +6,10 @@ and the doorbell words that synchronize each layer without a system call.
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
 
-Doorbell (the per-layer exchange; see coordinator/worker_pool.py, sparsecore/worker_runtime.py
-and sparsecore/doorbell.py for when a side spins and when it sleeps):
-    request[REQ_LAYER, REQ_TOKENS, REQ_FLAGS] are written first, request[REQ_STEP] last: a
-    worker that sees a new step reads a complete request (x86-TSO keeps stores in order; on
-    other CPUs the pool does not spin and uses messages only).
-    slot[SLOT_ACTIVE, SLOT_COMPUTE_NS] are written after the output rows, slot[SLOT_DONE] last.
-    An lm_head step (request[REQ_LAYER] == HEAD_LAYER) reads x[0] and writes the worker's
-    logits into the start of its output slot, flattened.
-    slot[SLOT_SLEEPING] says how to wake a worker that no longer spins: SLEEP_ON_PIPE, ring its
-    wake pipe (it then reads the request here); SLEEP_ON_SOCKET, send it an Ffn message.
-    request[REQ_COORD_SLEEPING] likewise: SLEEP_ON_PIPE, ring the coordinator's wake pipe once
-    the done word is written; SLEEP_ON_SOCKET, send a Done message.
+Doorbell words: request (REQ_*) and one line per slot (SLOT_*). What they mean, in which order
+each side writes them and when a side spins or sleeps: protocol/doorbell.py, which is the only
+module that reads or writes them. An lm_head step (request[REQ_LAYER] == HEAD_LAYER) reads
+x[0] and writes the worker's logits into the start of its output slot, flattened.
 The coordinator creates and unlinks the segment; workers attach and refuse a header that does
 not match what they were told.
 """
@@ -44,7 +36,7 @@ REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
 SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
 FLAG_DENSE, FLAG_THRESHOLD = 1, 2
 HEAD_LAYER = -1  # request[REQ_LAYER] of an lm_head step: logits of the worker's vocabulary rows
-SLEEP_ON_SOCKET, SLEEP_ON_PIPE = 1, 2  # values of the sleeping words (0: spinning)
+SLEEPING = 1  # value of a sleeping word: ring this side's wake pipe (0: it spins)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line
 
 

@@ -44,7 +44,7 @@ def main() -> None:
         ids = next(iter(engines.values())).tokenizer.encode("The history of the city")
         for _ in range(args.rounds):
             for f, eng in engines.items():
-                st = eng.pool.stats
+                st = eng.ffn.stats
                 list(eng.generate(ids, args.n, stop_at_eos=False))  # prefill, then decode
                 s = eng.stats()
                 tps[f].append(s["decode_tokens"] / s["decode_s"])

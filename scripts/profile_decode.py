@@ -16,6 +16,7 @@ import torch
 
 from coordinator.engine import Engine, EngineOptions
 from coordinator.model_fetch import default_model_path
+from coordinator.tools import observe
 
 
 def median_ms(fn, n: int) -> float:
@@ -43,21 +44,24 @@ def main() -> None:
         n = min(args.n, room // 2 - 1)
 
         def steps(ffn):
-            m.reset()
-            m.forward(ids, ffn)
-            return lambda: m.forward([5], ffn)
+            m.ffn = ffn  # the model's FFN is an object passed in: swap it for this measurement
+            m.cache.reset()
+            m.forward(ids)
+            return lambda: m.forward([5])
 
-        full = median_ms(steps(eng._ffn), n)
-        exchanges = np.array(eng.pool.stats.round_trip_us[-n * eng.cfg.n_layers:])
+        full = median_ms(steps(eng.ffn), n)
+        exchanges = np.array(eng.ffn.stats.round_trip_us[-n * eng.cfg.n_layers:])
         alone = median_ms(steps(zero_ffn), n)
+        m.ffn = eng.ffn
         x = torch.randn(1, eng.cfg.hidden)
         with torch.inference_mode():
-            head = median_ms(lambda: m.head_q8(x) if m.head_q8 is not None else x @ m.lm_head.T, 50)
+            head = median_ms(lambda: eng.head.q8(x) if eng.head.q8 is not None else x @ eng.head.weight.T, 50)
         layers = eng.cfg.n_layers
-        print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * eng.pool.local_neuron_share:.0f}%, "
+        share = observe.worker_layout(eng)["coordinator_ffn_share"]
+        print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * share:.0f}%, "
               f"medians of {n} one-token steps")
         print(f"  whole token                  {full:7.2f} ms")
-        split = eng.pool.stats.head_us
+        split = eng.ffn.stats.head_us
         head_note = (f"; split across processes {np.median(split) / 1e3:.2f} ms (used)" if split else "")
         print(f"  coordinator alone (FFN = 0)  {alone:7.2f} ms   lm_head on one core {head:.2f} ms{head_note}")
         print(f"  FFN exchanges                {layers} x {np.median(exchanges):.0f} us = "

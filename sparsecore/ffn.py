@@ -1,9 +1,5 @@
-"""The FFN math every worker runs, for whichever neurons it owns and whichever are active.
-
-A worker holds, per layer, the gate and up rows of its neurons and the matching down
-columns stored as rows (down_t), so that both dense and sparse steps are row gathers:
+"""The FFN math of one shard (sparsecore/shard.py), for whichever neurons are active:
     y = down_t[A]^T @ (act(gate[A] @ x) * (up[A] @ x))
-Summing y over workers gives the full FFN with inactive neurons zeroed.
 
 Each of the three matrices is either a float tensor, Int8Rows (weights kept quantized in
 worker memory, dequantized on the fly after the row gather) or HalfRows (float16): see
@@ -170,20 +166,17 @@ def ffn_partial(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
     return _h_w(h, down_t)
 
 
-def ffn_dense_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        activation: str, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense FFN (down: hidden x n_ff) with inactive neurons zeroed: the oracle for sparse steps."""
-    h = ACTIVATIONS[activation](x @ gate.T) * (x @ up.T)
-    if mask is not None:
-        h = h * mask.to(h.dtype)
-    return h @ down.T
-
-
 # Above this fraction of active neurons, a one-token threshold step computes up and down densely
 # and zeroes the inactive neurons instead of gathering their rows: gathering copies the rows it
 # reads, so at SmolLM2's operating point (80 % active) it made the FFN 2.7x slower than dense,
 # and below ~35 % it wins (scripts/bench_ffn_kernels.py; README, "Worker weight format").
 GATHER_BELOW = 0.35
+
+
+def is_active(g: torch.Tensor, threshold: float) -> torch.Tensor:
+    """THE gate-activity rule (CATS): a neuron is active for a token where |act(gate x)| exceeds
+    its layer's threshold (0 for ReLU models). Calibration and profiling use it too."""
+    return g.abs() > threshold
 
 
 def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
@@ -194,7 +187,7 @@ def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
     mask (prefill-sized batches activate nearly every neuron somewhere, so gathering would not
     pay). Either way inactive neurons contribute exactly zero."""
     g = ACTIVATIONS[activation](x_wt(x, gate))
-    keep = g.abs() > threshold
+    keep = is_active(g, threshold)
     n = int(keep.sum())
     if n == 0:
         return x.new_zeros(x.shape), 0

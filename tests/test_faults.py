@@ -429,8 +429,8 @@ def info(self, name):
     return _info(self, name)
 
 tensors.TensorStore.info = info
-from sparsecore.worker_runtime import main
-sys.exit(main("cpu", sys.argv[1:]))
+from cpu_worker.__main__ import main
+sys.exit(main(argv=sys.argv[1:]))
 """
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from coordinator.placement import static_plan
-from coordinator.worker_pool import WorkerPool
-from sparsecore.ffn import ACTIVATIONS, ffn_dense_reference
+from tests.exchange_rig import Rig
+from tests.ffn_reference import ffn_dense_reference
+from sparsecore.ffn import ACTIVATIONS
 from tests.conftest import shm_segments
 
 MAX_TOKENS = 8
@@ -72,10 +73,9 @@ def setup(request, tiny_model, tiny_model_factory):
     weights, hidden, n_ff, activation = read_ffn_weights(path)
     plan = static_plan(len(weights), n_ff, GPU_SHARE, N_CPU, COORDINATOR_SHARE if coordinator else 0.0)
     # With a coordinator shard the lm_head's rows are split too (test_split_lm_head).
-    pool = WorkerPool(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1,
-                      split_lm_head=bool(coordinator))
+    pool = Rig(path, plan, hidden=hidden, max_tokens=MAX_TOKENS, threads_per_worker=1,
+               split_lm_head=bool(coordinator))
     try:
-        pool.wait_ready()
         yield pool, weights, activation
     finally:
         pool.close()
@@ -84,7 +84,7 @@ def setup(request, tiny_model, tiny_model_factory):
     assert not pool.run_dir.exists()
 
 
-def run(pool: WorkerPool, layer: int, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+def run(pool: Rig, layer: int, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     n = len(x)
     pool.buffers.x[:] = np.nan  # rows past n_tokens must not leak into the result
     pool.buffers.x[:n] = x
@@ -102,11 +102,11 @@ def test_both_worker_kinds_own_neurons(setup):
     n_ff = pool.plan.n_ff
     procs = [s for s in pool.plan.shards if s.role != "coordinator"]
     assert [w.n_neurons for w in pool.workers] == [len(weights) * len(s.neurons[0]) for s in procs]
-    if pool.local_slot is not None:  # the rest is the coordinator's, computed in this process
-        local = pool.plan.shards[pool.local_slot]
-        assert local.role == "coordinator" and pool.local_slot == len(pool.workers)
+    if pool.own_slot is not None:  # the rest is the coordinator's, computed in this process
+        local = pool.plan.shards[pool.own_slot]
+        assert local.role == "coordinator" and pool.own_slot == len(pool.workers)
         assert len(local.neurons[0]) == round(COORDINATOR_SHARE * (n_ff - round(GPU_SHARE * n_ff))) > 0
-        assert sorted(pool.local_layers) == list(weights) and pool.local_weight_bytes > 0
+        assert sorted(pool.ffn.own.layers) == list(weights) and pool.ffn.own.nbytes > 0
     assert pool.workers[0].n_neurons == len(weights) * round(GPU_SHARE * n_ff)
     assert all(w.n_neurons > 0 for w in pool.workers)
     assert all(w.proc.poll() is None and w.pid == w.proc.pid for w in pool.workers)
@@ -207,23 +207,25 @@ def test_split_lm_head(setup):
     """Each CPU worker and the coordinator compute their vocabulary rows of the lm_head; side by
     side they equal the head read independently (GGUFReader + dequantize)."""
     pool, weights, _ = setup
-    if pool.local_slot is None:
-        assert pool.local_head is None and not pool.head_rows
+    if pool.own_slot is None:
+        assert pool.head is None and not pool.head_rows
         return
     r = gguf.GGUFReader(pool.model_path)
     t = next(t for t in r.tensors if t.name == "output.weight")
     head = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
         tuple(int(d) for d in reversed(t.shape)))
     n_vocab = head.shape[0]
-    ranges = sorted(pool.head_rows.values()) + [(pool.local_head.start, pool.local_head.stop)]
+    own = pool.ffn.own.head
+    ranges = sorted(pool.head_rows.values())
+    assert ranges[-1] == (own.start, own.stop)  # the coordinator's rows are the last ones
     assert ranges[0][0] == 0 and ranges[-1][1] == n_vocab
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
-    assert sorted(pool.head_rows) == [0, 1, 2]  # every worker that computes FFN neurons (GPU_SHARE > 0)
+    assert sorted(pool.head_rows) == [0, 1, 2, 3]  # every worker that computes FFN neurons (GPU_SHARE > 0)
     rng = np.random.default_rng(11)
     for _ in range(3):
         x = rng.standard_normal(pool.buffers.layout.hidden).astype(np.float32)
         pool.buffers.out[:] = np.nan  # every logit must come from this step
-        got = pool.run_lm_head(x)
+        got = pool.head(torch.from_numpy(x)[None]).numpy()[0]
         want = head @ x.astype(np.float64)
         assert got.shape == (n_vocab,) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -233,6 +235,6 @@ def test_split_lm_head(setup):
 def test_workers_still_alive(setup):
     pool, _, _ = setup
     assert all(w.proc.poll() is None for w in pool.workers)
-    assert len(pool.stats.round_trip_us) + len(pool.stats.head_us) == pool.step
+    assert len(pool.stats.round_trip_us) + len(pool.stats.head_us) == pool.bell.step
     assert os.path.isdir(pool.run_dir)
     assert pool.buffers.name in shm_segments()

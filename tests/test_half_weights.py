@@ -17,8 +17,9 @@ from coordinator.tools.observe import coordinator_bytes_per_token
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import neuron_bytes, static_plan
 from coordinator.sampling import SamplingParams
-from coordinator.worker_pool import WorkerPool
-from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_dense_reference, ffn_partial, ffn_partial_threshold,
+from tests.exchange_rig import Rig
+from tests.ffn_reference import ffn_dense_reference
+from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)
 from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
 from tests.test_quantized_weights import _run, check_float32_steps
@@ -98,10 +99,9 @@ def pool(tiny_model_factory):
     path = tiny_model_factory(tensor_type="Q8_0")
     weights, hidden, n_ff, activation = read_ffn_weights(path)
     half = {l: tuple(_h64(a).numpy() for a in w) for l, w in weights.items()}
-    p = WorkerPool(path, static_plan(len(weights), n_ff, 0.4, 2), hidden=hidden, max_tokens=8,
+    p = Rig(path, static_plan(len(weights), n_ff, 0.4, 2), hidden=hidden, max_tokens=8,
                    threads_per_worker=1, weights="f16")
     try:
-        p.wait_ready()
         yield p, half, activation
     finally:
         p.close()
@@ -167,8 +167,8 @@ def test_powerinfer_model_runs_f16_with_its_predictors(tmp_path):
             assert eng.predictors is not None
             ids = eng.tokenizer.encode("the quick brown fox")
             out[fmt] = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
-            computed = sum(eng.pool.stats.active.values())
-            assert computed < sum(eng.pool.stats.tokens.values()) * eng.cfg.n_ff  # masks applied
+            computed = sum(eng.ffn.stats.active.values())
+            assert computed < sum(eng.ffn.stats.tokens.values()) * eng.cfg.n_ff  # masks applied
             bytes_[fmt] = sum(eng.stats()["worker_weight_bytes"]) + eng.stats()["coordinator_ffn_bytes"]
     assert out["f16"] == out["f32"]
     assert bytes_["f16"] * 12 == bytes_["f32"] * 8

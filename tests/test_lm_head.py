@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.attention_model import AttentionModel
+from coordinator.model import LmHead, Transformer
 from sparsecore.lm_head import HeadRows, Q8Head, head_tensor_name
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
@@ -36,20 +36,26 @@ def test_q8_head_equals_dequantized_matmul(tiny_model_factory, seed):
     assert head.nbytes < w.numel() * 4 / 3  # int8 values plus one float32 scale per 32
 
 
-def test_attention_model_uses_q8_head_only_for_q8_files(tiny_model_factory):
+def _model(store, cfg):
+    """The forward pass with every FFN output zero (the head is what is tested)."""
+    embed = torch.from_numpy(np.ascontiguousarray(store.matrix("token_embd.weight")))
+    zero_ffn = lambda i, x, h: torch.zeros_like(x)  # noqa: E731
+    return Transformer(store, cfg, 16, embed, zero_ffn, LmHead(store, cfg, embed))
+
+
+def test_model_uses_q8_head_only_for_q8_files(tiny_model_factory):
     q8 = tiny_model_factory(tensor_type="Q8_0", tied_embeddings=True)
     f32 = tiny_model_factory(tensor_type="F32", tied_embeddings=False)
     store, cfg = _store(q8)
-    m = AttentionModel(store, cfg, 16)
-    if m.head_q8 is None:
+    m = _model(store, cfg)
+    if m.head.q8 is None:
         pytest.skip("this torch has no quantized embedding_bag kernel")
-    zero_ffn = lambda i, x, h: torch.zeros_like(x)  # noqa: E731
-    one = m.forward([3, 4, 5], zero_ffn)  # last token only: the Q8 head
-    m.reset()
-    every = m.forward([3, 4, 5], zero_ffn, all_logits=True)  # a batch: the float32 GEMM
+    one = m.forward([3, 4, 5])  # last token only: the Q8 head
+    m.cache.reset()
+    every = m.forward([3, 4, 5], all_logits=True)  # a batch: the float32 GEMM
     np.testing.assert_allclose(one[0].numpy(), every[-1].numpy(), rtol=1e-5, atol=1e-5)
     store, cfg = _store(f32)
-    assert AttentionModel(store, cfg, 16).head_q8 is None
+    assert _model(store, cfg).head.q8 is None
 
 
 @pytest.mark.parametrize("tensor_type,tied", [("Q8_0", True), ("F32", False)])

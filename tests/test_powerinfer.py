@@ -110,11 +110,11 @@ def oracle(pwri):
 def _decode_logits(eng, ids, n):
     """Greedy decoding through the engine's token loop pieces, keeping every step's logits."""
     eng.reset()
-    logits = [eng.model.forward(list(ids), eng._ffn)[-1].numpy()]
+    logits = [eng.model.forward(list(ids))[-1].numpy()]
     toks = []
     for _ in range(n - 1):
         toks.append(int(np.argmax(logits[-1])))
-        logits.append(eng.model.forward([toks[-1]], eng._ffn)[-1].numpy())
+        logits.append(eng.model.forward([toks[-1]])[-1].numpy())
     return np.stack(logits), toks
 
 
@@ -124,8 +124,8 @@ def test_decode_uses_the_files_predictors(pwri, oracle, no_leaks):
         assert eng.predictors is not None and eng.cfg.activation == "relu"
         ids = eng.tokenizer.encode(PROMPT)
         got = list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
-        active = dict(eng.pool.stats.active)
-        st = eng.pool.stats
+        active = dict(eng.ffn.stats.active)
+        st = eng.ffn.stats
         st.active.clear()
         logits, toks = _decode_logits(eng, ids, n)
     want = oracle.greedy(ids, n, predictor=True)
@@ -161,7 +161,7 @@ def test_huge_threshold_predicts_nothing_and_none_is_dense(pwri, oracle, tmp_pat
     with Engine(off, EngineOptions(**OPTS)) as eng:
         ids = eng.tokenizer.encode(PROMPT)
         got_off = list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
-        assert all(v == len(ids) * N_FF for v in eng.pool.stats.active.values())
+        assert all(v == len(ids) * N_FF for v in eng.ffn.stats.active.values())
     assert got_off == ReferenceLlama(off).greedy(ids, n, predictor=True)
     assert got_off != oracle.greedy(ids, n, predictor=True)
     with Engine(pwri, EngineOptions(**OPTS, predictor="none")) as eng:
@@ -177,7 +177,7 @@ def test_separate_predictor_file_replaces_the_models_own(pwri, tmp_path, no_leak
         assert eng.predictors.thresholds == [1e9, 1e9]
         ids = eng.tokenizer.encode(PROMPT)
         list(eng.generate(ids, 4, SamplingParams(0.0), stop_at_eos=False))
-        assert all(v == len(ids) * N_FF for v in eng.pool.stats.active.values())
+        assert all(v == len(ids) * N_FF for v in eng.ffn.stats.active.values())
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -25,8 +25,6 @@ SAMPLES = {
         coordinator_pipe="/run/a/coordinator.wake", head_rows=[24576, 49152]),
     M.Ready: M.Ready(worker_id=0, role="gpu", pid=17, n_neurons=12345, device="cuda", load_s=1.25,
                      weight_bytes=2**33),
-    M.Ffn: M.Ffn(layer=11, step=2**40, n_tokens=7, dense=False),
-    M.Done: M.Done(worker_id=2, layer=11, step=99, compute_us=123.5, n_active=42),
     M.WorkerFailed: M.WorkerFailed(worker_id=1, role="cpu", reason="OSError: no such file ☹"),
     M.Shutdown: M.Shutdown(),
     M.GenerateRequest: M.GenerateRequest(request_id="r1", prompt="Hello\nworld", max_tokens=5,

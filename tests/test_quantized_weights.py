@@ -10,8 +10,9 @@ import torch
 
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import static_plan
-from coordinator.worker_pool import WorkerPool
-from sparsecore.ffn import (ACTIVATIONS, Int8Rows, ffn_dense_reference, ffn_partial, ffn_partial_threshold,
+from tests.exchange_rig import Rig
+from tests.ffn_reference import ffn_dense_reference
+from sparsecore.ffn import (ACTIVATIONS, Int8Rows, ffn_partial, ffn_partial_threshold,
                             quantize_rows)
 from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
 
@@ -118,9 +119,8 @@ def pool(tiny_model_factory):
     # the reference's int8 weights: gate/up rows and down columns (neurons) quantized one by one
     qweights = {l: (_q64(g), _q64(u), _q64(d.T).T) for l, (g, u, d) in weights.items()}
     plan = static_plan(len(weights), n_ff, 0.4, 2)
-    p = WorkerPool(path, plan, hidden=hidden, max_tokens=8, threads_per_worker=1, weights="int8")
+    p = Rig(path, plan, hidden=hidden, max_tokens=8, threads_per_worker=1, weights="int8")
     try:
-        p.wait_ready()
         yield p, weights, qweights, activation
     finally:
         p.close()

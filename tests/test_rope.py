@@ -1,4 +1,4 @@
-"""AttentionModel._rope equals transformers' rotate-half RoPE exactly (the swapped halves times
+"""Transformer._rope equals transformers' rotate-half RoPE exactly (the swapped halves times
 (-sin, +sin) are the same products), for full and partial rotary dimensions."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.attention_model import AttentionModel
+from coordinator.model import Transformer
 
 
 def textbook(x, cos, sin, d):
@@ -22,10 +22,10 @@ def test_rope_matches_rotate_half(head_dim, rope_dim, T):
     max_ctx, heads, base = 40, 6, 10000.0
     m = SimpleNamespace(cfg=SimpleNamespace(rope_dim=rope_dim, rope_base=base), max_ctx=max_ctx)
     store = SimpleNamespace(has=lambda name: False)
-    AttentionModel._rope_tables(m, store)
+    Transformer._rope_tables(m, store)
     x = torch.randn(T, heads, head_dim)
     pos = slice(7, 7 + T)
-    got = AttentionModel._rope(m, x, pos)
+    got = Transformer._rope(m, x, pos)
     want = textbook(x, m.cos[pos][:, None], m.sin[pos][:, None], rope_dim)
     assert torch.equal(got, want)
     if rope_dim < head_dim:

@@ -14,7 +14,8 @@ from coordinator.sampling import SamplingParams
 from coordinator.tools import corpus
 from coordinator.tools.calibrate import calibrate
 from coordinator.tools.perplexity import perplexity
-from sparsecore.ffn import ffn_dense_reference, ffn_partial_threshold
+from sparsecore.ffn import ffn_partial_threshold
+from tests.ffn_reference import ffn_dense_reference
 from tests.conftest import REPO
 from tests.reference_llama import ReferenceLlama
 
@@ -82,10 +83,10 @@ def test_sparse_decoding_matches_oracle_with_same_thresholds(calibrated, coordin
     ref = ReferenceLlama(path)
     with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5,
                                     coordinator_share=coordinator_share)) as eng:
-        assert (eng.pool.local_slot is not None) == (coordinator_share > 0)
+        assert (eng.pool.own_slot is not None) == (coordinator_share > 0)
         ids = eng.tokenizer.encode("the quick brown fox")
         got = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
-        st = eng.pool.stats
+        st = eng.ffn.stats
         decode_active = [st.active[l] / st.tokens[l] for l in st.active]
     assert got == ref.greedy(ids, 10, thr)
     assert max(decode_active) < eng.cfg.n_ff  # fewer neurons than dense were computed

@@ -7,7 +7,7 @@ import time
 
 from coordinator.placement import static_plan
 from coordinator.worker_pool import WorkerPool
-from sparsecore.doorbell import WakePipe
+from protocol.doorbell import WakePipe
 
 
 def test_ring_wakes_a_poller_in_another_process(tmp_path):
@@ -49,7 +49,7 @@ def test_ringing_a_full_pipe_does_not_block(tmp_path):
 def test_pool_makes_one_pipe_per_slot_and_removes_them(tmp_path):
     plan = static_plan(2, 8, 0.0, 2)
     pool = WorkerPool(tmp_path / "model.gguf", plan, hidden=4, max_tokens=2)
-    paths = [pool.wake.path] + [w.path for w in pool.worker_wakes]
+    paths = [pool.bell.wake.path] + [w.path for w in pool.bell.worker_wakes]
     try:
         assert len(paths) == 1 + len(plan.shards) == len(set(paths))
         assert all(os.path.exists(p) for p in paths)
@@ -57,4 +57,4 @@ def test_pool_makes_one_pipe_per_slot_and_removes_them(tmp_path):
         pool.close()
     assert not any(os.path.exists(p) for p in paths)
     assert not os.path.exists(pool.run_dir)
-    assert pool.wake.fd == -1
+    assert pool.bell.wake.fd == -1

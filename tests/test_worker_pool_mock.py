@@ -1,6 +1,7 @@
-"""coordinator.worker_pool.WorkerPool against mock workers (tests/mock_worker.py) that speak the
-real ZMQ/msgpack/shared-memory protocol but compute a known function, so the pool's handshake,
-x/mask handoff, slot summation, failure reporting and cleanup are tested without torch."""
+"""coordinator.worker_pool.WorkerPool and the exchange of coordinator.sparse_ffn against mock workers
+(tests/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
+a known function, so the handshake, x/mask handoff, both the spinning and the sleeping doorbell,
+slot summation, failure reporting and cleanup are tested without real weights."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.placement import Plan, WorkerShard, static_plan
+from coordinator.sparse_ffn import SparseFfn
 from coordinator.worker_pool import WorkerError, WorkerPool
 from tests.conftest import children_of, shm_segments
 from tests.mock_worker import compute_us
@@ -49,6 +51,18 @@ def shuffled_plan(n_layers: int = 3, n_ff: int = 40, seed: int = 0) -> Plan:
 
 def make_pool(plan: Plan, behaviors=None, **kw) -> WorkerPool:
     return WorkerPool(MODEL, plan, hidden=HIDDEN, max_tokens=MAX_TOKENS, launcher=mock_launcher(behaviors), **kw)
+
+
+_ffns: dict[int, SparseFfn] = {}
+
+
+def ffn_of(pool: WorkerPool) -> SparseFfn:
+    """The exchange over `pool`, as the engine builds it (one per pool)."""
+    return _ffns.setdefault(id(pool), SparseFfn.over(pool))
+
+
+def run_ffn(pool: WorkerPool, layer: int, n_tokens: int, dense: bool = True) -> np.ndarray:
+    return ffn_of(pool).exchange(layer, n_tokens, dense=dense)
 
 
 def expected_dense(pool: WorkerPool, layer: int, n: int) -> np.ndarray:
@@ -98,7 +112,7 @@ def test_dense_sum_over_layers_and_steps(pool, n_tokens):
         for layer in range(pool.plan.n_layers):
             write_x(pool, rng, n_tokens)
             want = expected_dense(pool, layer, n_tokens)
-            got = pool.run_ffn(layer, n_tokens)
+            got = run_ffn(pool, layer, n_tokens)
             assert got.shape == (n_tokens, HIDDEN)
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got, want.astype(np.float32))
@@ -107,10 +121,10 @@ def test_dense_sum_over_layers_and_steps(pool, n_tokens):
 def test_result_is_not_a_view_of_shared_memory(pool):
     rng = np.random.default_rng(1)
     write_x(pool, rng, 2)
-    got = pool.run_ffn(0, 2)
+    got = run_ffn(pool, 0, 2)
     keep = got.copy()
     write_x(pool, rng, 2)
-    pool.run_ffn(1, 2)
+    run_ffn(pool, 1, 2)
     pool.buffers.out[:] = -1.0
     np.testing.assert_array_equal(got, keep)
 
@@ -128,7 +142,7 @@ def test_sparse_mask_handoff(pool, n_tokens):
         for layer in range(plan.n_layers):
             write_x(pool, rng, n_tokens)
             pool.buffers.mask[:] = mask
-            got = pool.run_ffn(layer, n_tokens, dense=False)
+            got = run_ffn(pool, layer, n_tokens, dense=False)
             counts = [int(np.count_nonzero(mask[s.neurons[layer]])) for s in plan.shards]
             row0 = np.zeros(HIDDEN, np.float32)
             row0[: len(counts)] = counts
@@ -139,13 +153,13 @@ def test_sparse_mask_handoff(pool, n_tokens):
 
 
 def test_sync_stats(pool):
-    before = len(pool.stats.round_trip_us)
-    assert len(pool.stats.overhead_us) == before
+    before = len(ffn_of(pool).stats.round_trip_us)
+    assert len(ffn_of(pool).stats.overhead_us) == before
     rng = np.random.default_rng(2)
     for layer in (0, 1, 2, 0):
         write_x(pool, rng, 1)
-        pool.run_ffn(layer, 1)
-    rt, ov = pool.stats.round_trip_us[before:], pool.stats.overhead_us[before:]
+        run_ffn(pool, layer, 1)
+    rt, ov = ffn_of(pool).stats.round_trip_us[before:], ffn_of(pool).stats.overhead_us[before:]
     assert len(rt) == 4 and len(ov) == 4
     slowest = max(compute_us(s.worker_id) for s in pool.plan.shards)
     for r, o in zip(rt, ov):
@@ -168,8 +182,8 @@ def test_static_plan_pool_and_close(no_leaks):
         for n in (1, 5):
             for layer in (1, 0):
                 write_x(p, rng, n)
-                np.testing.assert_array_equal(p.run_ffn(layer, n), expected_dense(p, layer, n).astype(np.float32))
-        assert len(p.stats.round_trip_us) == 4
+                np.testing.assert_array_equal(run_ffn(p, layer, n), expected_dense(p, layer, n).astype(np.float32))
+        assert len(ffn_of(p).stats.round_trip_us) == 4
     finally:
         p.close()
     assert_all_gone(p)
@@ -193,7 +207,7 @@ def test_single_worker_pool(no_leaks):
         p.wait_ready()
         rng = np.random.default_rng(4)
         write_x(p, rng, 3)
-        got = p.run_ffn(0, 3)
+        got = run_ffn(p, 0, 3)
         want = p.buffers.x[:3].copy()  # worker id 0, layer 0: y = x * 1 + 0
         np.testing.assert_array_equal(got, want)
         p.buffers.out[:] = -1.0  # the returned array must not be a view of the slot
@@ -201,19 +215,19 @@ def test_single_worker_pool(no_leaks):
     assert_all_gone(p)
 
 
-@pytest.mark.parametrize("behaviors", [{5: "stale_done"}, {5: "dup_done", 2: "slow_ffn"}],
-                         ids=["stale_done", "dup_done"])
-def test_only_current_done_counts(no_leaks, behaviors):
-    """stale_done: a Done for the previous step arrives before the worker has written this step's
-    output; dup_done: one worker's Done arrives twice while another worker is still computing.
-    Either way the pool must wait for one current Done from every worker before summing."""
+@pytest.mark.parametrize("spin", [True, False], ids=["spinning", "sleeping"])
+def test_every_worker_is_waited_for(no_leaks, spin):
+    """One worker computes slowly (past the coordinator's spin), one never spins (every step
+    rings its wake pipe): the exchange must wait for each current step before summing, on
+    both the spinning and the sleeping path of the doorbell."""
     plan = shuffled_plan(seed=1)
-    with make_pool(plan, behaviors=behaviors, startup_timeout_s=60) as p:
+    with make_pool(plan, behaviors={5: "slow_ffn", 2: "sleeper"}, startup_timeout_s=60, spin=spin) as p:
         p.wait_ready()
         rng = np.random.default_rng(5)
         for layer in (0, 1, 2):
             write_x(p, rng, 2)
-            np.testing.assert_array_equal(p.run_ffn(layer, 2), expected_dense(p, layer, 2).astype(np.float32))
+            np.testing.assert_array_equal(run_ffn(p, layer, 2), expected_dense(p, layer, 2).astype(np.float32))
+        assert p.bell.wakeups >= 3  # the sleeper was rung for each step
     assert_all_gone(p)
 
 
@@ -271,10 +285,10 @@ def test_die_on_ffn(no_leaks):
         rng = np.random.default_rng(6)
         for layer in (0, 1):
             write_x(p, rng, 1)
-            p.run_ffn(layer, 1)
+            run_ffn(p, layer, 1)
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as e:
-            p.run_ffn(2, 1)
+            run_ffn(p, 2, 1)
         assert time.monotonic() - t0 < 2.0
         msg = str(e.value)
         assert "cpu worker 5" in msg and "died" in msg and "exited with code 3" in msg
@@ -289,9 +303,9 @@ def test_fail_on_ffn(no_leaks):
     p = make_pool(shuffled_plan(), behaviors={0: "fail_on_ffn"}, startup_timeout_s=60)
     try:
         p.wait_ready()
-        p.run_ffn(0, 1)
+        run_ffn(p, 0, 1)
         with pytest.raises(WorkerError, match=r"gpu worker 0 .*mock compute error at layer 1"):
-            p.run_ffn(1, 1)
+            run_ffn(p, 1, 1)
     finally:
         p.close()
     assert_all_gone(p)

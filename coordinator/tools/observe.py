@@ -8,7 +8,7 @@ The rule the tools share: for an FFN input row x, neuron n fires with magnitude
 |act(gate[n] · x)| (`gate_activity`), and is active where that exceeds its layer's threshold
 (`active`): the calibrated CATS threshold of SwiGLU/GeGLU models, 0 for ReLU models (where
 |relu(z)| > 0 is relu(z) > 0). The workers apply the same rule while decoding
-(sparsecore.ffn); calibration chooses the thresholds as quantiles of these magnitudes
+(sparsecore.ffn.is_active); calibration chooses the thresholds as quantiles of these magnitudes
 (`magnitude_quantiles`).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from sparsecore.ffn import ACTIVATIONS, HalfRows, rows_nbytes
+from sparsecore.ffn import ACTIVATIONS, is_active
 from sparsecore.tensors import TensorStore
 
 QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sampled (seeded)
@@ -53,19 +53,16 @@ def predictors(engine):
 
 def worker_layout(engine) -> dict:
     """Cores, worker processes and their devices, and the coordinator's own share of FFN neurons."""
-    pool = engine.pool
-    return dict(threads=engine.opts.threads, cpu_workers=len(pool.workers) - 1,
-                devices=[w.device for w in pool.workers], coordinator_ffn_share=pool.local_neuron_share)
+    workers, own, cfg = engine.pool.workers, engine.ffn.own, engine.cfg
+    share = own.n_neurons / (cfg.n_layers * cfg.n_ff) if own is not None else 0.0
+    return dict(threads=engine.opts.threads, cpu_workers=len(workers) - 1,
+                devices=[w.device for w in workers], coordinator_ffn_share=share)
 
 
 def coordinator_bytes_per_token(engine) -> int:
     """Weights the coordinator reads per decoded token: attention and norms of every layer,
     the final norm, the lm_head, and one embedding row."""
-    m = engine.model
-    tensors = [m.out_norm] + [t for layer in m.layers for t in vars(layer).values()
-                              if isinstance(t, (torch.Tensor, HalfRows))]  # HalfRows: --weights f16
-    head = m.head_q8.nbytes if m.head_q8 is not None else m.lm_head.numel() * m.lm_head.element_size()
-    return sum(rows_nbytes(t) for t in tensors) + head + m.embed[0].numel() * m.embed.element_size()
+    return engine.model.bytes_per_token()
 
 
 # ---- running it ----------------------------------------------------------------------------------
@@ -80,9 +77,9 @@ def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=
     """Run each chunk of token ids through the dense model (a fresh KV cache per chunk), calling
     `observer` with every layer's FFN input; the engine's sparsity and observer are restored
     afterwards. `progress(1)` after each chunk. Returns the number of tokens run."""
-    old_sparsity, old_observer = engine.sparsity, engine.ffn_observer
+    old_sparsity, old_observer = engine.sparsity, engine.ffn.observer
     engine.set_sparsity(None)
-    engine.ffn_observer = observer
+    engine.ffn.observer = observer
     n = 0
     try:
         for c in chunks:
@@ -91,7 +88,7 @@ def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=
             if progress:
                 progress(1)
     finally:
-        engine.ffn_observer = old_observer
+        engine.ffn.observer = old_observer
         engine.set_sparsity(old_sparsity)
     return n
 
@@ -106,11 +103,11 @@ def all_logits(engine, ids: list[int]) -> np.ndarray:
 def sparse_batches(engine) -> Iterator[None]:
     """Within the block the engine's thresholds or predictors apply to every token of a
     multi-token batch too, as decoding would (by default prefill is dense)."""
-    engine.sparse_batches = True
+    engine.ffn.sparse_batches = True
     try:
         yield
     finally:
-        engine.sparse_batches = False
+        engine.ffn.sparse_batches = False
 
 
 def greedy(engine, prompt: list[int], n_tokens: int) -> Iterator[int]:
@@ -128,7 +125,7 @@ class FfnMeter:
     fraction of FFN neurons computed per token and layer."""
 
     def __init__(self, engine):
-        self._stats = st = engine.pool.stats
+        self._stats = st = engine.ffn.stats
         self._n_ff = engine.cfg.n_ff
         self._exchanges = len(st.round_trip_us)
         self._active = sum(st.active.values())
@@ -154,8 +151,9 @@ def gate_activity(gate: torch.Tensor, x, activation: str) -> torch.Tensor:
 
 
 def active(mags: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Which neurons are active: gate activity above the layer's threshold (0 for ReLU models)."""
-    return mags > threshold
+    """Which neurons are active: gate activity above the layer's threshold (0 for ReLU models),
+    the rule the workers apply while decoding."""
+    return is_active(mags, threshold)
 
 
 def magnitude_quantiles(mags: torch.Tensor, qs) -> torch.Tensor:

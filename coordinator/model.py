@@ -1,0 +1,172 @@
+"""The forward pass, gpt-fast style: embeddings, norms, attention with its `KVCache`, and the
+FFN and the head as objects passed in (coordinator/sparse_ffn.py computes the FFN across the
+processes; `LmHead` the logits).
+
+Arithmetic follows transformers' LlamaForCausalLM in float32 (RMSNorm, rotate-half RoPE on
+un-permuted Q/K, SDPA) so greedy decoding matches it token for token.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparsecore.config import ModelConfig
+from sparsecore.ffn import HalfRows, x_wt
+from sparsecore.lm_head import Q8Head, head_tensor_name
+from sparsecore.tensors import TensorStore, unpermute_qk
+
+Ffn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden)) -> FFN output (T, hidden)."""
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # One fused kernel instead of five: per decoded token this runs twice in every layer.
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class KVCache:
+    """Keys and values of every layer for the positions decoded so far (`pos` of them)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, max_ctx: int, head_dim: int):
+        shape = (n_layers, n_kv_heads, max_ctx, head_dim)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.max_ctx = max_ctx
+        self.pos = 0
+
+    def update(self, layer: int, pos: slice, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (heads, T, head_dim) at `pos`; return every key and value up to its end."""
+        self.k[layer, :, pos] = k
+        self.v[layer, :, pos] = v
+        return self.k[layer, :, : pos.stop], self.v[layer, :, : pos.stop]
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+class LmHead:
+    """Logits from the final normed hidden states. One decoded token goes to `one_token` when the
+    rows are split across processes (sparse_ffn.SplitHead), else reads the file's Q8_0 blocks
+    when it has them (a quarter of the bytes); batches (perplexity) use the float32 GEMM."""
+
+    def __init__(self, store: TensorStore, cfg: ModelConfig, embed: torch.Tensor,
+                 one_token: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        name = head_tensor_name(cfg.tied_embeddings)
+        self.weight = embed if cfg.tied_embeddings else _tensor(store.matrix(name))
+        self.q8 = Q8Head.from_tensor(store.info(name))
+        self.one_token = one_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of weights one decoded token reads here, across the processes if split."""
+        return self.q8.nbytes if self.q8 is not None else self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == 1:
+            if self.one_token is not None:
+                return self.one_token(h)
+            if self.q8 is not None:
+                return self.q8(h)
+        return h @ self.weight.T
+
+
+class AttentionLayer:
+    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32"):
+        p = f"blk.{i}."
+        # --weights f16 halves the bytes the coordinator reads per token here too (the matrices
+        # are a quarter of all bytes a decoded token reads); other formats keep float32.
+        mat = (lambda a: HalfRows.convert(_tensor(a))) if weights == "f16" else _tensor
+        self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
+        self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
+        # Q, K and V as one matrix: one matmul per token instead of three (Python and torch
+        # dispatch cost as much as the arithmetic at this size).
+        self.wqkv = mat(np.concatenate([unpermute_qk(store.matrix(p + "attn_q.weight"), cfg.n_heads),
+                                        unpermute_qk(store.matrix(p + "attn_k.weight"), cfg.n_kv_heads),
+                                        store.matrix(p + "attn_v.weight")]))
+        self.wo = mat(store.matrix(p + "attn_output.weight"))
+
+
+class Transformer:
+    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: torch.Tensor, ffn: Ffn,
+                 head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32"):
+        self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
+        self.out_norm = _tensor(store.matrix("output_norm.weight"))
+        self.layers = [AttentionLayer(store, cfg, i, weights) for i in range(cfg.n_layers)]
+        self.cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
+        self._rope_tables(store)
+
+    @property
+    def pos(self) -> int:
+        return self.cache.pos
+
+    def bytes_per_token(self) -> int:
+        """Weights one decoded token reads outside the FFN: attention and norms of every layer,
+        the final norm, the lm_head, and one embedding row."""
+        def nbytes(t) -> int:
+            return t.nbytes if isinstance(t, HalfRows) else t.numel() * t.element_size()
+        layers = sum(nbytes(t) for layer in self.layers for t in vars(layer).values())
+        embed_row = self.embed.shape[1] * self.embed.element_size()
+        return layers + nbytes(self.out_norm) + self.head.bytes_per_token + embed_row
+
+    def _rope_tables(self, store: TensorStore) -> None:
+        d = self.cfg.rope_dim
+        inv_freq = 1.0 / (self.cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if store.has("rope_freqs.weight"):  # Llama 3.1-style per-frequency scaling factors
+            inv_freq = inv_freq / torch.from_numpy(store.matrix("rope_freqs.weight"))
+        freqs = torch.arange(self.max_ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin):
+        # one flip per step instead of two slices, a neg and a cat.
+        half = d // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+
+    def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
+        """Rotate-half RoPE on x (T, heads, head_dim): Q and K heads together, one pass."""
+        d = self.cfg.rope_dim
+        cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]
+        T, H, hd = x.shape
+        if d == hd:
+            return x * cos + x.view(T, H, 2, d // 2).flip(2).view(T, H, d) * sin
+        xr, xp = x[..., :d], x[..., d:]
+        swapped = xr.reshape(T, H, 2, d // 2).flip(2).reshape(T, H, d)
+        return torch.cat((xr * cos + swapped * sin, xp), dim=-1)
+
+    def _attention(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, L = self.cfg, self.layers[i]
+        T = x.shape[0]
+        start = self.cache.pos
+        pos = slice(start, start + T)
+        nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
+        qk = self._rope(qkv[:, : nq + nkv], pos)
+        q = qk[:, :nq].transpose(0, 1)
+        keys, vals = self.cache.update(i, pos, qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1))
+        gqa = nq != nkv  # SDPA maps query heads onto shared K/V heads without copying the cache
+        if T == 1:
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], enable_gqa=gqa)[0]
+        else:
+            # Causal over the new block, full over the cached prefix.
+            mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa)[0]
+        return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` at the cache's position; returns logits of the last (or every) token."""
+        T = len(ids)
+        if self.cache.pos + T > self.max_ctx:
+            raise ValueError(f"context full: {self.cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
+        h = self.embed[torch.tensor(ids, dtype=torch.long)]
+        eps = self.cfg.rms_eps
+        for i, L in enumerate(self.layers):
+            h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))
+            h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h)
+        self.cache.pos += T
+        return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))

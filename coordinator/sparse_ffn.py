@@ -1,0 +1,173 @@
+"""THE per-layer FFN step, and the lm_head split: the coordinator's side of the exchange.
+
+Per layer (`SparseFfn.__call__`, called by the model with the normed FFN input):
+  1. mode: dense, thresholds (CATS, applied by whoever holds the gate rows), or a predictor's
+     active set (written into the shared mask);
+  2. x goes into shared memory and the doorbell rings (`exchange` -> CoordinatorBell.post);
+  3. the coordinator computes its own share (an FfnShard, on CPU-only machines) meanwhile;
+  4. it waits for the workers that own neurons of the layer (CoordinatorBell.wait);
+  5. it sums the output slots.
+`SplitHead` does the same for one token's lm_head when its vocabulary rows are split across
+the processes (CPU-only machines): each computes its rows' logits, side by side they are the
+whole head's.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from protocol.doorbell import CoordinatorBell
+from protocol.shm_layout import HEAD_LAYER, SharedBuffers
+from sparsecore.shard import FfnShard
+from sparsecore.tensors import TensorStore
+
+from .predictor import Predictors
+from .worker_pool import WorkerPool
+
+# observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)):
+# calibration and profiling watch every FFN input through it (coordinator/tools/).
+Observer = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+@dataclass
+class ExchangeStats:
+    round_trip_us: list[float] = field(default_factory=list)
+    overhead_us: list[float] = field(default_factory=list)  # round trip minus slowest process's compute
+    active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
+    tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
+    head_us: list[float] = field(default_factory=list)  # lm_head steps split across processes
+
+    def clear_counts(self) -> None:
+        self.active.clear()
+        self.tokens.clear()
+
+
+class SparseFfn:
+    """The FFN of every layer, computed by the workers' shards and the coordinator's own.
+
+    `own`: the coordinator's shard (None: it computes none) and `own_slot` its output slot.
+    `participants[layer]`: the worker slots that own neurons of the layer; only they get the step."""
+
+    def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, worker_neurons: list[list[np.ndarray]],
+                 own: FfnShard | None = None, own_slot: int | None = None, predictors: Predictors | None = None):
+        self.bell, self.buffers, self.own, self.own_slot = bell, buffers, own, own_slot
+        self.predictors = predictors
+        self.max_tokens = buffers.layout.max_tokens
+        n_layers = buffers.layout.n_layers
+        self.participants = [np.array([s for s, per_layer in enumerate(worker_neurons) if len(per_layer[layer])],
+                                      dtype=np.intp) for layer in range(n_layers)]
+        self.sum_slots = [p if own is None or layer not in own.layers else np.append(p, own_slot)
+                          for layer, p in enumerate(self.participants)]
+        self.stats = ExchangeStats()
+        self.observer: Observer | None = None
+        self.thresholds: bool = False  # CATS thresholds (in shared memory) apply to decoded tokens
+        self.sparse_batches = False  # perplexity: apply thresholds/predictors to multi-token batches too
+
+    @classmethod
+    def over(cls, pool: WorkerPool, store: TensorStore | None = None, predictors: Predictors | None = None,
+             weights: str = "f32") -> "SparseFfn":
+        """The FFN over `pool`'s workers, with the coordinator's own shard (and its lm_head rows)
+        loaded here when the plan gives it one. `store`: the model file, already open."""
+        slot = pool.own_slot
+        own = None if slot is None else FfnShard.load(pool.model_path, pool.plan.shards[slot].neurons, "cpu",
+                                                      weights, pool.head_rows.get(slot), store)
+        return cls(pool.bell, pool.buffers, [sh.neurons for sh in pool.proc_shards], own, slot, predictors)
+
+    def set_thresholds(self, per_layer: list[float] | None) -> None:
+        """Use these per-layer thresholds from now on (None: dense)."""
+        if per_layer is not None:
+            self.buffers.thresholds[:] = per_layer
+        self.thresholds = per_layer is not None
+
+    def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor) -> torch.Tensor:
+        """The FFN output of `layer` for x (T, hidden), the normed input; `pre_norm` is the
+        residual before ffn_norm, which PowerInfer's predictors read."""
+        xs = x.numpy()
+        if self.observer is not None:
+            self.observer(layer, xs, pre_norm.numpy())
+        # Decoding is sparse when thresholds or predictors are set; prefill stays dense (a long
+        # prompt's tokens together activate nearly every neuron) unless perplexity asks otherwise.
+        sparse = len(xs) == 1 or self.sparse_batches
+        if self.predictors is not None and sparse:
+            return self._predicted(layer, xs, pre_norm)
+        threshold = self.thresholds and sparse
+        if len(xs) <= self.max_tokens:  # one exchange (every decoded token): no chunking, no extra copy
+            self.buffers.x[: len(xs)] = xs
+            return torch.from_numpy(self.exchange(layer, len(xs), threshold=threshold))
+        out = np.empty_like(xs)
+        for a in range(0, len(xs), self.max_tokens):
+            chunk = xs[a:a + self.max_tokens]
+            self.buffers.x[: len(chunk)] = chunk
+            out[a:a + len(chunk)] = self.exchange(layer, len(chunk), threshold=threshold)
+        return torch.from_numpy(out)
+
+    def _predicted(self, layer: int, xs: np.ndarray, pre_norm: torch.Tensor) -> torch.Tensor:
+        """One exchange per token: the shared mask holds one active set per step."""
+        out = np.empty_like(xs)
+        masks = self.predictors.masks(layer, pre_norm)
+        for t in range(len(xs)):
+            self.buffers.x[:1] = xs[t:t + 1]
+            self.buffers.mask[:] = masks[t]
+            out[t:t + 1] = self.exchange(layer, 1, dense=False)
+        return torch.from_numpy(out)
+
+    def exchange(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
+        """x[:n_tokens] (and the mask or thresholds) are in shared memory: run the step on every
+        process that owns neurons of `layer` and return the summed output (n_tokens, hidden)."""
+        if not 1 <= n_tokens <= self.max_tokens:
+            raise ValueError(f"n_tokens {n_tokens} outside 1..{self.max_tokens}")
+        t0 = time.perf_counter()
+        buf, part = self.buffers, self.participants[layer]
+        posted = self.bell.post(layer, n_tokens, dense, threshold, part)
+        n_own = own_ns = 0
+        if self.own is not None and layer in self.own.layers:  # our neurons while the workers compute theirs
+            n_own, own_ns = self.own.serve(buf, self.own_slot, posted)
+        n_active, slowest_ns = self.bell.wait(posted.step, part)
+        st = self.stats
+        st.active[layer] = st.active.get(layer, 0) + n_active + n_own
+        st.tokens[layer] = st.tokens.get(layer, 0) + n_tokens
+        rt = (time.perf_counter() - t0) * 1e6
+        st.round_trip_us.append(rt)
+        st.overhead_us.append(rt - max(slowest_ns, own_ns) / 1e3)
+        summed = self.sum_slots[layer]
+        if len(summed) == 1:
+            return buf.out[summed[0], :n_tokens].copy()
+        if len(summed) == 2:  # one worker and the coordinator: the common CPU-only case
+            return np.add(buf.out[summed[0], :n_tokens], buf.out[summed[1], :n_tokens])
+        return buf.out[summed, :n_tokens].sum(axis=0)
+
+
+class SplitHead:
+    """Logits of one token whose lm_head rows are split: `rows[slot]` = [start, stop) for each
+    worker slot; the coordinator's own shard holds the last rows (own.head)."""
+
+    def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, own: FfnShard, own_slot: int,
+                 rows: dict[int, tuple[int, int]], stats: ExchangeStats):
+        self.bell, self.buffers, self.own, self.own_slot, self.stats = bell, buffers, own, own_slot, stats
+        self.rows = {s: r for s, r in rows.items() if s != own_slot}
+        self.part = np.array(sorted(self.rows), dtype=np.intp)
+
+    @classmethod
+    def over(cls, pool: WorkerPool, ffn: SparseFfn) -> "SplitHead | None":
+        """The split head of `pool`'s plan, or None when the coordinator computes the whole head."""
+        if not pool.head_rows or ffn.own is None or ffn.own.head is None:
+            return None
+        return cls(pool.bell, pool.buffers, ffn.own, ffn.own_slot, pool.head_rows, ffn.stats)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (1, hidden), the final normed hidden state -> (1, n_vocab) logits."""
+        t0 = time.perf_counter()
+        buf, head = self.buffers, self.own.head
+        buf.x[0] = h.numpy()[0]
+        posted = self.bell.post(HEAD_LAYER, 1, True, False, self.part)
+        logits = np.empty(head.stop, np.float32)  # the coordinator's rows end the vocabulary
+        logits[head.start:] = head(buf.x[:1])
+        self.bell.wait(posted.step, self.part)
+        for slot, (a, b) in self.rows.items():
+            logits[a:b] = buf.out[slot].reshape(-1)[: b - a]
+        self.stats.head_us.append((time.perf_counter() - t0) * 1e6)
+        return torch.from_numpy(logits)[None]

@@ -1,0 +1,311 @@
+"""Both ends of the per-layer exchange: the coordinator posts a step and waits for it to be
+done, a worker waits for a step and says it is done. Everything about when a side spins and
+when it sleeps is here, once.
+
+Why a doorbell. A process that sleeps needs a system call and a wake-up to hear from another:
+through ZeroMQ that costs about 0.2 ms median and milliseconds at the tail on a virtual machine,
+against about 2 us for a spin on a shared word and 8 us for a round trip over a pipe. Thirty
+layers a token make that the difference between a fast engine and a slow one. So a step goes
+through words in shared memory (protocol/shm_layout.py), and a side that has stopped spinning
+sleeps on a wake pipe that the other side rings.
+
+Memory ordering (the one place these rules are written):
+  - Posting: request[REQ_LAYER, REQ_TOKENS, REQ_FLAGS] (and x, the mask, the thresholds before
+    them) are written first, request[REQ_STEP] last. A worker reads the request like a seqlock:
+    REQ_STEP before and after the fields must agree.
+  - Finishing: the output rows, then slot[SLOT_ACTIVE, SLOT_COMPUTE_NS], then slot[SLOT_DONE]
+    last. The coordinator reads the output only after it saw SLOT_DONE == step.
+  - Both rely on stores becoming visible in program order (x86-TSO). Elsewhere no side spins:
+    both sleep on their pipes, and the pipe's write/read pair orders memory (spin_supported).
+  - Going to sleep: a side raises its sleeping word, then checks the doorbell once more before
+    it blocks, so a step posted (or finished) meanwhile is either seen by that check or followed
+    by a ring. Store-load reordering can let both sides miss each other for a moment; the first
+    waits of a sleeper are therefore short (1, 4, 16 ms ...), never a full slice.
+Spinning needs a core per spinner: the coordinator spins only when it and every worker that
+computes have one each (choose_spin); a worker spins for WORKER_SPIN_US after its last step
+(enough to cover the lm_head and sampling between tokens), then sleeps.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from .shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER, REQ_STEP,
+                         REQ_TOKENS, SLEEPING, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING,
+                         SharedBuffers)
+
+WORKER_SPIN_US = 50_000  # a worker spins this long for the next step (covers lm_head + sampling)
+COORDINATOR_SPIN_US = 20_000  # the coordinator spins this long for a step to be done before it sleeps
+SOCKET_CHECK_SPINS = 256  # a spinner looks at its socket (Shutdown, WorkerFailed) this often
+MAX_SLEEP_MS = 100  # a sleeper's longest wait before it checks on the other side
+
+
+def spin_supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def choose_spin(spinning_workers: int, cores: int | None = None) -> bool:
+    """Spin only when the coordinator and every worker that computes have a core each: a spinner
+    sharing a core with the process it waits for delays it by a scheduler tick."""
+    return spin_supported() and 1 + spinning_workers <= (cores or usable_cores())
+
+
+class WakePipe:
+    """One process's wake-up line: a named FIFO in the run's private directory that others ring
+    and its owner polls.
+
+    Every side opens it read-write and non-blocking: opening never waits for the other end,
+    a writer never gets ENXIO while the owner is still starting, and a full pipe (a sleeper
+    that has not drained it yet) just drops the byte, which carries no information anyway."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+    @classmethod
+    def create(cls, path: str) -> "WakePipe":
+        os.mkfifo(path, 0o600)
+        return cls(path)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def ring(self) -> None:
+        try:
+            os.write(self.fd, b"\0")
+        except BlockingIOError:
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _sleep_times(longest_ms: int = MAX_SLEEP_MS):
+    """A sleeper's waits in ms: short first (see the module's ordering rules), then a slice."""
+    t = 1
+    while True:
+        yield t
+        t = min(longest_ms, t * 4)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One posted step as a worker reads it from the request words."""
+    step: int
+    layer: int
+    n_tokens: int
+    flags: int
+
+    @property
+    def dense(self) -> bool:
+        return bool(self.flags & FLAG_DENSE)
+
+    @property
+    def threshold(self) -> bool:
+        return bool(self.flags & FLAG_THRESHOLD)
+
+
+# ---- the coordinator's end ---------------------------------------------------------------------
+
+class CoordinatorBell:
+    """Posts steps and waits for the slots that take part. One per run; it numbers the steps.
+
+    `socket` is polled beside the wake pipe while sleeping (workers report failures there), and
+    `check()` is called every `check_every_s` while waiting: it raises if a worker died or
+    failed, so a dead worker ends the wait instead of hanging the token loop."""
+
+    def __init__(self, buffers: SharedBuffers, own_wake: WakePipe, worker_wakes: list[WakePipe], spin: bool,
+                 socket: zmq.Socket | None = None, check: Callable[[], None] = lambda: None,
+                 check_every_s: float = 0.2):
+        self.buffers, self.wake, self.worker_wakes = buffers, own_wake, worker_wakes
+        self.spin, self.socket, self.check, self.check_every_s = spin, socket, check, check_every_s
+        self.step = 0
+        self.wakeups = 0  # steps posted to sleeping workers
+        self._last_check = 0.0
+        self._poller = zmq.Poller()
+        self._poller.register(own_wake.fileno(), zmq.POLLIN)
+        if socket is not None:
+            self._poller.register(socket, zmq.POLLIN)
+        if not spin:  # the coordinator always sleeps: workers always ring its wake pipe
+            buffers.request[REQ_COORD_SLEEPING] = SLEEPING
+
+    def post(self, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray) -> Request:
+        """Publish the next step, then ring the slots in `part` that sleep. Returns what was posted."""
+        self.step += 1
+        posted = Request(self.step, layer, n_tokens, (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0))
+        req, slots = self.buffers.request, self.buffers.slots
+        req[REQ_LAYER], req[REQ_TOKENS], req[REQ_FLAGS] = layer, n_tokens, posted.flags
+        req[REQ_STEP] = self.step  # last: a worker that sees it reads a complete request
+        for slot in part:
+            if slots[slot, SLOT_SLEEPING]:
+                self.wakeups += 1
+                self.worker_wakes[slot].ring()
+        return posted
+
+    def _check_every(self, interval_s: float) -> None:
+        now = time.monotonic()
+        if now - self._last_check >= interval_s:
+            self._last_check = now
+            self.check()
+
+    def wait(self, step: int, part: np.ndarray) -> tuple[int, int]:
+        """Wait until every slot in `part` has done `step`: spin, then sleep on the wake pipe.
+        Returns (active neuron-token pairs summed over the slots, slowest compute in ns)."""
+        slots = self.buffers.slots
+        waiting = [int(s) for s in part]
+        n_active, slowest = 0, 0
+
+        def collect() -> None:
+            nonlocal n_active, slowest
+            for s in [s for s in waiting if slots[s, SLOT_DONE] == step]:
+                waiting.remove(s)
+                n_active += int(slots[s, SLOT_ACTIVE])
+                slowest = max(slowest, int(slots[s, SLOT_COMPUTE_NS]))
+
+        self._check_every(self.check_every_s)  # also workers that sit this step out
+        if self.spin:
+            deadline = time.monotonic() + COORDINATOR_SPIN_US / 1e6
+            n = 0
+            while waiting:
+                collect()
+                n += 1
+                if waiting and n % SOCKET_CHECK_SPINS == 0:
+                    if self.socket is not None and self.socket.poll(0):
+                        self.check()
+                    self._check_every(self.check_every_s)
+                    if time.monotonic() > deadline:
+                        break
+            if not waiting:
+                return n_active, slowest
+        req = self.buffers.request
+        req[REQ_COORD_SLEEPING] = SLEEPING
+        try:
+            for timeout in _sleep_times():
+                collect()
+                if not waiting:
+                    return n_active, slowest
+                ready = dict(self._poller.poll(timeout))
+                if self.wake.fileno() in ready:
+                    self.wake.drain()
+                if self.socket is not None and self.socket in ready:
+                    self.check()
+                self._check_every(0.0 if not ready else self.check_every_s)
+        finally:
+            if self.spin:
+                req[REQ_COORD_SLEEPING] = 0
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for pipe in (self.wake, *self.worker_wakes):
+            pipe.close()
+
+
+# ---- a worker's end ----------------------------------------------------------------------------
+
+MESSAGE = "message"  # WorkerBell.wait: the socket has a message for the worker to read
+GONE = "gone"  # WorkerBell.wait: the coordinator has gone away
+
+
+class WorkerBell:
+    """A worker's end: wait for the next step it takes part in, say when it is done.
+
+    `takes_part(layer)` says whether this worker owns anything of a layer: steps it does not
+    take part in are skipped (the coordinator does not wait for them). `gone()` is asked while
+    sleeping, so a worker whose coordinator died exits instead of sleeping forever."""
+
+    def __init__(self, buffers: SharedBuffers, slot: int, wake: WakePipe, coordinator_wake: WakePipe,
+                 spin_s: float, socket: zmq.Socket, takes_part: Callable[[int], bool],
+                 gone: Callable[[], bool] = lambda: False, gone_check_ms: int = 500):
+        self.buffers, self.slot, self.wake, self.coordinator_wake = buffers, slot, wake, coordinator_wake
+        self.spin_s, self.socket, self.takes_part, self.gone = spin_s, socket, takes_part, gone
+        self.gone_check_ms = gone_check_ms
+        self.last_step = 0
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
+        self._poller.register(wake.fileno(), zmq.POLLIN)
+
+    def _request(self) -> Request | None:
+        """The posted request if it is a new step for this worker, else None (seqlock read)."""
+        req = self.buffers.request
+        while True:
+            step = int(req[REQ_STEP])
+            if step == self.last_step:
+                return None
+            layer, n_tokens, flags = int(req[REQ_LAYER]), int(req[REQ_TOKENS]), int(req[REQ_FLAGS])
+            if int(req[REQ_STEP]) == step:
+                break
+        if not self.takes_part(layer):
+            self.last_step = step
+            return None
+        return Request(step, layer, n_tokens, flags)
+
+    def wait(self) -> Request | str:
+        """The next Request for this worker, MESSAGE (read the socket), or GONE."""
+        req = self.buffers.request
+        if self.spin_s > 0:
+            deadline = time.perf_counter() + self.spin_s
+            n = 0
+            while True:
+                if req[REQ_STEP] != self.last_step:
+                    r = self._request()
+                    if r is not None:
+                        return r
+                n += 1
+                if n % SOCKET_CHECK_SPINS == 0:
+                    if self.socket.poll(0):
+                        return MESSAGE
+                    if time.perf_counter() > deadline:
+                        break
+        sleeping = self.buffers.slots[self.slot]
+        sleeping[SLOT_SLEEPING] = SLEEPING
+        try:
+            for timeout in _sleep_times(self.gone_check_ms):
+                r = self._request()
+                if r is not None:
+                    return r
+                ready = dict(self._poller.poll(timeout))
+                if self.wake.fileno() in ready:
+                    self.wake.drain()
+                if self.socket in ready:
+                    return MESSAGE
+                if not ready and self.gone():
+                    return GONE
+        finally:
+            sleeping[SLOT_SLEEPING] = 0
+        raise AssertionError("unreachable")
+
+    def finish(self, step: int, n_active: int, compute_ns: int) -> None:
+        """Step `step` is in this worker's output slot: say so, and ring the coordinator if it sleeps."""
+        slot = self.buffers.slots[self.slot]
+        slot[SLOT_ACTIVE] = n_active
+        slot[SLOT_COMPUTE_NS] = compute_ns
+        slot[SLOT_DONE] = step  # last: the coordinator reads the slot once it sees this
+        self.last_step = step
+        if self.buffers.request[REQ_COORD_SLEEPING]:
+            self.coordinator_wake.ring()
+
+    def close(self) -> None:
+        for pipe in (self.wake, self.coordinator_wake):
+            pipe.close()
