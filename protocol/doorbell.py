@@ -30,8 +30,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import zmq
@@ -110,9 +109,8 @@ def _sleep_times(longest_ms: int = MAX_SLEEP_MS):
         t = min(longest_ms, t * 4)
 
 
-@dataclass(frozen=True)
-class Request:
-    """One posted step as a worker reads it from the request words."""
+class Request(NamedTuple):
+    """One posted step as a worker reads it from the request words (a tuple: made per layer)."""
     step: int
     layer: int
     n_tokens: int
