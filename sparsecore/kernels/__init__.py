@@ -1,0 +1,151 @@
+"""Native kernels on the GGUF file's own blocks (_kernels.c), and the Python side that checks
+what it hands them.
+
+A `FileMatrix` is one 2-D tensor of the memory-mapped model file: rows of `stride` bytes in the
+file's own type. Nothing is copied: a process that computes some rows only pages those in.
+
+    FileMatrix.matvec(x, rows=..., cols=...)      rows . x   (decode: one token)
+    FileMatrix.dequantize(rows=..., cols=...)     float32    (prefill: one layer at a time, then a GEMM)
+    ffn_token(gate, up, down, x, own, ...)        one token's partial FFN in one call
+
+`fast=False` (exact): float32 activations times the dequantized block values, what the
+transformers oracle computes. `fast=True`: the activation quantized to 8 bits per block of 32,
+integer block dot products (llama.cpp's arithmetic). Types: F32, F16, BF16, Q4_0, Q4_1, Q8_0.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _kernels
+
+# gguf.GGMLQuantizationType values the kernels read, and the values per block of each
+NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32}  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
+ACT_IDS = {"silu": 0, "relu": 1}
+Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
+
+
+def isa() -> str:
+    """The instruction set the kernels use on this CPU ("avx2" or "generic")."""
+    return _kernels.isa()
+
+
+def set_isa(name: str) -> str:
+    """Force "generic" (portable C) or "avx2" where the CPU has it; returns what is in use."""
+    return _kernels.set_isa(name)
+
+
+def supports(tensor_type: int) -> bool:
+    return int(tensor_type) in NATIVE_TYPES
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def q8_scratch(n_values: int) -> np.ndarray:
+    """Room for `n_values` activations quantized to 8-bit blocks (fast mode)."""
+    return np.empty(max(1, -(-n_values // 32)) * Q8_BLOCK_BYTES, np.uint8)
+
+
+class FileMatrix:
+    """One GGUF tensor (rows, cols) in the file's own blocks; `data` is the reader's view of it
+    (numpy over the memory map), kept alive here."""
+
+    def __init__(self, tensor):
+        t = int(tensor.tensor_type)
+        if t not in NATIVE_TYPES:
+            raise ValueError(f"tensor {tensor.name}: type {tensor.tensor_type.name} has no native kernel")
+        self.name, self.type = tensor.name, t
+        self.cols, self.rows = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
+        self.block = NATIVE_TYPES[t]
+        if self.cols % self.block:
+            raise ValueError(f"tensor {tensor.name}: {self.cols} columns is not a whole number of blocks")
+        self.data = np.asarray(tensor.data).reshape(self.rows, -1)
+        self.stride = self.data.strides[0]
+        if not self.data.flags.c_contiguous and self.data.strides[1] != self.data.itemsize:
+            raise ValueError(f"tensor {tensor.name}: rows are not contiguous in the file")
+        self.row_bytes = self.data.shape[1] * self.data.itemsize
+
+    @property
+    def args(self) -> tuple[int, int, int]:
+        return _ptr(self.data), self.stride, self.type
+
+    def _rows(self, rows):
+        """(int32 index array or None, start, count) for rows = None (all), a range, or indices."""
+        if rows is None:
+            return None, 0, self.rows
+        if isinstance(rows, range):
+            if rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
+                raise ValueError(f"{self.name}: row range {rows} outside 0..{self.rows}")
+            return None, rows.start, len(rows)
+        idx = np.ascontiguousarray(rows, dtype=np.int32)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.rows):
+            raise ValueError(f"{self.name}: row index outside 0..{self.rows - 1}")
+        return idx, 0, len(idx)
+
+    def _cols(self, cols) -> tuple[int, int]:
+        if cols is None:
+            return 0, self.cols
+        if cols.step != 1 or not 0 <= cols.start <= cols.stop <= self.cols or cols.start % self.block \
+                or len(cols) % self.block:
+            raise ValueError(f"{self.name}: columns {cols} are not whole blocks of {self.block} within {self.cols}")
+        return cols.start, len(cols)
+
+    def matvec(self, x: np.ndarray, rows=None, cols: range | None = None, fast: bool = False,
+               out: np.ndarray | None = None, xq: np.ndarray | None = None) -> np.ndarray:
+        """y[i] = row_i[cols] . x for the chosen rows: x float32 (len(cols),)."""
+        idx, start, n = self._rows(rows)
+        col0, ncol = self._cols(cols)
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        if len(x) != ncol:
+            raise ValueError(f"{self.name}: x has {len(x)} values for {ncol} columns")
+        y = np.empty(n, np.float32) if out is None else out
+        if y.dtype != np.float32 or not y.flags.c_contiguous or len(y) < n:
+            raise ValueError("out must be a contiguous float32 array with room for every row")
+        xq = q8_scratch(ncol) if xq is None else xq
+        _kernels.matvec(*self.args, 0 if idx is None else _ptr(idx), start, n, col0, ncol, _ptr(x), int(fast),
+                        _ptr(xq), _ptr(y))
+        return y[:n]
+
+    def dequantize(self, rows=None, cols: range | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """The chosen rows and columns as float32 (n_rows, n_cols)."""
+        idx, start, n = self._rows(rows)
+        col0, ncol = self._cols(cols)
+        o = np.empty((n, ncol), np.float32) if out is None else out
+        if o.dtype != np.float32 or not o.flags.c_contiguous or o.size < n * ncol:
+            raise ValueError("out must be a contiguous float32 array with room for the rows")
+        _kernels.dequant(*self.args, 0 if idx is None else _ptr(idx), start, n, col0, ncol, _ptr(o))
+        return o.reshape(-1)[: n * ncol].reshape(n, ncol)
+
+
+class FfnScratch:
+    """Per-process buffers the FFN kernel writes into, sized once for the largest shard."""
+
+    def __init__(self, hidden: int, n_own: int):
+        self.h = np.empty(max(1, n_own), np.float32)
+        self.xq = q8_scratch(hidden)
+        self.hq = q8_scratch(n_own)
+        self.y = np.empty(hidden, np.float32)
+
+
+def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+              scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
+              fast: bool = False) -> tuple[np.ndarray, int]:
+    """One token's partial FFN over owned neurons `own` (a 32-aligned range of the layer's):
+    (y (hidden,) float32 in scratch.y, active neurons). Dense unless `threshold` (|act(gate x)|
+    > threshold) or `mask` (uint8 over all the layer's neurons) says which are active."""
+    hidden = gate.cols
+    if not (up.cols == hidden and down.rows == hidden and gate.rows == up.rows == down.cols):
+        raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
+                         f"down {down.rows}x{down.cols}")
+    if own.step != 1 or own.start % 32 or (len(own) % 32 and own.stop != gate.rows) or own.stop > gate.rows:
+        raise ValueError(f"owned neurons {own} are not a 32-aligned range of the layer's {gate.rows}")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if len(x) != hidden:
+        raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")
+    if mask is not None and (mask.dtype != np.uint8 or len(mask) < gate.rows or not mask.flags.c_contiguous):
+        raise ValueError("mask must be a contiguous uint8 array over the layer's neurons")
+    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, hidden, own.start, len(own), ACT_IDS[activation],
+                           -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
+                           _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(scratch.y))
+    return scratch.y, n

@@ -1,0 +1,470 @@
+/* Native kernels on the GGUF file's own blocks (sparsecore/kernels/__init__.py is the Python
+ * side and says what each entry point is for).
+ *
+ * THE hot function is ffn_token: one process's partial FFN for one token, in one call, reading
+ * only its own rows of the memory-mapped file (no copy, no gather):
+ *     for each owned neuron n:  g = act(gate[n] . x); skip unless active; h[n] = g * (up[n] . x)
+ *     y = down[:, owned] . h
+ * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q8_0, F16, BF16,
+ * F32). Two arithmetic modes:
+ *   exact: float32 activations times each block's dequantized values (d * q, exact in float32),
+ *          summed per block and scaled: the products transformers computes on the dequantized
+ *          matrix, in another summation order;
+ *   fast:  the activation quantized once to 8 bits in blocks of 32 (as llama.cpp does), integer
+ *          dot products per block, one float multiply per block.
+ * SIMD: AVX2 (+FMA, F16C) chosen at run time where the CPU has it, else portable C; both give
+ * the same integer sums in fast mode and the same products up to summation order in exact mode.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define HAVE_X86 0
+#endif
+
+/* GGML type ids (gguf.GGMLQuantizationType) */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+#define QK 32
+
+/* ---- scalar helpers ------------------------------------------------------------------------ */
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : QK; }
+static int type_bytes(int t) {  /* bytes of one block */
+    switch (t) {
+    case T_F32: return 4; case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
+ * the sum of the int8 values (Q4_0's -8 offset and Q4_1's min need it). */
+typedef struct { float d; int32_t s; int8_t q[QK]; } q8blk;
+
+static void quantize_q8(const float *x, int n, q8blk *out) {
+    for (int b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)lrintf(xb[j] * id);
+            out[b].q[j] = (int8_t)v;
+            s += v;
+        }
+        out[b].d = d;
+        out[b].s = s;
+    }
+}
+
+/* ---- dot products, portable ---------------------------------------------------------------- */
+
+/* exact: w (n values in type t) . x (float) */
+static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
+    float acc = 0.f;
+    switch (t) {
+    case T_F32: { const float *f = (const float *)w; for (int i = 0; i < n; i++) acc += f[i] * x[i]; break; }
+    case T_F16: for (int i = 0; i < n; i++) acc += f16_to_f32(rd16(w + 2 * i)) * x[i]; break;
+    case T_BF16: for (int i = 0; i < n; i++) acc += bf16_to_f32(rd16(w + 2 * i)) * x[i]; break;
+    case T_Q4_0:
+        for (int b = 0; b < n / QK; b++, w += 18, x += QK) {
+            float s = 0.f;
+            for (int j = 0; j < 16; j++) s += (float)((w[2 + j] & 15) - 8) * x[j] + (float)((w[2 + j] >> 4) - 8) * x[j + 16];
+            acc += f16_to_f32(rd16(w)) * s;
+        }
+        break;
+    case T_Q4_1:
+        for (int b = 0; b < n / QK; b++, w += 20, x += QK) {
+            float s = 0.f, sx = 0.f;
+            for (int j = 0; j < 16; j++) {
+                s += (float)(w[4 + j] & 15) * x[j] + (float)(w[4 + j] >> 4) * x[j + 16];
+                sx += x[j] + x[j + 16];
+            }
+            acc += f16_to_f32(rd16(w)) * s + f16_to_f32(rd16(w + 2)) * sx;
+        }
+        break;
+    case T_Q8_0:
+        for (int b = 0; b < n / QK; b++, w += 34, x += QK) {
+            float s = 0.f;
+            for (int j = 0; j < QK; j++) s += (float)(int8_t)w[2 + j] * x[j];
+            acc += f16_to_f32(rd16(w)) * s;
+        }
+        break;
+    }
+    return acc;
+}
+
+/* fast: w (quantized type) . xq (q8 blocks); float types fall back to the exact product with x */
+static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, xq++) {
+        int32_t s = 0;
+        switch (t) {
+        case T_Q4_0:
+            for (int j = 0; j < 16; j++) s += (w[2 + j] & 15) * xq->q[j] + (w[2 + j] >> 4) * xq->q[j + 16];
+            acc += f16_to_f32(rd16(w)) * xq->d * (float)(s - 8 * xq->s);
+            w += 18;
+            break;
+        case T_Q4_1:
+            for (int j = 0; j < 16; j++) s += (w[4 + j] & 15) * xq->q[j] + (w[4 + j] >> 4) * xq->q[j + 16];
+            acc += f16_to_f32(rd16(w)) * xq->d * (float)s + f16_to_f32(rd16(w + 2)) * xq->d * (float)xq->s;
+            w += 20;
+            break;
+        case T_Q8_0:
+            for (int j = 0; j < QK; j++) s += (int8_t)w[2 + j] * xq->q[j];
+            acc += f16_to_f32(rd16(w)) * xq->d * (float)s;
+            w += 34;
+            break;
+        }
+    }
+    return acc;
+}
+
+/* ---- dot products, AVX2 -------------------------------------------------------------------- */
+#if HAVE_X86
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 unsigned nibbles of a Q4 block as 32 bytes: low nibbles first, then high (GGUF order) */
+AVX2 static inline __m256i nibbles(const uint8_t *qs) {
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+/* sum of 8 int8 lanes times floats: 32 bytes b (int8) . 32 floats x, as a vector of 8 partials */
+AVX2 static inline __m256 i8x32_dot_f(__m256i b, const float *x, __m256 acc, __m256 scale) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16), p);
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), p);
+    return _mm256_fmadd_ps(p, scale, acc);
+}
+
+AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int nb = n / QK;
+    switch (t) {
+    case T_F32: {
+        const float *f = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), acc);
+        float r = hsum8(acc);
+        for (; i < n; i++) r += f[i] * x[i];
+        return r;
+    }
+    case T_F16: {
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
+        float r = hsum8(acc);
+        for (; i < n; i++) r += f16_to_f32(rd16(w + 2 * i)) * x[i];
+        return r;
+    }
+    case T_Q4_0: {
+        const __m256i eight = _mm256_set1_epi8(8);
+        for (int b = 0; b < nb; b++, w += 18, x += QK)
+            acc = i8x32_dot_f(_mm256_sub_epi8(nibbles(w + 2), eight), x, acc, _mm256_set1_ps(f16_to_f32(rd16(w))));
+        return hsum8(acc);
+    }
+    case T_Q4_1: {
+        __m256 accm = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++, w += 20, x += QK) {
+            acc = i8x32_dot_f(nibbles(w + 4), x, acc, _mm256_set1_ps(f16_to_f32(rd16(w))));
+            __m256 sx = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                      _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+            accm = _mm256_fmadd_ps(sx, _mm256_set1_ps(f16_to_f32(rd16(w + 2))), accm);
+        }
+        return hsum8(_mm256_add_ps(acc, accm));
+    }
+    case T_Q8_0:
+        for (int b = 0; b < nb; b++, w += 34, x += QK)
+            acc = i8x32_dot_f(_mm256_loadu_si256((const __m256i *)(w + 2)), x, acc, _mm256_set1_ps(f16_to_f32(rd16(w))));
+        return hsum8(acc);
+    default:
+        return dot_exact_c(t, w, x, n);
+    }
+}
+
+/* unsigned bytes u (0..127 or 0..15) times signed bytes s, summed to 8 int32 lanes */
+AVX2 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.f;  /* per-block offset terms (Q4_0's -8, Q4_1's min), summed in scalar */
+    switch (t) {
+    case T_Q4_0:
+        for (int b = 0; b < nb; b++, w += 18, xq++) {
+            float dd = f16_to_f32(rd16(w)) * xq->d;
+            __m256i s = dot_u8s8(nibbles(w + 2), _mm256_loadu_si256((const __m256i *)xq->q));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc);
+            extra -= 8.f * dd * (float)xq->s;
+        }
+        return hsum8(acc) + extra;
+    case T_Q4_1:
+        for (int b = 0; b < nb; b++, w += 20, xq++) {
+            __m256i s = dot_u8s8(nibbles(w + 4), _mm256_loadu_si256((const __m256i *)xq->q));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16_to_f32(rd16(w)) * xq->d), acc);
+            extra += f16_to_f32(rd16(w + 2)) * xq->d * (float)xq->s;
+        }
+        return hsum8(acc) + extra;
+    case T_Q8_0:
+        for (int b = 0; b < nb; b++, w += 34, xq++) {
+            __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2)), xv = _mm256_loadu_si256((const __m256i *)xq->q);
+            /* |w| times x with w's sign: the unsigned-by-signed product maddubs takes */
+            __m256i s = dot_u8s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16_to_f32(rd16(w)) * xq->d), acc);
+        }
+        return hsum8(acc);
+    default:
+        return dot_fast_c(t, w, xq, nb);
+    }
+}
+#endif
+
+static int use_avx2 = 0;
+
+static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
+#if HAVE_X86
+    if (use_avx2) return dot_exact_avx2(t, w, x, n);
+#endif
+    return dot_exact_c(t, w, x, n);
+}
+
+/* fast mode for quantized types; float types have no integer path and use x itself */
+static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
+    if (fast && block_size(t) == QK) {
+#if HAVE_X86
+        if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
+#endif
+        return dot_fast_c(t, w, xq, n / QK);
+    }
+    return dot_exact(t, w, x, n);
+}
+
+/* ---- the row loops ------------------------------------------------------------------------- */
+
+typedef struct {  /* one matrix of the file: rows of `stride` bytes, values in type `t` */
+    const uint8_t *base;
+    int64_t stride;
+    int t;
+} mat;
+
+static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
+    return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);
+}
+
+static float act_fn(int act, float g) {
+    if (act == 1) return g > 0.f ? g : 0.f;                /* relu */
+    return g / (1.f + expf(-g));                            /* silu */
+}
+
+/* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
+static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
+                   const float *x, const q8blk *xq, int fast, float *y) {
+    for (int64_t i = 0; i < n_rows; i++) {
+        int64_t r = rows ? rows[i] : start + i;
+        y[i] = dot_any(m.t, row_at(m, r, col0), x, xq, n, fast);
+    }
+}
+
+/* THE hot function: one token's partial FFN over owned neurons [own0, own0 + n_own) of the layer
+ * (a contiguous range, 32-aligned, as the static plan hands them out). gate, up: (n_ff rows,
+ * hidden cols); down: (hidden rows, n_ff cols). Active: dense (threshold < 0 and no mask), a
+ * predictor's mask over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own
+ * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
+ * Returns the number of active neurons. */
+static int64_t ffn_token(mat gate, mat up, mat down, int hidden, int64_t own0, int64_t n_own, int act,
+                         float threshold, const uint8_t *mask, const float *x, int fast,
+                         float *h, q8blk *xq, q8blk *hq, float *y) {
+    if (fast) quantize_q8(x, hidden, xq);
+    int64_t n_active = 0;
+    for (int64_t i = 0; i < n_own; i++) {
+        int64_t n = own0 + i;
+        h[i] = 0.f;
+        if (mask && !mask[n]) continue;   /* a predictor said no: not even the gate row is read */
+        float g = act_fn(act, dot_any(gate.t, row_at(gate, n, 0), x, xq, hidden, fast));
+        if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
+        h[i] = g * dot_any(up.t, row_at(up, n, 0), x, xq, hidden, fast);
+        n_active++;
+    }
+    if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
+    if (fast) quantize_q8(h, (int)n_own, hq);
+    matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
+    return n_active;
+}
+
+/* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
+static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
+    for (int64_t i = 0; i < n_rows; i++) {
+        const uint8_t *w = row_at(m, rows ? rows[i] : start + i, col0);
+        float *o = out + i * n;
+        switch (m.t) {
+        case T_F32: memcpy(o, w, sizeof(float) * n); break;
+        case T_F16: for (int j = 0; j < n; j++) o[j] = f16_to_f32(rd16(w + 2 * j)); break;
+        case T_BF16: for (int j = 0; j < n; j++) o[j] = bf16_to_f32(rd16(w + 2 * j)); break;
+        case T_Q4_0:
+            for (int b = 0; b < n / QK; b++, w += 18, o += QK) {
+                float d = f16_to_f32(rd16(w));
+                for (int j = 0; j < 16; j++) { o[j] = d * (float)((w[2 + j] & 15) - 8); o[j + 16] = d * (float)((w[2 + j] >> 4) - 8); }
+            }
+            break;
+        case T_Q4_1:
+            for (int b = 0; b < n / QK; b++, w += 20, o += QK) {
+                float d = f16_to_f32(rd16(w)), mn = f16_to_f32(rd16(w + 2));
+                for (int j = 0; j < 16; j++) { o[j] = d * (float)(w[4 + j] & 15) + mn; o[j + 16] = d * (float)(w[4 + j] >> 4) + mn; }
+            }
+            break;
+        case T_Q8_0:
+            for (int b = 0; b < n / QK; b++, w += 34, o += QK) {
+                float d = f16_to_f32(rd16(w));
+                for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)w[2 + j];
+            }
+            break;
+        }
+    }
+}
+
+/* ---- Python entry points: pointers travel as integers, checked by the Python side ------------ */
+
+static int get_mat(PyObject *const *a, mat *m) {  /* (ptr, stride, type) */
+    m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
+    m->stride = PyLong_AsLongLong(a[1]);
+    m->t = (int)PyLong_AsLong(a[2]);
+    if (PyErr_Occurred()) return -1;
+    if (!type_bytes(m->t)) { PyErr_Format(PyExc_ValueError, "unsupported tensor type %d", m->t); return -1; }
+    return 0;
+}
+
+#define ARG_PTR(i) PyLong_AsVoidPtr(args[i])
+#define ARG_LL(i) PyLong_AsLongLong(args[i])
+
+/* matvec(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
+static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) { PyErr_SetString(PyExc_TypeError, "matvec takes 12 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    const float *x = ARG_PTR(8);
+    int fast = (int)ARG_LL(9);
+    q8blk *xq = ARG_PTR(10);
+    float *y = ARG_PTR(11);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (fast && block_size(m.t) == QK) quantize_q8(x, n, xq);
+    matvec(m, rows, start, n_rows, col0, n, x, xq, fast, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ffn_token(gate(3), up(3), down(3), hidden, own0, n_own, act, threshold, mask_ptr|0, x_ptr, fast,
+ *           h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 21) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 21 arguments"); return NULL; }
+    mat g, u, d;
+    if (get_mat(args, &g) || get_mat(args + 3, &u) || get_mat(args + 6, &d)) return NULL;
+    int hidden = (int)ARG_LL(9);
+    int64_t own0 = ARG_LL(10), n_own = ARG_LL(11);
+    int act = (int)ARG_LL(12);
+    float threshold = (float)PyFloat_AsDouble(args[13]);
+    const uint8_t *mask = ARG_PTR(14);
+    const float *x = ARG_PTR(15);
+    int fast = (int)ARG_LL(16);
+    float *h = ARG_PTR(17);
+    q8blk *xq = ARG_PTR(18), *hq = ARG_PTR(19);
+    float *y = ARG_PTR(20);
+    if (PyErr_Occurred()) return NULL;
+    int64_t n_active;
+    Py_BEGIN_ALLOW_THREADS
+    n_active = ffn_token(g, u, d, hidden, own0, n_own, act, threshold, mask, x, fast, h, xq, hq, y);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(n_active);
+}
+
+/* dequant(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
+static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "dequant takes 9 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    float *out = ARG_PTR(8);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    dequant_rows(m, rows, start, n_rows, col0, n, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(use_avx2 ? "avx2" : "generic"); }
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {  /* tests: force the portable path */
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+#if HAVE_X86
+    __builtin_cpu_init();
+    use_avx2 = strcmp(s, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return py_isa(self, NULL);
+}
+
+static PyMethodDef methods[] = {
+    {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
+    {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
+    {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
+    {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"set_isa", py_set_isa, METH_O, "use 'avx2' (where supported) or 'generic'"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+    return PyModule_Create(&module);
+}
