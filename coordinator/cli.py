@@ -40,7 +40,7 @@ def _engine_options(f):
                      help="ZeroMQ transport between coordinator and workers"),
         click.option("--sparsity", type=float, default=None,
                      help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
-    ] + _placement_options + [_predictor_option, _weights_option]
+    ] + _placement_options + [_predictor_option, _weights_option, _arith_option]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -104,14 +104,33 @@ def _remember_weights(ctx, param, value):
 _weights_option = click.option(
     "--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="f32", show_default=True, expose_value=False,
     callback=_remember_weights,
-    help="how workers keep FFN weights in memory: float32 (exact), int8 with one scale per neuron row "
-         "(a quarter of the memory), or float16 (half the bytes read per token; faster decoding "
-         "where memory bandwidth bounds it; see README, 'Worker weight format')")
+    help="how processes keep weights in memory: float32 (exact), int8 with one scale per neuron row "
+         "(a quarter of the memory), float16 (half the bytes read per token), or gguf: the file's "
+         "own blocks, memory-mapped, computed on by the native kernels (no copy; see README, "
+         "'Native kernels')")
+
+
+def _remember_arith(ctx, param, value):
+    ctx.meta["sparseinfer.arith"] = value
+    return value
+
+
+# Passed like the placement options, through the click context.
+_arith_option = click.option(
+    "--arith", type=click.Choice(["exact", "fast"]), default="exact", show_default=True, expose_value=False,
+    callback=_remember_arith,
+    help="with --weights gguf, one-token steps: exact (float32 activations times the dequantized blocks, "
+         "what transformers computes) or fast (activations quantized to 8 bits, as llama.cpp)")
 
 
 def _weights_from_context() -> str:
     ctx = click.get_current_context(silent=True)
     return ctx.meta.get("sparseinfer.weights", "f32") if ctx is not None else "f32"
+
+
+def _arith_from_context() -> str:
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("sparseinfer.arith", "exact") if ctx is not None else "exact"
 
 
 def _predictor_from_context() -> str | None:
@@ -131,6 +150,7 @@ def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsit
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
                                                        weights=_weights_from_context(),
+                                                       fast=_arith_from_context() == "fast",
                                                        **_placement_from_context()))
 
 

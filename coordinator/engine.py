@@ -23,7 +23,7 @@ from sparsecore.tensors import TensorStore
 from sparsecore.lm_head import head_tensor_name
 
 from .chat_template import chat_template_from_reader, render_chat
-from .model import LmHead, Transformer
+from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
 from .predictor import Predictors, has_predictors
@@ -54,6 +54,9 @@ class EngineOptions:
     # "f16" (half the bytes, for the coordinator's attention matrices too; float16 products
     # for one-token steps).
     weights: str = "f32"
+    # With weights "gguf": activations quantized to 8 bits per block of 32 (llama.cpp's
+    # arithmetic) instead of float32 times the dequantized blocks (exact, the oracle's).
+    fast: bool = False
     # Per-layer exchange: spin on shared-memory doorbells (True), messages only (False), or
     # spin when the coordinator and every computing worker have a core each (None).
     spin: bool | None = None
@@ -108,16 +111,17 @@ class Engine:
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
-                               spin=opts.spin, cores=total, head_rows=head_rows)
+                               spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast)
         # While workers spin on their cores, the coordinator computes on the one left to it.
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
             self.pool.spawn()  # workers start importing while we load our share and attention
-            self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights)
-            embed = torch.from_numpy(np.ascontiguousarray(store.matrix("token_embd.weight")))
-            self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn))
+            self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
+            in_file = opts.weights == "gguf"
+            embed = Embedding(store, in_file)
+            self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
             self.model = Transformer(store, cfg, min(opts.ctx, cfg.context_length), embed, self.ffn, self.head,
-                                     opts.weights)
+                                     opts.weights, opts.fast)
             self.pool.wait_ready()
             self.last = RunStats()
             self.sparsity: float | None = None
@@ -150,7 +154,8 @@ class Engine:
         else:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
-            plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord), "static"
+            align = 32 if opts.weights == "gguf" else 1  # the native kernels take 32-aligned neuron ranges
+            plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, align), "static"
         head_rows = {}
         if opts.split_lm_head:
             n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]

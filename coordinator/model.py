@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsecore.config import ModelConfig
-from sparsecore.ffn import HalfRows, x_wt
+from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
+from sparsecore.kernels import FileMatrix, supports
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
 
@@ -55,30 +56,73 @@ class LmHead:
     rows are split across processes (sparse_ffn.SplitHead), else reads the file's Q8_0 blocks
     when it has them (a quarter of the bytes); batches (perplexity) use the float32 GEMM."""
 
-    def __init__(self, store: TensorStore, cfg: ModelConfig, embed: torch.Tensor,
-                 one_token: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, store: TensorStore, cfg: ModelConfig, embed: "Embedding",
+                 one_token: Callable[[torch.Tensor], torch.Tensor] | None = None, in_file: bool = False,
+                 fast: bool = False):
         name = head_tensor_name(cfg.tied_embeddings)
-        self.weight = embed if cfg.tied_embeddings else _tensor(store.matrix(name))
-        self.q8 = Q8Head.from_tensor(store.info(name))
+        t = store.info(name)
         self.one_token = one_token
+        # in_file (--weights gguf): the file's blocks through the native kernels, no float copy
+        self.file = FileRows(FileMatrix(t), None, fast) if in_file and supports(t.tensor_type) else None
+        self.weight = self.q8 = None
+        if self.file is None:
+            self.weight = embed.weight if cfg.tied_embeddings and embed.weight is not None else _tensor(store.matrix(name))
+            self.q8 = Q8Head.from_tensor(t)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of weights one decoded token reads here, across the processes if split."""
+        if self.file is not None:
+            return self.file.nbytes
         return self.q8.nbytes if self.q8 is not None else self.weight.numel() * self.weight.element_size()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] == 1:
             if self.one_token is not None:
                 return self.one_token(h)
+            if self.file is not None:
+                return torch.from_numpy(self.file.matvec(h.numpy()[0]))[None]
             if self.q8 is not None:
                 return self.q8(h)
-        return h @ self.weight.T
+        return x_wt(h, self.file if self.file is not None else self.weight)
+
+
+class Embedding:
+    """Token embedding rows: a float32 matrix, or (in_file) read from the file's blocks per token."""
+
+    def __init__(self, store: TensorStore, in_file: bool = False):
+        t = store.info("token_embd.weight")
+        self.file = FileMatrix(t) if in_file and supports(t.tensor_type) else None
+        self.weight = None if self.file is not None else _tensor(store.matrix("token_embd.weight"))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.file.row_bytes if self.file is not None else self.weight.shape[1] * self.weight.element_size()
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        if self.file is not None:
+            return torch.from_numpy(self.file.dequantize(np.asarray(ids, dtype=np.int32)))
+        return self.weight[torch.tensor(ids, dtype=torch.long)]
+
+
+def _qk_order(rows: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (unpermute_qk applied to row numbers)."""
+    return np.ascontiguousarray(unpermute_qk(np.arange(rows)[:, None], n_heads)[:, 0], dtype=np.int32)
 
 
 class AttentionLayer:
-    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32"):
+    def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32", fast: bool = False):
         p = f"blk.{i}."
+        names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
+        if weights == "gguf" and all(supports(store.info(n).tensor_type) for n in names):
+            # The file's blocks, Q and K rows read in un-permuted order: nothing is copied.
+            q, k, v, o = (FileMatrix(store.info(n)) for n in names)
+            self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
+            self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
+            self.wqkv = [FileRows(q, _qk_order(q.rows, cfg.n_heads), fast),
+                         FileRows(k, _qk_order(k.rows, cfg.n_kv_heads), fast), FileRows(v, None, fast)]
+            self.wo = FileRows(o, None, fast)
+            return
         # --weights f16 halves the bytes the coordinator reads per token here too (the matrices
         # are a quarter of all bytes a decoded token reads); other formats keep float32.
         mat = (lambda a: HalfRows.convert(_tensor(a))) if weights == "f16" else _tensor
@@ -93,11 +137,11 @@ class AttentionLayer:
 
 
 class Transformer:
-    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: torch.Tensor, ffn: Ffn,
-                 head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32"):
+    def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
+                 head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32", fast: bool = False):
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = _tensor(store.matrix("output_norm.weight"))
-        self.layers = [AttentionLayer(store, cfg, i, weights) for i in range(cfg.n_layers)]
+        self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
         self.cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self._rope_tables(store)
 
@@ -109,10 +153,9 @@ class Transformer:
         """Weights one decoded token reads outside the FFN: attention and norms of every layer,
         the final norm, the lm_head, and one embedding row."""
         def nbytes(t) -> int:
-            return t.nbytes if isinstance(t, HalfRows) else t.numel() * t.element_size()
+            return sum(rows_nbytes(w) for w in t) if isinstance(t, list) else rows_nbytes(t)
         layers = sum(nbytes(t) for layer in self.layers for t in vars(layer).values())
-        embed_row = self.embed.shape[1] * self.embed.element_size()
-        return layers + nbytes(self.out_norm) + self.head.bytes_per_token + embed_row
+        return layers + nbytes(self.out_norm) + self.head.bytes_per_token + self.embed.row_bytes
 
     def _rope_tables(self, store: TensorStore) -> None:
         d = self.cfg.rope_dim
@@ -144,7 +187,10 @@ class Transformer:
         start = self.cache.pos
         pos = slice(start, start + T)
         nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
+        if isinstance(L.wqkv, list):  # Q, K, V in the file's blocks: three products
+            qkv = torch.cat([x_wt(x, w) for w in L.wqkv], dim=1).view(T, nq + 2 * nkv, hd)
+        else:
+            qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
         qk = self._rope(qkv[:, : nq + nkv], pos)
         q = qk[:, :nq].transpose(0, 1)
         keys, vals = self.cache.update(i, pos, qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1))
@@ -163,7 +209,7 @@ class Transformer:
         T = len(ids)
         if self.cache.pos + T > self.max_ctx:
             raise ValueError(f"context full: {self.cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
-        h = self.embed[torch.tensor(ids, dtype=torch.long)]
+        h = self.embed(ids)
         eps = self.cfg.rms_eps
         for i, L in enumerate(self.layers):
             h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))

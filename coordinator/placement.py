@@ -49,19 +49,22 @@ class Plan:
 
 
 def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int,
-                coordinator_share: float = 0.0) -> Plan:
+                coordinator_share: float = 0.0, align: int = 1) -> Plan:
     """`coordinator_share`: the fraction of the non-GPU neurons the coordinator computes itself
-    while the workers compute theirs (a last shard, role "coordinator")."""
+    while the workers compute theirs (a last shard, role "coordinator"). `align`: every cut
+    between shards falls on a multiple of it (32 for the native kernels, which read the down
+    matrix's columns in whole blocks of 32 neurons)."""
     if not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"gpu share must be within [0, 1], got {gpu_share}")
     if not 0.0 <= coordinator_share < 1.0:
         raise ValueError(f"coordinator share must be within [0, 1), got {coordinator_share}")
     if n_cpu_workers < 0 or (n_cpu_workers == 0 and gpu_share < 1.0):
         raise ValueError("at least one CPU worker is needed unless the GPU holds every neuron")
-    n_gpu = int(round(gpu_share * n_ff))
-    n_coord = int(round(coordinator_share * (n_ff - n_gpu)))
+    snap = (lambda v: int(round(v / align)) * align) if n_ff % align == 0 else (lambda v: int(round(v)))
+    n_gpu = snap(gpu_share * n_ff)
+    n_coord = snap(coordinator_share * (n_ff - n_gpu))
     end = n_ff - n_coord
-    cuts = np.linspace(n_gpu, end, n_cpu_workers + 1).round().astype(int) if n_cpu_workers else [end]
+    cuts = [snap(c) for c in np.linspace(n_gpu, end, n_cpu_workers + 1)] if n_cpu_workers else [end]
     all_idx = np.arange(n_ff, dtype=np.int32)
     shards = [WorkerShard("gpu", 0, [all_idx[:n_gpu]] * n_layers)]
     for i in range(n_cpu_workers):

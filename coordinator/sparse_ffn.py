@@ -69,12 +69,12 @@ class SparseFfn:
 
     @classmethod
     def over(cls, pool: WorkerPool, store: TensorStore | None = None, predictors: Predictors | None = None,
-             weights: str = "f32") -> "SparseFfn":
+             weights: str = "f32", fast: bool = False) -> "SparseFfn":
         """The FFN over `pool`'s workers, with the coordinator's own shard (and its lm_head rows)
         loaded here when the plan gives it one. `store`: the model file, already open."""
         slot = pool.own_slot
         own = None if slot is None else FfnShard.load(pool.model_path, pool.plan.shards[slot].neurons, "cpu",
-                                                      weights, pool.head_rows.get(slot), store)
+                                                      weights, pool.head_rows.get(slot), store, fast)
         return cls(pool.bell, pool.buffers, [sh.neurons for sh in pool.proc_shards], own, slot, predictors)
 
     def set_thresholds(self, per_layer: list[float] | None) -> None:

@@ -96,14 +96,14 @@ class WorkerPool:
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
                  spin: bool | None = None, cores: int | None = None,
-                 head_rows: dict[int, tuple[int, int]] | None = None):
+                 head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
         self.plan = plan
         self.threads = threads_per_worker
         self.gpu_device = gpu_device
-        self.weights = weights
+        self.weights, self.fast = weights, fast
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
         self.head_rows = head_rows or {}  # slot -> [start, stop) of the lm_head's vocabulary rows
@@ -143,7 +143,7 @@ class WorkerPool:
         return Assign(str(self.model_path), self.buffers.name, slot, layers, neurons, self.threads,
                       self.gpu_device if shard.role == "gpu" else "cpu", self.weights,
                       WORKER_SPIN_US if self.spin else 0, self.bell.worker_wakes[slot].path, self.bell.wake.path,
-                      list(self.head_rows.get(slot, ())))
+                      list(self.head_rows.get(slot, ())), self.fast)
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""

@@ -59,7 +59,7 @@ class Worker:
         torch.set_num_threads(max(1, a.threads))
         device = self.pick_device(a.device)
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
-        self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None)
+        self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, fast=a.fast)
         self.buffers = SharedBuffers.attach(a.shm_name)
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 2: doorbell words in shared memory; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done
+PROTOCOL_VERSION = 6  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast
 
 
 class ProtocolError(Exception):
@@ -27,10 +27,11 @@ class Hello:
     pid: int
 
 
-# How a worker keeps its FFN rows in memory (sparsecore.ffn implements each): float32, int8
-# with one scale per row, float16. Here, beside the field that carries it, so the CLI can offer
+# How a process keeps its weights in memory (sparsecore.ffn implements each): float32, int8
+# with one scale per row, float16, or "gguf": the file's own blocks, memory-mapped, computed on
+# by the native kernels (sparsecore/kernels). Here, beside the field that carries it, so the CLI can offer
 # the choices without importing torch.
-WEIGHT_FORMATS = ("f32", "int8", "f16")
+WEIGHT_FORMATS = ("f32", "int8", "f16", "gguf")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Assign:
     # [start, stop): vocabulary rows of the output projection this worker computes in lm_head
     # steps (request layer shm_layout.HEAD_LAYER); empty: none.
     head_rows: list[int] = field(default_factory=list)
+    # With weights "gguf": quantize activations to 8 bits (llama.cpp's arithmetic) instead of
+    # multiplying float32 activations by the dequantized blocks (exact, the oracle's).
+    fast: bool = False
 
 
 @dataclass

@@ -7,10 +7,13 @@ WEIGHT_FORMATS.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from protocol.messages import WEIGHT_FORMATS  # noqa: F401  (re-exported: the formats this module implements)
+
+from .kernels import FileMatrix, q8_scratch
 
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu}
 
@@ -100,7 +103,33 @@ class HalfRows:
         return self.rows.float()
 
 
-Rows = torch.Tensor | Int8Rows | HalfRows
+class FileRows:
+    """A matrix left in the model file's own blocks (sparsecore.kernels.FileMatrix), or some of
+    its rows in a given order (a shard's neurons, Q/K un-permuted): nothing is copied. One row
+    x is a native matvec; batches (prefill) dequantize the rows once and run torch's GEMM."""
+
+    def __init__(self, m: FileMatrix, rows: np.ndarray | range | None = None, fast: bool = False):
+        self.m, self.fast = m, fast
+        self.rows = range(m.rows) if rows is None else rows
+        self.xq = q8_scratch(m.cols)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), self.m.cols))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file these rows span (what a product reads)."""
+        return len(self.rows) * self.m.row_bytes
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        return self.m.matvec(x, self.rows, fast=self.fast, xq=self.xq)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(self.m.dequantize(self.rows))
+
+
+Rows = torch.Tensor | Int8Rows | HalfRows | FileRows
 
 
 def quantize_rows(w: torch.Tensor, fmt: str, for_h_w: bool = False) -> Rows:
@@ -122,13 +151,13 @@ def row_nbytes(hidden: int, fmt: str) -> int:
         return 4 * int(hidden)
     if fmt == "int8":
         return int(hidden) + 4  # int8 values + one float32 scale
-    if fmt == "f16":
+    if fmt in ("f16", "gguf"):  # gguf: a GPU worker holds its hot rows as float16
         return 2 * int(hidden)
     raise ValueError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def rows_nbytes(w: Rows) -> int:
-    return w.nbytes if isinstance(w, (Int8Rows, HalfRows)) else w.numel() * w.element_size()
+    return w.nbytes if isinstance(w, (Int8Rows, HalfRows, FileRows)) else w.numel() * w.element_size()
 
 
 def x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
@@ -140,6 +169,10 @@ def x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
         if x.shape[0] == 1 or x.device.type != "cpu":
             return (x.to(torch.float16) @ w.rows.T).to(x.dtype)
         return x @ w.rows.T.to(x.dtype)
+    if isinstance(w, FileRows):
+        if x.shape[0] == 1:
+            return torch.from_numpy(w.matvec(x.numpy()[0]))[None]
+        return x @ w.dequantize().T
     return x @ w.T
 
 

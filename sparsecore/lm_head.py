@@ -78,17 +78,27 @@ class HeadRows:
     when the file has them, else as float32 rows. Each logit is its own row's dot product, so
     the rows computed in several processes and put side by side equal the whole head's."""
 
-    def __init__(self, store, name: str, start: int, stop: int):
+    def __init__(self, store, name: str, start: int, stop: int, in_file: bool = False, fast: bool = False):
+        from .ffn import FileRows  # here: ffn imports this module's neighbours, not the reverse
+        from .kernels import FileMatrix, supports
+
         self.start, self.stop = start, stop
-        self.q8 = Q8Head.from_tensor(store.info(name), slice(start, stop))
-        self.w = None if self.q8 is not None else torch.from_numpy(
+        t = store.info(name)
+        # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel
+        self.file = FileRows(FileMatrix(t), range(start, stop), fast) if in_file and supports(t.tensor_type) else None
+        self.q8 = None if self.file is not None else Q8Head.from_tensor(t, slice(start, stop))
+        self.w = None if self.file is not None or self.q8 is not None else torch.from_numpy(
             np.ascontiguousarray(store.rows(name, np.arange(start, stop))))
 
     @property
     def nbytes(self) -> int:
+        if self.file is not None:
+            return self.file.nbytes
         return self.q8.nbytes if self.q8 is not None else self.w.numel() * 4
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: (1, n_cols) float32 (shared memory, as the processes hold it) -> (stop - start,) logits."""
+        if self.file is not None:
+            return self.file.matvec(x[0])
         t = torch.from_numpy(x)
         return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()

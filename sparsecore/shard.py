@@ -25,6 +25,7 @@ from protocol.shm_layout import HEAD_LAYER, SharedBuffers
 from .config import read_config
 from .ffn import Rows, ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
+from .kernels import FfnScratch, FileMatrix, ffn_token, supports
 from .lm_head import HeadRows, head_tensor_name
 from .tensors import TensorStore
 
@@ -50,6 +51,65 @@ class LayerRows:
         return sum(rows_nbytes(w) for w in (self.gate, self.up, self.down_t))
 
 
+def as_range(idx: np.ndarray) -> range | None:
+    """idx as a 32-aligned contiguous range of neurons (what the static plan hands out), or None."""
+    if len(idx) == 0 or idx[0] % 32 or not np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+        return None
+    return range(int(idx[0]), int(idx[0]) + len(idx))
+
+
+# Neurons per dequantized chunk in a batched (prefill) step: bounds the float32 scratch to
+# 3 x PREFILL_CHUNK x hidden values whatever the shard's size.
+PREFILL_CHUNK = 512
+
+
+class FileLayer:
+    """One layer's owned neurons left in the file's own blocks: gate and up rows [own], and the
+    down matrix's columns [own] (whole 32-blocks of its rows), computed on by the native kernels.
+    Nothing is copied; a decoded token makes one kernel call (sparsecore.kernels.ffn_token)."""
+
+    def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch):
+        p = f"blk.{layer}."
+        self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in ("ffn_gate.weight", "ffn_up.weight",
+                                                                                 "ffn_down.weight"))
+        self.own, self.fast, self.scratch = own, fast, scratch
+        self.idx = np.arange(own.start, own.stop)
+
+    @staticmethod
+    def fits(store: TensorStore, layer: int, own: range | None) -> bool:
+        names = [f"blk.{layer}.ffn_{n}.weight" for n in ("gate", "up", "down")]
+        return own is not None and all(store.has(n) and supports(store.info(n).tensor_type) for n in names) \
+            and not store.has(f"blk.{layer}.ffn_down_t.weight")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file a dense step reads (the rows are not held: they are mapped)."""
+        n = len(self.own)
+        return n * (self.gate.row_bytes + self.up.row_bytes) + self.down.row_bytes * n // self.down.cols * self.down.rows
+
+    def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
+             threshold: float | None) -> tuple[torch.Tensor, int]:
+        if x.shape[0] == 1:
+            y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
+                             threshold, active, self.fast)
+            return torch.from_numpy(y.copy())[None], n
+        # A batch: dequantize a chunk of owned neurons at a time and let torch's GEMM run.
+        y, n_active = torch.zeros(x.shape), 0
+        for a in range(self.own.start, self.own.stop, PREFILL_CHUNK):
+            rows = range(a, min(a + PREFILL_CHUNK, self.own.stop))
+            gate, up = (torch.from_numpy(m.dequantize(rows)) for m in (self.gate, self.up))
+            down_t = torch.from_numpy(np.ascontiguousarray(self.down.dequantize(cols=rows).T))
+            if threshold is not None:
+                part, n = ffn_partial_threshold(x, gate, up, down_t, activation, threshold)
+            else:
+                sel = None if active is None else torch.from_numpy(np.flatnonzero(active[rows.start:rows.stop]))
+                part = ffn_partial(x, gate, up, down_t, activation, sel)
+                n = len(rows) * x.shape[0] if sel is None else int(sel.numel()) * x.shape[0]
+            y += part
+            n_active += n
+        return y, n_active
+
+
 class FfnShard:
     def __init__(self, layers: dict[int, LayerRows], activation: str, device: torch.device,
                  head: HeadRows | None = None):
@@ -58,16 +118,31 @@ class FfnShard:
     @classmethod
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: torch.device | str = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
-             store: TensorStore | None = None) -> "FfnShard":
+             store: TensorStore | None = None, fast: bool = False) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
-        lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file."""
+        lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
+        weights "gguf": on the CPU, layers whose neurons are a 32-aligned range of types the
+        kernels read stay in the file's blocks (FileLayer); others, and a CUDA device, are
+        converted once (float32 on the CPU, float16 on a GPU)."""
         if store is None:
             store = TensorStore(model_path, open_gguf(model_path))
         cfg = read_config(model_path, store.reader)
         device = torch.device(device)
-        layers = {layer: LayerRows(store, layer, np.asarray(idx, dtype=np.int64), device, weights)
-                  for layer, idx in enumerate(neurons) if len(idx)}
-        head = HeadRows(store, head_tensor_name(cfg.tied_embeddings), *head_rows) if head_rows else None
+        layers: dict[int, LayerRows | FileLayer] = {}
+        ranges = [as_range(np.asarray(idx, dtype=np.int64)) for idx in neurons]
+        scratch = FfnScratch(cfg.hidden, max((len(r) for r in ranges if r is not None), default=0))
+        for layer, idx in enumerate(neurons):
+            if not len(idx):
+                continue
+            if weights == "gguf" and device.type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
+                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch)
+            else:
+                fmt = weights if weights != "gguf" else ("f16" if device.type == "cuda" else "f32")
+                layers[layer] = LayerRows(store, layer, np.asarray(idx, dtype=np.int64), device, fmt)
+        head = None
+        if head_rows:
+            head = HeadRows(store, head_tensor_name(cfg.tied_embeddings), *head_rows, in_file=weights == "gguf",
+                            fast=fast)
         return cls(layers, cfg.activation, device, head)
 
     @property
@@ -88,6 +163,8 @@ class FfnShard:
         Dense unless `active` (a mask over all n_ff neurons of the layer, a predictor's choice)
         or `threshold` (CATS: neurons whose |act(gate x)| exceeds it) is given."""
         w = self.layers[layer]
+        if isinstance(w, FileLayer):
+            return w.step(x, self.activation, active, threshold)
         if threshold is not None:
             return ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation, threshold)
         if active is None:

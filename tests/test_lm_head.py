@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model import LmHead, Transformer
+from coordinator.model import Embedding, LmHead, Transformer
 from sparsecore.lm_head import HeadRows, Q8Head, head_tensor_name
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
@@ -38,7 +38,7 @@ def test_q8_head_equals_dequantized_matmul(tiny_model_factory, seed):
 
 def _model(store, cfg):
     """The forward pass with every FFN output zero (the head is what is tested)."""
-    embed = torch.from_numpy(np.ascontiguousarray(store.matrix("token_embd.weight")))
+    embed = Embedding(store)
     zero_ffn = lambda i, x, h: torch.zeros_like(x)  # noqa: E731
     return Transformer(store, cfg, 16, embed, zero_ffn, LmHead(store, cfg, embed))
 

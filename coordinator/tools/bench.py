@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..placement import neuron_bytes
 from . import observe
 
 
@@ -62,7 +61,7 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     gate, up and down rows of computed neurons; threshold steps must read every gate row to
     decide, then up and down rows of the active ones. Predictors add their own fc1/fc2."""
     cfg = observe.config(engine)
-    per_neuron = neuron_bytes(cfg.hidden, observe.weights_format(engine))
+    per_neuron = observe.ffn_neuron_bytes(engine)
     row = per_neuron / 3
     n = cfg.n_ff * cfg.n_layers
     if mode.sparsity is not None:

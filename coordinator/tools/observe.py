@@ -46,6 +46,19 @@ def weights_format(engine) -> str:
     return engine.opts.weights
 
 
+def ffn_neuron_bytes(engine) -> float:
+    """Bytes one FFN neuron's gate row, up row and down column take as the processes read them:
+    in the file's own blocks with --weights gguf, else in the converted format."""
+    cfg = engine.cfg
+    if engine.opts.weights != "gguf":
+        from ..placement import neuron_bytes
+
+        return neuron_bytes(cfg.hidden, engine.opts.weights)
+    store = TensorStore(engine.path, engine.reader)
+    names = [f"blk.0.ffn_{n}.weight" for n in ("gate", "up", "down")]
+    return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
+
+
 def predictors(engine):
     """The engine's activation predictors (coordinator.predictor.Predictors), or None."""
     return engine.predictors
