@@ -51,9 +51,10 @@ class LayerRows:
         return sum(rows_nbytes(w) for w in (self.gate, self.up, self.down_t))
 
 
-def as_range(idx: np.ndarray) -> range | None:
-    """idx as a 32-aligned contiguous range of neurons (what the static plan hands out), or None."""
-    if len(idx) == 0 or idx[0] % 32 or not np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+def as_range(idx: np.ndarray, align: int) -> range | None:
+    """idx as a contiguous range of neurons starting on a multiple of `align` (what the static
+    plan hands out), or None."""
+    if len(idx) == 0 or idx[0] % align or not np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
         return None
     return range(int(idx[0]), int(idx[0]) + len(idx))
 
@@ -70,35 +71,46 @@ class FileLayer:
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch):
         p = f"blk.{layer}."
+        # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
+        # of blocks, read only when the neuron is active.
+        self.down_t = store.has(p + "ffn_down_t.weight")
+        down = "ffn_down_t.weight" if self.down_t else "ffn_down.weight"
         self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in ("ffn_gate.weight", "ffn_up.weight",
-                                                                                 "ffn_down.weight"))
+                                                                                 down))
         self.own, self.fast, self.scratch = own, fast, scratch
         self.idx = np.arange(own.start, own.stop)
 
     @staticmethod
+    def down_name(store: TensorStore, layer: int) -> str:
+        t = f"blk.{layer}.ffn_down_t.weight"
+        return t if store.has(t) else f"blk.{layer}.ffn_down.weight"
+
+    @staticmethod
     def fits(store: TensorStore, layer: int, own: range | None) -> bool:
-        names = [f"blk.{layer}.ffn_{n}.weight" for n in ("gate", "up", "down")]
-        return own is not None and all(store.has(n) and supports(store.info(n).tensor_type) for n in names) \
-            and not store.has(f"blk.{layer}.ffn_down_t.weight")
+        """Whether the kernels can run this layer's neurons `own` (None: not a range) in place."""
+        names = [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight", FileLayer.down_name(store, layer)]
+        return own is not None and all(store.has(n) and supports(store.info(n).tensor_type) for n in names)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the file a dense step reads (the rows are not held: they are mapped)."""
         n = len(self.own)
-        return n * (self.gate.row_bytes + self.up.row_bytes) + self.down.row_bytes * n // self.down.cols * self.down.rows
+        down = n * self.down.row_bytes if self.down_t else self.down.row_bytes * n // self.down.cols * self.down.rows
+        return n * (self.gate.row_bytes + self.up.row_bytes) + down
 
     def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[torch.Tensor, int]:
         if x.shape[0] == 1:
             y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
-                             threshold, active, self.fast)
+                             threshold, active, self.fast, self.down_t)
             return torch.from_numpy(y.copy())[None], n
         # A batch: dequantize a chunk of owned neurons at a time and let torch's GEMM run.
         y, n_active = torch.zeros(x.shape), 0
         for a in range(self.own.start, self.own.stop, PREFILL_CHUNK):
             rows = range(a, min(a + PREFILL_CHUNK, self.own.stop))
             gate, up = (torch.from_numpy(m.dequantize(rows)) for m in (self.gate, self.up))
-            down_t = torch.from_numpy(np.ascontiguousarray(self.down.dequantize(cols=rows).T))
+            down_t = torch.from_numpy(self.down.dequantize(rows) if self.down_t
+                                      else np.ascontiguousarray(self.down.dequantize(cols=rows).T))
             if threshold is not None:
                 part, n = ffn_partial_threshold(x, gate, up, down_t, activation, threshold)
             else:
@@ -129,7 +141,9 @@ class FfnShard:
         cfg = read_config(model_path, store.reader)
         device = torch.device(device)
         layers: dict[int, LayerRows | FileLayer] = {}
-        ranges = [as_range(np.asarray(idx, dtype=np.int64)) for idx in neurons]
+        # down's columns are read in whole blocks of 32 neurons; a transposed down_t in rows
+        ranges = [as_range(np.asarray(idx, dtype=np.int64), 1 if store.has(f"blk.{layer}.ffn_down_t.weight") else 32)
+                  for layer, idx in enumerate(neurons)]
         scratch = FfnScratch(cfg.hidden, max((len(r) for r in ranges if r is not None), default=0))
         for layer, idx in enumerate(neurons):
             if not len(idx):

@@ -117,7 +117,8 @@ def ffn(request, tmp_path_factory):
     t = request.param
     rng = np.random.default_rng(3)
     arrays = {"gate": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t), "up": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t),
-              "down": (rng.standard_normal((HIDDEN, N_FF)) * 0.2, t)}
+              "down": (rng.standard_normal((HIDDEN, N_FF)) * 0.2, t),
+              "down_t": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t)}
     ts = write_tensors(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
     return t, {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
 
@@ -150,3 +151,26 @@ def test_ffn_token(ffn, isa, fast, own):
         assert n == int(active.sum()), name
         scale = np.abs(want).max() + 1e-3
         assert np.abs(y - want).max() <= (0.05 if fast and t in (T.Q4_0, T.Q4_1, T.Q8_0) else 1e-5) * scale, name
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("own", [range(0, 128), range(40, 77)], ids=["all", "unaligned"])
+def test_ffn_token_down_transposed(ffn, isa, fast, own):
+    """PowerInfer's layout: down stored transposed (a neuron's column is a row of blocks), read
+    only for active neurons by an axpy each; any range of neurons, no alignment needed."""
+    t, m, w = ffn
+    rng = np.random.default_rng(5)
+    scratch = K.FfnScratch(HIDDEN, len(own))
+    x = rng.standard_normal(HIDDEN).astype(np.float32)
+    x64 = torch.from_numpy(x.astype(np.float64))[None]
+    owned = torch.zeros(N_FF, dtype=torch.float64)
+    owned[own.start:own.stop] = 1
+    for mask in (None, (rng.random(N_FF) < 0.1).astype(np.uint8), np.zeros(N_FF, np.uint8)):
+        active = owned if mask is None else owned * torch.from_numpy(mask.astype(np.float64))
+        y, n = K.ffn_token(m["gate"], m["up"], m["down_t"], x, own, "relu", scratch, mask=mask, fast=fast,
+                           down_t=True)
+        g = torch.relu(x64 @ w["gate"].T)
+        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down_t"].T, "relu", active)[0].numpy()
+        assert n == int(active.sum())
+        scale = np.abs(want).max() + 1e-3
+        assert np.abs(y - want).max() <= (0.05 if fast and t in (T.Q4_0, T.Q4_1, T.Q8_0) else 1e-5) * scale

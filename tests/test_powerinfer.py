@@ -118,9 +118,12 @@ def _decode_logits(eng, ids, n):
     return np.stack(logits), toks
 
 
-def test_decode_uses_the_files_predictors(pwri, oracle, no_leaks):
+@pytest.mark.parametrize("weights", ["f32", "gguf"])
+def test_decode_uses_the_files_predictors(pwri, oracle, weights, no_leaks):
+    """Also with the file's own blocks (gguf): the native kernel reads ffn_down_t's rows of the
+    predicted neurons only."""
     n = 10
-    with Engine(pwri, EngineOptions(**OPTS)) as eng:
+    with Engine(pwri, EngineOptions(**OPTS, weights=weights)) as eng:
         assert eng.predictors is not None and eng.cfg.activation == "relu"
         ids = eng.tokenizer.encode(PROMPT)
         got = list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))

@@ -130,22 +130,26 @@ class FfnScratch:
 
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
-              fast: bool = False) -> tuple[np.ndarray, int]:
-    """One token's partial FFN over owned neurons `own` (a 32-aligned range of the layer's):
-    (y (hidden,) float32 in scratch.y, active neurons). Dense unless `threshold` (|act(gate x)|
-    > threshold) or `mask` (uint8 over all the layer's neurons) says which are active."""
+              fast: bool = False, down_t: bool = False) -> tuple[np.ndarray, int]:
+    """One token's partial FFN over owned neurons `own` (a 32-aligned range of the layer's, or
+    any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
+    `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
+    which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
+    PowerInfer's ffn_down_t), and only active neurons' rows are read."""
     hidden = gate.cols
-    if not (up.cols == hidden and down.rows == hidden and gate.rows == up.rows == down.cols):
+    d_rows, d_cols = (down.cols, down.rows) if down_t else (down.rows, down.cols)
+    if not (up.cols == hidden and d_rows == hidden and gate.rows == up.rows == d_cols):
         raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
-                         f"down {down.rows}x{down.cols}")
-    if own.step != 1 or own.start % 32 or (len(own) % 32 and own.stop != gate.rows) or own.stop > gate.rows:
+                         f"down{'_t' if down_t else ''} {down.rows}x{down.cols}")
+    aligned = own.start % 32 == 0 and (len(own) % 32 == 0 or own.stop == gate.rows)
+    if own.step != 1 or own.stop > gate.rows or not (aligned or down_t):
         raise ValueError(f"owned neurons {own} are not a 32-aligned range of the layer's {gate.rows}")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if len(x) != hidden:
         raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")
     if mask is not None and (mask.dtype != np.uint8 or len(mask) < gate.rows or not mask.flags.c_contiguous):
         raise ValueError("mask must be a contiguous uint8 array over the layer's neurons")
-    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, hidden, own.start, len(own), ACT_IDS[activation],
+    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own), ACT_IDS[activation],
                            -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
                            _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(scratch.y))
     return scratch.y, n

@@ -153,6 +153,34 @@ static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
     return acc;
 }
 
+/* y += a * w (n values in type t): the down projection of one active neuron when the file holds
+ * down transposed (PowerInfer's ffn_down_t: a neuron's down column is a row of blocks) */
+static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
+    switch (t) {
+    case T_F32: { const float *f = (const float *)w; for (int i = 0; i < n; i++) y[i] += a * f[i]; break; }
+    case T_F16: for (int i = 0; i < n; i++) y[i] += a * f16_to_f32(rd16(w + 2 * i)); break;
+    case T_BF16: for (int i = 0; i < n; i++) y[i] += a * bf16_to_f32(rd16(w + 2 * i)); break;
+    case T_Q4_0:
+        for (int b = 0; b < n / QK; b++, w += 18, y += QK) {
+            float ad = a * f16_to_f32(rd16(w));
+            for (int j = 0; j < 16; j++) { y[j] += ad * (float)((w[2 + j] & 15) - 8); y[j + 16] += ad * (float)((w[2 + j] >> 4) - 8); }
+        }
+        break;
+    case T_Q4_1:
+        for (int b = 0; b < n / QK; b++, w += 20, y += QK) {
+            float ad = a * f16_to_f32(rd16(w)), am = a * f16_to_f32(rd16(w + 2));
+            for (int j = 0; j < 16; j++) { y[j] += ad * (float)(w[4 + j] & 15) + am; y[j + 16] += ad * (float)(w[4 + j] >> 4) + am; }
+        }
+        break;
+    case T_Q8_0:
+        for (int b = 0; b < n / QK; b++, w += 34, y += QK) {
+            float ad = a * f16_to_f32(rd16(w));
+            for (int j = 0; j < QK; j++) y[j] += ad * (float)(int8_t)w[2 + j];
+        }
+        break;
+    }
+}
+
 /* ---- dot products, AVX2 -------------------------------------------------------------------- */
 #if HAVE_X86
 AVX2 static inline float hsum8(__m256 v) {
@@ -260,9 +288,54 @@ AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb
         return dot_fast_c(t, w, xq, nb);
     }
 }
+
+/* y (32 floats) += scale * b (32 int8) + bias */
+AVX2 static inline void i8x32_axpy(__m256i b, float *y, __m256 scale, __m256 bias) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_ps(y + 8 * k, _mm256_add_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), scale, bias),
+                                                  _mm256_loadu_ps(y + 8 * k)));
+}
+
+AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
+    const __m256 zero = _mm256_setzero_ps();
+    switch (t) {
+    case T_Q4_0:
+        for (int b = 0; b < n / QK; b++, w += 18, y += QK)
+            i8x32_axpy(_mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)), y, _mm256_set1_ps(a * f16_to_f32(rd16(w))), zero);
+        return;
+    case T_Q4_1:
+        for (int b = 0; b < n / QK; b++, w += 20, y += QK)
+            i8x32_axpy(nibbles(w + 4), y, _mm256_set1_ps(a * f16_to_f32(rd16(w))), _mm256_set1_ps(a * f16_to_f32(rd16(w + 2))));
+        return;
+    case T_Q8_0:
+        for (int b = 0; b < n / QK; b++, w += 34, y += QK)
+            i8x32_axpy(_mm256_loadu_si256((const __m256i *)(w + 2)), y, _mm256_set1_ps(a * f16_to_f32(rd16(w))), zero);
+        return;
+    case T_F32: {
+        const float *f = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_set1_ps(a), _mm256_loadu_ps(y + i)));
+        for (; i < n; i++) y[i] += a * f[i];
+        return;
+    }
+    default:
+        axpy_c(t, w, a, y, n);
+    }
+}
 #endif
 
 static int use_avx2 = 0;
+
+static inline void axpy(int t, const uint8_t *w, float a, float *y, int n) {
+#if HAVE_X86
+    if (use_avx2) { axpy_avx2(t, w, a, y, n); return; }
+#endif
+    axpy_c(t, w, a, y, n);
+}
 
 static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
 #if HAVE_X86
@@ -314,7 +387,7 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
  * predictor's mask over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own
  * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
  * Returns the number of active neurons. */
-static int64_t ffn_token(mat gate, mat up, mat down, int hidden, int64_t own0, int64_t n_own, int act,
+static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
                          float threshold, const uint8_t *mask, const float *x, int fast,
                          float *h, q8blk *xq, q8blk *hq, float *y) {
     if (fast) quantize_q8(x, hidden, xq);
@@ -329,6 +402,12 @@ static int64_t ffn_token(mat gate, mat up, mat down, int hidden, int64_t own0, i
         n_active++;
     }
     if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
+    if (down_t) {  /* down stored transposed (rows = neurons): an axpy per active neuron only */
+        memset(y, 0, sizeof(float) * hidden);
+        for (int64_t i = 0; i < n_own; i++)
+            if (h[i] != 0.f) axpy(down.t, row_at(down, own0 + i, 0), h[i], y, hidden);
+        return n_active;
+    }
     if (fast) quantize_q8(h, (int)n_own, hq);
     matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
     return n_active;
@@ -399,26 +478,27 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_token(gate(3), up(3), down(3), hidden, own0, n_own, act, threshold, mask_ptr|0, x_ptr, fast,
- *           h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+/* ffn_token(gate(3), up(3), down(3), down_t, hidden, own0, n_own, act, threshold, mask_ptr|0, x_ptr,
+ *           fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
 static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 21) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 21 arguments"); return NULL; }
+    if (nargs != 22) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 22 arguments"); return NULL; }
     mat g, u, d;
     if (get_mat(args, &g) || get_mat(args + 3, &u) || get_mat(args + 6, &d)) return NULL;
-    int hidden = (int)ARG_LL(9);
-    int64_t own0 = ARG_LL(10), n_own = ARG_LL(11);
-    int act = (int)ARG_LL(12);
-    float threshold = (float)PyFloat_AsDouble(args[13]);
-    const uint8_t *mask = ARG_PTR(14);
-    const float *x = ARG_PTR(15);
-    int fast = (int)ARG_LL(16);
-    float *h = ARG_PTR(17);
-    q8blk *xq = ARG_PTR(18), *hq = ARG_PTR(19);
-    float *y = ARG_PTR(20);
+    int down_t = (int)ARG_LL(9);
+    int hidden = (int)ARG_LL(10);
+    int64_t own0 = ARG_LL(11), n_own = ARG_LL(12);
+    int act = (int)ARG_LL(13);
+    float threshold = (float)PyFloat_AsDouble(args[14]);
+    const uint8_t *mask = ARG_PTR(15);
+    const float *x = ARG_PTR(16);
+    int fast = (int)ARG_LL(17);
+    float *h = ARG_PTR(18);
+    q8blk *xq = ARG_PTR(19), *hq = ARG_PTR(20);
+    float *y = ARG_PTR(21);
     if (PyErr_Occurred()) return NULL;
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
-    n_active = ffn_token(g, u, d, hidden, own0, n_own, act, threshold, mask, x, fast, h, xq, hq, y);
+    n_active = ffn_token(g, u, d, down_t, hidden, own0, n_own, act, threshold, mask, x, fast, h, xq, hq, y);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(n_active);
 }
