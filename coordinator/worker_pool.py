@@ -42,6 +42,7 @@ class WorkerError(RuntimeError):
 class WorkerProc:
     role: str
     worker_id: int
+    slot: int
     proc: subprocess.Popen
     identity: bytes
     n_neurons: int = 0
@@ -130,11 +131,16 @@ class WorkerPool:
     # ---- startup ------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        """Start the worker processes; they import and connect while the coordinator loads."""
-        for shard in self.proc_shards:
+        """Start the worker processes; they import and connect while the coordinator loads. A
+        shard with nothing to compute (the GPU worker's on a machine without CUDA) gets no
+        process: it would cost a torch import and its memory for nothing."""
+        for slot, shard in enumerate(self.proc_shards):
+            if not any(len(n) for n in shard.neurons) and slot not in self.head_rows:
+                continue
             cmd = self.launcher(shard, self.endpoint)
             proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL, **_OWN_GROUP)
-            self.workers.append(WorkerProc(shard.role, shard.worker_id, proc, f"{shard.role}{shard.worker_id}".encode()))
+            self.workers.append(WorkerProc(shard.role, shard.worker_id, slot, proc,
+                                           f"{shard.role}{shard.worker_id}".encode()))
 
     def _assign(self, slot: int) -> Assign:
         shard = self.plan.shards[slot]
@@ -149,7 +155,7 @@ class WorkerPool:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
         if not self.workers:
             self.spawn()
-        by_identity = {w.identity: (slot, w) for slot, w in enumerate(self.workers)}
+        by_identity = {w.identity: (w.slot, w) for w in self.workers}
         pending_ready = set(by_identity)
         deadline = time.monotonic() + self.startup_timeout_s
         while pending_ready:

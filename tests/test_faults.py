@@ -40,7 +40,8 @@ MOCK_WORKER = Path(__file__).resolve().parent / "mock_worker.py"
 _BIN = Path(sys.executable).parent / "sparseinfer"
 SPARSEINFER = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "coordinator"]
 PROMPT = "hi"
-WORKERS = ["--cpu-workers", "1"]  # gpu worker 0 (on the CPU here) + cpu worker 1, on any machine
+# gpu worker 0 (on the CPU here, holding a share so that it is started) + cpu worker 1, on any machine
+WORKERS = ["--cpu-workers", "1", "--gpu-share", "0.3"]
 LONG = [*WORKERS, "-n", "2000", "--ignore-eos", "--ctx", "4096"]  # runs far longer than any test waits
 START_TIMEOUT_S = 90  # until the first generated text; generous for a loaded 2-core machine
 EXIT_TIMEOUT_S = 30  # any wait for an exit: a hang fails the test instead of CI
