@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from protocol.messages import WEIGHT_FORMATS  # noqa: F401  (re-exported: the formats this module implements)
 
-from .kernels import FileMatrix, q8_scratch
+from .kernels import FileMatrix, dequant_scratch, q8_scratch
 
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu}
 
@@ -126,7 +126,8 @@ class FileRows:
         return self.m.matvec(x, self.rows, fast=self.fast, xq=self.xq)
 
     def dequantize(self) -> torch.Tensor:
-        return torch.from_numpy(self.m.dequantize(self.rows))
+        """The rows as float32, in the process's reusable scratch: use before the next call."""
+        return torch.from_numpy(self.m.dequantize(self.rows, out=dequant_scratch(len(self.rows) * self.m.cols)))
 
 
 Rows = torch.Tensor | Int8Rows | HalfRows | FileRows

@@ -104,21 +104,28 @@ class FileLayer:
             y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
                              threshold, active, self.fast, self.down_t)
             return torch.from_numpy(y.copy())[None], n
-        # A batch: dequantize a chunk of owned neurons at a time and let torch's GEMM run.
+        # A batch: dequantize a chunk of owned neurons at a time into reused tiles and let
+        # torch's GEMM run (down as read: (hidden, chunk) columns, used transposed, no copy).
         y, n_active = torch.zeros(x.shape), 0
+        tiles = self.scratch.batch_tiles(PREFILL_CHUNK)
+        hidden = self.gate.cols
         for a in range(self.own.start, self.own.stop, PREFILL_CHUNK):
             rows = range(a, min(a + PREFILL_CHUNK, self.own.stop))
-            gate, up = (torch.from_numpy(m.dequantize(rows)) for m in (self.gate, self.up))
-            down_t = torch.from_numpy(self.down.dequantize(rows) if self.down_t
-                                      else np.ascontiguousarray(self.down.dequantize(cols=rows).T))
+            n = len(rows) * hidden
+            gate = torch.from_numpy(self.gate.dequantize(rows, out=tiles[0][:n]))
+            up = torch.from_numpy(self.up.dequantize(rows, out=tiles[1][:n]))
+            if self.down_t:
+                down_t = torch.from_numpy(self.down.dequantize(rows, out=tiles[2][:n]))
+            else:
+                down_t = torch.from_numpy(self.down.dequantize(cols=rows, out=tiles[2][:n])).T
             if threshold is not None:
-                part, n = ffn_partial_threshold(x, gate, up, down_t, activation, threshold)
+                part, k = ffn_partial_threshold(x, gate, up, down_t, activation, threshold)
             else:
                 sel = None if active is None else torch.from_numpy(np.flatnonzero(active[rows.start:rows.stop]))
                 part = ffn_partial(x, gate, up, down_t, activation, sel)
-                n = len(rows) * x.shape[0] if sel is None else int(sel.numel()) * x.shape[0]
+                k = len(rows) * x.shape[0] if sel is None else int(sel.numel()) * x.shape[0]
             y += part
-            n_active += n
+            n_active += k
         return y, n_active
 
 

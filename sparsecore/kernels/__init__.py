@@ -118,14 +118,34 @@ class FileMatrix:
         return o.reshape(-1)[: n * ncol].reshape(n, ncol)
 
 
+_scratch = np.empty(0, np.float32)
+
+
+def dequant_scratch(n: int) -> np.ndarray:
+    """A float32 buffer of `n` values, reused from call to call (one per process): a batched
+    product dequantizes one matrix into it and runs its GEMM before the next one needs it."""
+    global _scratch
+    if _scratch.size < n:
+        _scratch = np.empty(n, np.float32)
+    return _scratch[:n]
+
+
 class FfnScratch:
-    """Per-process buffers the FFN kernel writes into, sized once for the largest shard."""
+    """Per-process buffers the FFN kernel writes into, sized once for the largest shard; and,
+    made on the first batch, three float32 tiles of `chunk` neurons for batched (prefill) steps."""
 
     def __init__(self, hidden: int, n_own: int):
+        self.hidden = hidden
         self.h = np.empty(max(1, n_own), np.float32)
         self.xq = q8_scratch(hidden)
         self.hq = q8_scratch(n_own)
         self.y = np.empty(hidden, np.float32)
+        self.tiles: list[np.ndarray] = []
+
+    def batch_tiles(self, chunk: int) -> list[np.ndarray]:
+        if not self.tiles:
+            self.tiles = [np.empty(chunk * self.hidden, np.float32) for _ in range(3)]
+        return self.tiles
 
 
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
