@@ -18,6 +18,7 @@ from os import PathLike
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 from protocol.doorbell import Request
 from protocol.shm_layout import HEAD_LAYER, SharedBuffers
@@ -57,6 +58,14 @@ def as_range(idx: np.ndarray, align: int) -> range | None:
     if len(idx) == 0 or idx[0] % align or not np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
         return None
     return range(int(idx[0]), int(idx[0]) + len(idx))
+
+
+def neuron_align(store: TensorStore, layer: int) -> int:
+    """The multiple a shard's first neuron must be for the kernels to read the layer in place:
+    down's columns come in whole blocks (32 or 256 values); PowerInfer's down_t is read by rows."""
+    if store.has(f"blk.{layer}.ffn_down_t.weight"):
+        return 1
+    return GGML_QUANT_SIZES[store.info(f"blk.{layer}.ffn_down.weight").tensor_type][0]
 
 
 # Neurons per dequantized chunk in a batched (prefill) step: bounds the float32 scratch to
@@ -148,8 +157,7 @@ class FfnShard:
         cfg = read_config(model_path, store.reader)
         device = torch.device(device)
         layers: dict[int, LayerRows | FileLayer] = {}
-        # down's columns are read in whole blocks of 32 neurons; a transposed down_t in rows
-        ranges = [as_range(np.asarray(idx, dtype=np.int64), 1 if store.has(f"blk.{layer}.ffn_down_t.weight") else 32)
+        ranges = [as_range(np.asarray(idx, dtype=np.int64), neuron_align(store, layer))
                   for layer, idx in enumerate(neurons)]
         scratch = FfnScratch(cfg.hidden, max((len(r) for r in ranges if r is not None), default=0))
         for layer, idx in enumerate(neurons):
