@@ -30,8 +30,9 @@
 #endif
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 #define QK 32
+#define QKK 256  /* values per block of the K-quants */
 
 /* ---- scalar helpers ------------------------------------------------------------------------ */
 
@@ -60,13 +61,65 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : QK; }
+static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
 static int type_bytes(int t) {  /* bytes of one block */
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     default: return 0;
     }
+}
+/* quantized types: fast mode quantizes the activation to q8 blocks */
+static inline int is_quant(int t) { return block_size(t) >= QK; }
+
+/* ---- K-quant blocks (ggml's layouts), 256 values each ----------------------------------------
+ * Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] packed, 128
+ *   bytes qs. Sub-block j (32 values) of q: nibbles of qs[32 (j/2) ..+32], low ones for even j,
+ *   high ones for odd j. Value = d sc[j] q - dmin m[j].
+ * Q5_K (176 bytes): d, dmin, the 12 scale bytes, 32 bytes qh, 128 bytes qs as Q4_K; value i of
+ *   sub-block j gets bit j of qh[i] as its fifth bit (q in 0..31).
+ * Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), int8 sc[16] (one per
+ *   16 values), f16 d. Half h (128 values): value 32 k + l (k < 4, l < 32) has low bits
+ *   ql[64 h + 32 (k & 1) + l] >> 4 (k >> 1) and high bits qh[32 h + l] >> 2 k; value = d sc (q - 32). */
+
+/* 6-bit scale and min of sub-block j from Q4_K/Q5_K's 12 packed bytes */
+static inline void kscale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32) and per sub-block float scale
+ * and min (value = scl q - mn); returns the sub-block size (32, or 16 for Q6_K). */
+static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
+    if (t == T_Q6_K) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = f16_to_f32(rd16(w + 208));
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = (ql[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 15, hi = (qh[32 * h + l] >> (2 * k)) & 3;
+                    q[128 * h + 32 * k + l] = (int8_t)((lo | (hi << 4)) - 32);
+                }
+        for (int j = 0; j < 16; j++) { scl[j] = d * (float)sc[j]; mn[j] = 0.f; }
+        return 16;
+    }
+    float d = f16_to_f32(rd16(w)), dmin = f16_to_f32(rd16(w + 2));
+    const uint8_t *qs = w + (t == T_Q5_K ? 48 : 16), *qh = w + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kscale_min(w + 4, j, &sc, &m);
+        scl[j] = d * (float)sc;
+        mn[j] = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int v = (qs[32 * (j >> 1) + l] >> (4 * (j & 1))) & 15;
+            if (t == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            q[32 * j + l] = (int8_t)v;
+        }
+    }
+    return 32;
 }
 
 /* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
@@ -123,6 +176,19 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
             acc += f16_to_f32(rd16(w)) * s;
         }
         break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t), x += QKK) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int j = 0; j < QKK / ss; j++) {  /* per sub-block: scale . (q . x) - min . sum(x) */
+                float s = 0.f, sx = 0.f;
+                for (int l = j * ss; l < (j + 1) * ss; l++) { s += (float)q[l] * x[l]; sx += x[l]; }
+                acc += scl[j] * s - mn[j] * sx;
+            }
+        }
+        break;
+    }
     }
     return acc;
 }
@@ -130,6 +196,26 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
 /* fast: w (quantized type) . xq (q8 blocks); float types fall back to the exact product with x */
 static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
     float acc = 0.f;
+    if (is_kquant(t)) {  /* a K block of 256 spans 8 q8 blocks */
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < nb / 8; b++, w += type_bytes(t)) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int c = 0; c < 8; c++, xq++) {
+                const int8_t *qc = q + QK * c;
+                if (ss == QK) {  /* Q4_K, Q5_K: sub-block c is this q8 block; its min needs sum(qx) */
+                    int32_t s = 0;
+                    for (int l = 0; l < QK; l++) s += qc[l] * xq->q[l];
+                    acc += scl[c] * xq->d * (float)s - mn[c] * xq->d * (float)xq->s;
+                } else {  /* Q6_K: two sub-blocks of 16, signed q - 32, no min */
+                    int32_t s0 = 0, s1 = 0;
+                    for (int l = 0; l < 16; l++) { s0 += qc[l] * xq->q[l]; s1 += qc[16 + l] * xq->q[16 + l]; }
+                    acc += xq->d * (scl[2 * c] * (float)s0 + scl[2 * c + 1] * (float)s1);
+                }
+            }
+        }
+        return acc;
+    }
     for (int b = 0; b < nb; b++, xq++) {
         int32_t s = 0;
         switch (t) {
@@ -178,6 +264,15 @@ static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
             for (int j = 0; j < QK; j++) y[j] += ad * (float)(int8_t)w[2 + j];
         }
         break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t), y += QKK) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int l = 0; l < QKK; l++) y[l] += a * scl[l / ss] * (float)q[l] - a * mn[l / ss];
+        }
+        break;
+    }
     }
 }
 
@@ -346,7 +441,7 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
 
 /* fast mode for quantized types; float types have no integer path and use x itself */
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
-    if (fast && block_size(t) == QK) {
+    if (fast && is_quant(t)) {
 #if HAVE_X86
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
@@ -440,6 +535,15 @@ static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_ro
                 for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)w[2 + j];
             }
             break;
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+            int8_t q[QKK];
+            float scl[16], mn[16];
+            for (int b = 0; b < n / QKK; b++, w += type_bytes(m.t), o += QKK) {
+                int ss = kunpack(m.t, w, q, scl, mn);
+                for (int l = 0; l < QKK; l++) o[l] = scl[l / ss] * (float)q[l] - mn[l / ss];  /* as gguf-py: (d sc) q - dmin m */
+            }
+            break;
+        }
         }
     }
 }
@@ -472,7 +576,7 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     float *y = ARG_PTR(11);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (fast && block_size(m.t) == QK) quantize_q8(x, n, xq);
+    if (fast && is_quant(m.t)) quantize_q8(x, n, xq);
     matvec(m, rows, start, n_rows, col0, n, x, xq, fast, y);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
