@@ -302,6 +302,59 @@ AVX2 static inline __m256 i8x32_dot_f(__m256i b, const float *x, __m256 acc, __m
     return _mm256_fmadd_ps(p, scale, acc);
 }
 
+/* the same with one scale for the first 16 bytes and another for the last 16 (Q6_K) */
+AVX2 static inline __m256 i8x32_dot_f2(__m256i b, const float *x, __m256 acc, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+    __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16));
+    q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), q);
+    return _mm256_fmadd_ps(q, s_hi, _mm256_fmadd_ps(p, s_lo, acc));
+}
+
+/* A K block's 256 values as 8 vectors of 32 unsigned bytes, one per 32 consecutive values:
+ * Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before its -32). */
+AVX2 static inline void kq_unpack(int t, const uint8_t *w, __m256i q[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(3);
+    if (t == T_Q6_K) {
+        for (int h = 0; h < 2; h++) {  /* half h: ql[64h..+64] (two vectors), qh[32h..+32] */
+            __m256i a = _mm256_loadu_si256((const __m256i *)(w + 64 * h)), b = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            /* high bits: 2 per value, to bits 4..5 (mask per byte first: the 16-bit shifts cross bytes) */
+            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        }
+        return;
+    }
+    const uint8_t *qs = w + (t == T_Q5_K ? 48 : 16);
+    __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {  /* 32 bytes of qs: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        q[2 * k] = _mm256_and_si256(v, m4);
+        q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (t == T_Q5_K) {  /* bit j of qh is sub-block j's fifth bit: shift qh down one bit per sub-block */
+            q[2 * k] = _mm256_or_si256(q[2 * k], _mm256_slli_epi16(_mm256_and_si256(hb, m1), 4));
+            q[2 * k + 1] = _mm256_or_si256(q[2 * k + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), m1), 4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+    }
+}
+
+/* Q4_K/Q5_K: each sub-block's scale d sc[j] and min dmin m[j] */
+static inline void k45_scales(const uint8_t *w, float *scl, float *mn) {
+    float d = f16_to_f32(rd16(w)), dmin = f16_to_f32(rd16(w + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kscale_min(w + 4, j, &sc, &m);
+        scl[j] = d * (float)sc;
+        mn[j] = dmin * (float)m;
+    }
+}
+
 AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
     int nb = n / QK;
@@ -342,6 +395,35 @@ AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n)
         for (int b = 0; b < nb; b++, w += 34, x += QK)
             acc = i8x32_dot_f(_mm256_loadu_si256((const __m256i *)(w + 2)), x, acc, _mm256_set1_ps(f16_to_f32(rd16(w))));
         return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {
+        __m256 accm = _mm256_setzero_ps();
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK) {  /* scale . (q . x) - min . sum(x), per sub-block of 32 */
+                acc = i8x32_dot_f(q[j], x, acc, _mm256_set1_ps(scl[j]));
+                __m256 sx = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                          _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+                accm = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[j]), accm);
+            }
+        }
+        return hsum8(_mm256_sub_ps(acc, accm));
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK)  /* two sub-blocks of 16, values q - 32 */
+                acc = i8x32_dot_f2(_mm256_sub_epi8(q[j], c32), x, acc, _mm256_set1_ps(d * (float)sc[2 * j]),
+                                   _mm256_set1_ps(d * (float)sc[2 * j + 1]));
+        }
+        return hsum8(acc);
+    }
     default:
         return dot_exact_c(t, w, x, n);
     }
@@ -379,6 +461,40 @@ AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16_to_f32(rd16(w)) * xq->d), acc);
         }
         return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {  /* sub-block j of 32 is q8 block j of the 8 a K block spans */
+        float scl[8], mn[8];
+        __m256i q[8];
+        __m256 acc2 = _mm256_setzero_ps();
+        for (int b = 0; b < nb / 8; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2, xq += 2) {
+                __m256i s0 = dot_u8s8(q[j], _mm256_loadu_si256((const __m256i *)xq[0].q));
+                __m256i s1 = dot_u8s8(q[j + 1], _mm256_loadu_si256((const __m256i *)xq[1].q));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xq[0].d), acc);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xq[1].d), acc2);
+                extra -= mn[j] * xq[0].d * (float)xq[0].s + mn[j + 1] * xq[1].d * (float)xq[1].s;
+            }
+        }
+        return hsum8(_mm256_add_ps(acc, acc2)) + extra;
+    }
+    case T_Q6_K: {  /* q8 block j holds sub-blocks 2j (its first 16 values) and 2j+1 */
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < nb / 8; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, xq++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)xq->q);
+                /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
+                __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xv), _mm256_maddubs_epi16(c32, xv));
+                __m256i s = _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xq->d), acc);
+            }
+        }
+        return hsum8(acc);
+    }
     default:
         return dot_fast_c(t, w, xq, nb);
     }
@@ -392,6 +508,15 @@ AVX2 static inline void i8x32_axpy(__m256i b, float *y, __m256 scale, __m256 bia
     for (int k = 0; k < 4; k++)
         _mm256_storeu_ps(y + 8 * k, _mm256_add_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), scale, bias),
                                                   _mm256_loadu_ps(y + 8 * k)));
+}
+
+/* y (32 floats) += s_lo * b[0..16) , s_hi * b[16..32) (int8) */
+AVX2 static inline void i8x32_axpy2(__m256i b, float *y, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_ps(y + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), k < 2 ? s_lo : s_hi, _mm256_loadu_ps(y + 8 * k)));
 }
 
 AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
@@ -409,6 +534,29 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
         for (int b = 0; b < n / QK; b++, w += 34, y += QK)
             i8x32_axpy(_mm256_loadu_si256((const __m256i *)(w + 2)), y, _mm256_set1_ps(a * f16_to_f32(rd16(w))), zero);
         return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy(q[j], y, _mm256_set1_ps(a * scl[j]), _mm256_set1_ps(-a * mn[j]));
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float ad = a * f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy2(_mm256_sub_epi8(q[j], c32), y, _mm256_set1_ps(ad * (float)sc[2 * j]), _mm256_set1_ps(ad * (float)sc[2 * j + 1]));
+        }
+        return;
+    }
     case T_F32: {
         const float *f = (const float *)w;
         int i = 0;
