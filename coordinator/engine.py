@@ -21,6 +21,7 @@ from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import TensorStore
 
 from sparsecore.lm_head import head_tensor_name
+from sparsecore.shard import FileLayer
 
 from .chat_template import chat_template_from_reader, render_chat
 from .model import Embedding, LmHead, Transformer
@@ -154,7 +155,9 @@ class Engine:
         else:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
-            align = 32 if opts.weights == "gguf" else 1  # the native kernels take 32-aligned neuron ranges
+            align = 1
+            if opts.weights == "gguf":  # the native kernels take ranges on whole blocks of down (32, K-quants 256)
+                align = max([32] + [FileLayer.align(store, layer) for layer in range(cfg.n_layers)])
             plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, align), "static"
         head_rows = {}
         if opts.split_lm_head:

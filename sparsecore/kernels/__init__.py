@@ -40,6 +40,12 @@ def supports(tensor_type: int) -> bool:
     return int(tensor_type) in NATIVE_TYPES
 
 
+def neuron_align(down_type: int, down_t: bool = False) -> int:
+    """Where a range of owned neurons may start for ffn_token: down's columns are read in whole
+    blocks (32, or 256 for the K-quants); a transposed down_t has a row per neuron (any range)."""
+    return 1 if down_t else max(32, NATIVE_TYPES.get(int(down_type), 32))
+
+
 def _ptr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
@@ -163,7 +169,7 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     if not (up.cols == hidden and d_rows == hidden and gate.rows == up.rows == d_cols):
         raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
                          f"down{'_t' if down_t else ''} {down.rows}x{down.cols}")
-    align = max(32, down.block)  # down's columns are read in whole blocks (and h quantized by 32)
+    align = neuron_align(down.type)  # down's columns are read in whole blocks (and h quantized by 32)
     aligned = own.start % align == 0 and (len(own) % align == 0 or own.stop == gate.rows)
     if own.step != 1 or own.stop > gate.rows or not (aligned or down_t):
         raise ValueError(f"owned neurons {own} are not a {align}-aligned range of the layer's {gate.rows}")
