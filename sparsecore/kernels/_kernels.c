@@ -6,12 +6,13 @@
  *     for each owned neuron n:  g = act(gate[n] . x); skip unless active; h[n] = g * (up[n] . x)
  *     y = down[:, owned] . h
  * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q8_0, F16, BF16,
- * F32). Two arithmetic modes:
+ * F32, and the K-quants Q4_K, Q5_K, Q6_K in blocks of 256). Two arithmetic modes:
  *   exact: float32 activations times each block's dequantized values (d * q, exact in float32),
  *          summed per block and scaled: the products transformers computes on the dequantized
  *          matrix, in another summation order;
  *   fast:  the activation quantized once to 8 bits in blocks of 32 (as llama.cpp does), integer
- *          dot products per block, one float multiply per block.
+ *          dot products per block, one float multiply per block (per sub-block of a K block: a
+ *          K block of 256 spans 8 activation blocks).
  * SIMD: AVX2 (+FMA, F16C) chosen at run time where the CPU has it, else portable C; both give
  * the same integer sums in fast mode and the same products up to summation order in exact mode.
  */
@@ -625,7 +626,7 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
 }
 
 /* THE hot function: one token's partial FFN over owned neurons [own0, own0 + n_own) of the layer
- * (a contiguous range, 32-aligned, as the static plan hands them out). gate, up: (n_ff rows,
+ * (a contiguous range on whole blocks of down's rows, 32 or 256, as the static plan hands them out). gate, up: (n_ff rows,
  * hidden cols); down: (hidden rows, n_ff cols). Active: dense (threshold < 0 and no mask), a
  * predictor's mask over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own
  * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
