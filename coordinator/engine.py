@@ -21,7 +21,7 @@ from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import TensorStore
 
 from sparsecore.lm_head import head_tensor_name
-from sparsecore.shard import neuron_align
+from sparsecore.shard import FileLayer
 
 from .chat_template import chat_template_from_reader, render_chat
 from .model import Embedding, LmHead, Transformer
@@ -156,7 +156,7 @@ class Engine:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
             # the native kernels read down's columns in whole blocks: cut shards on block edges
-            align = max(neuron_align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
+            align = max(FileLayer.align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
             plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, align), "static"
         head_rows = {}
         if opts.split_lm_head:

@@ -18,7 +18,6 @@ from os import PathLike
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES
 
 from protocol.doorbell import Request
 from protocol.shm_layout import HEAD_LAYER, SharedBuffers
@@ -26,7 +25,7 @@ from protocol.shm_layout import HEAD_LAYER, SharedBuffers
 from .config import read_config
 from .ffn import Rows, ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
-from .kernels import FfnScratch, FileMatrix, ffn_token, supports
+from .kernels import FfnScratch, FileMatrix, ffn_token, neuron_align, supports
 from .lm_head import HeadRows, head_tensor_name
 from .tensors import TensorStore
 
@@ -60,14 +59,6 @@ def as_range(idx: np.ndarray, align: int) -> range | None:
     return range(int(idx[0]), int(idx[0]) + len(idx))
 
 
-def neuron_align(store: TensorStore, layer: int) -> int:
-    """The multiple a shard's first neuron must be for the kernels to read the layer in place:
-    down's columns come in whole blocks (32 or 256 values); PowerInfer's down_t is read by rows."""
-    if store.has(f"blk.{layer}.ffn_down_t.weight"):
-        return 1
-    return GGML_QUANT_SIZES[store.info(f"blk.{layer}.ffn_down.weight").tensor_type][0]
-
-
 # Neurons per dequantized chunk in a batched (prefill) step: bounds the float32 scratch to
 # 3 x PREFILL_CHUNK x hidden values whatever the shard's size.
 PREFILL_CHUNK = 512
@@ -75,7 +66,8 @@ PREFILL_CHUNK = 512
 
 class FileLayer:
     """One layer's owned neurons left in the file's own blocks: gate and up rows [own], and the
-    down matrix's columns [own] (whole 32-blocks of its rows), computed on by the native kernels.
+    down matrix's columns [own] (whole blocks of its rows: 32, or 256 for the K-quants), computed
+    on by the native kernels.
     Nothing is copied; a decoded token makes one kernel call (sparsecore.kernels.ffn_token)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch):
@@ -93,6 +85,14 @@ class FileLayer:
     def down_name(store: TensorStore, layer: int) -> str:
         t = f"blk.{layer}.ffn_down_t.weight"
         return t if store.has(t) else f"blk.{layer}.ffn_down.weight"
+
+    @staticmethod
+    def align(store: TensorStore, layer: int) -> int:
+        """Where this layer's owned neurons may start for the kernels (down's block, 1 for down_t)."""
+        name = FileLayer.down_name(store, layer)
+        if not store.has(name):
+            return 32
+        return neuron_align(store.info(name).tensor_type, name.endswith("ffn_down_t.weight"))
 
     @staticmethod
     def fits(store: TensorStore, layer: int, own: range | None) -> bool:
@@ -157,7 +157,7 @@ class FfnShard:
         cfg = read_config(model_path, store.reader)
         device = torch.device(device)
         layers: dict[int, LayerRows | FileLayer] = {}
-        ranges = [as_range(np.asarray(idx, dtype=np.int64), neuron_align(store, layer))
+        ranges = [as_range(np.asarray(idx, dtype=np.int64), FileLayer.align(store, layer))
                   for layer, idx in enumerate(neurons)]
         scratch = FfnScratch(cfg.hidden, max((len(r) for r in ranges if r is not None), default=0))
         for layer, idx in enumerate(neurons):

@@ -23,7 +23,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
     # the file's own blocks through the native kernels, exact arithmetic: the same oracle tokens
     ("Q4_0", False, "gguf"), ("Q4_1", False, "gguf"), ("Q8_0", True, "gguf"), ("F16", False, "gguf"),
     ("BF16", False, "gguf"), ("F32", False, "gguf"),
-    ("Q4_K", False, "gguf"),  # no native kernel yet: converted once, as with f32
+    ("Q4_K", False, "gguf"), ("Q5_K", False, "gguf"), ("Q6_K", False, "gguf"),  # shards cut on 256 neurons
 ])
 def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied, weights, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, tied_embeddings=tied)

@@ -1,7 +1,9 @@
 """The native kernels (sparsecore/kernels) against float64 products of the blocks dequantized by
 gguf-py (an implementation nobody here wrote), for every native type, in both ISAs, exact and
 fast mode: dense and chosen rows (odd counts, one row, none), column ranges, the fused FFN step
-dense, thresholded and masked (empty active sets included)."""
+dense, thresholded and masked (empty active sets included). gguf-py cannot quantize to the
+K-quants (Q4_K, Q5_K, Q6_K): their tensors are random valid blocks written raw, and gguf-py's
+dequantizer is still the oracle."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +15,8 @@ from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0]
+KTYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 ISAS = ["generic"] + (["avx2"] if K.set_isa("avx2") == "avx2" else [])
 
 
@@ -23,10 +27,31 @@ def isa(request):
     K.set_isa("avx2")
 
 
+def random_kquant(rng, rows: int, cols: int, t: T, size: float = 0.3) -> np.ndarray:
+    """Random valid blocks of K-quant type t for a (rows, cols) matrix, as the raw uint8 bytes
+    (rows, cols / 256 * block bytes): random quants, scales and mins; d (and dmin) small positive
+    f16 values so that the dequantized values are about +-size."""
+    nb = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(nb, quants.GGML_QUANT_SIZES[t][1]), dtype=np.uint8)
+
+    def f16(scale):  # (nb, 2) bytes of f16 values in [scale / 2, scale)
+        return (rng.uniform(0.5, 1.0, nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if t == T.Q6_K:  # ql, qh, int8 scales, then d: |value| <= 128 * 32 * d
+        blocks[:, 208:210] = f16(size / (128 * 32))
+    else:  # d, dmin, packed 6-bit scales and mins, (qh,) qs: value <= 63 * qmax * d, min <= 63 * dmin
+        qmax = 15 if t == T.Q4_K else 31
+        blocks[:, 0:2] = f16(size / (63 * qmax))
+        blocks[:, 2:4] = f16(size / (2 * 63))
+    return blocks.reshape(rows, -1)
+
+
 def write_tensors(path, arrays: dict[str, tuple[np.ndarray, T]]):
     w = GGUFWriter(path, "llama")
     for name, (a, t) in arrays.items():
-        if t == T.F32:
+        if a.dtype == np.uint8:  # raw blocks (K-quants): the writer takes the byte shape
+            w.add_tensor(name, a, raw_dtype=t)
+        elif t == T.F32:
             w.add_tensor(name, a.astype(np.float32))
         elif t == T.F16:
             w.add_tensor(name, a.astype(np.float16))
@@ -55,7 +80,7 @@ def mats(tmp_path_factory):
 def tol(fast: bool, t: T, x, w) -> float:
     """Exact mode: float32 summation error. Fast mode: 8-bit activations (llama.cpp's error)."""
     scale = np.abs(w).sum(axis=1).max() * np.abs(x).max()
-    quantized = fast and t in (T.Q4_0, T.Q4_1, T.Q8_0)
+    quantized = fast and t not in FLOAT_TYPES
     return scale * (1 / 127 if quantized else 1e-6)
 
 
@@ -107,26 +132,98 @@ def test_bad_arguments_are_refused(mats):
         m.matvec(x[:64])
 
 
+@pytest.fixture(scope="module")
+def kmats(tmp_path_factory):
+    rng = np.random.default_rng(10)
+    arrays = {f"w.{t.name}": (random_kquant(rng, 37, 768, t), t) for t in KTYPES}
+    return write_tensors(tmp_path_factory.mktemp("kq") / "k.gguf", arrays)
+
+
+def test_kquant_block_sizes(kmats):
+    for t in KTYPES:
+        m = K.FileMatrix(kmats[f"w.{t.name}"])
+        assert (m.block, m.row_bytes) == (256, 3 * quants.GGML_QUANT_SIZES[t][1])
+        assert (m.rows, m.cols) == (37, 768)
+
+
+@pytest.mark.parametrize("t", KTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_kquant_matvec_rows_and_columns(kmats, isa, t, fast):
+    m = K.FileMatrix(kmats[f"w.{t.name}"])
+    w = deq(kmats[f"w.{t.name}"])
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(768).astype(np.float32)
+    for rows in (None, range(5, 12), [36], [3, 0, 36, 17, 3], []):
+        got = m.matvec(x, rows=rows, fast=fast)
+        sel = w if rows is None else w[list(rows)]
+        want = sel @ x.astype(np.float64)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol(fast, t, x, w))
+    for cols in (range(256, 768), range(256, 512)):  # whole K blocks of the columns
+        xc = x[cols.start:cols.stop]
+        got = m.matvec(xc, rows=range(0, 37), cols=cols, fast=fast)
+        np.testing.assert_allclose(got, w[:, cols.start:cols.stop] @ xc.astype(np.float64), rtol=0,
+                                   atol=tol(fast, t, x, w))
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        m.matvec(x[:32], cols=range(0, 32))
+
+
+@pytest.mark.parametrize("t", KTYPES, ids=lambda t: t.name)
+def test_kquant_fast_mode_error_is_the_activation_quantization(kmats, isa, t):
+    """Fast mode's only error is x's 8-bit quantization: with x exactly representable in q8
+    blocks (integers up to 127 in every block of 32, one of them 127), fast equals exact up to
+    float rounding."""
+    m, w = K.FileMatrix(kmats[f"w.{t.name}"]), deq(kmats[f"w.{t.name}"])
+    rng = np.random.default_rng(12)
+    x = rng.integers(-127, 128, 768).astype(np.float32)
+    x[::32] = 127
+    want = w @ x.astype(np.float64)
+    for fast in (False, True):
+        np.testing.assert_allclose(m.matvec(x, fast=fast), want, rtol=0, atol=1e-6 * np.abs(w).sum(1).max() * 127)
+
+
+@pytest.mark.parametrize("t", KTYPES, ids=lambda t: t.name)
+def test_kquant_dequantize_equals_gguf(kmats, isa, t):
+    m = K.FileMatrix(kmats[f"w.{t.name}"])
+    w = deq(kmats[f"w.{t.name}"])
+    assert np.isfinite(w).all() and np.abs(w).max() > 0.05
+    np.testing.assert_array_equal(m.dequantize(), w.astype(np.float32))
+    np.testing.assert_array_equal(m.dequantize(rows=[4, 1], cols=range(256, 512)), w[[4, 1], 256:512].astype(np.float32))
+
+
 # ---- the fused FFN step ----------------------------------------------------------------------
 
-HIDDEN, N_FF = 64, 128
+def ffn_dims(t: T) -> tuple[int, int, int]:
+    """(hidden, n_ff, block): 4 blocks of down's row of neurons, whole K blocks for the K types"""
+    return (256, 1024, 256) if t in KTYPES else (64, 128, 32)
 
 
-@pytest.fixture(scope="module", params=[T.Q4_0, T.Q4_1, T.Q8_0, T.F16, T.F32], ids=lambda t: t.name)
+@pytest.fixture(scope="module", params=[T.Q4_0, T.Q4_1, T.Q8_0, T.F16, T.F32] + KTYPES, ids=lambda t: t.name)
 def ffn(request, tmp_path_factory):
     t = request.param
     rng = np.random.default_rng(3)
-    arrays = {"gate": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t), "up": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t),
-              "down": (rng.standard_normal((HIDDEN, N_FF)) * 0.2, t),
-              "down_t": (rng.standard_normal((N_FF, HIDDEN)) * 0.2, t)}
+    hidden, n_ff, _ = ffn_dims(t)
+    shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff), "down_t": (n_ff, hidden)}
+    if t in KTYPES:
+        arrays = {n: (random_kquant(rng, *s, t, size=0.2), t) for n, s in shapes.items()}
+    else:
+        arrays = {n: (rng.standard_normal(s) * 0.2, t) for n, s in shapes.items()}
     ts = write_tensors(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
     return t, {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
 
 
+def own_range(t: T, which: str) -> range:
+    """all neurons, the middle two blocks, the last block (blocks of 32, or 256 for K types)"""
+    _, _, b = ffn_dims(t)
+    return {"all": range(0, 4 * b), "middle": range(b, 3 * b), "last": range(3 * b, 4 * b)}[which]
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-@pytest.mark.parametrize("own", [range(0, 128), range(32, 96), range(96, 128)], ids=["all", "middle", "last"])
-def test_ffn_token(ffn, isa, fast, own):
+@pytest.mark.parametrize("which", ["all", "middle", "last"])
+def test_ffn_token(ffn, isa, fast, which):
     t, m, w = ffn
+    HIDDEN, N_FF, _ = ffn_dims(t)
+    own = own_range(t, which)
     rng = np.random.default_rng(4)
     scratch = K.FfnScratch(HIDDEN, len(own))
     x = rng.standard_normal(HIDDEN).astype(np.float32)
@@ -134,6 +231,8 @@ def test_ffn_token(ffn, isa, fast, own):
     owned = torch.zeros(N_FF, dtype=torch.float64)
     owned[own.start:own.stop] = 1
     g = torch.nn.functional.silu(x64 @ w["gate"].T)[0]
+    if fast:  # which neurons pass depends on the gate with 8-bit x: the kernel's own gate product
+        g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=True).astype(np.float64)))
     mags = np.sort(g[own.start:own.stop].abs().numpy())
     mid = mags[len(mags) // 4: 3 * len(mags) // 4]
     gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
@@ -150,15 +249,31 @@ def test_ffn_token(ffn, isa, fast, own):
         want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
         assert n == int(active.sum()), name
         scale = np.abs(want).max() + 1e-3
-        assert np.abs(y - want).max() <= (0.05 if fast and t in (T.Q4_0, T.Q4_1, T.Q8_0) else 1e-5) * scale, name
+        assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale, name
+
+
+def test_ffn_token_alignment_is_down_blocks(ffn):
+    """down's columns (the neurons) are read in whole blocks: a range must start on one"""
+    t, m, _ = ffn
+    hidden, n_ff, b = ffn_dims(t)
+    scratch = K.FfnScratch(hidden, n_ff)
+    x = np.zeros(hidden, np.float32)
+    with pytest.raises(ValueError, match=f"{b}-aligned range"):
+        K.ffn_token(m["gate"], m["up"], m["down"], x, range(b // 2, n_ff), "silu", scratch)
+    if b > 32:
+        with pytest.raises(ValueError, match=f"{b}-aligned range"):
+            K.ffn_token(m["gate"], m["up"], m["down"], x, range(32, n_ff), "silu", scratch)
+    K.ffn_token(m["gate"], m["up"], m["down_t"], x, range(b // 2, n_ff), "silu", scratch, down_t=True)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-@pytest.mark.parametrize("own", [range(0, 128), range(40, 77)], ids=["all", "unaligned"])
-def test_ffn_token_down_transposed(ffn, isa, fast, own):
+@pytest.mark.parametrize("which", ["all", "unaligned"])
+def test_ffn_token_down_transposed(ffn, isa, fast, which):
     """PowerInfer's layout: down stored transposed (a neuron's column is a row of blocks), read
     only for active neurons by an axpy each; any range of neurons, no alignment needed."""
     t, m, w = ffn
+    HIDDEN, N_FF, _ = ffn_dims(t)
+    own = range(0, N_FF) if which == "all" else range(40, 77)
     rng = np.random.default_rng(5)
     scratch = K.FfnScratch(HIDDEN, len(own))
     x = rng.standard_normal(HIDDEN).astype(np.float32)
@@ -173,4 +288,4 @@ def test_ffn_token_down_transposed(ffn, isa, fast, own):
         want = ffn_dense_reference(x64, w["gate"], w["up"], w["down_t"].T, "relu", active)[0].numpy()
         assert n == int(active.sum())
         scale = np.abs(want).max() + 1e-3
-        assert np.abs(y - want).max() <= (0.05 if fast and t in (T.Q4_0, T.Q4_1, T.Q8_0) else 1e-5) * scale
+        assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale

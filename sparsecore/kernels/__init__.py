@@ -10,7 +10,8 @@ file's own type. Nothing is copied: a process that computes some rows only pages
 
 `fast=False` (exact): float32 activations times the dequantized block values, what the
 transformers oracle computes. `fast=True`: the activation quantized to 8 bits per block of 32,
-integer block dot products (llama.cpp's arithmetic). Types: F32, F16, BF16, Q4_0, Q4_1, Q8_0.
+integer block dot products (llama.cpp's arithmetic). Types: F32, F16, BF16, Q4_0, Q4_1, Q8_0,
+and the K-quants Q4_K, Q5_K, Q6_K (blocks of 256 values: a K block spans 8 activation blocks).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 from . import _kernels
 
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
-NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32}  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
+NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
+                12: 256, 13: 256, 14: 256}  # Q4_K, Q5_K, Q6_K
 ACT_IDS = {"silu": 0, "relu": 1}
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 
@@ -36,6 +38,12 @@ def set_isa(name: str) -> str:
 
 def supports(tensor_type: int) -> bool:
     return int(tensor_type) in NATIVE_TYPES
+
+
+def neuron_align(down_type: int, down_t: bool = False) -> int:
+    """Where a range of owned neurons may start for ffn_token: down's columns are read in whole
+    blocks (32, or 256 for the K-quants); a transposed down_t has a row per neuron (any range)."""
+    return 1 if down_t else max(32, NATIVE_TYPES.get(int(down_type), 32))
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -151,8 +159,8 @@ class FfnScratch:
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
               fast: bool = False, down_t: bool = False) -> tuple[np.ndarray, int]:
-    """One token's partial FFN over owned neurons `own` (a 32-aligned range of the layer's, or
-    any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
+    """One token's partial FFN over owned neurons `own` (a range of the layer's aligned to whole
+    blocks of down's rows, 32 or 256 values, or any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
     which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
     PowerInfer's ffn_down_t), and only active neurons' rows are read."""
@@ -161,9 +169,10 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     if not (up.cols == hidden and d_rows == hidden and gate.rows == up.rows == d_cols):
         raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
                          f"down{'_t' if down_t else ''} {down.rows}x{down.cols}")
-    aligned = own.start % 32 == 0 and (len(own) % 32 == 0 or own.stop == gate.rows)
+    align = neuron_align(down.type)  # down's columns are read in whole blocks (and h quantized by 32)
+    aligned = own.start % align == 0 and (len(own) % align == 0 or own.stop == gate.rows)
     if own.step != 1 or own.stop > gate.rows or not (aligned or down_t):
-        raise ValueError(f"owned neurons {own} are not a 32-aligned range of the layer's {gate.rows}")
+        raise ValueError(f"owned neurons {own} are not a {align}-aligned range of the layer's {gate.rows}")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if len(x) != hidden:
         raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")

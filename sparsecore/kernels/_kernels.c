@@ -6,12 +6,13 @@
  *     for each owned neuron n:  g = act(gate[n] . x); skip unless active; h[n] = g * (up[n] . x)
  *     y = down[:, owned] . h
  * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q8_0, F16, BF16,
- * F32). Two arithmetic modes:
+ * F32, and the K-quants Q4_K, Q5_K, Q6_K in blocks of 256). Two arithmetic modes:
  *   exact: float32 activations times each block's dequantized values (d * q, exact in float32),
  *          summed per block and scaled: the products transformers computes on the dequantized
  *          matrix, in another summation order;
  *   fast:  the activation quantized once to 8 bits in blocks of 32 (as llama.cpp does), integer
- *          dot products per block, one float multiply per block.
+ *          dot products per block, one float multiply per block (per sub-block of a K block: a
+ *          K block of 256 spans 8 activation blocks).
  * SIMD: AVX2 (+FMA, F16C) chosen at run time where the CPU has it, else portable C; both give
  * the same integer sums in fast mode and the same products up to summation order in exact mode.
  */
@@ -30,8 +31,9 @@
 #endif
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 #define QK 32
+#define QKK 256  /* values per block of the K-quants */
 
 /* ---- scalar helpers ------------------------------------------------------------------------ */
 
@@ -60,13 +62,65 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : QK; }
+static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
 static int type_bytes(int t) {  /* bytes of one block */
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     default: return 0;
     }
+}
+/* quantized types: fast mode quantizes the activation to q8 blocks */
+static inline int is_quant(int t) { return block_size(t) >= QK; }
+
+/* ---- K-quant blocks (ggml's layouts), 256 values each ----------------------------------------
+ * Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] packed, 128
+ *   bytes qs. Sub-block j (32 values) of q: nibbles of qs[32 (j/2) ..+32], low ones for even j,
+ *   high ones for odd j. Value = d sc[j] q - dmin m[j].
+ * Q5_K (176 bytes): d, dmin, the 12 scale bytes, 32 bytes qh, 128 bytes qs as Q4_K; value i of
+ *   sub-block j gets bit j of qh[i] as its fifth bit (q in 0..31).
+ * Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), int8 sc[16] (one per
+ *   16 values), f16 d. Half h (128 values): value 32 k + l (k < 4, l < 32) has low bits
+ *   ql[64 h + 32 (k & 1) + l] >> 4 (k >> 1) and high bits qh[32 h + l] >> 2 k; value = d sc (q - 32). */
+
+/* 6-bit scale and min of sub-block j from Q4_K/Q5_K's 12 packed bytes */
+static inline void kscale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32) and per sub-block float scale
+ * and min (value = scl q - mn); returns the sub-block size (32, or 16 for Q6_K). */
+static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
+    if (t == T_Q6_K) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = f16_to_f32(rd16(w + 208));
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = (ql[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 15, hi = (qh[32 * h + l] >> (2 * k)) & 3;
+                    q[128 * h + 32 * k + l] = (int8_t)((lo | (hi << 4)) - 32);
+                }
+        for (int j = 0; j < 16; j++) { scl[j] = d * (float)sc[j]; mn[j] = 0.f; }
+        return 16;
+    }
+    float d = f16_to_f32(rd16(w)), dmin = f16_to_f32(rd16(w + 2));
+    const uint8_t *qs = w + (t == T_Q5_K ? 48 : 16), *qh = w + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kscale_min(w + 4, j, &sc, &m);
+        scl[j] = d * (float)sc;
+        mn[j] = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int v = (qs[32 * (j >> 1) + l] >> (4 * (j & 1))) & 15;
+            if (t == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            q[32 * j + l] = (int8_t)v;
+        }
+    }
+    return 32;
 }
 
 /* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
@@ -123,6 +177,19 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
             acc += f16_to_f32(rd16(w)) * s;
         }
         break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t), x += QKK) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int j = 0; j < QKK / ss; j++) {  /* per sub-block: scale . (q . x) - min . sum(x) */
+                float s = 0.f, sx = 0.f;
+                for (int l = j * ss; l < (j + 1) * ss; l++) { s += (float)q[l] * x[l]; sx += x[l]; }
+                acc += scl[j] * s - mn[j] * sx;
+            }
+        }
+        break;
+    }
     }
     return acc;
 }
@@ -130,6 +197,26 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
 /* fast: w (quantized type) . xq (q8 blocks); float types fall back to the exact product with x */
 static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
     float acc = 0.f;
+    if (is_kquant(t)) {  /* a K block of 256 spans 8 q8 blocks */
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < nb / 8; b++, w += type_bytes(t)) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int c = 0; c < 8; c++, xq++) {
+                const int8_t *qc = q + QK * c;
+                if (ss == QK) {  /* Q4_K, Q5_K: sub-block c is this q8 block; its min needs sum(qx) */
+                    int32_t s = 0;
+                    for (int l = 0; l < QK; l++) s += qc[l] * xq->q[l];
+                    acc += scl[c] * xq->d * (float)s - mn[c] * xq->d * (float)xq->s;
+                } else {  /* Q6_K: two sub-blocks of 16, signed q - 32, no min */
+                    int32_t s0 = 0, s1 = 0;
+                    for (int l = 0; l < 16; l++) { s0 += qc[l] * xq->q[l]; s1 += qc[16 + l] * xq->q[16 + l]; }
+                    acc += xq->d * (scl[2 * c] * (float)s0 + scl[2 * c + 1] * (float)s1);
+                }
+            }
+        }
+        return acc;
+    }
     for (int b = 0; b < nb; b++, xq++) {
         int32_t s = 0;
         switch (t) {
@@ -178,6 +265,15 @@ static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
             for (int j = 0; j < QK; j++) y[j] += ad * (float)(int8_t)w[2 + j];
         }
         break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+        int8_t q[QKK];
+        float scl[16], mn[16];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t), y += QKK) {
+            int ss = kunpack(t, w, q, scl, mn);
+            for (int l = 0; l < QKK; l++) y[l] += a * scl[l / ss] * (float)q[l] - a * mn[l / ss];
+        }
+        break;
+    }
     }
 }
 
@@ -205,6 +301,59 @@ AVX2 static inline __m256 i8x32_dot_f(__m256i b, const float *x, __m256 acc, __m
     p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16), p);
     p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), p);
     return _mm256_fmadd_ps(p, scale, acc);
+}
+
+/* the same with one scale for the first 16 bytes and another for the last 16 (Q6_K) */
+AVX2 static inline __m256 i8x32_dot_f2(__m256i b, const float *x, __m256 acc, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+    __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16));
+    q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), q);
+    return _mm256_fmadd_ps(q, s_hi, _mm256_fmadd_ps(p, s_lo, acc));
+}
+
+/* A K block's 256 values as 8 vectors of 32 unsigned bytes, one per 32 consecutive values:
+ * Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before its -32). */
+AVX2 static inline void kq_unpack(int t, const uint8_t *w, __m256i q[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(3);
+    if (t == T_Q6_K) {
+        for (int h = 0; h < 2; h++) {  /* half h: ql[64h..+64] (two vectors), qh[32h..+32] */
+            __m256i a = _mm256_loadu_si256((const __m256i *)(w + 64 * h)), b = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            /* high bits: 2 per value, to bits 4..5 (mask per byte first: the 16-bit shifts cross bytes) */
+            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        }
+        return;
+    }
+    const uint8_t *qs = w + (t == T_Q5_K ? 48 : 16);
+    __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {  /* 32 bytes of qs: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        q[2 * k] = _mm256_and_si256(v, m4);
+        q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (t == T_Q5_K) {  /* bit j of qh is sub-block j's fifth bit: shift qh down one bit per sub-block */
+            q[2 * k] = _mm256_or_si256(q[2 * k], _mm256_slli_epi16(_mm256_and_si256(hb, m1), 4));
+            q[2 * k + 1] = _mm256_or_si256(q[2 * k + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), m1), 4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+    }
+}
+
+/* Q4_K/Q5_K: each sub-block's scale d sc[j] and min dmin m[j] */
+static inline void k45_scales(const uint8_t *w, float *scl, float *mn) {
+    float d = f16_to_f32(rd16(w)), dmin = f16_to_f32(rd16(w + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kscale_min(w + 4, j, &sc, &m);
+        scl[j] = d * (float)sc;
+        mn[j] = dmin * (float)m;
+    }
 }
 
 AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
@@ -247,6 +396,35 @@ AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n)
         for (int b = 0; b < nb; b++, w += 34, x += QK)
             acc = i8x32_dot_f(_mm256_loadu_si256((const __m256i *)(w + 2)), x, acc, _mm256_set1_ps(f16_to_f32(rd16(w))));
         return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {
+        __m256 accm = _mm256_setzero_ps();
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK) {  /* scale . (q . x) - min . sum(x), per sub-block of 32 */
+                acc = i8x32_dot_f(q[j], x, acc, _mm256_set1_ps(scl[j]));
+                __m256 sx = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                          _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+                accm = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[j]), accm);
+            }
+        }
+        return hsum8(_mm256_sub_ps(acc, accm));
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK)  /* two sub-blocks of 16, values q - 32 */
+                acc = i8x32_dot_f2(_mm256_sub_epi8(q[j], c32), x, acc, _mm256_set1_ps(d * (float)sc[2 * j]),
+                                   _mm256_set1_ps(d * (float)sc[2 * j + 1]));
+        }
+        return hsum8(acc);
+    }
     default:
         return dot_exact_c(t, w, x, n);
     }
@@ -284,6 +462,40 @@ AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16_to_f32(rd16(w)) * xq->d), acc);
         }
         return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {  /* sub-block j of 32 is q8 block j of the 8 a K block spans */
+        float scl[8], mn[8];
+        __m256i q[8];
+        __m256 acc2 = _mm256_setzero_ps();
+        for (int b = 0; b < nb / 8; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2, xq += 2) {
+                __m256i s0 = dot_u8s8(q[j], _mm256_loadu_si256((const __m256i *)xq[0].q));
+                __m256i s1 = dot_u8s8(q[j + 1], _mm256_loadu_si256((const __m256i *)xq[1].q));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xq[0].d), acc);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xq[1].d), acc2);
+                extra -= mn[j] * xq[0].d * (float)xq[0].s + mn[j + 1] * xq[1].d * (float)xq[1].s;
+            }
+        }
+        return hsum8(_mm256_add_ps(acc, acc2)) + extra;
+    }
+    case T_Q6_K: {  /* q8 block j holds sub-blocks 2j (its first 16 values) and 2j+1 */
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < nb / 8; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, xq++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)xq->q);
+                /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
+                __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xv), _mm256_maddubs_epi16(c32, xv));
+                __m256i s = _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xq->d), acc);
+            }
+        }
+        return hsum8(acc);
+    }
     default:
         return dot_fast_c(t, w, xq, nb);
     }
@@ -297,6 +509,15 @@ AVX2 static inline void i8x32_axpy(__m256i b, float *y, __m256 scale, __m256 bia
     for (int k = 0; k < 4; k++)
         _mm256_storeu_ps(y + 8 * k, _mm256_add_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), scale, bias),
                                                   _mm256_loadu_ps(y + 8 * k)));
+}
+
+/* y (32 floats) += s_lo * b[0..16) , s_hi * b[16..32) (int8) */
+AVX2 static inline void i8x32_axpy2(__m256i b, float *y, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_ps(y + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), k < 2 ? s_lo : s_hi, _mm256_loadu_ps(y + 8 * k)));
 }
 
 AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
@@ -314,6 +535,29 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
         for (int b = 0; b < n / QK; b++, w += 34, y += QK)
             i8x32_axpy(_mm256_loadu_si256((const __m256i *)(w + 2)), y, _mm256_set1_ps(a * f16_to_f32(rd16(w))), zero);
         return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy(q[j], y, _mm256_set1_ps(a * scl[j]), _mm256_set1_ps(-a * mn[j]));
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float ad = a * f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy2(_mm256_sub_epi8(q[j], c32), y, _mm256_set1_ps(ad * (float)sc[2 * j]), _mm256_set1_ps(ad * (float)sc[2 * j + 1]));
+        }
+        return;
+    }
     case T_F32: {
         const float *f = (const float *)w;
         int i = 0;
@@ -346,7 +590,7 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
 
 /* fast mode for quantized types; float types have no integer path and use x itself */
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
-    if (fast && block_size(t) == QK) {
+    if (fast && is_quant(t)) {
 #if HAVE_X86
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
@@ -382,7 +626,7 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
 }
 
 /* THE hot function: one token's partial FFN over owned neurons [own0, own0 + n_own) of the layer
- * (a contiguous range, 32-aligned, as the static plan hands them out). gate, up: (n_ff rows,
+ * (a contiguous range on whole blocks of down's rows, 32 or 256, as the static plan hands them out). gate, up: (n_ff rows,
  * hidden cols); down: (hidden rows, n_ff cols). Active: dense (threshold < 0 and no mask), a
  * predictor's mask over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own
  * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
@@ -440,6 +684,15 @@ static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_ro
                 for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)w[2 + j];
             }
             break;
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+            int8_t q[QKK];
+            float scl[16], mn[16];
+            for (int b = 0; b < n / QKK; b++, w += type_bytes(m.t), o += QKK) {
+                int ss = kunpack(m.t, w, q, scl, mn);
+                for (int l = 0; l < QKK; l++) o[l] = scl[l / ss] * (float)q[l] - mn[l / ss];  /* as gguf-py: (d sc) q - dmin m */
+            }
+            break;
+        }
         }
     }
 }
@@ -472,7 +725,7 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     float *y = ARG_PTR(11);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (fast && block_size(m.t) == QK) quantize_q8(x, n, xq);
+    if (fast && is_quant(m.t)) quantize_q8(x, n, xq);
     matvec(m, rows, start, n_rows, col0, n, x, xq, fast, y);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
