@@ -201,6 +201,29 @@ def _proc_kb(path: str, key: str) -> int:
     return 0
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and its live descendants."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                v = f.read().rsplit(")", 1)[1].split()
+            total += int(v[11]) + int(v[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / _TICK
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / _TICK
+
+
 def tree_memory(pid: int) -> dict:
     """Peak RSS (VmHWM) and PSS now, each summed over `pid` and its descendants, in bytes."""
     pids = process_tree(pid)
@@ -301,6 +324,21 @@ def prompt_ids(model: Path, pp: int) -> list[int]:
     return heldout_chunks(_NoSpecials(), 1, pp)[0]
 
 
+def timed(children: list[Child], c: Child, m: str, prompt, tg: int) -> dict:
+    """One run of `m` on `c`, with what else used the cores meanwhile: `idle_sides_cores`, the
+    cores the other benchmarked processes (which should be idle) used, and `other_cores`, the
+    cores anything but `c` used (those, plus every other program on the machine)."""
+    cpu0 = {x: tree_cpu_s(x.proc.pid) for x in children}
+    busy0, t0 = machine_busy_s(), time.perf_counter()
+    r = c.run(m, prompt, tg)
+    wall = time.perf_counter() - t0
+    busy = machine_busy_s() - busy0
+    cpu = {x: tree_cpu_s(x.proc.pid) - cpu0[x] for x in children}
+    r["idle_sides_cores"] = sum(v for x, v in cpu.items() if x is not c) / wall
+    r["other_cores"] = max(0.0, busy - cpu[c]) / wall
+    return r
+
+
 def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int) -> dict:
     """Every (child, mode) pair `warmup` times, then `reps` interleaved rounds, order flipping."""
     runners = [(c, m) for c in children for m in c.modes]
@@ -310,7 +348,7 @@ def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int) -> dic
     runs = {m: [] for _, m in runners}
     for rep in range(reps):
         for c, m in (runners if rep % 2 == 0 else runners[::-1]):
-            runs[m].append(c.run(m, prompt, tg))
+            runs[m].append(timed(children, c, m, prompt, tg))
     return runs
 
 
@@ -322,6 +360,8 @@ def summarize(runs, pp: int, tg: int) -> dict:
         out[name] = dict(prefill_s=pre, decode_s=dec, pp_tok_s=pp / pre, tg_tok_s=(tg - 1) / dec,
                          ids=rs[-1]["ids"], all_prefill_s=[r["prefill_s"] for r in rs],
                          all_decode_s=[r["decode_s"] for r in rs])
+        out[name]["other_cores"] = max(r["other_cores"] for r in rs)
+        out[name]["idle_sides_cores"] = max(r["idle_sides_cores"] for r in rs)
         if "active_fraction" in rs[-1]:
             out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
         sync = [u for r in rs for u in r.get("sync_us", [])]
@@ -398,19 +438,26 @@ def main():
     print(f"threads={args.threads} pp={args.pp} tg={args.tg} reps={args.reps} (medians), each side in a "
           f"clean process of its own; cores busy with other work before/after: {busy}")
     spare = (os.cpu_count() or 1) - args.threads
-    if any(b is not None and b > spare + 0.25 for b in busy):
-        print("WARNING: other processes were using the cores; llama.cpp's OpenMP threads "
-              "suffer most from that, so these numbers and the ratio are unreliable")
+    other = max(r["other_cores"] for r in res.values())
+    idle = max(r["idle_sides_cores"] for r in res.values())
+    print(f"during the timed runs, at worst: {other:.2f} cores used by anything but the side being "
+          f"timed, {idle:.2f} of them by the other (idle) benchmarked processes")
+    if other > spare + 0.25:
+        print("WARNING: other processes were using the cores during timed runs; llama.cpp's OpenMP "
+              "threads suffer most from that, so these numbers and the ratio are unreliable "
+              "(per-side worst case in the 'other cores' column)")
     head = (f"| {'':22s} | {'pp tok/s':>8s} | {'tg tok/s':>8s} | {'prefill s':>9s} | {'decode s':>8s} | "
-            f"{'load s':>6s} | {'TTFT s':>6s} | {'peak RSS GB':>11s} | {'PSS GB':>6s} | {'procs':>5s} |")
+            f"{'load s':>6s} | {'TTFT s':>6s} | {'peak RSS GB':>11s} | {'PSS GB':>6s} | {'procs':>5s} | {'other cores':>11s} |")
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for name, r in res.items():
         print(f"| {name:22s} | {r['pp_tok_s']:8.1f} | {r['tg_tok_s']:8.2f} | {r['prefill_s']:9.3f} | "
               f"{r['decode_s']:8.3f} | {r['load_s']:6.2f} | {r['ttft_cold_s']:6.2f} | "
-              f"{r['peak_rss_bytes'] / 1e9:11.3f} | {r['pss_bytes'] / 1e9:6.3f} | {r['processes']:5d} |")
+              f"{r['peak_rss_bytes'] / 1e9:11.3f} | {r['pss_bytes'] / 1e9:6.3f} | {r['processes']:5d} | "
+              f"{r['other_cores']:11.2f} |")
     print("TTFT = process start to the first token of the pp-token prompt (load + first prefill); "
-          "peak RSS = sum of VmHWM over the process and its descendants; PSS summed at the end")
+          "peak RSS = sum of VmHWM over the process and its descendants; PSS summed at the end; "
+          "other cores = the worst run's cores used by anything else meanwhile")
     if gb_s is not None:
         print(f"machine read bandwidth ({args.threads} threads, clean process): {gb_s:.1f} GB/s")
     result = dict(model=str(args.model), llama_model=str(llama_model), model_bytes=args.model.stat().st_size,
