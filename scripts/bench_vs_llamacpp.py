@@ -339,8 +339,12 @@ def timed(children: list[Child], c: Child, m: str, prompt, tg: int) -> dict:
     return r
 
 
-def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int) -> dict:
-    """Every (child, mode) pair `warmup` times, then `reps` interleaved rounds, order flipping."""
+def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int,
+          max_other_cores: float | None = None, retries: int = 3) -> dict:
+    """Every (child, mode) pair `warmup` times, then `reps` interleaved rounds, order flipping.
+    A timed run during which other work used more than `max_other_cores` cores is thrown away
+    and run again (up to `retries` times, after a pause), so a shared machine's bursts of
+    load do not land in one side's numbers only."""
     runners = [(c, m) for c in children for m in c.modes]
     for c, m in runners:
         for _ in range(warmup):
@@ -348,7 +352,16 @@ def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int) -> dic
     runs = {m: [] for _, m in runners}
     for rep in range(reps):
         for c, m in (runners if rep % 2 == 0 else runners[::-1]):
-            runs[m].append(timed(children, c, m, prompt, tg))
+            r = timed(children, c, m, prompt, tg)
+            tries = 0
+            while max_other_cores is not None and r["other_cores"] > max_other_cores and tries < retries:
+                tries += 1
+                print(f"  {m}: {r['other_cores']:.2f} cores busy with other work during the run; "
+                      f"running it again ({tries}/{retries})", file=sys.stderr, flush=True)
+                time.sleep(5)
+                r = timed(children, c, m, prompt, tg)
+            r["retries"] = tries
+            runs[m].append(r)
     return runs
 
 
@@ -361,6 +374,7 @@ def summarize(runs, pp: int, tg: int) -> dict:
                          ids=rs[-1]["ids"], all_prefill_s=[r["prefill_s"] for r in rs],
                          all_decode_s=[r["decode_s"] for r in rs])
         out[name]["other_cores"] = max(r["other_cores"] for r in rs)
+        out[name]["retries"] = sum(r["retries"] for r in rs)
         out[name]["idle_sides_cores"] = max(r["idle_sides_cores"] for r in rs)
         if "active_fraction" in rs[-1]:
             out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
@@ -388,6 +402,9 @@ def main():
     ap.add_argument("--weights", nargs="+", default=["f32"], choices=WEIGHT_FORMATS,
                     help="our workers' weight formats, one engine process each (f32: exact; f16: half the bytes)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
+    ap.add_argument("--max-other-cores", type=float, default=0.25,
+                    help="redo a timed run (up to 3 times) if other work used more cores than this "
+                         "meanwhile (negative: never)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the read bandwidth measurement")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
@@ -418,7 +435,8 @@ def main():
                                                    weights=w, cpu_workers=args.cpu_workers,
                                                    sparsity=args.sparsity, label=label)))
         busy_before = busy_cores()  # everything loaded and idle: should be ~0
-        runs = bench(children, prompt, args.tg, args.reps, args.warmup)
+        runs = bench(children, prompt, args.tg, args.reps, args.warmup,
+                     None if args.max_other_cores < 0 else args.max_other_cores)
         busy_after = busy_cores()
         mem = {c: c.memory() for c in children}
     finally:
