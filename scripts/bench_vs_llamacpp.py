@@ -381,8 +381,8 @@ def summarize(runs, pp: int, tg: int) -> dict:
         sync = [u for r in rs for u in r.get("sync_us", [])]
         if sync:
             sync.sort()
-            out[name]["sync_us"] = dict(median=statistics.median(sync), p99=sync[min(len(sync) - 1, int(0.99 * len(sync)))],
-                                        n=len(sync))
+            p99 = sync[min(len(sync) - 1, int(0.99 * len(sync)))]
+            out[name]["sync_us"] = dict(median=statistics.median(sync), p99=p99, n=len(sync))
     return out
 
 
@@ -478,7 +478,8 @@ def main():
           "other cores = the worst run's cores used by anything else meanwhile")
     if gb_s is not None:
         print(f"machine read bandwidth ({args.threads} threads, clean process): {gb_s:.1f} GB/s")
-    result = dict(model=str(args.model), llama_model=str(llama_model), model_bytes=args.model.stat().st_size,
+    result = dict(model=str(args.model), llama_model=str(llama_model),
+                  model_bytes=args.model.stat().st_size,
                   threads=args.threads, pp=args.pp, tg=args.tg, reps=args.reps, cpu_workers=args.cpu_workers,
                   weights=args.weights, busy_cores_other=busy, cpu_count=os.cpu_count(),
                   read_bandwidth_gb_s=gb_s, results=res)
