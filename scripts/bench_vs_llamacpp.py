@@ -465,7 +465,8 @@ def main():
               "threads suffer most from that, so these numbers and the ratio are unreliable "
               "(per-side worst case in the 'other cores' column)")
     head = (f"| {'':22s} | {'pp tok/s':>8s} | {'tg tok/s':>8s} | {'prefill s':>9s} | {'decode s':>8s} | "
-            f"{'load s':>6s} | {'TTFT s':>6s} | {'peak RSS GB':>11s} | {'PSS GB':>6s} | {'procs':>5s} | {'other cores':>11s} |")
+            f"{'load s':>6s} | {'TTFT s':>6s} | {'peak RSS GB':>11s} | {'PSS GB':>6s} | {'procs':>5s} | "
+            f"{'other cores':>11s} |")
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for name, r in res.items():
