@@ -1,54 +1,99 @@
-"""Prefill and greedy-decode speed: our engine vs llama.cpp (llama-cpp-python), same GGUF.
+"""Prefill and greedy-decode speed, time to first token and memory: our engine vs llama.cpp.
 
-Both are loaded once; timed runs alternate between them (the order flips every rep) and
-the table shows medians. Prefill = evaluating --pp prompt tokens up to the first
-token; decode = the next --tg - 1 tokens, one forward each, greedy.
+Fair by construction (issue 14):
+- llama.cpp (llama-cpp-python; build it with scripts/setup-bench) runs in a process of its
+  own, started with this script's environment as it was before anything was imported, minus
+  every OpenMP/BLAS threading variable (OMP_*, GOMP_*, KMP_*, MKL_*, OPENBLAS_*). It keeps its
+  default model parameters: its repacked (extra buffer type) CPU kernels are on.
+- Our engine runs the same way: one process per --weights format (plus its worker processes),
+  from the same clean environment; it sets its own thread/wait policy inside itself.
+- Same GGUF file, same prompt ids, same thread count; all processes load first, one at a
+  time, then timed runs alternate between them (A B A B ..., the order flipping every rep)
+  and the table shows medians. Prefill = evaluating --pp prompt tokens up to the first token;
+  decode = the next --tg - 1 tokens, one forward each, greedy.
 
-Our engine runs dense and at each --sparsity level (default 0.2, the operating point), with
-each --weights format (default f32, the exact one; f16 halves the bytes a token reads).
+Reported per side: pp and tg tok/s and their ratios ours/llama.cpp; load (process start until
+the model is ready: interpreter, imports, model, workers) and cold TTFT (process start until
+the first token of the prompt: load + the first prefill); peak resident memory, the sum of
+VmHWM over the process and all its descendants (ours: coordinator + workers; theirs: its one
+process), and PSS summed at the end (shared pages counted once); the machine's read bandwidth,
+measured by `sparseinfer bench`'s reduction in a clean process of its own.
 
-Usage: python scripts/bench_vs_llamacpp.py [--threads 2] [--pp 128] [--tg 64] [--reps 3] [--sparsity 0.2 0.5]
-                                           [--weights f32 f16]
+Our engine runs dense, at each --sparsity level (calibrated thresholds, default 0.2), and with
+the file's own predictors if it has any (PowerInfer PWRI files). llama.cpp cannot load PWRI
+files: give it the dense file of the same shape with --llama-model.
+
+Usage: python scripts/bench_vs_llamacpp.py [--model M] [--threads 2] [--pp 128] [--tg 64]
+           [--reps 3] [--sparsity 0.2 0.5] [--weights f32 f16] [--llama-model M2] [--json out]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
-import numpy as np
+# The environment before anything (ours or a library's) could change it: children start from it.
+BASE_ENV = dict(os.environ)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (after the path insert)
+from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (light: no torch)
 
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "VECLIB_")
+REPLY = "@@bench "  # prefix of a child's protocol lines on its private stdout
 
 
-class LlamaCppRunner:
-    name = "llama.cpp"
+def clean_env() -> dict:
+    """The environment every benchmarked process starts from: the one this script was started
+    with, minus threading variables, so neither side inherits a policy meant for the other."""
+    return {k: v for k, v in BASE_ENV.items() if not k.startswith(THREAD_ENV_PREFIXES)}
 
-    def __init__(self, model: Path, threads: int, pp: int, tg: int, extra_bufts: bool):
-        from compare_llamacpp import open_llama
 
-        nb = max(pp, 512)
-        self.llm = open_llama(model, extra_bufts, n_ctx=pp + tg + 16, n_batch=nb, n_ubatch=nb,
-                              n_threads=threads, n_threads_batch=threads)
+# ---- children: one benchmarked process each ------------------------------------------------
+
+class _Channel:
+    """The child's end: protocol lines go to the original stdout, which nothing else may write
+    (fd 1 is pointed at stderr, so library prints cannot corrupt the protocol)."""
+
+    def __init__(self):
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+    def send(self, **msg):
+        self.out.write(REPLY + json.dumps(msg) + "\n")
+
+    def commands(self):
+        for line in sys.stdin:
+            if line.strip():
+                yield json.loads(line)
+
+
+class LlamaCppSide:
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int):
+        import numpy as np
+        from llama_cpp import Llama
+
+        self.np = np
+        self.llm = Llama(model, verbose=False, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                         n_threads=threads, n_threads_batch=threads)
         self.n_vocab = self.llm.n_vocab()
+        self.modes = ["llama.cpp"]
 
     def _argmax_last(self) -> int:
         # logits_all=False: llama-cpp-python keeps no scores; read the last row directly
         row = self.llm._ctx.get_logits_ith(-1)
-        return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
+        return int(self.np.argmax(self.np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
 
-    def run(self, prompt: list[int], tg: int) -> dict:
-        """(prefill seconds, decode seconds, generated ids), greedy argmax."""
+    def run(self, mode: str, prompt: list[int], tg: int) -> dict:
         llm = self.llm
         llm.reset()
         t0 = time.perf_counter()
@@ -65,27 +110,185 @@ class LlamaCppRunner:
         self.llm.close()
 
 
-class OursRunner:
-    """Our engine in one mode (dense, or sparse at a calibrated level); runners may share an engine."""
-
-    def __init__(self, eng, sparsity: float | None, label: str = ""):
+class OursSide:
+    def __init__(self, model: str, threads: int, n_ctx: int, weights: str, cpu_workers: int,
+                 sparsity: list[float], label: str):
+        sys.path.insert(0, str(REPO))
+        from coordinator.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
 
-        self.eng = eng
-        self.mode = Mode("dense") if sparsity is None else Mode(f"sparse {sparsity:.2f}", sparsity=sparsity)
-        self.name = f"ours {label}{self.mode.name}"
-        self.sync_us = {"decode": []}  # per-layer exchange overheads, timed runs only
+        self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads, ctx=n_ctx,
+                                               weights=weights))
+        own = self.eng.predictors  # a PWRI file's own fc1/fc2, else None
+        modes = [Mode("dense")] + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
+        if own is not None:
+            modes.append(Mode("predictor", predictors=own))
+        self.by_name = {f"ours {label}{m.name}": m for m in modes}
+        self.modes = list(self.by_name)
 
-    def run(self, prompt: list[int], tg: int) -> dict:
+    def run(self, mode: str, prompt: list[int], tg: int) -> dict:
         from coordinator.tools.bench import timed_run
 
-        self.mode.apply(self.eng)
+        self.by_name[mode].apply(self.eng)
         r = timed_run(self.eng, prompt, tg)
-        self.sync_us["decode"] += r.sync_us
-        return dict(prefill_s=r.prefill_s, decode_s=r.decode_s, ids=r.ids, active_fraction=r.active_fraction)
+        return dict(prefill_s=r.prefill_s, decode_s=r.decode_s, ids=r.ids,
+                    active_fraction=r.active_fraction, sync_us=r.sync_us)
 
     def close(self):
-        pass  # the engine is closed by whoever opened it
+        self.eng.close()
+
+
+def bandwidth_child(threads: int) -> float:
+    sys.path.insert(0, str(REPO))
+    from coordinator.tools.bench import read_bandwidth_gbs
+    return read_bandwidth_gbs(threads)
+
+
+def serve(kind: str, cfg: dict) -> None:
+    """A child's whole life: load, say ready, run what the parent asks, quit."""
+    ch = _Channel()
+    try:
+        if kind == "bandwidth":
+            ch.send(ok=True, gb_s=bandwidth_child(cfg["threads"]))
+            return
+        side = LlamaCppSide(**cfg) if kind == "llamacpp" else OursSide(**cfg)
+    except Exception as e:
+        ch.send(ok=False, error=f"{type(e).__name__}: {e}")
+        raise
+    ch.send(ok=True, modes=side.modes)
+    try:
+        for cmd in ch.commands():
+            if cmd["op"] == "quit":
+                break
+            ch.send(ok=True, **side.run(cmd["mode"], cmd["prompt"], cmd["tg"]))
+    finally:
+        side.close()
+        ch.send(ok=True, closed=True)
+
+
+# ---- the parent: processes, memory, interleaving ---------------------------------------------
+
+def _children_of() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    kids, out, todo = _children_of(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _proc_kb(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and its live descendants."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                v = f.read().rsplit(")", 1)[1].split()
+            total += int(v[11]) + int(v[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / _TICK
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / _TICK
+
+
+def tree_memory(pid: int) -> dict:
+    """Peak RSS (VmHWM) and PSS now, each summed over `pid` and its descendants, in bytes."""
+    pids = process_tree(pid)
+    return dict(peak_rss=1024 * sum(_proc_kb(f"/proc/{p}/status", "VmHWM:") for p in pids),
+                pss=1024 * sum(_proc_kb(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids),
+                processes=len(pids))
+
+
+class Child:
+    """A benchmarked process, driven over its stdin/stdout."""
+
+    def __init__(self, kind: str, cfg: dict, timeout_s: float = 900):
+        self.kind = kind
+        self.t_spawn = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", kind,
+                                      json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=clean_env(), text=True, cwd=str(REPO))
+        hello = self._read()
+        self.load_s = time.perf_counter() - self.t_spawn
+        self.hello = hello
+        self.modes = hello.get("modes", [])
+        self.first_prefill_s = None
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                rc = self.proc.wait()
+                raise RuntimeError(f"{self.kind} process ended (exit code {rc}) without answering")
+            if line.startswith(REPLY):
+                msg = json.loads(line[len(REPLY):])
+                if not msg.get("ok"):
+                    raise RuntimeError(f"{self.kind} process: {msg.get('error')}")
+                return msg
+
+    def run(self, mode: str, prompt: list[int], tg: int) -> dict:
+        self.proc.stdin.write(json.dumps(dict(op="run", mode=mode, prompt=prompt, tg=tg)) + "\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        if self.first_prefill_s is None:
+            self.first_prefill_s = r["prefill_s"]
+        return r
+
+    def memory(self) -> dict:
+        return tree_memory(self.proc.pid)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps(dict(op="quit")) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def measure_bandwidth(threads: int) -> float | None:
+    try:
+        c = Child("bandwidth", dict(threads=threads))
+    except RuntimeError as e:
+        print(f"read bandwidth: unavailable ({e})", file=sys.stderr)
+        return None
+    c.proc.wait()
+    return c.hello["gb_s"]
 
 
 def busy_cores(seconds: float = 1.0) -> float | None:
@@ -105,7 +308,9 @@ def busy_cores(seconds: float = 1.0) -> float | None:
 
 def prompt_ids(model: Path, pp: int) -> list[int]:
     """pp tokens of English text from pydoc topics, by our GGUF tokenizer (tested to match
-    transformers'), so the benchmark needs no transformers."""
+    transformers'), so the benchmark needs no transformers. (Imports no torch.)"""
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "scripts"))
     from compare_llamacpp import heldout_chunks
     from coordinator.tokenizer import GGUFTokenizer
     from sparsecore.gguf_file import open_gguf
@@ -119,16 +324,44 @@ def prompt_ids(model: Path, pp: int) -> list[int]:
     return heldout_chunks(_NoSpecials(), 1, pp)[0]
 
 
-def bench(runners, prompt, tg: int, reps: int, warmup: int) -> dict:
-    for r in runners:
+def timed(children: list[Child], c: Child, m: str, prompt, tg: int) -> dict:
+    """One run of `m` on `c`, with what else used the cores meanwhile: `idle_sides_cores`, the
+    cores the other benchmarked processes (which should be idle) used, and `other_cores`, the
+    cores anything but `c` used (those, plus every other program on the machine)."""
+    cpu0 = {x: tree_cpu_s(x.proc.pid) for x in children}
+    busy0, t0 = machine_busy_s(), time.perf_counter()
+    r = c.run(m, prompt, tg)
+    wall = time.perf_counter() - t0
+    busy = machine_busy_s() - busy0
+    cpu = {x: tree_cpu_s(x.proc.pid) - cpu0[x] for x in children}
+    r["idle_sides_cores"] = sum(v for x, v in cpu.items() if x is not c) / wall
+    r["other_cores"] = max(0.0, busy - cpu[c]) / wall
+    return r
+
+
+def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int,
+          max_other_cores: float | None = None, retries: int = 3) -> dict:
+    """Every (child, mode) pair `warmup` times, then `reps` interleaved rounds, order flipping.
+    A timed run during which other work used more than `max_other_cores` cores is thrown away
+    and run again (up to `retries` times, after a pause), so a shared machine's bursts of
+    load do not land in one side's numbers only."""
+    runners = [(c, m) for c in children for m in c.modes]
+    for c, m in runners:
         for _ in range(warmup):
-            r.run(prompt, tg)
-        if isinstance(r, OursRunner):
-            r.sync_us = {"decode": []}  # keep only the timed runs' exchanges
-    runs = {r.name: [] for r in runners}
+            c.run(m, prompt, tg)
+    runs = {m: [] for _, m in runners}
     for rep in range(reps):
-        for r in (runners if rep % 2 == 0 else runners[::-1]):
-            runs[r.name].append(r.run(prompt, tg))
+        for c, m in (runners if rep % 2 == 0 else runners[::-1]):
+            r = timed(children, c, m, prompt, tg)
+            tries = 0
+            while max_other_cores is not None and r["other_cores"] > max_other_cores and tries < retries:
+                tries += 1
+                print(f"  {m}: {r['other_cores']:.2f} cores busy with other work during the run; "
+                      f"running it again ({tries}/{retries})", file=sys.stderr, flush=True)
+                time.sleep(5)
+                r = timed(children, c, m, prompt, tg)
+            r["retries"] = tries
+            runs[m].append(r)
     return runs
 
 
@@ -137,18 +370,27 @@ def summarize(runs, pp: int, tg: int) -> dict:
     for name, rs in runs.items():
         pre = statistics.median(r["prefill_s"] for r in rs)
         dec = statistics.median(r["decode_s"] for r in rs)
-        out[name] = dict(prefill_s=pre, decode_s=dec, pp_tok_s=pp / pre,
-                         tg_tok_s=(tg - 1) / dec, ids=rs[-1]["ids"],
-                         all_prefill_s=[r["prefill_s"] for r in rs],
+        out[name] = dict(prefill_s=pre, decode_s=dec, pp_tok_s=pp / pre, tg_tok_s=(tg - 1) / dec,
+                         ids=rs[-1]["ids"], all_prefill_s=[r["prefill_s"] for r in rs],
                          all_decode_s=[r["decode_s"] for r in rs])
+        out[name]["other_cores"] = max(r["other_cores"] for r in rs)
+        out[name]["retries"] = sum(r["retries"] for r in rs)
+        out[name]["idle_sides_cores"] = max(r["idle_sides_cores"] for r in rs)
         if "active_fraction" in rs[-1]:
             out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
+        sync = [u for r in rs for u in r.get("sync_us", [])]
+        if sync:
+            sync.sort()
+            p99 = sync[min(len(sync) - 1, int(0.99 * len(sync)))]
+            out[name]["sync_us"] = dict(median=statistics.median(sync), p99=p99, n=len(sync))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--llama-model", type=Path,
+                    help="the file llama.cpp runs (default --model; give the dense file for a PWRI --model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-workers", type=int, default=1, help="our engine's CPU workers")
     ap.add_argument("--pp", type=int, default=128, help="prompt tokens")
@@ -158,72 +400,110 @@ def main():
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
                     help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
     ap.add_argument("--weights", nargs="+", default=["f32"], choices=WEIGHT_FORMATS,
-                    help="our workers' weight formats, one engine each (f32: exact; f16: half the bytes)")
+                    help="our workers' weight formats, one engine process each (f32: exact; f16: half the bytes)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
-    ap.add_argument("--llama-extra-bufts", action="store_true",
-                    help="let llama.cpp use its extra CPU buffer types (AMX, repack)")
+    ap.add_argument("--max-other-cores", type=float, default=0.25,
+                    help="redo a timed run (up to 3 times) if other work used more cores than this "
+                         "meanwhile (negative: never)")
+    ap.add_argument("--no-bandwidth", action="store_true", help="skip the read bandwidth measurement")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve:
+        return serve(args.serve[0], json.loads(args.serve[1]))
     if args.tg < 2:
         ap.error("--tg must be at least 2")
+    llama_model = args.llama_model or args.model
+    if args.only != "ours":
+        with open(llama_model, "rb") as f:
+            if f.read(4) == b"PWRI":
+                ap.error(f"{llama_model} is a PowerInfer (PWRI) file llama.cpp cannot load: "
+                         "pass the dense file of the same shape with --llama-model")
 
     prompt = prompt_ids(args.model, args.pp)
-    busy_before = busy_cores()
-    runners = []
-    if args.only != "ours":
-        runners.append(LlamaCppRunner(args.model, args.threads, args.pp, args.tg,
-                                      args.llama_extra_bufts))
-    engines = []
-    if args.only != "llamacpp":
-        from coordinator.engine import Engine, EngineOptions
-
-        for w in args.weights:  # all open at once, so load from other processes hits each alike
-            eng = Engine(args.model, EngineOptions(cpu_workers=args.cpu_workers, threads=args.threads,
-                                                   ctx=args.pp + args.tg + 16, weights=w))
-            engines.append(eng)
-            label = "" if args.weights == ["f32"] else f"{w} "
-            runners += [OursRunner(eng, None, label)] + [OursRunner(eng, s, label) for s in args.sparsity]
+    n_ctx = args.pp + args.tg + 16
+    children: list[Child] = []
     try:
-        runs = bench(runners, prompt, args.tg, args.reps, args.warmup)
-        sync = {r.name: r.sync_us["decode"] for r in runners if isinstance(r, OursRunner)}
+        # Loaded one at a time, so no load is slowed down by another.
+        if args.only != "ours":
+            children.append(Child("llamacpp", dict(model=str(llama_model), threads=args.threads,
+                                                   n_ctx=n_ctx, n_batch=max(args.pp, 512))))
+        if args.only != "llamacpp":
+            for w in args.weights:
+                label = "" if args.weights == ["f32"] else f"{w} "
+                children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
+                                                   weights=w, cpu_workers=args.cpu_workers,
+                                                   sparsity=args.sparsity, label=label)))
+        busy_before = busy_cores()  # everything loaded and idle: should be ~0
+        runs = bench(children, prompt, args.tg, args.reps, args.warmup,
+                     None if args.max_other_cores < 0 else args.max_other_cores)
+        busy_after = busy_cores()
+        mem = {c: c.memory() for c in children}
     finally:
-        for r in runners:
-            r.close()
-        for eng in engines:
-            eng.close()
+        for c in children:
+            c.close()
+    gb_s = None if args.no_bandwidth else measure_bandwidth(args.threads)
 
     res = summarize(runs, args.pp, args.tg)
-    busy = [None if b is None else round(b, 2) for b in (busy_before, busy_cores())]
-    print(f"threads={args.threads} pp={args.pp} tg={args.tg} reps={args.reps} (medians); "
-          f"cores busy with other work before/after: {busy}")
+    for c in children:
+        for m in c.modes:
+            res[m].update(load_s=c.load_s, ttft_cold_s=c.load_s + (c.first_prefill_s or 0.0),
+                          peak_rss_bytes=mem[c]["peak_rss"], pss_bytes=mem[c]["pss"],
+                          processes=mem[c]["processes"])
+    busy = [None if b is None else round(b, 2) for b in (busy_before, busy_after)]
+    print(f"model {args.model} ({args.model.stat().st_size / 1e9:.3f} GB)"
+          + (f"; llama.cpp runs {llama_model}" if llama_model != args.model else ""))
+    print(f"threads={args.threads} pp={args.pp} tg={args.tg} reps={args.reps} (medians), each side in a "
+          f"clean process of its own; cores busy with other work before/after: {busy}")
     spare = (os.cpu_count() or 1) - args.threads
-    if any(b is not None and b > spare + 0.25 for b in busy):
-        print("WARNING: other processes were using the cores; llama.cpp's OpenMP threads "
-              "suffer most from that, so these numbers and the ratio are unreliable")
-    print(f"{'':22s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'prefill s':>10s} {'decode s':>10s}")
+    other = max(r["other_cores"] for r in res.values())
+    idle = max(r["idle_sides_cores"] for r in res.values())
+    print(f"during the timed runs, at worst: {other:.2f} cores used by anything but the side being "
+          f"timed, {idle:.2f} of them by the other (idle) benchmarked processes")
+    if other > spare + 0.25:
+        print("WARNING: other processes were using the cores during timed runs; llama.cpp's OpenMP "
+              "threads suffer most from that, so these numbers and the ratio are unreliable "
+              "(per-side worst case in the 'other cores' column)")
+    head = (f"| {'':22s} | {'pp tok/s':>8s} | {'tg tok/s':>8s} | {'prefill s':>9s} | {'decode s':>8s} | "
+            f"{'load s':>6s} | {'TTFT s':>6s} | {'peak RSS GB':>11s} | {'PSS GB':>6s} | {'procs':>5s} | "
+            f"{'other cores':>11s} |")
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for name, r in res.items():
-        print(f"{name:22s} {r['pp_tok_s']:10.1f} {r['tg_tok_s']:10.1f} "
-              f"{r['prefill_s']:10.3f} {r['decode_s']:10.3f}")
-    result = dict(model=str(args.model), threads=args.threads, pp=args.pp, tg=args.tg,
-                  reps=args.reps, cpu_workers=args.cpu_workers, weights=args.weights, busy_cores_other=busy,
-                  cpu_count=os.cpu_count(), results=res)
+        print(f"| {name:22s} | {r['pp_tok_s']:8.1f} | {r['tg_tok_s']:8.2f} | {r['prefill_s']:9.3f} | "
+              f"{r['decode_s']:8.3f} | {r['load_s']:6.2f} | {r['ttft_cold_s']:6.2f} | "
+              f"{r['peak_rss_bytes'] / 1e9:11.3f} | {r['pss_bytes'] / 1e9:6.3f} | {r['processes']:5d} | "
+              f"{r['other_cores']:11.2f} |")
+    print("TTFT = process start to the first token of the pp-token prompt (load + first prefill); "
+          "peak RSS = sum of VmHWM over the process and its descendants; PSS summed at the end; "
+          "other cores = the worst run's cores used by anything else meanwhile")
+    if gb_s is not None:
+        print(f"machine read bandwidth ({args.threads} threads, clean process): {gb_s:.1f} GB/s")
+    result = dict(model=str(args.model), llama_model=str(llama_model),
+                  model_bytes=args.model.stat().st_size,
+                  threads=args.threads, pp=args.pp, tg=args.tg, reps=args.reps, cpu_workers=args.cpu_workers,
+                  weights=args.weights, busy_cores_other=busy, cpu_count=os.cpu_count(),
+                  read_bandwidth_gb_s=gb_s, results=res)
     if "llama.cpp" in res:
-        l = res["llama.cpp"]
+        base = res["llama.cpp"]
         result["ratio_ours_over_llamacpp"] = {}
         for name, o in res.items():
             if name == "llama.cpp":
                 continue
-            ratio = dict(pp=o["pp_tok_s"] / l["pp_tok_s"], tg=o["tg_tok_s"] / l["tg_tok_s"])
+            ratio = dict(pp=o["pp_tok_s"] / base["pp_tok_s"], tg=o["tg_tok_s"] / base["tg_tok_s"],
+                         ttft_cold=o["ttft_cold_s"] / base["ttft_cold_s"],
+                         peak_rss=o["peak_rss_bytes"] / max(1, base["peak_rss_bytes"]))
             result["ratio_ours_over_llamacpp"][name] = ratio
-            same = next((i for i, (a, b) in enumerate(zip(o["ids"], l["ids"])) if a != b), len(o["ids"]))
-            print(f"{name}/llama.cpp: pp {ratio['pp']:.3f}x, tg {ratio['tg']:.3f}x; "
-                  f"greedy ids agree for the first {same} of {len(o['ids'])} tokens")
-    for name, us in sync.items():
-        if us:
-            result.setdefault("sync_us", {})[name] = dict(median=statistics.median(us),
-                                                          p99=float(np.percentile(us, 99)), n=len(us))
-            print(f"{name}: per-layer sync overhead while decoding: median {statistics.median(us):.1f} us, "
-                  f"p99 {np.percentile(us, 99):.1f} us over {len(us)} exchanges")
+            same = next((i for i, (a, b) in enumerate(zip(o["ids"], base["ids"])) if a != b), len(o["ids"]))
+            extra = f", {100 * o['active_fraction']:.1f}% of FFN neurons computed" if "active_fraction" in o else ""
+            print(f"{name}/llama.cpp: pp {ratio['pp']:.3f}x, tg {ratio['tg']:.3f}x, cold TTFT "
+                  f"{ratio['ttft_cold']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x; greedy ids agree for the "
+                  f"first {same} of {len(o['ids'])} tokens{extra}")
+    for name, r in res.items():
+        if "sync_us" in r:
+            s = r["sync_us"]
+            print(f"{name}: per-layer sync overhead while decoding: median {s['median']:.1f} us, "
+                  f"p99 {s['p99']:.1f} us over {s['n']} exchanges")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -8,18 +8,30 @@ Reported per pair: top-1 agreement and mean KL(p || q) with p the reference
 engine decode the prompts of tests/fixtures/smollm2_reference.json greedily and the first
 step where they leave the transformers oracle is printed with the oracle's top-2 margin.
 
+llama.cpp (llama-cpp-python; build it with scripts/setup-bench) runs in a process of its own,
+started with this script's environment as it was before anything was imported, minus every
+OpenMP/BLAS threading variable: nothing our packages, torch or transformers do in this process
+reaches it. It keeps its default model parameters (its repacked CPU kernels on).
+
 Usage: python scripts/compare_llamacpp.py [--chunks 8] [--chunk-len 128] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
+import os
 
-import numpy as np
+# The environment before anything (ours or a library's) could change it: llama.cpp starts from it.
+BASE_ENV = dict(os.environ)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -41,6 +53,24 @@ def load_hf_tokenizer(model: Path):
     return AutoTokenizer.from_pretrained(str(model.parent), gguf_file=model.name)
 
 
+def load_tokenizer(model: Path):
+    """transformers' tokenizer; without transformers, our GGUF tokenizer (tested to match it)."""
+    try:
+        return load_hf_tokenizer(model)
+    except ImportError:
+        from coordinator.tokenizer import GGUFTokenizer
+        from sparsecore.gguf_file import open_gguf
+
+        print("transformers is not installed: tokenizing with our GGUF tokenizer")
+        tok = GGUFTokenizer.from_reader(open_gguf(model))
+
+        class _NoSpecials:  # heldout_chunks calls encode(text, add_special_tokens=False)
+            def encode(self, text, add_special_tokens=False):
+                return tok.encode(text, add_bos=add_special_tokens, add_eos=False)
+
+        return _NoSpecials()
+
+
 def heldout_chunks(tok, n_chunks: int, chunk_len: int) -> list[list[int]]:
     """Consecutive chunks from the second half of the tokenized pydoc topics."""
     ids = tok.encode(heldout_text(), add_special_tokens=False)
@@ -53,30 +83,47 @@ def heldout_chunks(tok, n_chunks: int, chunk_len: int) -> list[list[int]]:
 
 # ---- logits per source (each: list of [chunk_len, vocab] float32) ------------------------
 
-def open_llama(model: Path, extra_bufts: bool = False, **kw):
-    """llama_cpp.Llama, by default without ggml's extra CPU buffer types: the source build
-    picks the AMX ones on this CPU and they die with SIGILL in our VM; for Q4_1 there are
-    no repacked kernels, so turning them off costs llama.cpp nothing here."""
-    import llama_cpp.llama_cpp as C
+THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "VECLIB_")
+
+
+def clean_env() -> dict:
+    """This script's starting environment minus threading variables."""
+    return {k: v for k, v in BASE_ENV.items() if not k.startswith(THREAD_ENV_PREFIXES)}
+
+
+def in_clean_process(func: str, **kw):
+    """Run `func` (a name in this module) with keyword arguments `kw` in a fresh interpreter
+    with clean_env(); its result comes back through a temporary file (.npz or .json)."""
+    with tempfile.TemporaryDirectory(prefix="compare-llamacpp-") as d:
+        out = Path(d) / "result"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--call", func, str(out)],
+                       input=json.dumps(kw), text=True, env=clean_env(), cwd=str(REPO), check=True)
+        if out.with_suffix(".npz").exists():
+            with np.load(out.with_suffix(".npz")) as z:
+                return [z[f"arr_{i}"] for i in range(len(z.files))]
+        return json.loads(out.with_suffix(".json").read_text())
+
+
+def _serve_call(func: str, out: str) -> None:
+    kw = json.loads(sys.stdin.read())
+    r = globals()[func](**kw)
+    if isinstance(r, list) and r and isinstance(r[0], np.ndarray):
+        np.savez(out + ".npz", *r)
+    else:
+        Path(out + ".json").write_text(json.dumps(r))
+
+
+def open_llama(model, **kw):
+    """llama_cpp.Llama with its default model parameters (extra buffer types, i.e. repacked
+    kernels, on). Only ever called inside a clean process (in_clean_process)."""
     from llama_cpp import Llama
 
-    default = C.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = extra_bufts
-        return p
-
-    C.llama_model_default_params = params
-    try:
-        return Llama(str(model), verbose=False, **kw)
-    finally:
-        C.llama_model_default_params = default
+    return Llama(str(model), verbose=False, **kw)
 
 
-def logits_llamacpp(model: Path, chunks, threads: int, extra_bufts: bool = False):
+def _logits_llamacpp_here(model: str, chunks, threads: int):
     n = max(max(len(c) for c in chunks), 256)
-    llm = open_llama(model, extra_bufts, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True,
+    llm = open_llama(model, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True,
                      n_threads=threads, n_threads_batch=threads)
     out = []
     for c in chunks:
@@ -85,6 +132,10 @@ def logits_llamacpp(model: Path, chunks, threads: int, extra_bufts: bool = False
         out.append(np.array(llm.scores[: len(c)], dtype=np.float32))
     llm.close()
     return out
+
+
+def logits_llamacpp(model: Path, chunks, threads: int):
+    return in_clean_process("_logits_llamacpp_here", model=str(model), chunks=chunks, threads=threads)
 
 
 def logits_transformers(model: Path, chunks, threads: int):
@@ -107,8 +158,8 @@ def logits_ours(model: Path, chunks, threads: int, cpu_workers: int):
 
 # ---- greedy decoding of the reference prompts -------------------------------------------
 
-def greedy_llamacpp(model: Path, prompts, n_new: int, threads: int, extra_bufts: bool):
-    llm = open_llama(model, extra_bufts, n_ctx=512, n_threads=threads, n_threads_batch=threads)
+def _greedy_llamacpp_here(model: str, prompts, n_new: int, threads: int):
+    llm = open_llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads)
     n_vocab, out = llm.n_vocab(), []
     for pids in prompts:
         llm.reset()
@@ -122,6 +173,11 @@ def greedy_llamacpp(model: Path, prompts, n_new: int, threads: int, extra_bufts:
         out.append(ids)
     llm.close()
     return out
+
+
+def greedy_llamacpp(model: Path, prompts, n_new: int, threads: int):
+    return in_clean_process("_greedy_llamacpp_here", model=str(model), prompts=prompts, n_new=n_new,
+                            threads=threads)
 
 
 def greedy_ours(model: Path, prompts, n_new: int, threads: int, cpu_workers: int):
@@ -138,8 +194,7 @@ def greedy_check(args) -> dict:
     ref = json.loads(REFERENCE.read_text())
     prompts = [p["prompt_ids"] for p in ref["prompts"]]
     n_new = ref["new_tokens"]
-    runs = {"llamacpp": lambda: greedy_llamacpp(args.model, prompts, n_new, args.threads,
-                                                args.llama_extra_bufts),
+    runs = {"llamacpp": lambda: greedy_llamacpp(args.model, prompts, n_new, args.threads),
             "ours": lambda: greedy_ours(args.model, prompts, n_new, args.threads,
                                         args.cpu_workers)}
     out = {}
@@ -202,8 +257,7 @@ def collect(args, chunks) -> tuple[dict, dict]:
     """Logits from every requested source; a failing source is reported, not fatal."""
     logits, notes = {}, {}
     runners = {
-        "llamacpp": lambda: logits_llamacpp(args.model, chunks, args.threads,
-                                            args.llama_extra_bufts),
+        "llamacpp": lambda: logits_llamacpp(args.model, chunks, args.threads),
         "transformers": lambda: logits_transformers(args.model, chunks, args.threads),
         "ours": lambda: logits_ours(args.model, chunks, args.threads, args.cpu_workers),
     }
@@ -224,6 +278,8 @@ def pairs(available) -> list[tuple[str, str]]:
 
 
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--call":  # in_clean_process's child
+        return _serve_call(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--chunks", type=int, default=8)
@@ -233,8 +289,6 @@ def main():
     ap.add_argument("--sources", default=",".join(SOURCES),
                     type=lambda s: [x for x in s.split(",") if x],
                     help="comma list of " + ",".join(SOURCES))
-    ap.add_argument("--llama-extra-bufts", action="store_true",
-                    help="let llama.cpp use its extra CPU buffer types (AMX, repack)")
     ap.add_argument("--no-greedy", action="store_true",
                     help="skip greedy decoding of the reference fixture's prompts")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -242,7 +296,7 @@ def main():
     if bad := [s for s in args.sources if s not in SOURCES]:
         ap.error(f"unknown source(s) {bad}")
 
-    chunks = heldout_chunks(load_hf_tokenizer(args.model), args.chunks, args.chunk_len)
+    chunks = heldout_chunks(load_tokenizer(args.model), args.chunks, args.chunk_len)
     print(f"{len(chunks)} chunks x {args.chunk_len} tokens from pydoc_data.topics (second half)")
     logits, notes = collect(args, chunks)
 

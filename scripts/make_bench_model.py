@@ -1,0 +1,329 @@
+"""Write a Llama-shaped GGUF of a given shape and type with random weights, for benchmarks.
+
+    python scripts/make_bench_model.py --shape 1.1b --type q4_0 -o /tmp/bench-1.1b-q4_0.gguf
+    python scripts/make_bench_model.py --shape 7b --type q4_k_m -o /tmp/bench-7b-q4_k_m.gguf
+    python scripts/make_bench_model.py --shape 1.1b --type q4_0 --relu --active 0.1 -o /tmp/b.pwri.gguf
+
+Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
+(Llama-2 7B); --hidden/--ff/--layers/--heads/--kv-heads override any of them. The vocabulary
+and tokenizer are copied from --tokenizer-from (default: the SmolLM2 file `sparseinfer pull`
+fetches; 49152 tokens, a gpt2 BPE llama.cpp accepts), so the token embedding and output
+matrices have that many rows whatever the shape's usual vocabulary is.
+
+Types follow what llama.cpp's quantizer (llama_tensor_get_type) gives each tensor:
+  f16     every matrix F16.
+  q8_0    every matrix Q8_0.
+  q4_0    every matrix Q4_0, output.weight Q6_K.
+  q4_k_m  Q4_K, with Q6_K for output.weight and for attn_v / ffn_down of the layers
+          llama.cpp's use_more_bits picks (the first and last eighth, every third between).
+          Rows not a multiple of 256 (e.g. the 3b shape) fall back as llama.cpp does:
+          Q4_K -> Q5_0, Q6_K -> Q8_0.
+Norms are F32. Q4_0/Q8_0/Q5_0 are quantized by gguf-py; Q4_K/Q6_K by the round-to-nearest
+numpy quantizers of tests/fixtures/tiny_gguf.py (tested there against gguf-py's dequantizer).
+
+Weights: standard normal / sqrt(fan_in), attn_output and ffn_down also / sqrt(2 * layers) so
+the residual stream stays O(1); norms 1; embeddings standard normal. Written tensor by tensor
+(header and tensor table first, then each tensor's data generated, quantized and appended), so
+memory stays at a few copies of the largest matrix: a 7B file needs ~2 GB, not 28.
+
+--relu writes the ReLU variant in PowerInfer's layout (magic PWRI; blk.N.ffn_down_t.weight =
+down.T in place of ffn_down; predictors blk.N.fc1.weight (rank, hidden) and blk.N.fc2.weight
+(n_ff, rank); powerinfer.sparse_threshold = 0), see tests/fixtures/tiny_powerinfer.py. The
+predictor score fc2 @ relu(fc1 @ h) has fc1 standard normal and fc2 = standard normal + c per
+layer, c calibrated so that about --active of the neurons score above 0 for any h (the sign of
+the score does not depend on |h|). Predictor tensors get PowerInfer's quantizer's types: F16 in
+f16 files, Q4_0 in q4_0 files, Q5_0 otherwise. llama.cpp cannot load PWRI files: benchmark it
+on the dense file of the same shape and type.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf import LlamaFileType as FT  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+
+from tests.fixtures.tiny_gguf import quantize_k  # noqa: E402  (K-quant quantizers, tested there)
+
+DEFAULT_TOKENIZER = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SHAPES = {
+    "tiny": dict(hidden=256, n_ff=512, n_layers=2, n_heads=4, n_kv_heads=2),
+    "1.1b": dict(hidden=2048, n_ff=5632, n_layers=22, n_heads=32, n_kv_heads=4),   # TinyLlama 1.1B
+    "3b": dict(hidden=3200, n_ff=8640, n_layers=26, n_heads=32, n_kv_heads=32),    # OpenLLaMA 3B
+    "7b": dict(hidden=4096, n_ff=11008, n_layers=32, n_heads=32, n_kv_heads=32),   # Llama-2 7B
+}
+FILE_TYPES = {"f16": FT.MOSTLY_F16, "q8_0": FT.MOSTLY_Q8_0, "q4_0": FT.MOSTLY_Q4_0,
+              "q4_k_m": FT.MOSTLY_Q4_K_M}
+# llama.cpp's fallback when a row is not a multiple of a K-quant's 256 (llama-quant.cpp)
+K_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}
+PWRI_MAGIC = b"PWRI"
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of layers that get more bits in Q4_K_M (attn_v, ffn_down)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(name: str, ftype: str, layer: int | None, n_layers: int, row: int) -> QT:
+    """The GGML type of a 2-D tensor `name` whose rows have `row` elements."""
+    if ftype == "f16":
+        t = QT.F16
+    elif ftype == "q8_0":
+        t = QT.Q8_0
+    elif ftype == "q4_0":
+        t = QT.Q6_K if name == "output.weight" else QT.Q4_0
+    else:  # q4_k_m
+        more = layer is not None and use_more_bits(layer, n_layers) and (
+            name.endswith("attn_v.weight") or name.endswith("ffn_down.weight")
+            or name.endswith("ffn_down_t.weight"))
+        t = QT.Q6_K if name == "output.weight" or more else QT.Q4_K
+    if t in K_FALLBACK and row % 256:
+        t = K_FALLBACK[t]
+    return t
+
+
+def predictor_type(ftype: str) -> QT:
+    """PowerInfer's quantizer: F16 files keep fc1/fc2 F16, Q4_0 files use Q4_0, others Q5_0."""
+    return {"f16": QT.F16, "q4_0": QT.Q4_0}.get(ftype, QT.Q5_0)
+
+
+def encode(a: np.ndarray, t: QT) -> np.ndarray:
+    if t == QT.F32:
+        return a.astype(np.float32, copy=False)
+    if t == QT.F16:
+        return a.astype(np.float16)
+    if t in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        return quantize_k(a, t)
+    return gguf.quants.quantize(a.astype(np.float32, copy=False), t)
+
+
+def stored_shape(shape: tuple[int, ...], t: QT) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, nbytes) of encode(array of `shape`, t), without making it."""
+    if t == QT.F32:
+        return shape, np.dtype(np.float32), int(np.prod(shape)) * 4
+    if t == QT.F16:
+        return shape, np.dtype(np.float16), int(np.prod(shape)) * 2
+    block, size = GGML_QUANT_SIZES[t]
+    if shape[-1] % block:
+        raise SystemExit(f"a row of {shape[-1]} elements is not a multiple of {t.name}'s block of {block}")
+    s = (*shape[:-1], shape[-1] // block * size)
+    return s, np.dtype(np.uint8), int(np.prod(s))
+
+
+# ---- the tensors --------------------------------------------------------------------------------
+
+class Spec:
+    """One tensor: name, numpy shape (out, in), GGML type, and how to make its float values."""
+
+    def __init__(self, name, shape, qtype, make):
+        self.name, self.shape, self.qtype, self.make = name, tuple(shape), qtype, make
+
+
+def calibrate_offset(fc1: np.ndarray, z: np.ndarray, active: float, seed: int, samples: int = 64) -> float:
+    """c such that fc2 = z + c marks about `active` of the rows active: mean over random h of
+    the fraction of j with (z_j + c) . relu(fc1 h) > 0. Bisection; monotone in c."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((samples, fc1.shape[1]), dtype=np.float32)
+    r = np.maximum(h @ fc1.T, 0)                      # (samples, rank)
+    s = r @ z.T                                       # (samples, n_ff)
+    s1 = r.sum(axis=1, keepdims=True)                 # (samples, 1): d score / d c
+    s1 = np.where(s1 > 0, s1, 1e-30)
+    lo, hi = -10.0, 10.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        frac = float(np.mean(s + mid * s1 > 0))
+        lo, hi = (mid, hi) if frac < active else (lo, mid)
+    return (lo + hi) / 2
+
+
+def tensor_specs(a) -> list[Spec]:
+    h, ff, L = a.hidden, a.n_ff, a.n_layers
+    hd = h // a.n_heads
+    kv = a.n_kv_heads * hd
+    out_scale = 1 / np.sqrt(2 * L)
+
+    def normal(shape, scale, idx):
+        def make():
+            rng = np.random.default_rng([a.seed, idx])
+            x = rng.standard_normal(shape, dtype=np.float32)
+            x *= np.float32(scale)
+            return x
+        return make
+
+    def ones(n):
+        return lambda: np.ones(n, np.float32)
+
+    specs: list[Spec] = []
+
+    def mat(name, shape, scale, layer=None):
+        t = tensor_type(name, a.type, layer, L, shape[1])
+        specs.append(Spec(name, shape, t, normal(shape, scale, len(specs))))
+
+    mat("token_embd.weight", (a.vocab, h), 1.0)
+    specs.append(Spec("output_norm.weight", (h,), QT.F32, ones(h)))
+    mat("output.weight", (a.vocab, h), 1 / np.sqrt(h))
+    for i in range(L):
+        p = f"blk.{i}."
+        specs.append(Spec(p + "attn_norm.weight", (h,), QT.F32, ones(h)))
+        mat(p + "attn_q.weight", (h, h), 1 / np.sqrt(h), i)
+        mat(p + "attn_k.weight", (kv, h), 1 / np.sqrt(h), i)
+        mat(p + "attn_v.weight", (kv, h), 1 / np.sqrt(h), i)
+        mat(p + "attn_output.weight", (h, h), out_scale / np.sqrt(h), i)
+        specs.append(Spec(p + "ffn_norm.weight", (h,), QT.F32, ones(h)))
+        mat(p + "ffn_gate.weight", (ff, h), 1 / np.sqrt(h), i)
+        mat(p + "ffn_up.weight", (ff, h), 1 / np.sqrt(h), i)
+        if not a.relu:
+            mat(p + "ffn_down.weight", (h, ff), out_scale / np.sqrt(ff), i)
+            continue
+        # PowerInfer: down stored transposed, numpy (n_ff, hidden); its values are down.T's
+        mat(p + "ffn_down_t.weight", (ff, h), out_scale / np.sqrt(ff), i)
+        pt = predictor_type(a.type)
+        fc = _predictor_maker(a, i, len(specs))
+        specs.append(Spec(p + "fc1.weight", (a.rank, h), pt, lambda fc=fc: fc()[0]))
+        specs.append(Spec(p + "fc2.weight", (ff, a.rank), pt, lambda fc=fc: fc()[1]))
+    return specs
+
+
+def _predictor_maker(a, layer: int, idx: int):
+    """fc1, fc2 of one layer, made once and handed out one at a time (fc1 first)."""
+    cache = {}
+
+    def make():
+        if "fc" not in cache:
+            rng = np.random.default_rng([a.seed, idx, 7])
+            fc1 = rng.standard_normal((a.rank, a.hidden), dtype=np.float32) / np.float32(np.sqrt(a.hidden))
+            z = rng.standard_normal((a.n_ff, a.rank), dtype=np.float32)
+            c = calibrate_offset(fc1, z, a.active, seed=a.seed * 1000 + layer)
+            cache["fc"] = (fc1, z + np.float32(c))
+            cache["left"] = 2
+        fc = cache["fc"]
+        cache["left"] -= 1
+        if cache["left"] == 0:
+            del cache["fc"]
+        return fc
+    return make
+
+
+# ---- metadata -----------------------------------------------------------------------------------
+
+def copy_tokenizer(w: gguf.GGUFWriter, src: Path) -> int:
+    """Copy every tokenizer.* field of `src` into `w`; return the vocabulary size."""
+    from sparsecore.gguf_file import open_gguf
+
+    r = open_gguf(src)
+    n_vocab = None
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        val = f.contents()
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, val, gguf.GGUFValueType.ARRAY, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, val, f.types[0])
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(val)
+    if n_vocab is None:
+        raise SystemExit(f"{src}: has no tokenizer.ggml.tokens to copy")
+    return n_vocab
+
+
+def write_model(a) -> Path:
+    t0 = time.perf_counter()
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(out, "llama")
+    a.vocab = copy_tokenizer(w, Path(a.tokenizer_from))
+    hd = a.hidden // a.n_heads
+    w.add_name(f"sparseinfer bench {a.shape} {a.type}{' relu' if a.relu else ''}")
+    w.add_context_length(a.ctx)
+    w.add_embedding_length(a.hidden)
+    w.add_block_count(a.n_layers)
+    w.add_feed_forward_length(a.n_ff)
+    w.add_head_count(a.n_heads)
+    w.add_head_count_kv(a.n_kv_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(a.vocab)
+    w.add_file_type(int(FILE_TYPES[a.type]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if a.relu:
+        w.add_float32("powerinfer.sparse_threshold", 0.0)
+    specs = tensor_specs(a)
+    for s in specs:
+        shape, dtype, nbytes = stored_shape(s.shape, s.qtype)
+        w.add_tensor_info(s.name, shape, dtype, nbytes, raw_dtype=None if s.qtype in (QT.F32, QT.F16) else s.qtype)
+    w.write_header_to_file(out)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    counts: dict[str, int] = {}
+    for k, s in enumerate(specs):
+        data = encode(s.make(), s.qtype)
+        w.write_tensor_data(data)
+        counts[s.qtype.name] = counts.get(s.qtype.name, 0) + 1
+        if not a.quiet and (k + 1) % 20 == 0:
+            print(f"  {k + 1}/{len(specs)} tensors, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    w.close()
+    if a.relu:
+        with open(out, "r+b") as f:
+            f.write(PWRI_MAGIC)
+    size = out.stat().st_size
+    print(f"wrote {out}: {size / 1e9:.3f} GB ({size} bytes), {len(specs)} tensors "
+          f"({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}), "
+          f"{a.n_layers} layers, hidden {a.hidden}, ff {a.n_ff}, heads {a.n_heads}/{a.n_kv_heads}, "
+          f"vocab {a.vocab}, in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--shape", choices=list(SHAPES), default="1.1b")
+    ap.add_argument("--type", choices=list(FILE_TYPES), default="q4_0")
+    ap.add_argument("-o", "--output", help="default: ~/.cache/sparseinfer/models/bench-SHAPE-TYPE[-relu].gguf")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--ff", dest="n_ff", type=int)
+    ap.add_argument("--layers", dest="n_layers", type=int)
+    ap.add_argument("--heads", dest="n_heads", type=int)
+    ap.add_argument("--kv-heads", dest="n_kv_heads", type=int)
+    ap.add_argument("--ctx", type=int, default=4096, help="context_length written to the file")
+    ap.add_argument("--tokenizer-from", default=str(DEFAULT_TOKENIZER),
+                    help="GGUF whose tokenizer.* metadata (and so vocabulary size) is copied")
+    ap.add_argument("--relu", action="store_true", help="ReLU FFN in PowerInfer's PWRI layout, with predictors")
+    ap.add_argument("--active", type=float, default=0.1, help="--relu: fraction of neurons predicted active")
+    ap.add_argument("--rank", type=int, help="--relu: predictor rank (default hidden/4, a multiple of 32)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-q", "--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    for k, v in SHAPES[a.shape].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.hidden % a.n_heads or a.n_heads % a.n_kv_heads or (a.hidden // a.n_heads) % 2:
+        ap.error(f"hidden {a.hidden}, heads {a.n_heads}, kv heads {a.n_kv_heads} do not divide (even head_dim)")
+    if a.rank is None:
+        a.rank = max(32, a.hidden // 4 // 32 * 32)
+    if a.relu and (a.rank % 32 or not 0 < a.active < 1):
+        ap.error("--rank must be a multiple of 32 and --active in (0, 1)")
+    if a.output is None:
+        a.output = str(Path.home() / ".cache/sparseinfer/models" /
+                       f"bench-{a.shape}-{a.type}{'-relu' if a.relu else ''}.gguf")
+    return a
+
+
+def main(argv=None):
+    write_model(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""scripts/make_bench_model.py on tiny shapes: the files hold what the tensor table says, in
+llama.cpp's type mix; our engine loads the dense and the ReLU/PWRI outputs and generates; the
+PWRI predictors mark about the requested fraction of neurons active."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.predictor import Predictors
+from coordinator.sampling import SamplingParams
+from sparsecore.config import read_config
+from sparsecore.gguf_file import open_gguf
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_bench_model as mbm  # noqa: E402
+
+SCRIPT = REPO / "scripts" / "make_bench_model.py"
+# 4 layers so Q4_K_M's use_more_bits picks some layers and not others
+TINY = ["--shape", "tiny", "--layers", "4", "--quiet"]
+OPTS = dict(cpu_workers=1, threads=1, gpu_share=0.0)
+ACTIVE, ACTIVE_TOL = 0.1, 0.03  # requested fraction, and the absolute tolerance we accept
+
+
+def _make(tmp_path, tok_src, name, *extra) -> tuple[object, object]:
+    out = tmp_path / name
+    argv = [*TINY, "--tokenizer-from", str(tok_src), "-o", str(out), *extra]
+    r = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {out}: ") and " s\n" in r.stdout  # size and time printed
+    return out, mbm.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tok_src(tmp_path_factory):
+    from tests.fixtures.tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tok") / "tok.gguf", tensor_type="F32", seed=0)
+
+
+def _types(path) -> dict[str, QT]:
+    return {t.name: t.tensor_type for t in open_gguf(path).tensors}
+
+
+def test_q4_k_m_mixes_types_like_llama_cpp(tmp_path, tok_src):
+    path, args = _make(tmp_path, tok_src, "km.gguf", "--type", "q4_k_m")
+    types = _types(path)
+    assert types["output.weight"] == QT.Q6_K and types["token_embd.weight"] == QT.Q4_K
+    # use_more_bits(i, 4) = i < 0 or i >= 3 or i % 3 == 2: layers 2 and 3 get Q6_K
+    for i in range(4):
+        want = QT.Q6_K if i in (2, 3) else QT.Q4_K
+        assert types[f"blk.{i}.ffn_down.weight"] == want and types[f"blk.{i}.attn_v.weight"] == want
+        assert types[f"blk.{i}.ffn_gate.weight"] == types[f"blk.{i}.attn_q.weight"] == QT.Q4_K
+        assert types[f"blk.{i}.ffn_norm.weight"] == QT.F32
+    assert mbm.tensor_type("blk.0.ffn_up.weight", "q4_k_m", 5, 26, 3200) == QT.Q5_0  # 3200 % 256: fallback
+
+
+def test_written_data_is_each_tensors_own(tmp_path, tok_src):
+    """Tensor by tensor writing kept table and data in step: every tensor dequantizes to the
+    values its spec makes, within its type's rounding."""
+    path, args = _make(tmp_path, tok_src, "q4.gguf", "--type", "q4_0")
+    args.vocab = len(open_gguf(tok_src).fields["tokenizer.ggml.tokens"].contents())
+    r = open_gguf(path)
+    got = {t.name: t for t in r.tensors}
+    specs = mbm.tensor_specs(args)
+    assert [s.name for s in specs] == [t.name for t in r.tensors]
+    for s in specs:
+        t = got[s.name]
+        assert t.tensor_type == s.qtype
+        want = s.make()
+        have = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape)
+        tol = 0.02 if s.qtype == QT.F32 else 0.2 * np.abs(want).max()
+        np.testing.assert_allclose(have, want, atol=tol, err_msg=s.name)
+        if s.qtype != QT.F32:  # (norms are constant: no correlation to take)
+            assert float(np.corrcoef(have.ravel(), want.ravel())[0, 1]) > 0.98, s.name
+
+
+@pytest.mark.parametrize("ftype", ["q4_0", "q4_k_m"])
+def test_engine_loads_and_generates_dense(tmp_path, tok_src, ftype, no_leaks):
+    path, _ = _make(tmp_path, tok_src, f"{ftype}.gguf", "--type", ftype)
+    with Engine(path, EngineOptions(**OPTS)) as eng:
+        assert eng.cfg.activation == "silu" and eng.cfg.n_layers == 4 and eng.predictors is None
+        ids = eng.tokenizer.encode("the quick brown fox")
+        out = list(eng.generate(ids, 5, SamplingParams(0.0), stop_at_eos=False))
+        logits = eng.forward_logits(ids)
+    assert len(out) == 5
+    assert np.isfinite(logits).all() and 0.1 < float(np.std(logits)) < 30  # activations stay O(1)
+
+
+@pytest.fixture(scope="module")
+def pwri(tmp_path_factory, tok_src):
+    return _make(tmp_path_factory.mktemp("pwri"), tok_src, "relu.gguf", "--type", "q4_0", "--relu",
+                 "--active", str(ACTIVE), "--rank", "64")
+
+
+def test_relu_file_has_powerinfer_layout(pwri):
+    path, args = pwri
+    assert path.read_bytes()[:4] == b"PWRI"
+    r = open_gguf(path)
+    ne = {t.name: [int(d) for d in t.shape] for t in r.tensors}
+    assert ne["blk.0.ffn_down_t.weight"] == [args.hidden, args.n_ff]
+    assert ne["blk.1.fc1.weight"] == [args.hidden, 64] and ne["blk.1.fc2.weight"] == [64, args.n_ff]
+    assert not any(n.endswith("ffn_down.weight") for n in ne)
+    assert _types(path)["blk.0.fc1.weight"] == QT.Q4_0
+    cfg = read_config(path, r)
+    assert cfg.activation == "relu" and cfg.sparse_threshold == 0.0
+
+
+def test_relu_predictors_mark_the_requested_fraction(pwri):
+    """On random residual rows of any scale (the score's sign does not depend on it)."""
+    path, _ = pwri
+    cfg = read_config(path, open_gguf(path))
+    p = Predictors.load(path, cfg)
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.1, 1.0, 30.0):
+        h = torch.randn(256, cfg.hidden, generator=g) * scale
+        frac = [float(p.masks(layer, h).mean()) for layer in range(cfg.n_layers)]
+        assert all(abs(f - ACTIVE) < ACTIVE_TOL for f in frac), (scale, frac)
+
+
+def test_engine_decodes_relu_file_with_its_predictors(pwri, no_leaks):
+    path, args = pwri
+    n = 8
+    with Engine(path, EngineOptions(**OPTS)) as eng:
+        assert eng.predictors is not None and eng.cfg.activation == "relu"
+        ids = eng.tokenizer.encode("the quick brown fox jumps")
+        out = list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
+        active = dict(eng.ffn.stats.active)
+    assert len(out) == n
+    # prefill is dense; decode computes exactly the predicted neurons
+    decoded = [(active[layer] - len(ids) * args.n_ff) / ((n - 1) * args.n_ff) for layer in range(args.n_layers)]
+    assert abs(float(np.mean(decoded)) - ACTIVE) < ACTIVE_TOL, decoded
