@@ -117,8 +117,10 @@ class OursSide:
         from coordinator.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
 
+        # "gguf-fast": the file's blocks with 8-bit activations (--weights gguf --arith fast)
+        fast = weights == "gguf-fast"
         self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads, ctx=n_ctx,
-                                               weights=weights))
+                                               weights="gguf" if fast else weights, fast=fast))
         own = self.eng.predictors  # a PWRI file's own fc1/fc2, else None
         modes = [Mode("dense")] + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
         if own is not None:
@@ -399,7 +401,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
                     help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
-    ap.add_argument("--weights", nargs="+", default=["f32"], choices=WEIGHT_FORMATS,
+    ap.add_argument("--weights", nargs="+", default=["f32"], choices=[*WEIGHT_FORMATS, "gguf-fast"],
                     help="our workers' weight formats, one engine process each (f32: exact; f16: half the bytes)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
     ap.add_argument("--max-other-cores", type=float, default=0.25,

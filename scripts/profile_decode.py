@@ -55,7 +55,9 @@ def main() -> None:
         m.ffn = eng.ffn
         x = torch.randn(1, eng.cfg.hidden)
         with torch.inference_mode():
-            head = median_ms(lambda: eng.head.q8(x) if eng.head.q8 is not None else x @ eng.head.weight.T, 50)
+            one_token, eng.head.one_token = eng.head.one_token, None  # the whole head on this core
+            head = median_ms(lambda: eng.head(x), 50)
+            eng.head.one_token = one_token
         layers = eng.cfg.n_layers
         share = observe.worker_layout(eng)["coordinator_ffn_share"]
         print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * share:.0f}%, "
