@@ -102,7 +102,7 @@ def _remember_weights(ctx, param, value):
 
 # Passed like the placement options, through the click context.
 _weights_option = click.option(
-    "--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="f32", show_default=True, expose_value=False,
+    "--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="gguf", show_default=True, expose_value=False,
     callback=_remember_weights,
     help="how processes keep weights in memory: float32 (exact), int8 with one scale per neuron row "
          "(a quarter of the memory), float16 (half the bytes read per token), or gguf: the file's "
@@ -125,7 +125,7 @@ _arith_option = click.option(
 
 def _weights_from_context() -> str:
     ctx = click.get_current_context(silent=True)
-    return ctx.meta.get("sparseinfer.weights", "f32") if ctx is not None else "f32"
+    return ctx.meta.get("sparseinfer.weights", "gguf") if ctx is not None else "gguf"
 
 
 def _arith_from_context() -> str:

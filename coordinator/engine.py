@@ -50,11 +50,11 @@ class EngineOptions:
     reset_gpu_index: bool = False  # rebuild <model>.generated.gpuidx even if it matches
     disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
     predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
-    # How workers keep FFN rows in memory: "f32" (exact float32 arithmetic, what the oracle
-    # tests compare against transformers), "int8" (per-row scales, a quarter of the bytes) or
-    # "f16" (half the bytes, for the coordinator's attention matrices too; float16 products
-    # for one-token steps).
-    weights: str = "f32"
+    # How processes keep weights in memory: "gguf" (the default: the file's own blocks through
+    # the native kernels, no float copy; exact arithmetic unless `fast`), "f32" (float32 copies,
+    # torch ops), "int8" (per-row scales, a quarter of the bytes) or "f16" (half the bytes, for
+    # the coordinator's attention matrices too; float16 products for one-token steps).
+    weights: str = "gguf"
     # With weights "gguf": activations quantized to 8 bits per block of 32 (llama.cpp's
     # arithmetic) instead of float32 times the dequantized blocks (exact, the oracle's).
     fast: bool = False

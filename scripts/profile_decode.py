@@ -34,9 +34,11 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--weights", default="f32")
+    ap.add_argument("--arith", default="exact", choices=["exact", "fast"])
     ap.add_argument("-n", type=int, default=40, help="one-token steps per measurement")
     args = ap.parse_args()
-    with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads, weights=args.weights)) as eng:
+    with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads, weights=args.weights,
+                                                                              fast=args.arith == "fast")) as eng:
         m = eng.model
         ids = eng.tokenizer.encode("The history of the city of Paris begins")
         zero_ffn = lambda layer, x, pre: torch.zeros_like(x)  # noqa: E731

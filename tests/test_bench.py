@@ -63,5 +63,6 @@ def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model, tmp_path, no_le
     assert res["sparse 0.50"]["weight_mb_per_token"] < res["dense"]["weight_mb_per_token"]
     assert set(out["ratios_vs_dense"]) == {"sparse 0.50"}
     assert out["read_bandwidth_gb_s"] > 0
-    # without CUDA the coordinator computes a core's share: 1 of 2 with one single-threaded worker
-    assert out["coordinator_ffn_share"] == (0.0 if torch.cuda.is_available() else 0.5)
+    # without CUDA the coordinator computes a core's share: 1 of 2 with one single-threaded worker,
+    # cut on a block of 32 neurons for the native kernels (64 of the tiny model's 160)
+    assert out["coordinator_ffn_share"] == (0.0 if torch.cuda.is_available() else pytest.approx(0.5, abs=0.1))

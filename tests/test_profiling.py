@@ -127,7 +127,8 @@ def test_budget_engine_from_profile_matches_reference(tiny_profile, tmp_path):
     cache.unlink(missing_ok=True)
     try:
         budget_gb = 100 * 3 * 64 * 4 / (1 << 30)  # 100 of the 320 neurons
-        with Engine(path, EngineOptions(cpu_workers=2, threads=2, vram_budget_gb=budget_gb)) as eng:
+        # float32 rows on the (CPU) GPU worker: the budget is counted in them
+        with Engine(path, EngineOptions(cpu_workers=2, threads=2, vram_budget_gb=budget_gb, weights="f32")) as eng:
             ids = eng.tokenizer.encode("the quick brown fox")
             got = list(eng.generate(ids, 6, SamplingParams(0.0), stop_at_eos=False))
             gpu = eng.plan.shards[0].neurons
@@ -153,7 +154,8 @@ def test_cli_profile_then_info(tiny_model_factory, tmp_path):
         assert npz.exists() and plot_path(npz).exists()
         assert float(np.mean(np.concatenate(load_profile(npz).freqs))) == pytest.approx(0.5, abs=0.02)
         r = subprocess.run([sys.executable, "-m", "coordinator", "info", "-m", str(path), "--vram-budget", "0.0001",
-                            "--cpu-workers", "2", "--json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+                            "--cpu-workers", "2", "--json", "--weights", "f32"],  # float32 rows: 12 B a value
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
         assert r.returncode == 0, r.stderr
         plan = json.loads(r.stdout)["plan"]
         nb = 3 * 64 * 4
