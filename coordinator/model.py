@@ -80,8 +80,8 @@ class LmHead:
         if h.shape[0] == 1:
             if self.one_token is not None:
                 return self.one_token(h)
-            if self.file is not None:
-                return torch.from_numpy(self.file.matvec(h.numpy()[0]))[None]
+            if self.file is not None:  # a copy: the kernel's output buffer is reused next token
+                return torch.from_numpy(self.file.matvec(h.numpy()[0]).copy())[None]
             if self.q8 is not None:
                 return self.q8(h)
         return x_wt(h, self.file if self.file is not None else self.weight)

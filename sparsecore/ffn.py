@@ -112,6 +112,9 @@ class FileRows:
         self.m, self.fast = m, fast
         self.rows = range(m.rows) if rows is None else rows
         self.xq = q8_scratch(m.cols)
+        # Checked once here: a decoded token calls matvec per layer, where checks cost as much
+        # as a small product.
+        self._call = m.prepare(self.rows, fast=fast, xq=self.xq)
 
     @property
     def shape(self) -> torch.Size:
@@ -123,7 +126,8 @@ class FileRows:
         return len(self.rows) * self.m.row_bytes
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
-        return self.m.matvec(x, self.rows, fast=self.fast, xq=self.xq)
+        """rows . x, in a buffer the next call overwrites."""
+        return self._call(np.ascontiguousarray(x, dtype=np.float32))
 
     def dequantize(self) -> torch.Tensor:
         """The rows as float32, in the process's reusable scratch: use before the next call."""
@@ -171,7 +175,7 @@ def x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
             return (x.to(torch.float16) @ w.rows.T).to(x.dtype)
         return x @ w.rows.T.to(x.dtype)
     if isinstance(w, FileRows):
-        if x.shape[0] == 1:
+        if x.shape[0] == 1:  # the caller combines the result before the next product
             return torch.from_numpy(w.matvec(x.numpy()[0]))[None]
         return x @ w.dequantize().T
     return x @ w.T

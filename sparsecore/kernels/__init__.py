@@ -115,6 +115,25 @@ class FileMatrix:
                         _ptr(xq), _ptr(y))
         return y[:n]
 
+    def prepare(self, rows=None, cols: range | None = None, fast: bool = False, xq: np.ndarray | None = None):
+        """matvec with its rows, columns and buffers checked once: a function of x (float32,
+        contiguous, len(cols) values) returning y, a buffer it reuses from call to call."""
+        idx, start, n = self._rows(rows)
+        col0, ncol = self._cols(cols)
+        y = np.empty(n, np.float32)
+        xq = q8_scratch(ncol) if xq is None else xq
+        fixed = (*self.args, 0 if idx is None else _ptr(idx), start, n, col0, ncol)
+        tail = (int(fast), _ptr(xq), _ptr(y))
+        keep = (idx, xq)  # the arrays the pointers point into live as long as the function
+
+        def call(x: np.ndarray) -> np.ndarray:
+            if x.dtype != np.float32 or x.shape != (ncol,) or not x.flags.c_contiguous:
+                raise ValueError(f"{self.name}: x must be {ncol} contiguous float32 values")
+            _kernels.matvec(*fixed, _ptr(x), *tail)
+            return y
+        call.keep = keep
+        return call
+
     def dequantize(self, rows=None, cols: range | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The chosen rows and columns as float32 (n_rows, n_cols)."""
         idx, start, n = self._rows(rows)
