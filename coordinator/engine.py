@@ -171,10 +171,10 @@ class Engine:
         if p is not None:
             if self.opts.sparsity is not None:
                 raise ValueError("choose one sparsity source: --sparsity (thresholds) or --predictor, not both")
-            return Predictors.load(p, self.cfg)
+            return Predictors.load(p, self.cfg, in_file=self.opts.weights == "gguf", fast=self.opts.fast)
         # A model's own predictors are the default unless thresholds were asked for explicitly.
         if self.opts.sparsity is None and has_predictors(reader):
-            return Predictors.load(self.path, self.cfg, reader)
+            return Predictors.load(self.path, self.cfg, reader, self.opts.weights == "gguf", self.opts.fast)
         return None
 
     def set_sparsity(self, sparsity: float | None) -> None:

@@ -18,7 +18,9 @@ import torch
 
 from sparsecore.config import ModelConfig
 from sparsecore.errors import ModelFileError
+from sparsecore.ffn import FileRows, x_wt
 from sparsecore.gguf_file import field_value, open_gguf
+from sparsecore.kernels import FileMatrix, supports
 from sparsecore.tensors import TensorStore
 
 THRESHOLD_KEY = "powerinfer.sparse_threshold"
@@ -34,8 +36,11 @@ class Predictors:
         self.fc1, self.fc2, self.thresholds, self.path = fc1, fc2, [float(t) for t in thresholds], path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, cfg: ModelConfig, reader=None) -> "Predictors":
-        """Read blk.N.fc1/fc2 for every layer of `cfg` from `path` (a model or predictor file)."""
+    def load(cls, path: str | os.PathLike, cfg: ModelConfig, reader=None, in_file: bool = False,
+             fast: bool = False) -> "Predictors":
+        """Read blk.N.fc1/fc2 for every layer of `cfg` from `path` (a model or predictor file).
+        in_file (--weights gguf): matrices of a type the native kernels read stay in the file's
+        blocks (a PowerInfer predictor as float32 is several times the sparse FFN's bytes)."""
         path = Path(path)
         reader = reader if reader is not None else open_gguf(path)
         store = TensorStore(path, reader)
@@ -51,8 +56,12 @@ class Predictors:
                 raise ModelFileError(f"{path}: predictor tensor {a} has shape {sa}, expected (rank, {cfg.hidden})")
             if sb != (cfg.n_ff, r):
                 raise ModelFileError(f"{path}: predictor tensor {b} has shape {sb}, expected ({cfg.n_ff}, {r})")
-            fc1.append(torch.from_numpy(np.ascontiguousarray(store.matrix(a), dtype=np.float32)))
-            fc2.append(torch.from_numpy(np.ascontiguousarray(store.matrix(b), dtype=np.float32)))
+            for name, out in ((a, fc1), (b, fc2)):
+                t = store.info(name)
+                if in_file and supports(t.tensor_type):
+                    out.append(FileRows(FileMatrix(t), None, fast))
+                else:
+                    out.append(torch.from_numpy(np.ascontiguousarray(store.matrix(name), dtype=np.float32)))
         thr = field_value(reader, PER_LAYER_KEY)
         if thr is None:
             thr = [float(field_value(reader, THRESHOLD_KEY, 0.0))] * cfg.n_layers
@@ -66,7 +75,7 @@ class Predictors:
 
     def scores(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Predictor outputs (T, n_ff) for pre-norm residual rows h (T, hidden)."""
-        return torch.relu(h.float() @ self.fc1[layer].T) @ self.fc2[layer].T
+        return x_wt(torch.relu(x_wt(h.float(), self.fc1[layer])), self.fc2[layer])
 
     def masks(self, layer: int, h: torch.Tensor) -> np.ndarray:
         """uint8 (T, n_ff): 1 where a neuron is predicted active for that row's token."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparsecore.ffn import rows_nbytes
+
 from . import observe
 
 
@@ -69,7 +71,7 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     b = n * per_neuron * active_fraction
     if mode.predictors is not None:
         p = mode.predictors
-        b += sum(t.numel() * t.element_size() for t in p.fc1 + p.fc2)
+        b += sum(rows_nbytes(t) for t in p.fc1 + p.fc2)
     return b
 
 
