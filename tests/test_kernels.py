@@ -84,22 +84,26 @@ def tol(fast: bool, t: T, x, w) -> float:
     return scale * (1 / 127 if quantized else 1e-6)
 
 
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_matvec_rows_and_columns(mats, isa, t, fast):
-    m = K.FileMatrix(mats[f"w.{t.name}"])
-    w = deq(mats[f"w.{t.name}"])
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal(96).astype(np.float32)
+def check_matvec(m: K.FileMatrix, w: np.ndarray, x: np.ndarray, t: T, fast: bool, col_ranges) -> None:
+    """Chosen rows (all, a range, one, repeated and out of order, none) and column ranges."""
     for rows in (None, range(5, 12), [36], [3, 0, 36, 17, 3], []):
         got = m.matvec(x, rows=rows, fast=fast)
         sel = w if rows is None else w[list(rows)]
         want = sel @ x.astype(np.float64)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=0, atol=tol(fast, t, x, w))
-    cols = range(32, 96)  # whole blocks of the columns (the FFN's down over owned neurons)
-    got = m.matvec(x[32:], rows=range(0, 37), cols=cols, fast=fast)
-    np.testing.assert_allclose(got, w[:, 32:] @ x[32:].astype(np.float64), rtol=0, atol=tol(fast, t, x, w))
+    for cols in col_ranges:  # whole blocks of the columns (the FFN's down over owned neurons)
+        xc = x[cols.start:cols.stop]
+        got = m.matvec(xc, rows=range(0, 37), cols=cols, fast=fast)
+        np.testing.assert_allclose(got, w[:, cols.start:cols.stop] @ xc.astype(np.float64), rtol=0,
+                                   atol=tol(fast, t, x, w))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_matvec_rows_and_columns(mats, isa, t, fast):
+    x = np.random.default_rng(1).standard_normal(96).astype(np.float32)
+    check_matvec(K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"]), x, t, fast, [range(32, 96)])
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -150,20 +154,8 @@ def test_kquant_block_sizes(kmats):
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_kquant_matvec_rows_and_columns(kmats, isa, t, fast):
     m = K.FileMatrix(kmats[f"w.{t.name}"])
-    w = deq(kmats[f"w.{t.name}"])
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal(768).astype(np.float32)
-    for rows in (None, range(5, 12), [36], [3, 0, 36, 17, 3], []):
-        got = m.matvec(x, rows=rows, fast=fast)
-        sel = w if rows is None else w[list(rows)]
-        want = sel @ x.astype(np.float64)
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=0, atol=tol(fast, t, x, w))
-    for cols in (range(256, 768), range(256, 512)):  # whole K blocks of the columns
-        xc = x[cols.start:cols.stop]
-        got = m.matvec(xc, rows=range(0, 37), cols=cols, fast=fast)
-        np.testing.assert_allclose(got, w[:, cols.start:cols.stop] @ xc.astype(np.float64), rtol=0,
-                                   atol=tol(fast, t, x, w))
+    x = np.random.default_rng(11).standard_normal(768).astype(np.float32)
+    check_matvec(m, deq(kmats[f"w.{t.name}"]), x, t, fast, [range(256, 768), range(256, 512)])
     with pytest.raises(ValueError, match="whole blocks of 256"):
         m.matvec(x[:32], cols=range(0, 32))
 
