@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
-from sparsecore.kernels import FileMatrix, supports
+from sparsecore.kernels import AttentionStep, FileMatrix, supports
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
 
@@ -144,6 +144,21 @@ class Transformer:
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
         self.cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self._rope_tables(store)
+        # One decoded token's attention block in one native call per layer, where the layer's
+        # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
+        self.native = [self._native_step(i, L, fast) for i, L in enumerate(self.layers)]
+
+    def _native_step(self, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
+        if not isinstance(L.wqkv, list) or self.cfg.rope_dim > self.cfg.head_dim:
+            return None
+        q, k, v = L.wqkv
+        try:
+            return AttentionStep(q.m, q.rows, k.m, k.rows, v.m, L.wo.m, L.attn_norm.numpy(), self.cfg.rms_eps,
+                                 self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.rope_dim,
+                                 self.cos.numpy(), self.sin_signed.numpy(), self.cache.k[i].numpy(),
+                                 self.cache.v[i].numpy(), fast)
+        except ValueError:  # a shape the kernel does not take: the torch path below
+            return None
 
     @property
     def pos(self) -> int:
@@ -212,7 +227,11 @@ class Transformer:
         h = self.embed(ids)
         eps = self.cfg.rms_eps
         for i, L in enumerate(self.layers):
-            h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))
+            if T == 1 and self.native[i] is not None:
+                h = h.contiguous()
+                self.native[i](h.numpy()[0], self.cache.pos)  # h += attention(h), in place
+            else:
+                h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))
             h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h)
         self.cache.pos += T
         return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))

@@ -148,3 +148,21 @@ def test_context_overflow_is_a_clear_error(tiny_model):
     with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, ctx=32)) as eng:
         with pytest.raises(ValueError, match="exceeds the context size 32"):
             list(eng.generate(list(range(3, 30)), 10))
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "F16"])
+def test_native_attention_step_equals_the_torch_path(tiny_model_factory, tensor_type, no_leaks):
+    """The one-call attention block (RMSNorm, Q/K/V, RoPE, KV cache, GQA softmax, output) gives
+    the torch path's decode logits, and is really used (the model holds one per layer)."""
+    path = tiny_model_factory(tensor_type=tensor_type)
+    ids = [5, 17, 33, 80, 120, 7, 9, 44]
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
+        m = eng.model
+        assert all(step is not None for step in m.native)
+        got = []
+        for native in (list(m.native), [None] * len(m.native)):
+            m.native = native
+            eng.reset()
+            got.append(np.stack([m.forward([t])[-1].numpy() for t in ids]))
+    scale = np.abs(got[1]).max()
+    np.testing.assert_allclose(got[0], got[1], rtol=0, atol=1e-5 * scale)

@@ -201,3 +201,42 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
                            -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
                            _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(scratch.y))
     return scratch.y, n
+
+
+class AttentionStep:
+    """One decoded token's attention block of one layer in one native call (_kernels.attn_token):
+    RMSNorm, Q/K/V products (`q_rows`, `k_rows`: the file's rows in un-permuted order), RoPE
+    from the model's cos / signed-sin tables, the KV cache write, softmax attention (GQA) and
+    the output product, added to the residual in place. Everything is checked here, once."""
+
+    def __init__(self, q: FileMatrix, q_rows: np.ndarray, k: FileMatrix, k_rows: np.ndarray, v: FileMatrix,
+                 o: FileMatrix, norm: np.ndarray, eps: float, n_heads: int, n_kv: int, head_dim: int,
+                 rope_dim: int, cos: np.ndarray, sin_signed: np.ndarray, k_cache: np.ndarray,
+                 v_cache: np.ndarray, fast: bool):
+        hidden, max_ctx = q.cols, k_cache.shape[1]
+        if not (q.rows == len(q_rows) == n_heads * head_dim and k.rows == len(k_rows) == v.rows == n_kv * head_dim
+                and k.cols == v.cols == hidden and o.cols == n_heads * head_dim and o.rows == hidden):
+            raise ValueError("attention shapes disagree")
+        for a, shape in ((norm, (hidden,)), (cos, (max_ctx, rope_dim)), (sin_signed, (max_ctx, rope_dim)),
+                         (k_cache, (n_kv, max_ctx, head_dim)), (v_cache, (n_kv, max_ctx, head_dim))):
+            if a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous:
+                raise ValueError(f"attention table of shape {a.shape} {a.dtype}, expected {shape} float32, contiguous")
+        if rope_dim > min(head_dim, 1024) or rope_dim % 2 or n_heads % n_kv:
+            raise ValueError("attention: rope dimension or head counts not supported natively")
+        self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
+        self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
+        self.hidden, self.rope_bytes, self.max_ctx = hidden, rope_dim * 4, max_ctx
+        self.scratch = [np.empty(n, np.float32) for n in (hidden, n_heads * head_dim, n_kv * head_dim,
+                                                          n_kv * head_dim, max_ctx, n_heads * head_dim)]
+        self.scratch += [q8_scratch(hidden), q8_scratch(n_heads * head_dim)]
+        self.cos, self.sin = _ptr(cos), _ptr(sin_signed)
+        self.head = (*q.args, _ptr(self.q_rows), *k.args, _ptr(self.k_rows), *v.args, *o.args, _ptr(norm),
+                     float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
+        self.tail = (_ptr(k_cache), _ptr(v_cache), max_ctx, int(fast), *(_ptr(a) for a in self.scratch))
+
+    def __call__(self, h: np.ndarray, pos: int) -> None:
+        """h (hidden,) float32, contiguous: the residual, updated in place; pos: the token's position."""
+        if h.dtype != np.float32 or h.shape != (self.hidden,) or not h.flags.c_contiguous or not 0 <= pos < self.max_ctx:
+            raise ValueError("attention step: h must be the hidden-size float32 residual, pos within the cache")
+        _kernels.attn_token(*self.head, self.cos + pos * self.rope_bytes, self.sin + pos * self.rope_bytes, pos,
+                            *self.tail, _ptr(h))

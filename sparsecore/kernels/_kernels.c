@@ -685,6 +685,69 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     return n_active;
 }
 
+/* One decoded token's attention block for one layer, in place on the residual h (hidden):
+ *   x = rmsnorm(h) * norm_w;  q, k, v = Wq x, Wk x, Wv x (Q and K rows in un-permuted order)
+ *   rotate-half RoPE on q and k at `pos` (cos, and sin with the first half negated, as the
+ *   Python model's tables hold them); k, v into the layer's cache at pos;
+ *   per query head: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] (query head i reads KV head
+ *   i / (n_heads / n_kv)); h += Wo (heads side by side).
+ * The same arithmetic as coordinator/model.py's torch path in float32, in one call instead of
+ * some twenty small torch operations (each 3-10 us, most of a small model's token). */
+typedef struct {
+    float *x, *q, *k, *v, *att, *out;
+    q8blk *xq, *oq;
+} attn_scratch;
+
+static void rope(float *x, int n_heads, int hd, int d, const float *cos_r, const float *sin_r) {
+    int half = d / 2;
+    for (int hh = 0; hh < n_heads; hh++) {
+        float *v = x + hh * hd, tmp[1024];
+        for (int i = 0; i < d; i++) tmp[i] = v[i];
+        for (int i = 0; i < d; i++) v[i] = tmp[i] * cos_r[i] + tmp[(i + half) % d] * sin_r[i];
+    }
+}
+
+static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
+                       int fast, attn_scratch sc, float *h) {
+    double ss = 0.0;
+    for (int i = 0; i < hidden; i++) ss += (double)h[i] * h[i];
+    float r = 1.f / sqrtf((float)(ss / hidden) + eps);
+    for (int i = 0; i < hidden; i++) sc.x[i] = h[i] * r * norm_w[i];
+    if (fast) quantize_q8(sc.x, hidden, sc.xq);
+    matvec(wq, q_rows, 0, (int64_t)n_heads * hd, 0, hidden, sc.x, sc.xq, fast, sc.q);
+    matvec(wk, k_rows, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.k);
+    matvec(wv, NULL, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.v);
+    rope(sc.q, n_heads, hd, d, cos_r, sin_r);
+    rope(sc.k, n_kv, hd, d, cos_r, sin_r);
+    for (int j = 0; j < n_kv; j++) {
+        memcpy(kc + ((int64_t)j * max_ctx + pos) * hd, sc.k + j * hd, sizeof(float) * hd);
+        memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, sc.v + j * hd, sizeof(float) * hd);
+    }
+    float scale = 1.f / sqrtf((float)hd);
+    int group = n_heads / n_kv;
+    for (int hh = 0; hh < n_heads; hh++) {
+        const float *qh = sc.q + hh * hd;
+        const float *K = kc + (int64_t)(hh / group) * max_ctx * hd, *V = vc + (int64_t)(hh / group) * max_ctx * hd;
+        float mx = -INFINITY, sum = 0.f, *o = sc.out + hh * hd;
+        for (int p = 0; p <= pos; p++) {
+            sc.att[p] = dot_exact(T_F32, (const uint8_t *)(K + (int64_t)p * hd), qh, hd) * scale;
+            if (sc.att[p] > mx) mx = sc.att[p];
+        }
+        for (int p = 0; p <= pos; p++) { sc.att[p] = expf(sc.att[p] - mx); sum += sc.att[p]; }
+        memset(o, 0, sizeof(float) * hd);
+        for (int p = 0; p <= pos; p++) {
+            float w = sc.att[p] / sum;
+            const float *vp = V + (int64_t)p * hd;
+            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+        }
+    }
+    if (fast) quantize_q8(sc.out, n_heads * hd, sc.oq);
+    matvec(wo, NULL, 0, hidden, 0, n_heads * hd, sc.out, sc.oq, fast, sc.x);  /* x: free again */
+    for (int i = 0; i < hidden; i++) h[i] += sc.x[i];
+}
+
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     for (int64_t i = 0; i < n_rows; i++) {
@@ -812,7 +875,38 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {  /* tests: force th
     return py_isa(self, NULL);
 }
 
+/* attn_token(q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d,
+ *            cos_ptr, sin_ptr, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
+ *            x, q, k, v, att, out, xq, oq, h): 37 arguments */
+static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 37) { PyErr_SetString(PyExc_TypeError, "attn_token takes 37 arguments"); return NULL; }
+    mat wq, wk, wv, wo;
+    if (get_mat(args, &wq) || get_mat(args + 4, &wk) || get_mat(args + 8, &wv) || get_mat(args + 11, &wo)) return NULL;
+    const int32_t *q_rows = ARG_PTR(3), *k_rows = ARG_PTR(7);
+    const float *norm_w = ARG_PTR(14);
+    float eps = (float)PyFloat_AsDouble(args[15]);
+    int hidden = (int)ARG_LL(16), n_heads = (int)ARG_LL(17), n_kv = (int)ARG_LL(18), hd = (int)ARG_LL(19), d = (int)ARG_LL(20);
+    const float *cos_r = ARG_PTR(21), *sin_r = ARG_PTR(22);
+    int pos = (int)ARG_LL(23);
+    float *kc = ARG_PTR(24), *vc = ARG_PTR(25);
+    int max_ctx = (int)ARG_LL(26), fast = (int)ARG_LL(27);
+    attn_scratch sc = {ARG_PTR(28), ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35)};
+    float *h = ARG_PTR(36);
+    if (PyErr_Occurred()) return NULL;
+    if (d > 1024 || d > hd || n_kv <= 0 || n_heads % n_kv || pos < 0 || pos >= max_ctx) {
+        PyErr_SetString(PyExc_ValueError, "attn_token: bad head, rope or position arguments");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    attn_token(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_r, sin_r, pos,
+               kc, vc, max_ctx, fast, sc, h);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
