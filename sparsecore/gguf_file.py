@@ -34,7 +34,22 @@ class _Truncated(Exception):
 
 class _CheckedReader(GGUFReader):
     """Checks that every tensor lies inside the file before gguf-py builds views of it (it
-    would fail with a reshape error that says nothing about truncation)."""
+    would fail with a reshape error that says nothing about truncation).
+
+    It also reads the header through a plain ndarray view of the memory map: gguf-py slices
+    its np.memmap once or twice per string, and a memmap slice costs ~2 us of bookkeeping, so a
+    49152-token vocabulary took 2.2 s to parse in every process (the same bytes, 0.4 s here)."""
+
+    _itemsize: dict = {}
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)  # same buffer, no memmap subclass
+        dt = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _build_tensors(self, start_offs, fields):
         size = len(self.data)
