@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import TensorStore
 
+from sparsecore.kernels import supports
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.shard import FileLayer
 
@@ -101,6 +103,13 @@ class Engine:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
         down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
+        if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
+            slow = sorted({t.tensor_type.name for t in reader.tensors
+                           if t.name in set(required_tensors(cfg) + down_t) and len(t.shape) > 1
+                           and not supports(t.tensor_type)})
+            if slow:
+                print(f"note: {self.path.name}: {', '.join(slow)} tensors have no native kernel; "
+                      f"converted to float32 once at load", file=sys.stderr)
         try:
             self.tokenizer = GGUFTokenizer.from_reader(reader)
         except ValueError as e:
