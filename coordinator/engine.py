@@ -104,9 +104,9 @@ class Engine:
         down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
+            wanted = set(required_tensors(cfg) + down_t)
             slow = sorted({t.tensor_type.name for t in reader.tensors
-                           if t.name in set(required_tensors(cfg) + down_t) and len(t.shape) > 1
-                           and not supports(t.tensor_type)})
+                           if t.name in wanted and len(t.shape) > 1 and not supports(t.tensor_type)})
             if slow:
                 print(f"note: {self.path.name}: {', '.join(slow)} tensors have no native kernel; "
                       f"converted to float32 once at load", file=sys.stderr)
