@@ -116,8 +116,8 @@ class Engine:
             raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
         self.chat_template = chat_template_from_reader(reader)
         predictors = self._load_predictors(reader)
-        self.reader = reader  # the tools (coordinator/tools/) read tensors through it
-        store = TensorStore(self.path, reader)
+        # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
+        self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
         self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,

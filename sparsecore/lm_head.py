@@ -21,6 +21,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from .ffn import FileRows
+from .kernels import FileMatrix, supports
+
 QK8_0 = 32
 
 
@@ -79,9 +82,6 @@ class HeadRows:
     the rows computed in several processes and put side by side equal the whole head's."""
 
     def __init__(self, store, name: str, start: int, stop: int, in_file: bool = False, fast: bool = False):
-        from .ffn import FileRows  # here: ffn imports this module's neighbours, not the reverse
-        from .kernels import FileMatrix, supports
-
         self.start, self.stop = start, stop
         t = store.info(name)
         # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel

@@ -107,6 +107,12 @@ class FileLayer:
         down = n * self.down.row_bytes if self.down_t else self.down.row_bytes * n // self.down.cols * self.down.rows
         return n * (self.gate.row_bytes + self.up.row_bytes) + down
 
+    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        """One token, written straight into `out` (the process's output slot): no tensor round trip."""
+        return ffn_token(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
+                         self.fast, self.down_t, out)[1]
+
     def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[torch.Tensor, int]:
         if x.shape[0] == 1:
@@ -209,8 +215,13 @@ class FfnShard:
             logits = self.head(buf.x[:1])
             buf.out[slot].reshape(-1)[: len(logits)] = logits
             return 0, int((time.perf_counter() - t0) * 1e9)
-        x = torch.from_numpy(buf.x[:req.n_tokens]).to(self.device)
         threshold = float(buf.thresholds[req.layer]) if req.threshold else None
-        y, n_active = self.step(req.layer, x, None if req.dense or req.threshold else buf.mask, threshold)
+        active = None if req.dense or req.threshold else buf.mask
+        w = self.layers[req.layer]
+        if req.n_tokens == 1 and isinstance(w, FileLayer):  # a decoded token: the kernel writes the slot
+            n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0])
+            return n_active, int((time.perf_counter() - t0) * 1e9)
+        x = torch.from_numpy(buf.x[:req.n_tokens]).to(self.device)
+        y, n_active = self.step(req.layer, x, active, threshold)
         buf.out[slot, :req.n_tokens] = y.cpu().numpy()
         return n_active, int((time.perf_counter() - t0) * 1e9)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from sparsecore.ffn import ACTIVATIONS, is_active
-from sparsecore.tensors import TensorStore
 
 QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sampled (seeded)
 
@@ -54,7 +53,7 @@ def ffn_neuron_bytes(engine) -> float:
         from ..placement import neuron_bytes
 
         return neuron_bytes(cfg.hidden, engine.opts.weights)
-    store = TensorStore(engine.path, engine.reader)
+    store = engine.store
     names = [f"blk.0.ffn_{n}.weight" for n in ("gate", "up", "down")]
     return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
 
@@ -183,7 +182,7 @@ class GateActivity:
     (memory bounded by one layer's gate)."""
 
     def __init__(self, engine, keep: bool = False):
-        self._store = TensorStore(engine.path, engine.reader)
+        self._store = engine.store
         self.activation = engine.cfg.activation
         self._kept: dict[int, torch.Tensor] | None = {} if keep else None
 

@@ -177,7 +177,8 @@ class FfnScratch:
 
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
-              fast: bool = False, down_t: bool = False) -> tuple[np.ndarray, int]:
+              fast: bool = False, down_t: bool = False,
+              out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """One token's partial FFN over owned neurons `own` (a range of the layer's aligned to whole
     blocks of down's rows, 32 or 256 values, or any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
@@ -197,10 +198,13 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
         raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")
     if mask is not None and (mask.dtype != np.uint8 or len(mask) < gate.rows or not mask.flags.c_contiguous):
         raise ValueError("mask must be a contiguous uint8 array over the layer's neurons")
+    y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
+    if y.dtype != np.float32 or y.shape != (hidden,) or not y.flags.c_contiguous:
+        raise ValueError(f"out must be {hidden} contiguous float32 values")
     n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own), ACT_IDS[activation],
                            -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
-                           _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(scratch.y))
-    return scratch.y, n
+                           _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(y))
+    return y, n
 
 
 class AttentionStep:
