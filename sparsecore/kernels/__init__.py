@@ -236,11 +236,22 @@ class AttentionStep:
         self.cos, self.sin = _ptr(cos), _ptr(sin_signed)
         self.head = (*q.args, _ptr(self.q_rows), *k.args, _ptr(self.k_rows), *v.args, *o.args, _ptr(norm),
                      float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
+        self.cache_shape = k_cache.shape
         self.tail = (_ptr(k_cache), _ptr(v_cache), max_ctx, int(fast), *(_ptr(a) for a in self.scratch))
 
-    def __call__(self, h: np.ndarray, pos: int) -> None:
-        """h (hidden,) float32, contiguous: the residual, updated in place; pos: the token's position."""
+    def __call__(self, h: np.ndarray, pos: int, cache: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """h (hidden,) float32, contiguous: the residual, updated in place; pos: the token's position.
+        `cache`: another sequence's (keys, values) of this layer, shaped like the ones given at
+        construction (continuous batching: one step object, one cache per sequence)."""
         if h.dtype != np.float32 or h.shape != (self.hidden,) or not h.flags.c_contiguous or not 0 <= pos < self.max_ctx:
             raise ValueError("attention step: h must be the hidden-size float32 residual, pos within the cache")
+        tail = self.tail
+        if cache is not None:
+            k, v = cache
+            for a in (k, v):
+                if a.dtype != np.float32 or a.shape != self.cache_shape or not a.flags.c_contiguous:
+                    raise ValueError(f"attention step: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
+            tail = (_ptr(k), _ptr(v), *tail[2:])
+            self.keep_cache = cache  # alive until the next call, like the constructor's
         _kernels.attn_token(*self.head, self.cos + pos * self.rope_bytes, self.sin + pos * self.rope_bytes, pos,
-                            *self.tail, _ptr(h))
+                            *tail, _ptr(h))
