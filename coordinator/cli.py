@@ -5,7 +5,6 @@ import json
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import click
@@ -221,58 +220,83 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
 
 @main.command()
 @_engine_options
-@click.option("--endpoint", default=None, help="frontend endpoint (default: ipc socket in a private runtime dir)")
-@click.option("--ready-file", default=None, help="write the bound endpoint here once serving")
-def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, endpoint, ready_file):
-    """Run the coordinator (and its workers) until stopped; `sparseinfer prompt` talks to it."""
-    from protocol.addresses import default_frontend_endpoint
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8080, show_default=True, help="port to listen on (0: any free one)")
+@click.option("--api-key", default=None, envvar="SPARSEINFER_API_KEY",
+              help="require 'Authorization: Bearer KEY' (also from $SPARSEINFER_API_KEY)")
+@click.option("--parallel", type=int, default=4, show_default=True, help="sequences decoded together (slots)")
+@click.option("--queue", type=int, default=16, show_default=True,
+              help="requests that may wait for a slot; beyond them the server answers 503")
+@click.option("--ready-file", default=None, help="write the server's URL here once listening (removed on exit)")
+def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
+          ready_file):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    from .server import serve as serve_http
 
-    from .server import serve as serve_loop
+    if not 0 <= port <= 65535:
+        raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
+    if not 1 <= parallel <= 64:
+        raise click.BadParameter(f"{parallel}: choose 1..64 sequences", param_hint="--parallel")
+    if queue < 0:
+        raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
+    path = _resolve_model(model)
+    opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,
+                sparsity=sparsity)
+    click_ctx = click.get_current_context()
 
-    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
-        serve_loop(eng, endpoint or default_frontend_endpoint(), ready_file)
+    def load():  # on the loader thread: the click context is this thread's, so pass it along
+        with click_ctx:
+            return _open_engine(path, **opts)
+    try:
+        serve_http(load, path, host, port, api_key, parallel, queue, ready_file)
+    except OSError as e:
+        _fail(str(e))
 
 
 @main.command()
 @_sampling_options
 @click.option("-p", "--prompt", required=True, help="prompt text")
-@click.option("--endpoint", default=None, help="coordinator endpoint (default: the one `serve` uses)")
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="seconds to wait for a reply")
-@click.option("--stop-server", is_flag=True, help="after the reply, ask the coordinator to shut down")
-def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt, endpoint, timeout, stop_server):
-    """Send PROMPT to a running coordinator and stream its reply."""
-    import zmq
+@click.option("--url", default=None, envvar="SPARSEINFER_URL",
+              help="server URL (default: http://127.0.0.1:8080, or $SPARSEINFER_URL)")
+@click.option("--api-key", default=None, envvar="SPARSEINFER_API_KEY", help="the server's API key")
+@click.option("--system", default=None, help="with --chat: a system prompt")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds to wait for the reply")
+def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt, url, api_key, system, timeout):
+    """Send PROMPT to a running `sparseinfer serve` and stream its reply."""
+    from .http_client import DEFAULT_URL, ClientError, chunk_text, stream_completion
 
-    from protocol.addresses import default_frontend_endpoint
-    from protocol.messages import GenerateDone, GenerateRequest, StopServer, TokenChunk, decode, encode
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    endpoint = endpoint or default_frontend_endpoint()
-    sock.connect(endpoint)
+    url = url or DEFAULT_URL
+    body = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                ignore_eos=ignore_eos)
+    if chat:
+        body["messages"] = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+        click.echo(prompt, nl=False)
     try:
-        req = GenerateRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, top_k, top_p, seed, chat,
-                              not ignore_eos)
-        sock.send(encode(req))
-        if not chat:
-            click.echo(prompt, nl=False)
-        while True:
-            if not sock.poll(int(timeout * 1000)):
-                _fail(f"no reply from the coordinator at {endpoint} within {timeout:.0f}s (is `scripts/launch` running?)")
-            msg = decode(sock.recv())
-            if isinstance(msg, TokenChunk):
-                click.echo(msg.text, nl=False)
-            elif isinstance(msg, GenerateDone):
-                click.echo()
-                if msg.error:
-                    _fail(msg.error)
-                break
-        if stop_server:
-            sock.send(encode(StopServer()))
-    finally:
-        sock.close()
-        ctx.term()
+        for chunk in stream_completion(url, body, api_key, timeout):
+            click.echo(chunk_text(chunk), nl=False)
+    except ClientError as e:
+        click.echo()
+        _fail(str(e))
+    click.echo()
+
+
+@main.command()
+@_engine_options
+@_sampling_options
+@click.option("--system", default=None, help="system prompt")
+def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k, top_p,
+         seed, chat, ignore_eos, system):
+    """Talk with the model: a multi-turn chat in the terminal (/reset, /exit; Ctrl-C stops a reply)."""
+    from .chat_repl import run_chat
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling.validate()
+    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
+        run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)
 
 
 def _corpus_options(f):

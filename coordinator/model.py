@@ -19,8 +19,10 @@ from sparsecore.kernels import AttentionStep, FileMatrix, supports
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
 
-Ffn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden)) -> FFN output (T, hidden)."""
+Ffn = Callable[..., torch.Tensor]
+"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden), decode=None) -> FFN output (T, hidden).
+`decode=True`: the T rows are decoded tokens of T sequences (a continuous batch), so decoding's
+sparsity applies to each; None: one row is a decoded token, several are a prompt."""
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -33,7 +35,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of every layer for the positions decoded so far (`pos` of them)."""
+    """Keys and values of every layer for the positions decoded so far (`pos` of them): one per
+    sequence (the engine's own, and one per slot of the HTTP server's continuous batch)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, max_ctx: int, head_dim: int):
         shape = (n_layers, n_kv_heads, max_ctx, head_dim)
@@ -49,6 +52,10 @@ class KVCache:
 
     def reset(self) -> None:
         self.pos = 0
+
+    def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer i's (keys, values) as arrays, for the native attention step."""
+        return self.k[i].numpy(), self.v[i].numpy()
 
 
 class LmHead:
@@ -164,6 +171,10 @@ class Transformer:
     def pos(self) -> int:
         return self.cache.pos
 
+    def new_cache(self) -> KVCache:
+        """A KV cache for another sequence (continuous batching), as long as the model's context."""
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.max_ctx, self.cfg.head_dim)
+
     def bytes_per_token(self) -> int:
         """Weights one decoded token reads outside the FFN: attention and norms of every layer,
         the final norm, the lm_head, and one embedding row."""
@@ -196,10 +207,10 @@ class Transformer:
         swapped = xr.reshape(T, H, 2, d // 2).flip(2).reshape(T, H, d)
         return torch.cat((xr * cos + swapped * sin, xp), dim=-1)
 
-    def _attention(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cfg, L = self.cfg, self.layers[i]
         T = x.shape[0]
-        start = self.cache.pos
+        start = cache.pos
         pos = slice(start, start + T)
         nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if isinstance(L.wqkv, list):  # Q, K, V in the file's blocks: three products
@@ -208,7 +219,7 @@ class Transformer:
             qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
         qk = self._rope(qkv[:, : nq + nkv], pos)
         q = qk[:, :nq].transpose(0, 1)
-        keys, vals = self.cache.update(i, pos, qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1))
+        keys, vals = cache.update(i, pos, qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1))
         gqa = nq != nkv  # SDPA maps query heads onto shared K/V heads without copying the cache
         if T == 1:
             out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], enable_gqa=gqa)[0]
@@ -218,20 +229,55 @@ class Transformer:
             out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa)[0]
         return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
 
+    def _attend_one(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """h (1, hidden) + attention of one decoded token of the sequence in `cache`."""
+        if self.native[i] is not None:
+            h = h.contiguous()
+            # h += attention(h), in place; the step object was built over self.cache's arrays
+            self.native[i](h.numpy()[0], cache.pos, None if cache is self.cache else cache.layer(i))
+            return h
+        return h + self._attention(i, rms_norm(h, self.layers[i].attn_norm, self.cfg.rms_eps), cache)
+
     @torch.inference_mode()
-    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run `ids` at the cache's position; returns logits of the last (or every) token."""
+    def forward(self, ids: list[int], all_logits: bool = False, cache: KVCache | None = None) -> torch.Tensor:
+        """Run `ids` at the cache's position (default: the model's own cache); returns logits of
+        the last (or every) token."""
+        cache = self.cache if cache is None else cache
         T = len(ids)
-        if self.cache.pos + T > self.max_ctx:
-            raise ValueError(f"context full: {self.cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
+        if cache.pos + T > self.max_ctx:
+            raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = self.embed(ids)
         eps = self.cfg.rms_eps
         for i, L in enumerate(self.layers):
-            if T == 1 and self.native[i] is not None:
-                h = h.contiguous()
-                self.native[i](h.numpy()[0], self.cache.pos)  # h += attention(h), in place
+            if T == 1:
+                h = self._attend_one(i, h, cache)
             else:
-                h = h + self._attention(i, rms_norm(h, L.attn_norm, eps))
+                h = h + self._attention(i, rms_norm(h, L.attn_norm, eps), cache)
             h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h)
-        self.cache.pos += T
+        cache.pos += T
         return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))
+
+    @torch.inference_mode()
+    def decode_batch(self, ids: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decoded token for each of several sequences (continuous batching): ids[b] goes
+        at caches[b].pos. Attention runs per sequence (each has its own cache and position);
+        the FFN and the head take all rows together, so the weights are read once per step.
+        Returns (B, n_vocab) logits. Each row equals what forward([ids[b]], cache=caches[b])
+        gives: every product is per row."""
+        if len(ids) != len(caches) or not ids:
+            raise ValueError("decode_batch: one token per cache")
+        if len(set(map(id, caches))) != len(caches):
+            raise ValueError("decode_batch: a sequence appears twice")
+        for c in caches:
+            if c.pos + 1 > self.max_ctx:
+                raise ValueError(f"context full: {c.pos} + 1 tokens exceeds the context size {self.max_ctx}")
+        if len(ids) == 1:
+            return self.forward(ids, cache=caches[0])
+        h = self.embed(ids)
+        eps = self.cfg.rms_eps
+        for i, L in enumerate(self.layers):
+            h = torch.cat([self._attend_one(i, h[b:b + 1], c) for b, c in enumerate(caches)])
+            h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h, decode=True)
+        for c in caches:
+            c.pos += 1
+        return self.head(rms_norm(h, self.out_norm, eps))

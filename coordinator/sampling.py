@@ -1,7 +1,10 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p, seeded."""
+"""Next-token choice from logits: penalties, then greedy or temperature with top-k, top-p and
+min-p, seeded; and the log-probabilities the HTTP API reports."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -12,14 +15,43 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
+    # Penalties, as llama.cpp applies them, over the last `repeat_last_n` tokens of the sequence
+    # (prompt included): repeat divides a positive logit (multiplies a negative one); presence
+    # subtracts once per token seen, frequency once per occurrence (OpenAI's definitions).
+    repeat_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
 
     def validate(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min-p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            raise ValueError(f"repeat penalty must be in (0, 10], got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name.replace('_', ' ')} must be in [-2, 2], got {v}")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat-last-n must be >= 0, got {self.repeat_last_n}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
 
 
 class Sampler:
@@ -28,8 +60,23 @@ class Sampler:
         self.p = params
         self.rng = np.random.default_rng(params.seed)
 
+    def penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The logits after the repeat, presence and frequency penalties over the recent history."""
+        p = self.p
+        if not p.penalized or not history:
+            return logits
+        counts = Counter(history[-p.repeat_last_n:])
+        ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
+        ids = ids[(ids >= 0) & (ids < len(logits))]
+        n = np.array([counts[int(i)] for i in ids], dtype=np.float32)
+        out = logits.astype(np.float32, copy=True)
+        v = out[ids]
+        v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        out[ids] = v - n * p.frequency_penalty - p.presence_penalty
+        return out
+
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution actually sampled from, after temperature, top-k and top-p."""
+        """The distribution actually sampled from, after temperature, top-k, top-p and min-p."""
         z = logits.astype(np.float64) / self.p.temperature
         if 0 < self.p.top_k < len(z):
             kth = np.partition(z, -self.p.top_k)[-self.p.top_k]
@@ -43,9 +90,13 @@ class Sampler:
             kept = np.zeros_like(probs)
             kept[keep] = probs[keep]
             probs = kept / kept.sum()
+        if self.p.min_p > 0.0:
+            probs = np.where(probs >= self.p.min_p * probs.max(), probs, 0.0)
+            probs /= probs.sum()
         return probs
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        logits = self.penalize(logits, history)
         if self.p.temperature == 0.0:
             return int(np.argmax(logits))
         probs = self.probabilities(logits)

@@ -1,69 +1,415 @@
-"""The coordinator as a long-running process: serves generate requests from frontends.
+"""The OpenAI-compatible HTTP server: FastAPI routes over the continuous-batching `Scheduler`.
 
-A frontend (`sparseinfer prompt`, later the HTTP server) connects a DEALER socket to the
-coordinator's ROUTER endpoint, sends a GenerateRequest and receives TokenChunk messages as
-text is produced, then GenerateDone. A StopServer request shuts everything down.
+    POST /v1/chat/completions, POST /v1/completions   (stream or not; SSE ends with [DONE])
+    GET  /v1/models, GET /health, POST /tokenize, POST /detokenize
+
+The socket is bound before the model loads (a taken port fails at once, in one line); the
+engine loads on a thread while /health answers 503 "loading"; requests then go to the
+scheduler's slots, and a client that goes away cancels its sequence.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
+import socket
 import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
-import zmq
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.messages import GenerateDone, GenerateRequest, StopServer, TokenChunk, decode, encode
-
-from .engine import Engine
-from .interrupts import stop_on_signals
+from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams
 
+MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
 
-def handle_request(eng: Engine, req: GenerateRequest, send) -> None:
-    from .tokenizer import StreamDecoder
 
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+    """OpenAI's error shape."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+
+
+@dataclass
+class ServerState:
+    model_id: str
+    status: str = "loading"  # loading, ok, error
+    error: str | None = None
+    engine: object = None
+    scheduler: Scheduler | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready(self) -> Scheduler:
+        if self.scheduler is not None and self.scheduler.error is not None:
+            self.status, self.error = "error", self.scheduler.error
+        if self.status == "loading":
+            raise ApiError(503, "the model is loading", "unavailable_error", code="loading")
+        if self.status != "ok":
+            raise ApiError(500, f"the engine failed: {self.error}", "server_error")
+        return self.scheduler
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a body beyond `limit` bytes (413) before anything parses it."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await error_body(413, f"request body larger than {self.limit} bytes", "invalid_request_error")(
+                scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body larger than {self.limit} bytes")
+            return msg
+        await self.app(scope, limited, send)
+
+
+def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="sparseinfer", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, e: ApiError):
+        return error_body(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        err = (e.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = err.get("msg", "invalid request")
+        return error_body(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_body(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _bug(_, e: Exception):  # never a traceback to the client; one line to our log
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return error_body(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @app.middleware("http")
+    async def _auth(request: HttpRequest, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.scheduler is not None and state.scheduler.error is not None:
+            state.status, state.error = "error", state.scheduler.error
+        if state.status == "loading":
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if state.status == "error":
+            return JSONResponse({"status": "error", "error": state.error}, status_code=500)
+        sched = state.scheduler
+        return {"status": "ok", "slots_busy": sched.busy_slots(), "slots": len(sched.slots), "waiting": len(sched.waiting),
+                "decode_steps": sched.steps}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "sparseinfer"}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        eng = _engine(state)
+        ids = eng.tokenizer.encode(body.content, add_bos=None if body.add_special else False, add_eos=False)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": eng.tokenizer.piece_bytes(i).decode("utf-8", "replace")} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        eng = _engine(state)
+        n = eng.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < n]
+        if bad:
+            raise ApiError(400, f"tokens: id {bad[0]} is outside the vocabulary (0..{n - 1})", param="tokens")
+        return {"content": eng.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HttpRequest):
+        sched = state.ready()
+        _check_model(state, body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = await run_in_threadpool(state.engine.encode_chat, messages)
+        except Exception as e:  # a template that fails on these messages
+            raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _run(state, sched, http, body, ids, max_tokens, logprobs, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        sched = state.ready()
+        _check_model(state, body.model)
+        tk = state.engine.tokenizer
+        if isinstance(body.prompt, str):
+            ids = await run_in_threadpool(tk.encode, body.prompt)
+        else:
+            ids = list(body.prompt)
+            bad = [t for t in ids if not 0 <= t < tk.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
+        return await _run(state, sched, http, body, ids, body.max_tokens, body.logprobs, chat=False)
+
+    return app
+
+
+def _engine(state: ServerState):
+    state.ready()
+    return state.engine
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model and model not in (state.model_id, state.model_id + ".gguf"):
+        raise ApiError(404, f"model {model!r} does not exist (this server runs {state.model_id!r})",
+                       param="model", code="model_not_found")
+
+
+async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, ids: list[int],
+               max_tokens: int | None, logprobs: int | None, chat: bool):
+    if not ids:
+        raise ApiError(400, "prompt: empty prompt, nothing to condition on", param="prompt")
+    room = sched.max_ctx - len(ids)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        want = max_tokens or 1
+        raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({want}) exceeds the context size "
+                            f"{sched.max_ctx}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed, body.min_p,
+                              body.repeat_penalty, body.presence_penalty, body.frequency_penalty)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def on_event(ev):  # the scheduler's thread -> this request's queue on the event loop
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+        except RuntimeError:  # the loop has closed: the server is going away
+            pass
+
+    req = Request(ids, max_tokens or room, on_event, sampling, body.stop, not body.ignore_eos, logprobs)
     try:
-        text = eng.chat_prompt(req.prompt) if req.chat else req.prompt
-        ids = eng.tokenizer.encode(text)
-        sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
-        stream = StreamDecoder(eng.tokenizer, skip_special=True)
-        n, reason = 0, "length"
-        for tok in eng.generate(ids, req.max_tokens, sampling, stop_at_eos=req.stop_at_eos):
-            n += 1
-            if req.stop_at_eos and tok in eng.tokenizer.eos_ids:
-                reason = "stop"
-                break
-            piece = stream.push(tok)
-            send(TokenChunk(req.request_id, piece, [tok]))
-        tail = stream.flush()
-        if tail:
-            send(TokenChunk(req.request_id, tail, []))
-        st = eng.last
-        send(GenerateDone(req.request_id, len(ids), n, st.prefill_s, st.decode_s, reason))
-    except ValueError as e:  # bad request (context too long, bad sampling values): tell the client
-        send(GenerateDone(req.request_id, 0, 0, 0.0, 0.0, "error", str(e)))
-
-
-def serve(eng: Engine, endpoint: str, ready_file: str | None = None) -> None:
-    stop_on_signals()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    print(f"coordinator serving on {bound}", file=sys.stderr, flush=True)
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(bound + "\n")
+        sched.submit(req)
+    except Overloaded as e:
+        raise ApiError(503, f"server overloaded: {e}", "server_error", code="overloaded") from None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except RuntimeError as e:
+        raise ApiError(500, f"the engine failed: {e}", "server_error") from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    fmt = _Format(state, rid, chat, logprobs is not None, state.engine.tokenizer)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(req, events, fmt, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, infos, done = [], [], None
     try:
-        while True:
-            if not sock.poll(500):
-                eng.check_workers()  # a worker dying while idle is still reported promptly
+        while done is None:
+            try:
+                ev = await asyncio.wait_for(events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    req.cancelled.set()
+                    return JSONResponse({}, status_code=499)
                 continue
-            ident, data = sock.recv_multipart()
-            msg = decode(data)
-            if isinstance(msg, StopServer):
-                break
-            if isinstance(msg, GenerateRequest):
-                handle_request(eng, msg, lambda m: sock.send_multipart([ident, encode(m)]))
+            if isinstance(ev, TokenEvent):
+                text.append(ev.text)
+                infos.append(ev)
+            elif isinstance(ev, DoneEvent):
+                text.append(ev.text)
+                done = ev
+            elif isinstance(ev, FailedEvent):
+                raise ApiError(500, f"generation failed: {ev.message}", "server_error")
     finally:
-        sock.close(0)
-        ctx.term()
+        req.cancelled.set()  # a no-op once done; frees the slot if this handler was cancelled
+    return fmt.whole("".join(text), infos, done)
+
+
+async def _stream(req: Request, events: asyncio.Queue, fmt: "_Format", include_usage: bool):
+    import json
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    try:
+        if fmt.chat:
+            yield sse(fmt.chunk({"role": "assistant", "content": ""}, None, None))
+        while True:
+            ev = await events.get()
+            if isinstance(ev, TokenEvent):
+                yield sse(fmt.chunk(ev.text, [ev], None))
+            elif isinstance(ev, DoneEvent):
+                yield sse(fmt.chunk(ev.text, None, ev.reason if ev.reason != "cancelled" else "stop"))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(ev))
+                break
+            elif isinstance(ev, FailedEvent):
+                yield sse({"error": {"message": f"generation failed: {ev.message}", "type": "server_error",
+                                     "param": None, "code": None}})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        req.cancelled.set()  # the client went away (or we finished): free the slot at the next step
+
+
+class _Format:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, state: ServerState, rid: str, chat: bool, logprobs: bool, tokenizer):
+        self.model, self.rid, self.chat, self.logprobs, self.tk = state.model_id, rid, chat, logprobs, tokenizer
+        self.created = int(time.time())
+        self.offset = 0  # completions' text_offset: characters of the tokens before
+
+    def _piece(self, tok: int) -> tuple[str, list[int]]:
+        b = self.tk.piece_bytes(tok) if not self.tk.is_special(tok) else self.tk.tokens[tok].encode()
+        return b.decode("utf-8", "replace"), list(b)
+
+    def _logprobs(self, infos: list[TokenEvent]):
+        if not self.logprobs or not infos:
+            return None
+        if self.chat:
+            content = []
+            for ev in infos:
+                s, b = self._piece(ev.token)
+                top = [{"token": (p := self._piece(t))[0], "logprob": lp, "bytes": p[1]} for t, lp in (ev.top or [])]
+                content.append({"token": s, "logprob": ev.logprob, "bytes": b, "top_logprobs": top})
+            return {"content": content}
+        tokens, lps, tops, offsets = [], [], [], []
+        for ev in infos:
+            s = self._piece(ev.token)[0]
+            tokens.append(s)
+            lps.append(ev.logprob)
+            tops.append({self._piece(t)[0]: lp for t, lp in (ev.top or [])})
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _usage(self, done: DoneEvent) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+    def chunk(self, delta, infos, finish: str | None) -> dict:
+        if self.chat:
+            d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": self._logprobs(infos) if infos else None,
+                      "finish_reason": finish}
+            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [choice]}
+        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(infos) if infos else None,
+                  "finish_reason": finish}
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def usage_chunk(self, done: DoneEvent) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self._usage(done)}
+
+    def whole(self, text: str, infos: list[TokenEvent], done: DoneEvent) -> dict:
+        reason = done.reason if done.reason != "cancelled" else "stop"
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(infos), "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(infos), "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self._usage(done)}
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a taken port is one clear error before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
+          api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None) -> None:
+    """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
+    or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
+    import uvicorn
+
+    sock = bind(host, port)
+    bound_port = sock.getsockname()[1]
+    state = ServerState(model_id=Path(model_path).name.removesuffix(".gguf"))
+    closing = threading.Event()
+
+    def load():
+        try:
+            eng = load_engine()
+        except BaseException as e:  # the model could not load: health says why, requests get 500
+            state.status, state.error = "error", str(e) or type(e).__name__
+            print(f"error: {state.error}", file=sys.stderr, flush=True)
+            return
+        if closing.is_set():
+            eng.close()
+            return
+        state.engine = eng
+        state.scheduler = Scheduler(eng, parallel, queue).start()
+        state.status = "ok"
+        print(f"sparseinfer serving {state.model_id} on http://{host}:{bound_port}/v1 "
+              f"({parallel} parallel sequences)", file=sys.stderr, flush=True)
+        # Workers die with the thread that started them (their parent-death signal follows the
+        # creating thread, not the process): this thread lives until the server closes.
+        closing.wait()
+        state.scheduler.stop()
+        eng.close()
+
+    loader = threading.Thread(target=load, name="engine-loader", daemon=True)
+    config = uvicorn.Config(BodyLimit(create_app(state, api_key)), log_level="warning", timeout_graceful_shutdown=2,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    if ready_file:
+        Path(ready_file).write_text(f"http://{host}:{bound_port}\n")
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        closing.set()  # the loader thread stops the scheduler and closes the engine
+        loader.join()
+        sock.close()
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)

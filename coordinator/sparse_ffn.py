@@ -83,15 +83,17 @@ class SparseFfn:
             self.buffers.thresholds[:] = per_layer
         self.thresholds = per_layer is not None
 
-    def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor, decode: bool | None = None) -> torch.Tensor:
         """The FFN output of `layer` for x (T, hidden), the normed input; `pre_norm` is the
-        residual before ffn_norm, which PowerInfer's predictors read."""
+        residual before ffn_norm, which PowerInfer's predictors read. `decode`: the rows are
+        decoded tokens of several sequences (None: one row is, several are a prompt)."""
         xs = x.numpy()
         if self.observer is not None:
             self.observer(layer, xs, pre_norm.numpy())
-        # Decoding is sparse when thresholds or predictors are set; prefill stays dense (a long
-        # prompt's tokens together activate nearly every neuron) unless perplexity asks otherwise.
-        sparse = len(xs) == 1 or self.sparse_batches
+        # Decoding is sparse when thresholds or predictors are set (each token its own active
+        # set); prefill stays dense (a long prompt's tokens together activate nearly every
+        # neuron) unless perplexity asks otherwise.
+        sparse = (len(xs) == 1 if decode is None else decode) or self.sparse_batches
         if self.predictors is not None and sparse:
             return self._predicted(layer, xs, pre_norm)
         threshold = self.thresholds and sparse
