@@ -50,3 +50,27 @@ def test_seed_reproducible():
 def test_invalid_values_rejected(bad):
     with pytest.raises(ValueError):
         Sampler(SamplingParams(**bad))
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    p = Sampler(SamplingParams(1.0, min_p=0.3)).probabilities(LOGITS)
+    soft = np.exp(LOGITS - LOGITS.max())
+    assert np.all((p > 0) == (soft >= 0.3 * soft.max()))
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_penalties_follow_llama_cpp():
+    logits = np.array([2.0, -1.0, 0.5, 3.0], dtype=np.float32)
+    s = Sampler(SamplingParams(0.0, repeat_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
+    out = s.penalize(logits, [0, 1, 1, 3, 3, 3])
+    # positive logits are divided, negative multiplied, then presence once and frequency per use
+    np.testing.assert_allclose(out, [2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.5, 0.5, 3.0 / 2 - 0.5 - 0.75])
+    assert s(logits, [3, 3, 3, 3]) == 0  # greedy picks another token once the favourite is penalized
+    assert Sampler(SamplingParams(0.0, repeat_penalty=2.0, repeat_last_n=1)).penalize(logits, [3, 0])[3] == 3.0
+
+
+@pytest.mark.parametrize("kw", [dict(min_p=1.5), dict(repeat_penalty=0.0), dict(presence_penalty=3.0),
+                                dict(frequency_penalty=-2.5), dict(temperature=float("nan"))])
+def test_bad_new_parameters_are_refused(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw).validate()

@@ -326,3 +326,15 @@ def test_signals_stop_the_server_cleanly_even_started_as_a_background_job(tiny_m
             time.sleep(0.05)
         assert not [p for p in workers if _alive(p)]
         assert not (tmp_path / "ready").exists()
+
+
+def test_chat_repl_keeps_history_and_resets(tiny_model):
+    """`sparseinfer chat` reads turns from stdin: a second turn continues the conversation
+    (its KV cache is reused), /reset starts over (the same first reply again), /exit ends."""
+    r = _run(["chat", "-m", str(tiny_model), "-t", "2", "--cpu-workers", "1", "-n", "6", "--system", "be brief"],
+             input="hello there\nand more\n/reset\nhello there\n/exit\nnever read\n")
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 3, r.stdout
+    assert replies[0] == replies[2] and replies[0]  # after /reset the same conversation again
+    assert "conversation cleared" in r.stderr and "Traceback" not in r.stderr
