@@ -380,3 +380,52 @@ def test_ffn_batch_writes_into_out(ffn):
                                                         scratch)[0])
     with pytest.raises(ValueError, match=r"\(4, "):
         K.ffn_batch(m["gate"], m["up"], m["down"], X, range(0, n_ff), "silu", scratch, out=slot[:3])
+
+
+# ---- the small-batch kernels wired into a shard and the lm_head --------------------------------
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_K"])
+def shard_model(request, tiny_model_factory):
+    return tiny_model_factory(tensor_type=request.param, vocab_size=600)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_shard_batch_step_equals_token_steps(shard_model, fast):
+    """FfnShard.step with T=4 (sequences decoded together) gives each token exactly what its own
+    one-token step gives it, dense, thresholded and masked; serve writes the output slot."""
+    from protocol.doorbell import FLAG_DENSE, FLAG_THRESHOLD, Request
+    from sparsecore.shard import FfnShard
+    from sparsecore.config import read_config
+    from sparsecore.gguf_file import open_gguf
+    cfg = read_config(shard_model, open_gguf(shard_model))
+    n_ff, hidden, align = cfg.n_ff, cfg.hidden, 256 if "Q4_K" in shard_model.name else 32
+    own = np.arange(align, n_ff)  # not the first block: a shard's range
+    shard = FfnShard.load(shard_model, [own] * cfg.n_layers, weights="gguf", fast=fast, head_rows=(100, 600))
+    rng = np.random.default_rng(30)
+    x = torch.from_numpy(rng.standard_normal((4, hidden)).astype(np.float32))
+    mask = (rng.random(n_ff) < 0.4).astype(np.uint8)
+    for layer in range(cfg.n_layers):
+        for active, thr in ((None, None), (mask, None), (None, 0.05)):
+            y, n = shard.step(layer, x, active, thr)
+            singles = [shard.step(layer, x[b:b + 1], active, thr) for b in range(4)]
+            np.testing.assert_array_equal(y.numpy(), torch.cat([s[0] for s in singles]).numpy())
+            assert n == sum(s[1] for s in singles)
+
+    class Buf:  # the shared-memory views serve reads and writes
+        def __init__(self):
+            self.x = np.zeros((8, hidden), np.float32)
+            self.x[:4] = x.numpy()
+            self.out = np.full((2, 8, hidden), 9.0, np.float32)
+            self.mask, self.thresholds = mask, np.full(cfg.n_layers, 0.05, np.float32)
+
+    buf = Buf()
+    for flags, active, thr in ((FLAG_DENSE, None, None), (FLAG_THRESHOLD, None, 0.05), (0, mask, None)):
+        n, _ = shard.serve(buf, 1, Request(1, 1, 4, flags))
+        want, n_want = shard.step(1, x, active, thr)
+        np.testing.assert_array_equal(buf.out[1, :4], want.numpy())
+        assert n == n_want and (buf.out[1, 4:] == 9.0).all() and (buf.out[0] == 9.0).all()
+    # the head's vocabulary rows for 4 tokens at once: each token's logits as alone
+    logits = shard.head(buf.x[:4])
+    assert logits.shape == (4, 500)
+    for b in range(4):
+        np.testing.assert_array_equal(logits[b], shard.head(buf.x[b:b + 1]))
