@@ -609,8 +609,14 @@ AVX2 static inline __m256 sum32(const float *x) {
                          _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
 }
 
-AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
-    __m256 acc[MAXB], accm[MAXB], f[4];
+/* Tokens go through in tiles of up to TILE: inlined with a constant count, a tile's
+ * accumulators stay in registers (with a run-time count they lived on the stack, a store and a
+ * load in every accumulation); the row is decoded once per tile, from L1 after the first. */
+#define TILE 4
+#define INLINE inline __attribute__((always_inline))
+
+AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], accm[TILE], f[4];
     for (int b = 0; b < B; b++) acc[b] = accm[b] = _mm256_setzero_ps();
     int nb = n / QK;
     switch (t) {
@@ -706,9 +712,9 @@ AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_
     }
 }
 
-AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
-    __m256 acc[MAXB], acc2[MAXB];
-    float extra[MAXB];  /* as dot_fast_avx2: per-block offset terms summed in scalar */
+AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], acc2[TILE];
+    float extra[TILE];  /* as dot_fast_avx2: per-block offset terms summed in scalar */
     for (int b = 0; b < B; b++) { acc[b] = acc2[b] = _mm256_setzero_ps(); extra[b] = 0.f; }
     switch (t) {
     case T_Q4_0:
@@ -792,6 +798,26 @@ AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_
     default:
         for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, nb);
     }
+}
+
+AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, x += TILE * ldx, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
+        case 4: dots_exact_tile(t, w, x, ldx, n, 4, y, ldy); break;
+        case 3: dots_exact_tile(t, w, x, ldx, n, 3, y, ldy); break;
+        case 2: dots_exact_tile(t, w, x, ldx, n, 2, y, ldy); break;
+        default: dots_exact_tile(t, w, x, ldx, n, 1, y, ldy);
+        }
+}
+
+AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, xq += TILE * ldq, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {
+        case 4: dots_fast_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
+        case 3: dots_fast_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
+        case 2: dots_fast_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
+        default: dots_fast_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        }
 }
 #endif
 
