@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from protocol.messages import WEIGHT_FORMATS  # noqa: F401  (re-exported: the formats this module implements)
 
-from .kernels import FileMatrix, dequant_scratch, q8_scratch
+from .kernels import MAX_SMALL_BATCH, FileMatrix, dequant_scratch, q8_scratch
 
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu}
 
@@ -106,7 +106,9 @@ class HalfRows:
 class FileRows:
     """A matrix left in the model file's own blocks (sparsecore.kernels.FileMatrix), or some of
     its rows in a given order (a shard's neurons, Q/K un-permuted): nothing is copied. One row
-    x is a native matvec; batches (prefill) dequantize the rows once and run torch's GEMM."""
+    x is a native matvec; a small batch (2..MAX_SMALL_BATCH rows, sequences decoded together)
+    the native matmul, which reads each row once for all of them and gives each what matvec
+    would; larger batches (prefill) dequantize the rows once and run torch's GEMM."""
 
     def __init__(self, m: FileMatrix, rows: np.ndarray | range | None = None, fast: bool = False):
         self.m, self.fast = m, fast
@@ -115,6 +117,14 @@ class FileRows:
         # Checked once here: a decoded token calls matvec per layer, where checks cost as much
         # as a small product.
         self._call = m.prepare(self.rows, fast=fast, xq=self.xq)
+        self._batch = None  # prepared on the first small batch: its buffers hold MAX_SMALL_BATCH rows
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """rows . x[b] for a small batch x (B, cols), B <= MAX_SMALL_BATCH: (B, rows), in a
+        buffer the next call overwrites."""
+        if self._batch is None:
+            self._batch = self.m.prepare_batch(self.rows, fast=self.fast)
+        return self._batch(np.ascontiguousarray(x, dtype=np.float32))
 
     @property
     def shape(self) -> torch.Size:
@@ -177,6 +187,9 @@ def x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
     if isinstance(w, FileRows):
         if x.shape[0] == 1:  # the caller combines the result before the next product
             return torch.from_numpy(w.matvec(x.numpy()[0]))[None]
+        if x.shape[0] <= MAX_SMALL_BATCH and x.device.type == "cpu":
+            # a copy: a batch's outputs (logits of several sequences) may outlive the next product
+            return torch.from_numpy(w.matmul(x.detach().numpy()).copy())
         return x @ w.dequantize().T
     return x @ w.T
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from .ffn import FileRows
+from .ffn import FileRows, x_wt
 from .kernels import FileMatrix, supports
 
 QK8_0 = 32
@@ -97,8 +97,17 @@ class HeadRows:
         return self.q8.nbytes if self.q8 is not None else self.w.numel() * 4
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x: (1, n_cols) float32 (shared memory, as the processes hold it) -> (stop - start,) logits."""
+        """x: (T, n_cols) float32 (shared memory, as the processes hold it) -> logits: (stop - start,)
+        for one token, (T, stop - start) for several (sequences decoded together; up to
+        MAX_SMALL_BATCH in the file's blocks read once for all, more through a GEMM)."""
+        if len(x) == 1:
+            if self.file is not None:
+                return self.file.matvec(x[0])
+            t = torch.from_numpy(x)
+            return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         if self.file is not None:
-            return self.file.matvec(x[0])
-        t = torch.from_numpy(x)
-        return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()
+            return x_wt(t, self.file).numpy()
+        if self.q8 is not None:  # Q8Head takes one token
+            return torch.cat([self.q8(t[i:i + 1]) for i in range(len(t))]).numpy()
+        return (t @ self.w.T).numpy()

@@ -25,7 +25,7 @@ from protocol.shm_layout import HEAD_LAYER, SharedBuffers
 from .config import read_config
 from .ffn import Rows, ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
-from .kernels import FfnScratch, FileMatrix, ffn_token, neuron_align, supports
+from .kernels import MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, neuron_align, supports
 from .lm_head import HeadRows, head_tensor_name
 from .tensors import TensorStore
 
@@ -68,7 +68,9 @@ class FileLayer:
     """One layer's owned neurons left in the file's own blocks: gate and up rows [own], and the
     down matrix's columns [own] (whole blocks of its rows: 32, or 256 for the K-quants), computed
     on by the native kernels.
-    Nothing is copied; a decoded token makes one kernel call (sparsecore.kernels.ffn_token)."""
+    Nothing is copied; a decoded token makes one kernel call (sparsecore.kernels.ffn_token), and
+    so does a small batch of them (2..MAX_SMALL_BATCH sequences decoded together: ffn_batch,
+    each row read once for all tokens, each token's output the one it would get alone)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch):
         p = f"blk.{layer}."
@@ -113,12 +115,22 @@ class FileLayer:
         return ffn_token(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
                          self.fast, self.down_t, out)[1]
 
+    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        """A small batch x (T, hidden), T <= MAX_SMALL_BATCH, written straight into `out` (T, hidden)."""
+        return ffn_batch(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
+                         self.fast, self.down_t, out)[1]
+
     def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[torch.Tensor, int]:
         if x.shape[0] == 1:
             y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
                              threshold, active, self.fast, self.down_t)
             return torch.from_numpy(y.copy())[None], n
+        if x.shape[0] <= MAX_SMALL_BATCH:
+            y, n = ffn_batch(self.gate, self.up, self.down, np.ascontiguousarray(x.numpy(), dtype=np.float32),
+                             self.own, activation, self.scratch, threshold, active, self.fast, self.down_t)
+            return torch.from_numpy(y.copy()), n
         # A batch: dequantize a chunk of owned neurons at a time into reused tiles and let
         # torch's GEMM run (down as read: (hidden, chunk) columns, used transposed, no copy).
         y, n_active = torch.zeros(x.shape), 0
@@ -211,15 +223,23 @@ class FfnShard:
         """Compute the posted step `req` from shared memory into output slot `slot`.
         Returns (active neuron-token pairs, ns taken)."""
         t0 = time.perf_counter()
-        if req.layer == HEAD_LAYER:  # x[0] -> this shard's logits, flat at the start of the slot
-            logits = self.head(buf.x[:1])
-            buf.out[slot].reshape(-1)[: len(logits)] = logits
+        if req.layer == HEAD_LAYER:  # x[:T] -> this shard's logits (T, rows), flat at the start of the slot
+            logits = self.head(buf.x[:req.n_tokens]).reshape(-1)
+            flat = buf.out[slot].reshape(-1)
+            if logits.size > flat.size:
+                raise ValueError(f"{req.n_tokens} tokens of {self.head.stop - self.head.start} logits do not fit "
+                                 f"an output slot of {flat.size} values")
+            flat[: logits.size] = logits
             return 0, int((time.perf_counter() - t0) * 1e9)
         threshold = float(buf.thresholds[req.layer]) if req.threshold else None
         active = None if req.dense or req.threshold else buf.mask
         w = self.layers[req.layer]
         if req.n_tokens == 1 and isinstance(w, FileLayer):  # a decoded token: the kernel writes the slot
             n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0])
+            return n_active, int((time.perf_counter() - t0) * 1e9)
+        if req.n_tokens <= MAX_SMALL_BATCH and isinstance(w, FileLayer):  # sequences decoded together: the same
+            n_active = w.batch_into(buf.x[:req.n_tokens], self.activation, active, threshold,
+                                    buf.out[slot, :req.n_tokens])
             return n_active, int((time.perf_counter() - t0) * 1e9)
         x = torch.from_numpy(buf.x[:req.n_tokens]).to(self.device)
         y, n_active = self.step(req.layer, x, active, threshold)

@@ -281,3 +281,151 @@ def test_ffn_token_down_transposed(ffn, isa, fast, which):
         assert n == int(active.sum())
         scale = np.abs(want).max() + 1e-3
         assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale
+
+
+# ---- small batches (continuous batching): the batch kernels against stacked one-token calls ----
+# They promise the one-token kernel's float operations in its order, per token: equality is exact.
+
+BATCHES = [1, 2, 3, 5, 16]
+
+
+@pytest.mark.parametrize("t", TYPES + KTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_matmul_equals_stacked_matvec(mats, kmats, isa, t, fast):
+    tensor = (kmats if t in KTYPES else mats)[f"w.{t.name}"]
+    m = K.FileMatrix(tensor)
+    rng = np.random.default_rng(20)
+    col_sets = [None, range(m.block * (m.cols // m.block // 2 or 1) if m.block > 1 else 32, m.cols)]
+    for B in BATCHES:
+        X = rng.standard_normal((B, m.cols)).astype(np.float32)
+        for rows in (None, range(5, 12), [36], [3, 0, 36, 17, 3], []):
+            for cols in col_sets:
+                xc = X if cols is None else np.ascontiguousarray(X[:, cols.start:cols.stop])
+                got = m.matmul(xc, rows=rows, cols=cols, fast=fast)
+                want = np.stack([m.matvec(xc[b], rows=rows, cols=cols, fast=fast) for b in range(B)])
+                assert got.shape == want.shape
+                np.testing.assert_array_equal(got, want, err_msg=f"B={B} rows={rows} cols={cols}")
+        call = m.prepare_batch(rows=[3, 0, 36], fast=fast)
+        np.testing.assert_array_equal(call(X), np.stack([m.matvec(X[b], rows=[3, 0, 36], fast=fast) for b in range(B)]))
+
+
+def test_matmul_refuses_bad_batches(mats):
+    m = K.FileMatrix(mats["w.Q8_0"])
+    with pytest.raises(ValueError, match="1..16"):
+        m.matmul(np.zeros((17, 96), np.float32))
+    call = m.prepare_batch()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        call(np.zeros((4, 96), np.float64))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        call(np.zeros((4, 64), np.float32))
+
+
+def batch_cases(t, m, x_rows: np.ndarray, own: range, fast: bool, rng):
+    """threshold (one for all tokens, one per token, some tokens dense), masks, nothing active"""
+    _, n_ff, _ = ffn_dims(t)
+    g = np.stack([torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=fast))).numpy()
+                  for x in x_rows])
+    mags = np.abs(g[:, own.start:own.stop])
+    B = len(x_rows)
+    per_token = np.quantile(mags, rng.uniform(0.2, 0.9, B), axis=1).diagonal().astype(np.float32)
+    some_dense = per_token.copy()
+    some_dense[::2] = -1.0
+    return {"dense": (None, None),
+            "threshold": (float(np.median(mags)), None),
+            "threshold per token": (per_token, None),
+            "some tokens dense": (some_dense, None),
+            "mask": (None, (rng.random(n_ff) < 0.3).astype(np.uint8)),
+            "mask and threshold": (float(np.median(mags)), (rng.random(n_ff) < 0.5).astype(np.uint8)),
+            "nothing active": (1e9, None),
+            "one token active": (np.array([1e9] * (B - 1) + [0.0], np.float32), None)}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("which", ["all", "middle", "last"])
+@pytest.mark.parametrize("down", ["down", "down_t"])
+def test_ffn_batch_equals_stacked_ffn_token(ffn, isa, fast, which, down):
+    """Every token of a batch gets what ffn_token gives it alone, bit for bit, and the active
+    pairs add up; thresholds per token, masks, down as in file or transposed (PowerInfer)."""
+    t, m, _ = ffn
+    hidden, n_ff, _ = ffn_dims(t)
+    own = own_range(t, which) if down == "down" else range(40, 77 + (which == "all") * (n_ff - 77))
+    rng = np.random.default_rng(21)
+    scratch = K.FfnScratch(hidden, len(own))
+    one = K.FfnScratch(hidden, len(own))
+    for B in BATCHES:
+        X = (rng.standard_normal((B, hidden)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
+        for name, (thr, mask) in batch_cases(t, m, X, own, fast, rng).items():
+            y, n = K.ffn_batch(m["gate"], m["up"], m[down], X, own, "silu", scratch, threshold=thr, mask=mask,
+                               fast=fast, down_t=down == "down_t")
+            counts = scratch.small_batch()[4][:B].copy()
+            for b in range(B):
+                tb = thr if thr is None or np.isscalar(thr) else float(thr[b])
+                tb = None if tb is not None and tb < 0 else tb
+                want, nb = K.ffn_token(m["gate"], m["up"], m[down], X[b], own, "silu", one, threshold=tb, mask=mask,
+                                       fast=fast, down_t=down == "down_t")
+                np.testing.assert_array_equal(y[b], want, err_msg=f"{name} B={B} token {b}")
+                assert counts[b] == nb, (name, B, b)
+            assert n == counts.sum(), name
+
+
+def test_ffn_batch_writes_into_out(ffn):
+    t, m, _ = ffn
+    hidden, n_ff, _ = ffn_dims(t)
+    scratch = K.FfnScratch(hidden, n_ff)
+    X = np.random.default_rng(22).standard_normal((4, hidden)).astype(np.float32)
+    slot = np.full((8, hidden), 7.0, np.float32)
+    y, _ = K.ffn_batch(m["gate"], m["up"], m["down"], X, range(0, n_ff), "silu", scratch, out=slot[:4])
+    assert np.shares_memory(y, slot) and (slot[4:] == 7.0).all()
+    np.testing.assert_array_equal(slot[:4], K.ffn_batch(m["gate"], m["up"], m["down"], X, range(0, n_ff), "silu",
+                                                        scratch)[0])
+    with pytest.raises(ValueError, match=r"\(4, "):
+        K.ffn_batch(m["gate"], m["up"], m["down"], X, range(0, n_ff), "silu", scratch, out=slot[:3])
+
+
+# ---- the small-batch kernels wired into a shard and the lm_head --------------------------------
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_K"])
+def shard_model(request, tiny_model_factory):
+    return tiny_model_factory(tensor_type=request.param, vocab_size=600)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_shard_batch_step_equals_token_steps(shard_model, fast):
+    """FfnShard.step with T=4 (sequences decoded together) gives each token exactly what its own
+    one-token step gives it, dense, thresholded and masked; serve writes the output slot."""
+    from protocol.doorbell import FLAG_DENSE, FLAG_THRESHOLD, Request
+    from sparsecore.shard import FfnShard
+    from sparsecore.config import read_config
+    from sparsecore.gguf_file import open_gguf
+    cfg = read_config(shard_model, open_gguf(shard_model))
+    n_ff, hidden, align = cfg.n_ff, cfg.hidden, 256 if "Q4_K" in shard_model.name else 32
+    own = np.arange(align, n_ff)  # not the first block: a shard's range
+    shard = FfnShard.load(shard_model, [own] * cfg.n_layers, weights="gguf", fast=fast, head_rows=(100, 600))
+    rng = np.random.default_rng(30)
+    x = torch.from_numpy(rng.standard_normal((4, hidden)).astype(np.float32))
+    mask = (rng.random(n_ff) < 0.4).astype(np.uint8)
+    for layer in range(cfg.n_layers):
+        for active, thr in ((None, None), (mask, None), (None, 0.05)):
+            y, n = shard.step(layer, x, active, thr)
+            singles = [shard.step(layer, x[b:b + 1], active, thr) for b in range(4)]
+            np.testing.assert_array_equal(y.numpy(), torch.cat([s[0] for s in singles]).numpy())
+            assert n == sum(s[1] for s in singles)
+
+    class Buf:  # the shared-memory views serve reads and writes
+        def __init__(self):
+            self.x = np.zeros((8, hidden), np.float32)
+            self.x[:4] = x.numpy()
+            self.out = np.full((2, 8, hidden), 9.0, np.float32)
+            self.mask, self.thresholds = mask, np.full(cfg.n_layers, 0.05, np.float32)
+
+    buf = Buf()
+    for flags, active, thr in ((FLAG_DENSE, None, None), (FLAG_THRESHOLD, None, 0.05), (0, mask, None)):
+        n, _ = shard.serve(buf, 1, Request(1, 1, 4, flags))
+        want, n_want = shard.step(1, x, active, thr)
+        np.testing.assert_array_equal(buf.out[1, :4], want.numpy())
+        assert n == n_want and (buf.out[1, 4:] == 9.0).all() and (buf.out[0] == 9.0).all()
+    # the head's vocabulary rows for 4 tokens at once: each token's logits as alone
+    logits = shard.head(buf.x[:4])
+    assert logits.shape == (4, 500)
+    for b in range(4):
+        np.testing.assert_array_equal(logits[b], shard.head(buf.x[b:b + 1]))

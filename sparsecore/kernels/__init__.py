@@ -7,6 +7,12 @@ file's own type. Nothing is copied: a process that computes some rows only pages
     FileMatrix.matvec(x, rows=..., cols=...)      rows . x   (decode: one token)
     FileMatrix.dequantize(rows=..., cols=...)     float32    (prefill: one layer at a time, then a GEMM)
     ffn_token(gate, up, down, x, own, ...)        one token's partial FFN in one call
+    FileMatrix.matmul(X, ...) / prepare_batch     rows . x_b for a small batch (2..16 tokens)
+    ffn_batch(gate, up, down, X, own, ...)        a small batch's partial FFN in one call
+
+The small-batch kernels (continuous batching: several sequences decoded together) read each
+row once for all tokens and give every token exactly what the one-token kernel gives it (the
+same float operations in the same order), so a request decodes the same alone or in a batch.
 
 `fast=False` (exact): float32 activations times the dequantized block values, what the
 transformers oracle computes. `fast=True`: the activation quantized to 8 bits per block of 32,
@@ -24,6 +30,9 @@ NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0,
                 12: 256, 13: 256, 14: 256}  # Q4_K, Q5_K, Q6_K
 ACT_IDS = {"silu": 0, "relu": 1}
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
+# Most tokens the small-batch kernels take at once (_kernels.c MAXB); larger batches (prefill)
+# dequantize tiles and run a GEMM instead.
+MAX_SMALL_BATCH = 16
 
 
 def isa() -> str:
@@ -50,9 +59,18 @@ def _ptr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def q8_scratch(n_values: int) -> np.ndarray:
-    """Room for `n_values` activations quantized to 8-bit blocks (fast mode)."""
-    return np.empty(max(1, -(-n_values // 32)) * Q8_BLOCK_BYTES, np.uint8)
+def q8_scratch(n_values: int, tokens: int = 1) -> np.ndarray:
+    """Room for `n_values` activations quantized to 8-bit blocks (fast mode), for each of `tokens`."""
+    return np.empty(tokens * max(1, -(-n_values // 32)) * Q8_BLOCK_BYTES, np.uint8)
+
+
+def _check_batch(x: np.ndarray, n: int, what: str) -> int:
+    """x must be (B, n) float32, C-contiguous, 1 <= B <= MAX_SMALL_BATCH; returns B."""
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n or not x.flags.c_contiguous \
+            or not 1 <= x.shape[0] <= MAX_SMALL_BATCH:
+        raise ValueError(f"{what}: x must be (1..{MAX_SMALL_BATCH}, {n}) contiguous float32, "
+                         f"got {x.shape} {x.dtype}")
+    return x.shape[0]
 
 
 class FileMatrix:
@@ -134,6 +152,41 @@ class FileMatrix:
         call.keep = keep
         return call
 
+    def matmul(self, x: np.ndarray, rows=None, cols: range | None = None, fast: bool = False,
+               out: np.ndarray | None = None, xq: np.ndarray | None = None) -> np.ndarray:
+        """Y[b, i] = row_i[cols] . x[b] for a small batch x (B, len(cols)), B <= MAX_SMALL_BATCH:
+        each row is read once for all B tokens; Y[b] equals matvec(x[b]) bit for bit."""
+        idx, start, n = self._rows(rows)
+        col0, ncol = self._cols(cols)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        B = _check_batch(x[None] if x.ndim == 1 else x, ncol, self.name)
+        y = np.empty((B, n), np.float32) if out is None else out
+        if y.dtype != np.float32 or not y.flags.c_contiguous or y.size < B * n:
+            raise ValueError("out must be a contiguous float32 array with room for every row of every token")
+        xq = q8_scratch(ncol, B) if xq is None else xq
+        _kernels.matmul(*self.args, 0 if idx is None else _ptr(idx), start, n, col0, ncol, _ptr(x), ncol, B, int(fast),
+                        _ptr(xq), _ptr(y), n)
+        return y.reshape(-1)[: B * n].reshape(B, n)
+
+    def prepare_batch(self, rows=None, cols: range | None = None, fast: bool = False):
+        """matmul with its rows, columns and buffers checked once (as prepare): a function of
+        x (B, len(cols)) float32, contiguous, 1 <= B <= MAX_SMALL_BATCH, returning Y (B, n_rows),
+        a view of a buffer it reuses from call to call."""
+        idx, start, n = self._rows(rows)
+        col0, ncol = self._cols(cols)
+        y = np.empty((MAX_SMALL_BATCH, n), np.float32)
+        xq = q8_scratch(ncol, MAX_SMALL_BATCH)
+        fixed = (*self.args, 0 if idx is None else _ptr(idx), start, n, col0, ncol)
+        keep = (idx, xq, y)
+        name = self.name
+
+        def call(x: np.ndarray) -> np.ndarray:
+            B = _check_batch(x, ncol, name)
+            _kernels.matmul(*fixed, _ptr(x), ncol, B, int(fast), _ptr(xq), _ptr(y), n)
+            return y[:B]
+        call.keep = keep
+        return call
+
     def dequantize(self, rows=None, cols: range | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The chosen rows and columns as float32 (n_rows, n_cols)."""
         idx, start, n = self._rows(rows)
@@ -162,17 +215,45 @@ class FfnScratch:
     made on the first batch, three float32 tiles of `chunk` neurons for batched (prefill) steps."""
 
     def __init__(self, hidden: int, n_own: int):
-        self.hidden = hidden
+        self.hidden, self.n_own = hidden, n_own
         self.h = np.empty(max(1, n_own), np.float32)
         self.xq = q8_scratch(hidden)
         self.hq = q8_scratch(n_own)
         self.y = np.empty(hidden, np.float32)
         self.tiles: list[np.ndarray] = []
+        self.small: tuple[np.ndarray, ...] = ()
+
+    def small_batch(self) -> tuple[np.ndarray, ...]:
+        """ffn_batch's buffers for MAX_SMALL_BATCH tokens, made on the first small batch:
+        h, any, xq, hq, counts (per token active neurons), y, thresholds."""
+        if not self.small:
+            B, n = MAX_SMALL_BATCH, max(1, self.n_own)
+            self.small = (np.empty(B * n, np.float32), np.empty(n, np.uint8), q8_scratch(self.hidden, B),
+                          q8_scratch(n, B), np.zeros(B, np.int64), np.empty((B, self.hidden), np.float32),
+                          np.empty(B, np.float32))
+        return self.small
 
     def batch_tiles(self, chunk: int) -> list[np.ndarray]:
         if not self.tiles:
             self.tiles = [np.empty(chunk * self.hidden, np.float32) for _ in range(3)]
         return self.tiles
+
+
+def _check_ffn(gate: FileMatrix, up: FileMatrix, down: FileMatrix, own: range, mask: np.ndarray | None,
+               down_t: bool) -> int:
+    """The checks ffn_token and ffn_batch share; returns the hidden size."""
+    hidden = gate.cols
+    d_rows, d_cols = (down.cols, down.rows) if down_t else (down.rows, down.cols)
+    if not (up.cols == hidden and d_rows == hidden and gate.rows == up.rows == d_cols):
+        raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
+                         f"down{'_t' if down_t else ''} {down.rows}x{down.cols}")
+    align = neuron_align(down.type)  # down's columns are read in whole blocks (and h quantized by 32)
+    aligned = own.start % align == 0 and (len(own) % align == 0 or own.stop == gate.rows)
+    if own.step != 1 or own.stop > gate.rows or not (aligned or down_t):
+        raise ValueError(f"owned neurons {own} are not a {align}-aligned range of the layer's {gate.rows}")
+    if mask is not None and (mask.dtype != np.uint8 or len(mask) < gate.rows or not mask.flags.c_contiguous):
+        raise ValueError("mask must be a contiguous uint8 array over the layer's neurons")
+    return hidden
 
 
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
@@ -184,26 +265,44 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
     which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
     PowerInfer's ffn_down_t), and only active neurons' rows are read."""
-    hidden = gate.cols
-    d_rows, d_cols = (down.cols, down.rows) if down_t else (down.rows, down.cols)
-    if not (up.cols == hidden and d_rows == hidden and gate.rows == up.rows == d_cols):
-        raise ValueError(f"FFN shapes disagree: gate {gate.rows}x{gate.cols}, up {up.rows}x{up.cols}, "
-                         f"down{'_t' if down_t else ''} {down.rows}x{down.cols}")
-    align = neuron_align(down.type)  # down's columns are read in whole blocks (and h quantized by 32)
-    aligned = own.start % align == 0 and (len(own) % align == 0 or own.stop == gate.rows)
-    if own.step != 1 or own.stop > gate.rows or not (aligned or down_t):
-        raise ValueError(f"owned neurons {own} are not a {align}-aligned range of the layer's {gate.rows}")
+    hidden = _check_ffn(gate, up, down, own, mask, down_t)
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if len(x) != hidden:
         raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")
-    if mask is not None and (mask.dtype != np.uint8 or len(mask) < gate.rows or not mask.flags.c_contiguous):
-        raise ValueError("mask must be a contiguous uint8 array over the layer's neurons")
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
     if y.dtype != np.float32 or y.shape != (hidden,) or not y.flags.c_contiguous:
         raise ValueError(f"out must be {hidden} contiguous float32 values")
     n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own), ACT_IDS[activation],
                            -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
                            _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(y))
+    return y, n
+
+
+def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+              scratch: FfnScratch, threshold=None, mask: np.ndarray | None = None, fast: bool = False,
+              down_t: bool = False, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """ffn_token for a small batch x (B, hidden), 1 <= B <= MAX_SMALL_BATCH, in one pass over the
+    shard's rows: (y (B, hidden), active (neuron, token) pairs); scratch.small_batch()[4][:B]
+    holds each token's count. `threshold`: one value for every token or B values (None, or a
+    negative value: dense for that token), each token's neurons chosen by its own gate; `mask`
+    is shared by all tokens. y[b] equals ffn_token(x[b]) bit for bit. `out`: (B, hidden)
+    float32, contiguous (e.g. the first B rows of the process's output slot)."""
+    hidden = _check_ffn(gate, up, down, own, mask, down_t)
+    B = _check_batch(x, hidden, "ffn_batch")
+    if len(own) > scratch.n_own or scratch.hidden != hidden:
+        raise ValueError(f"scratch sized for {scratch.n_own} neurons of {scratch.hidden}, not {len(own)} of {hidden}")
+    h, anyv, xq, hq, counts, ys, thr = scratch.small_batch()
+    y = ys[:B] if out is None else out
+    if y.dtype != np.float32 or y.shape != (B, hidden) or not y.flags.c_contiguous:
+        raise ValueError(f"out must be ({B}, {hidden}) contiguous float32 values")
+    if threshold is None:
+        thr_ptr = 0
+    else:
+        thr[:B] = threshold  # a scalar or B values
+        thr_ptr = _ptr(thr)
+    n = _kernels.ffn_batch(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
+                           ACT_IDS[activation], thr_ptr, 0 if mask is None else _ptr(mask), _ptr(x), B, int(fast),
+                           _ptr(h), _ptr(anyv), _ptr(xq), _ptr(hq), _ptr(counts), _ptr(y))
     return y, n
 
 

@@ -34,6 +34,7 @@
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 #define QK 32
 #define QKK 256  /* values per block of the K-quants */
+#define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
 
 /* ---- scalar helpers ------------------------------------------------------------------------ */
 
@@ -570,6 +571,254 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
         axpy_c(t, w, a, y, n);
     }
 }
+
+/* ---- several tokens per row (continuous batching), AVX2 ------------------------------------
+ * A row's block is loaded and unpacked once (to int8 lanes, and to floats in exact mode) and
+ * then used for each of the B tokens. Per token the float operations are the one-token
+ * kernel's above, in the same order: a token's result does not depend on its batch. x: token b
+ * at x + b ldx (exact) or xq + b ldq (fast); y: token b's dot at y[b ldy]. */
+
+/* 32 int8 values as 4 vectors of 8 floats (exact conversions, so hoisting them changes nothing) */
+AVX2 static inline void i8x32_to_f(__m256i b, __m256 f[4]) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* i8x32_dot_f and i8x32_dot_f2 on values already converted */
+AVX2 static inline __m256 f32x32_dot(const __m256 f[4], const float *x, __m256 acc, __m256 scale) {
+    __m256 p = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), p);
+    p = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), p);
+    p = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), p);
+    return _mm256_fmadd_ps(p, scale, acc);
+}
+
+AVX2 static inline __m256 f32x32_dot2(const __m256 f[4], const float *x, __m256 acc, __m256 s_lo, __m256 s_hi) {
+    __m256 p = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), p);
+    __m256 q = _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16));
+    q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), q);
+    return _mm256_fmadd_ps(q, s_hi, _mm256_fmadd_ps(p, s_lo, acc));
+}
+
+AVX2 static inline __m256 sum32(const float *x) {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                         _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+}
+
+/* Tokens go through in tiles of up to TILE: inlined with a constant count, a tile's
+ * accumulators stay in registers (with a run-time count they lived on the stack, a store and a
+ * load in every accumulation); the row is decoded once per tile, from L1 after the first. */
+#define TILE 4
+#define INLINE inline __attribute__((always_inline))
+
+AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], accm[TILE], f[4];
+    for (int b = 0; b < B; b++) acc[b] = accm[b] = _mm256_setzero_ps();
+    int nb = n / QK;
+    switch (t) {
+    case T_F32: {
+        const float *fw = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 wv = _mm256_loadu_ps(fw + i);
+            for (int b = 0; b < B; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
+        }
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + b * ldx;
+            float r = hsum8(acc[b]);
+            for (int k = i; k < n; k++) r += fw[k] * xb[k];
+            y[b * ldy] = r;
+        }
+        return;
+    }
+    case T_F16: {
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+            for (int b = 0; b < B; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
+        }
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + b * ldx;
+            float r = hsum8(acc[b]);
+            for (int k = i; k < n; k++) r += f16_to_f32(rd16(w + 2 * k)) * xb[k];
+            y[b * ldy] = r;
+        }
+        return;
+    }
+    case T_Q4_0: case T_Q8_0: {
+        const __m256i eight = _mm256_set1_epi8(8);
+        int bytes = type_bytes(t);
+        for (int k = 0; k < nb; k++, w += bytes) {
+            i8x32_to_f(t == T_Q4_0 ? _mm256_sub_epi8(nibbles(w + 2), eight) : _mm256_loadu_si256((const __m256i *)(w + 2)), f);
+            __m256 sc = _mm256_set1_ps(f16_to_f32(rd16(w)));
+            for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QK, acc[b], sc);
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    case T_Q4_1:
+        for (int k = 0; k < nb; k++, w += 20) {
+            i8x32_to_f(nibbles(w + 4), f);
+            __m256 sc = _mm256_set1_ps(f16_to_f32(rd16(w))), mn = _mm256_set1_ps(f16_to_f32(rd16(w + 2)));
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + b * ldx + k * QK;
+                acc[b] = f32x32_dot(f, xb, acc[b], sc);
+                accm[b] = _mm256_fmadd_ps(sum32(xb), mn, accm[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], accm[b]));
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int k = 0; k < n / QKK; k++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(q[j], f);
+                __m256 sc = _mm256_set1_ps(scl[j]), m = _mm256_set1_ps(mn[j]);
+                for (int b = 0; b < B; b++) {
+                    const float *xb = x + b * ldx + k * QKK + j * QK;
+                    acc[b] = f32x32_dot(f, xb, acc[b], sc);
+                    accm[b] = _mm256_fmadd_ps(sum32(xb), m, accm[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_sub_ps(acc[b], accm[b]));
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int k = 0; k < n / QKK; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(_mm256_sub_epi8(q[j], c32), f);
+                __m256 s_lo = _mm256_set1_ps(d * (float)sc[2 * j]), s_hi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
+                for (int b = 0; b < B; b++) acc[b] = f32x32_dot2(f, x + b * ldx + k * QKK + j * QK, acc[b], s_lo, s_hi);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
+    }
+}
+
+AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], acc2[TILE];
+    float extra[TILE];  /* as dot_fast_avx2: per-block offset terms summed in scalar */
+    for (int b = 0; b < B; b++) { acc[b] = acc2[b] = _mm256_setzero_ps(); extra[b] = 0.f; }
+    switch (t) {
+    case T_Q4_0:
+        for (int k = 0; k < nb; k++, w += 18) {
+            __m256i u = nibbles(w + 2);
+            float d = f16_to_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                float dd = d * xb->d;
+                __m256i s = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc[b]);
+                extra[b] -= 8.f * dd * (float)xb->s;
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
+        return;
+    case T_Q4_1:
+        for (int k = 0; k < nb; k++, w += 20) {
+            __m256i u = nibbles(w + 4);
+            float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+                extra[b] += m * xb->d * (float)xb->s;
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
+        return;
+    case T_Q8_0:
+        for (int k = 0; k < nb; k++, w += 34) {
+            __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2)), wa = _mm256_sign_epi8(wq, wq);
+            float d = f16_to_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(wa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), wq));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int k = 0; k < nb / 8; k++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2)
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i s0 = dot_u8s8(q[j], _mm256_loadu_si256((const __m256i *)xb[0].q));
+                    __m256i s1 = dot_u8s8(q[j + 1], _mm256_loadu_si256((const __m256i *)xb[1].q));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xb[0].d), acc[b]);
+                    acc2[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xb[1].d), acc2[b]);
+                    extra[b] -= mn[j] * xb[0].d * (float)xb[0].s + mn[j + 1] * xb[1].d * (float)xb[1].s;
+                }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], acc2[b])) + extra[b];
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int k = 0; k < nb / 8; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16_to_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);
+                    __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xv), _mm256_maddubs_epi16(c32, xv));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_set1_ps(d * xb->d), acc[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, nb);
+    }
+}
+
+AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, x += TILE * ldx, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
+        case 4: dots_exact_tile(t, w, x, ldx, n, 4, y, ldy); break;
+        case 3: dots_exact_tile(t, w, x, ldx, n, 3, y, ldy); break;
+        case 2: dots_exact_tile(t, w, x, ldx, n, 2, y, ldy); break;
+        default: dots_exact_tile(t, w, x, ldx, n, 1, y, ldy);
+        }
+}
+
+AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, xq += TILE * ldq, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {
+        case 4: dots_fast_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
+        case 3: dots_fast_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
+        case 2: dots_fast_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
+        default: dots_fast_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        }
+}
 #endif
 
 static int use_avx2 = 0;
@@ -597,6 +846,23 @@ static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk
         return dot_fast_c(t, w, xq, n / QK);
     }
     return dot_exact(t, w, x, n);
+}
+
+/* B tokens against one row (see dots_exact_avx2): the row is read from memory once; the
+ * portable path calls the one-token dot per token while the row is in L1. */
+static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int n,
+                     int fast, int B, float *y, int64_t ldy) {
+    if (fast && is_quant(t)) {
+#if HAVE_X86
+        if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
+#endif
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, n / QK);
+        return;
+    }
+#if HAVE_X86
+    if (use_avx2) { dots_exact_avx2(t, w, x, ldx, n, B, y, ldy); return; }
+#endif
+    for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
 }
 
 /* ---- the row loops ------------------------------------------------------------------------- */
@@ -683,6 +949,87 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     if (fast) quantize_q8(h, (int)n_own, hq);
     matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
     return n_active;
+}
+
+/* matvec for B tokens (2..MAXB; continuous batching): Y[b][i] = row_i[col0 : col0 + n] . x_b,
+ * each row read once for all B. Token b's x at x + b ldx, its q8 blocks (fast) at xq + b ldq,
+ * its outputs at y + b ldy. Per token the same float operations as matvec. */
+static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
+                   const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy) {
+    int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
+    int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
+    for (int64_t i = 0; i < n_rows; i++) {
+        int64_t r = rows ? rows[i] : start + i;
+        if (partial && i + PREFETCH_ROWS < n_rows)
+            prefetch_row(row_at(m, rows ? rows[i + PREFETCH_ROWS] : start + i + PREFETCH_ROWS, col0), bytes);
+        dots_any(m.t, row_at(m, r, col0), x, ldx, xq, ldq, n, fast, B, y + i, ldy);
+    }
+}
+
+/* ffn_token for B tokens (x: B rows of hidden) in one pass over the shard's rows: each gate row
+ * is read once for all B; a neuron's up row and down column are read when it is active for at
+ * least one token (a neuron inactive for every token is skipped as ffn_token skips it). Per
+ * token the same decisions and float operations as ffn_token, so a token gets the same output
+ * alone or in a batch. thr: B thresholds (< 0: dense for that token) or NULL (all dense); mask
+ * (a predictor's, over all n_ff neurons) is the same for every token. Scratch: h (B n_own),
+ * any (n_own), xq (B hidden/32 blocks), hq (B ceil(n_own/32) blocks). counts[b]: token b's
+ * active neurons; returns their sum. y: B rows of hidden. */
+static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
+                         const float *thr, const uint8_t *mask, const float *x, int B, int fast,
+                         float *h, uint8_t *any, q8blk *xq, q8blk *hq, int64_t *counts, float *y) {
+    int64_t ldq = hidden / QK, ldhq = (n_own + QK - 1) / QK, total = 0;
+    if (fast)
+        for (int b = 0; b < B; b++) quantize_q8(x + (int64_t)b * hidden, hidden, xq + b * ldq);
+    int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
+    int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
+    float g[MAXB];
+    for (int b = 0; b < B; b++) counts[b] = 0;
+    for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
+        int64_t n = own0 + i;
+        any[i] = 0;
+        for (int b = 0; b < B; b++) h[b * n_own + i] = 0.f;
+        if (mask) {
+            if (i + PREFETCH_ROWS < n_own && mask[n + PREFETCH_ROWS]) prefetch_row(row_at(gate, n + PREFETCH_ROWS, 0), gbytes);
+            if (!mask[n]) continue;
+        }
+        dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, hidden, fast, B, g, 1);
+        for (int b = 0; b < B; b++) {
+            float v = act_fn(act, g[b]);
+            if (thr && thr[b] >= 0.f && !(fabsf(v) > thr[b])) continue;  /* sparsecore.ffn.is_active */
+            h[b * n_own + i] = v;
+            counts[b]++;
+            if (v != 0.f) any[i] = 1;
+        }
+    }
+    for (int64_t i = 0; i < n_own; i++) {  /* up, for neurons some token needs */
+        if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
+            prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
+        if (!any[i]) continue;
+        dots_any(up.t, row_at(up, own0 + i, 0), x, hidden, xq, ldq, hidden, fast, B, g, 1);
+        for (int b = 0; b < B; b++)
+            if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= g[b];
+    }
+    for (int b = 0; b < B; b++) total += counts[b];
+    if (total == 0 || down_t) memset(y, 0, sizeof(float) * hidden * B);
+    if (total == 0) return 0;
+    if (down_t) {  /* an axpy per (active neuron, token); the row stays in cache across the tokens */
+        int64_t dbytes = (int64_t)hidden / block_size(down.t) * type_bytes(down.t);
+        for (int64_t i = 0; i < n_own; i++) {
+            if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
+                prefetch_row(row_at(down, own0 + i + PREFETCH_ROWS, 0), dbytes);
+            if (!any[i]) continue;
+            const uint8_t *w = row_at(down, own0 + i, 0);
+            for (int b = 0; b < B; b++)
+                if (h[b * n_own + i] != 0.f) axpy(down.t, w, h[b * n_own + i], y + (int64_t)b * hidden, hidden);
+        }
+        return total;
+    }
+    if (fast)
+        for (int b = 0; b < B; b++) quantize_q8(h + b * n_own, (int)n_own, hq + b * ldhq);
+    matmul(down, NULL, 0, hidden, own0, (int)n_own, h, n_own, hq, ldhq, B, fast, y, hidden);
+    for (int b = 0; b < B; b++)  /* as ffn_token: a token with nothing active gets exact zeros */
+        if (counts[b] == 0) memset(y + (int64_t)b * hidden, 0, sizeof(float) * hidden);
+    return total;
 }
 
 /* One decoded token's attention block for one layer, in place on the residual h (hidden):
@@ -847,6 +1194,59 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLongLong(n_active);
 }
 
+/* matmul(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
+ * xq: room for B (n/32 rounded up) q8 blocks */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 15) { PyErr_SetString(PyExc_TypeError, "matmul takes 15 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    const float *x = ARG_PTR(8);
+    int64_t ldx = ARG_LL(9);
+    int B = (int)ARG_LL(10), fast = (int)ARG_LL(11);
+    q8blk *xq = ARG_PTR(12);
+    float *y = ARG_PTR(13);
+    int64_t ldy = ARG_LL(14);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "matmul: %d tokens, at most %d", B, MAXB); return NULL; }
+    int64_t ldq = (n + QK - 1) / QK;
+    Py_BEGIN_ALLOW_THREADS
+    if (fast && is_quant(m.t))
+        for (int b = 0; b < B; b++) quantize_q8(x + b * ldx, n, xq + b * ldq);
+    matmul(m, rows, start, n_rows, col0, n, x, ldx, xq, ldq, B, fast, y, ldy);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ffn_batch(gate(3), up(3), down(3), down_t, hidden, own0, n_own, act, thr_ptr|0, mask_ptr|0, x_ptr, B,
+ *           fast, h_ptr, any_ptr, xq_ptr, hq_ptr, counts_ptr, y_ptr) -> active (neuron, token) pairs */
+static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 25 arguments"); return NULL; }
+    mat g, u, d;
+    if (get_mat(args, &g) || get_mat(args + 3, &u) || get_mat(args + 6, &d)) return NULL;
+    int down_t = (int)ARG_LL(9), hidden = (int)ARG_LL(10);
+    int64_t own0 = ARG_LL(11), n_own = ARG_LL(12);
+    int act = (int)ARG_LL(13);
+    const float *thr = ARG_PTR(14);
+    const uint8_t *mask = ARG_PTR(15);
+    const float *x = ARG_PTR(16);
+    int B = (int)ARG_LL(17), fast = (int)ARG_LL(18);
+    float *h = ARG_PTR(19);
+    uint8_t *any = ARG_PTR(20);
+    q8blk *xq = ARG_PTR(21), *hq = ARG_PTR(22);
+    int64_t *counts = ARG_PTR(23);
+    float *y = ARG_PTR(24);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "ffn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
+    int64_t n_active;
+    Py_BEGIN_ALLOW_THREADS
+    n_active = ffn_batch(g, u, d, down_t, hidden, own0, n_own, act, thr, mask, x, B, fast, h, any, xq, hq, counts, y);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(n_active);
+}
+
 /* dequant(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
 static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "dequant takes 9 arguments"); return NULL; }
@@ -909,6 +1309,8 @@ static PyMethodDef methods[] = {
     {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
+    {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_isa", py_set_isa, METH_O, "use 'avx2' (where supported) or 'generic'"},
