@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
-from sparsecore.kernels import AttentionStep, FileMatrix, supports
+from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
 
@@ -59,16 +59,17 @@ class KVCache:
 
 
 class LmHead:
-    """Logits from the final normed hidden states. One decoded token goes to `one_token` when the
-    rows are split across processes (sparse_ffn.SplitHead), else reads the file's Q8_0 blocks
-    when it has them (a quarter of the bytes); batches (perplexity) use the float32 GEMM."""
+    """Logits from the final normed hidden states. Decoded tokens (one, or one per sequence of a
+    continuous batch) go to `split` when the rows are split across processes
+    (sparse_ffn.SplitHead); otherwise one token reads the file's blocks (or the Q8_0 copy), and
+    batches go through x_wt (small ones through the native small-batch kernel, prompts GEMM)."""
 
     def __init__(self, store: TensorStore, cfg: ModelConfig, embed: "Embedding",
-                 one_token: Callable[[torch.Tensor], torch.Tensor] | None = None, in_file: bool = False,
+                 split: Callable[[torch.Tensor], torch.Tensor] | None = None, in_file: bool = False,
                  fast: bool = False):
         name = head_tensor_name(cfg.tied_embeddings)
         t = store.info(name)
-        self.one_token = one_token
+        self.split = split
         # in_file (--weights gguf): the file's blocks through the native kernels, no float copy
         self.file = FileRows(FileMatrix(t), None, fast) if in_file and supports(t.tensor_type) else None
         self.weight = self.q8 = None
@@ -84,9 +85,9 @@ class LmHead:
         return self.q8.nbytes if self.q8 is not None else self.weight.numel() * self.weight.element_size()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.split is not None and h.shape[0] <= MAX_SMALL_BATCH:
+            return self.split(h)
         if h.shape[0] == 1:
-            if self.one_token is not None:
-                return self.one_token(h)
             if self.file is not None:  # a copy: the kernel's output buffer is reused next token
                 return torch.from_numpy(self.file.matvec(h.numpy()[0]).copy())[None]
             if self.q8 is not None:

@@ -22,6 +22,7 @@ import torch
 
 from protocol.doorbell import CoordinatorBell
 from protocol.shm_layout import HEAD_LAYER, SharedBuffers
+from sparsecore.kernels import MAX_SMALL_BATCH
 from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 
@@ -144,14 +145,17 @@ class SparseFfn:
 
 
 class SplitHead:
-    """Logits of one token whose lm_head rows are split: `rows[slot]` = [start, stop) for each
-    worker slot; the coordinator's own shard holds the last rows (own.head)."""
+    """Logits of decoded tokens whose lm_head rows are split: `rows[slot]` = [start, stop) for
+    each worker slot; the coordinator's own shard holds the last rows (own.head). Several
+    tokens (a continuous batch) go in posts of as many as the workers' output slots hold."""
 
     def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, own: FfnShard, own_slot: int,
                  rows: dict[int, tuple[int, int]], stats: ExchangeStats):
         self.bell, self.buffers, self.own, self.own_slot, self.stats = bell, buffers, own, own_slot, stats
         self.rows = {s: r for s, r in rows.items() if s != own_slot}
         self.part = np.array(sorted(self.rows), dtype=np.intp)
+        widest = max((b - a for a, b in self.rows.values()), default=1)
+        self.per_post = max(1, min(MAX_SMALL_BATCH, buffers.out[0].size // widest, buffers.layout.max_tokens))
 
     @classmethod
     def over(cls, pool: WorkerPool, ffn: SparseFfn) -> "SplitHead | None":
@@ -161,15 +165,18 @@ class SplitHead:
         return cls(pool.bell, pool.buffers, ffn.own, ffn.own_slot, pool.head_rows, ffn.stats)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (1, hidden), the final normed hidden state -> (1, n_vocab) logits."""
+        """h: (T, hidden), the final normed hidden states -> (T, n_vocab) logits."""
         t0 = time.perf_counter()
         buf, head = self.buffers, self.own.head
-        buf.x[0] = h.numpy()[0]
-        posted = self.bell.post(HEAD_LAYER, 1, True, False, self.part)
-        logits = np.empty(head.stop, np.float32)  # the coordinator's rows end the vocabulary
-        logits[head.start:] = head(buf.x[:1])
-        self.bell.wait(posted.step, self.part)
-        for slot, (a, b) in self.rows.items():
-            logits[a:b] = buf.out[slot].reshape(-1)[: b - a]
+        hs = h.numpy()
+        logits = np.empty((len(hs), head.stop), np.float32)  # the coordinator's rows end the vocabulary
+        for a in range(0, len(hs), self.per_post):
+            n = min(self.per_post, len(hs) - a)
+            buf.x[:n] = hs[a:a + n]
+            posted = self.bell.post(HEAD_LAYER, n, True, False, self.part)
+            logits[a:a + n, head.start:] = head(buf.x[:n]).reshape(n, -1)
+            self.bell.wait(posted.step, self.part)
+            for slot, (lo, hi) in self.rows.items():
+                logits[a:a + n, lo:hi] = buf.out[slot].reshape(-1)[: n * (hi - lo)].reshape(n, hi - lo)
         self.stats.head_us.append((time.perf_counter() - t0) * 1e6)
-        return torch.from_numpy(logits)[None]
+        return torch.from_numpy(logits)

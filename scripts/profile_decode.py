@@ -57,9 +57,9 @@ def main() -> None:
         m.ffn = eng.ffn
         x = torch.randn(1, eng.cfg.hidden)
         with torch.inference_mode():
-            one_token, eng.head.one_token = eng.head.one_token, None  # the whole head on this core
+            split, eng.head.split = eng.head.split, None  # the whole head on this core
             head = median_ms(lambda: eng.head(x), 50)
-            eng.head.one_token = one_token
+            eng.head.split = split
         layers = eng.cfg.n_layers
         share = observe.worker_layout(eng)["coordinator_ffn_share"]
         print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * share:.0f}%, "

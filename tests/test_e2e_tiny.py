@@ -97,7 +97,7 @@ def test_coordinator_share_gives_the_oracle_tokens(tiny_model, share, no_leaks):
         got = list(eng.generate(ids, 10, SamplingParams(temperature=0.0), stop_at_eos=False))
         s = eng.stats()
         # the lm_head's rows are split with the FFN: one head step per generated token
-        assert (eng.head.one_token is not None) == bool(n_local)
+        assert (eng.head.split is not None) == bool(n_local)
         assert len(eng.ffn.stats.head_us) == (10 if n_local else 0)
         assert s["coordinator_ffn_bytes"] == n_layers * n_local * hidden * 12
         assert sum(s["worker_weight_bytes"]) == n_layers * (n_ff - n_local) * hidden * 12
