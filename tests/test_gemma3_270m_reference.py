@@ -19,7 +19,7 @@ from coordinator.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REF = json.loads((FIXTURES / "gemma3_270m_reference.json").read_text())
-LOGITS_ATOL = 2e-3
+LOGITS_ATOL = 2e-4  # measured: at most 2.4e-5, logits up to about 26
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,7 @@ def engine():
 
 @pytest.mark.parametrize("case", REF["prompts"], ids=[p["name"] for p in REF["prompts"]])
 def test_greedy_tokens_match_transformers(engine, case):
+    assert engine.tokenizer.encode(case["prompt_text"]) == case["prompt_ids"]  # BOS included
     got = list(engine.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
                                stop_at_eos=False))
     assert got == case["generated_ids"]
