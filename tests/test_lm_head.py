@@ -39,7 +39,7 @@ def test_q8_head_equals_dequantized_matmul(tiny_model_factory, seed):
 def _model(store, cfg):
     """The forward pass with every FFN output zero (the head is what is tested)."""
     embed = Embedding(store)
-    zero_ffn = lambda i, x, h: torch.zeros_like(x)  # noqa: E731
+    zero_ffn = lambda i, x, h, decode=None: torch.zeros_like(x)  # noqa: E731
     return Transformer(store, cfg, 16, embed, zero_ffn, LmHead(store, cfg, embed))
 
 

@@ -28,7 +28,7 @@ from . import _kernels
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
 NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
                 12: 256, 13: 256, 14: 256}  # Q4_K, Q5_K, Q6_K
-ACT_IDS = {"silu": 0, "relu": 1}
+ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2}  # act_fn in _kernels.c
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # Most tokens the small-batch kernels take at once (_kernels.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.

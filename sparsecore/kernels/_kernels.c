@@ -879,6 +879,8 @@ static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
 
 static float act_fn(int act, float g) {
     if (act == 1) return g > 0.f ? g : 0.f;                /* relu */
+    if (act == 2)                                          /* gelu_tanh (GeGLU: gemma) */
+        return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
     return g / (1.f + expf(-g));                            /* silu */
 }
 

@@ -1,0 +1,87 @@
+"""Build the transformers oracle for the tiny architecture fixtures (tests/fixtures/tiny_arch.py).
+
+For each architecture the transformers model class is built from the fixture's config and loaded
+with the fixture's own seeded weights (its HF-layout state dict: the GGUF the tests run is those
+weights put through the converter's transformations). Greedy decoding recomputes the whole
+sequence at every step (no cache: nothing of transformers' cache handling is trusted), float32,
+eager attention. Writes
+
+  tests/fixtures/arch_reference.json       per arch: prompts, greedy ids, versions
+  tests/fixtures/arch_reference_logits.npz logits of every position of prompt 0 + its continuation
+
+Run it where transformers is installed (not a test dependency):
+  /tmp/refvenv/bin/python scripts/make_arch_reference.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.tiny_arch import ARCHS, hf_config, hf_weights  # noqa: E402
+
+FIXTURES = REPO / "tests" / "fixtures"
+N_NEW = 16
+# Token ids of the tiny byte-level vocabulary; the first runs past every sliding window.
+PROMPTS = [
+    [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120, 32, 106, 117],
+    [72, 101, 108, 108, 111, 44],
+]
+
+
+def build(arch: str):
+    import transformers as tf
+    cls = {"mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[arch]
+    cfg = cls[0](**hf_config(arch))
+    cfg._attn_implementation = "eager"
+    model = cls[1](cfg).float().eval()
+    sd = {k: torch.from_numpy(v) for k, v in hf_weights(arch).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    assert not missing and not unexpected, (arch, missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+@torch.inference_mode()
+def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    seq, margins = list(ids), []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        seq.append(int(torch.argmax(logits)))
+    return seq[len(ids):], margins
+
+
+def main() -> None:
+    import transformers
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "n_new": N_NEW, "archs": {}}
+    arrays = {}
+    for arch in ARCHS:
+        model = build(arch)
+        cases = []
+        for k, p in enumerate(PROMPTS):
+            ids, margins = greedy(model, p, N_NEW)
+            cases.append({"prompt_ids": p, "generated_ids": ids, "min_margin": min(margins)})
+            if k == 0:
+                with torch.inference_mode():
+                    arrays[arch] = model(input_ids=torch.tensor([p + ids]), use_cache=False).logits[0].float().numpy()
+        out["archs"][arch] = cases
+        print(arch, [c["generated_ids"] for c in cases], "min margin", min(c["min_margin"] for c in cases))
+    (FIXTURES / "arch_reference.json").write_text(json.dumps(out, indent=1) + "\n")
+    np.savez_compressed(FIXTURES / "arch_reference_logits.npz", **arrays)
+
+
+if __name__ == "__main__":
+    main()

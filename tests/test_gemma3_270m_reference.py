@@ -1,0 +1,50 @@
+"""Gemma 3 270M Q4_K_M (`sparseinfer pull gemma3-270m`) against transformers' GGUF loader.
+
+The fixture comes from scripts/make_gemma3_reference.py: greedy ids of 32 new tokens for a few
+prompts (BOS added as transformers' tokenizer adds it) and full-vocabulary logits of the first
+step, transformers in float32 on the dequantized weights. Logits within LOGITS_ATOL absolute.
+Skipped when the model has not been pulled.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.model_fetch import model_path
+from coordinator.sampling import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "gemma3_270m_reference.json").read_text())
+LOGITS_ATOL = 2e-4  # measured: at most 2.4e-5, logits up to about 26
+
+
+@pytest.fixture(scope="module")
+def engine():
+    path = model_path("gemma3-270m")
+    if not path.exists():
+        pytest.skip(f"Gemma 3 270M not present at {path}; run `sparseinfer pull gemma3-270m`")
+    with Engine(path, EngineOptions(threads=2)) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("case", REF["prompts"], ids=[p["name"] for p in REF["prompts"]])
+def test_greedy_tokens_match_transformers(engine, case):
+    assert engine.tokenizer.encode(case["prompt_text"]) == case["prompt_ids"]  # BOS included
+    got = list(engine.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
+                               stop_at_eos=False))
+    assert got == case["generated_ids"]
+
+
+def test_first_step_logits_match_transformers(engine):
+    arrays = np.load(FIXTURES / "gemma3_270m_reference_logits.npz")
+    worst = 0.0
+    for i, case in enumerate(REF["prompts"]):
+        got = engine.forward_logits(case["prompt_ids"])[-1]
+        want = arrays[f"p{i}_step0"]
+        assert int(np.argmax(got)) == int(np.argmax(want))
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert worst < LOGITS_ATOL, worst
