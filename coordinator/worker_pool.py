@@ -178,6 +178,15 @@ class WorkerPool:
                 pending_ready.discard(ident)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")
+        self._remove_names()
+
+    def _remove_names(self) -> None:
+        """Every worker has now connected, mapped the segment and opened its wake pipes (it does
+        all that before Ready): remove their names at once. Open mappings, descriptors and
+        connections keep working, and a kill -9 of any or all processes from here on leaves no
+        segment, FIFO, socket or directory behind (no one would be left to remove them)."""
+        self.buffers.unlink()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # ---- liveness -----------------------------------------------------------------------
 

@@ -396,8 +396,25 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
         # coordinator's end of its pipe closes.
         assert _wait_for(lambda: not (run.segments & shm_segments()), 3.0), \
             f"shared memory left behind by a SIGKILLed coordinator: {sorted(run.segments & shm_segments())}"
-        # Not checked: the private runtime dir (an empty dir and a stale workers.sock) stays,
-        # since nobody is left to remove it. Generate.__exit__ removes our TMPDIR.
+        # The pool removed the run dir (socket, wake pipes) and the segment's name once every
+        # worker was ready: nobody is left to remove them after a kill -9.
+        run.assert_clean()
+
+
+def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
+    """kill -9 of every process of the run at once (coordinator, its resource tracker, the
+    workers): no cleanup code runs anywhere, yet no segment, FIFO, socket or directory stays."""
+    with Generate(long_model, *LONG) as run:
+        run.wait_text()
+        members = _session_members(run.pid)
+        assert len(members) >= 3, members  # coordinator + 2 workers (+ resource tracker)
+        for pid in members:
+            os.kill(pid, signal.SIGKILL)
+        run.wait()
+        assert _wait_for(lambda: not run.leftovers(), 3.0), f"left behind: {run.leftovers()}"
+        assert not (run.segments & shm_segments()), f"shared memory left behind: {sorted(run.segments)}"
+        left = sorted(p.name for p in run.tmp.iterdir())
+        assert not left, f"private runtime dir left in {run.tmp}: {left}"
 
 
 def test_coordinator_sigkill_while_workers_start(long_model):
