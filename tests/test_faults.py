@@ -511,3 +511,77 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
     assert shm_segments() == shm_before
+
+
+# --------------------------------------------------------------------------- 7. worker channel
+
+def _mock_pool(behaviors=None, **kw):
+    from coordinator.placement import static_plan
+    from tests.test_worker_pool_mock import make_pool
+    return make_pool(static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=1), behaviors, **kw)
+
+
+def test_secret_file_is_private(no_leaks):
+    p = _mock_pool()
+    try:
+        assert oct(os.stat(p.run_dir).st_mode & 0o777) == "0o700"
+        assert oct(os.stat(p.secret_path).st_mode & 0o777) == "0o600"
+        assert p.secret_path.read_text() == p.secret and len(p.secret) == 64
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_forged_messages_cannot_end_a_run(no_leaks, transport):
+    """Another local process on the worker socket (tcp: any user can connect) sends junk, a
+    forged WorkerFailed, a Hello with a wrong secret, several frames: all ignored, the run goes on."""
+    import zmq
+    from protocol.messages import Hello, WorkerFailed, encode
+    from tests.test_worker_pool_mock import expected_dense, run_ffn, write_x
+    import numpy as np
+
+    p = _mock_pool(transport=transport, startup_timeout_s=60)
+    ctx = zmq.Context()
+    try:
+        if transport == "tcp":
+            assert p.endpoint.startswith("tcp://127.0.0.1:")
+        forger = ctx.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.setsockopt(zmq.IDENTITY, b"cpu9")
+        forger.connect(p.endpoint)
+        forger.send(encode(Hello(1, "cpu", os.getpid(), "0" * 64)))  # a guessed secret, during startup
+        p.wait_ready()
+        for msg in (b"\x00" * 9, encode(WorkerFailed(1, "cpu", "forged")), encode(Hello(1, "cpu", 1, "x"))):
+            forger.send(msg)
+        forger.send_multipart([b"a", b"b", b"c"])
+        time.sleep(0.3)
+        p.check_alive()  # nothing of it counts
+        rng = np.random.default_rng(0)
+        write_x(p, rng, 2)
+        np.testing.assert_array_equal(run_ffn(p, 1, 2), expected_dense(p, 1, 2).astype(np.float32))
+        forger.close()
+    finally:
+        ctx.term()
+        p.close()
+
+
+def test_worker_without_the_secret_is_not_accepted(no_leaks):
+    p = _mock_pool({1: "no_secret"}, startup_timeout_s=4)
+    try:
+        with pytest.raises(WorkerError, match=r"timed out .* waiting for: cpu worker 1"):
+            p.wait_ready()
+    finally:
+        p.close()
+
+
+def test_malformed_message_from_a_worker_ends_the_run_naming_it(no_leaks):
+    p = _mock_pool({1: "junk_after_ready"}, startup_timeout_s=60)
+    try:
+        p.wait_ready()
+        with pytest.raises(WorkerError, match=r"cpu worker 1 \(pid \d+\) sent a malformed message: undecodable"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                p.check_alive()
+                time.sleep(0.05)
+    finally:
+        p.close()
