@@ -1,13 +1,30 @@
 """Chat prompts from the GGUF's `tokenizer.chat_template`, rendered like transformers'
 `apply_chat_template`: a sandboxed jinja2 environment with the same options and helpers.
 
-Templates come from model files, i.e. untrusted input, hence the immutable sandbox.
+Templates come from model files, i.e. untrusted input, hence the immutable sandbox (no access
+to Python internals) and limits on what a render may cost. The sandbox alone bounds neither
+time nor memory (nested loops; `'x' * 10**7` in a loop; `s ~ s` doubling; `'{:>999999999}'`),
+and most such costs are single C calls that no in-process hook can interrupt or measure. So a
+render runs in a forked child: an address-space limit (RLIMIT_AS, its current size plus
+RENDER_MEMORY_BYTES) turns a memory bomb into a MemoryError, the parent kills it after
+RENDER_SECONDS, and the text it sends back is capped at MAX_OUTPUT_CHARS. The fork costs a few
+milliseconds (copy-on-write; the child only compiles and renders the template and exits with
+os._exit, so it never touches the parent's sockets, threads or torch). Every failure is one
+ChatTemplateError line starting "chat template: ".
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
+import select
+import signal
+import time
+import warnings
 from datetime import datetime
+
+import msgpack
 
 import gguf
 import jinja2
@@ -36,13 +53,135 @@ def chat_template_from_reader(reader: gguf.GGUFReader) -> str | None:
     return value or None
 
 
+MAX_OUTPUT_CHARS = 1 << 20        # far beyond any context a prompt must fit
+MAX_TEMPLATE_CHARS = 1 << 20
+RENDER_SECONDS = 5.0
+RENDER_MEMORY_BYTES = 512 << 20   # on top of what the process already maps
+
+
+class ChatTemplateError(ValueError, jinja2.exceptions.TemplateError):
+    """A chat template that does not parse, fails, or exceeds a limit. A ValueError, so that
+    the CLI prints it as one line; a TemplateError, as jinja's own errors were before."""
+
+    def __init__(self, reason: str):
+        super().__init__("chat template: " + " ".join(str(reason).split())[:400])
+
+
+class ChatTemplateSecurityError(ChatTemplateError, jinja2.exceptions.SecurityError):
+    """The template tried something the sandbox forbids (Python internals, mutating inputs)."""
+
+
 def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
                 bos_token: str = "", eos_token: str = "", **extra) -> str:
     """The prompt text for `messages` (dicts with "role" and "content"). `extra` reaches the
-    template as variables too (tools, documents, enable_thinking, ...)."""
-    compiled = _environment().from_string(template or CHATML_TEMPLATE)
-    return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos_token, eos_token=eos_token, **extra)
+    template as variables too (tools, documents, enable_thinking, ...). Raises
+    ChatTemplateError (see the module's docstring for the limits)."""
+    source = template or CHATML_TEMPLATE
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"{len(source)} characters, more than the limit of {MAX_TEMPLATE_CHARS}")
+    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=bos_token, eos_token=eos_token, **extra)
+    return _render_isolated(source, variables)
+
+
+def _render_limited(source: str, variables) -> str:
+    # Compiled in the child too: jinja folds constant expressions at compile time, so
+    # `{{ 'x' * 10**10 }}` would allocate 10 GB in whoever compiles it.
+    try:
+        compiled = _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"does not parse: {e.message} (line {e.lineno})") from None
+    out, n = [], 0
+    for piece in compiled.generate(**variables):  # stop at the cap, not after building it all
+        n += len(piece)
+        if n > MAX_OUTPUT_CHARS:
+            raise ChatTemplateError(f"output exceeds {MAX_OUTPUT_CHARS} characters")
+        out.append(piece)
+    return "".join(out)
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _child(source: str, variables, wfd: int) -> None:
+    """The forked child's whole life: render, send {ok|error}, _exit. Never returns."""
+    try:
+        limit = _vm_bytes() + RENDER_MEMORY_BYTES
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard == resource.RLIM_INFINITY or limit < hard:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        try:
+            reply = {"ok": _render_limited(source, variables)}
+        except ChatTemplateError as e:
+            reply = {"error": str(e)[len("chat template: "):]}
+        except MemoryError:
+            reply = {"error": f"rendering needs more than {RENDER_MEMORY_BYTES >> 20} MiB of memory"}
+        except RecursionError:
+            reply = {"error": "recursion too deep"}
+        except jinja2.exceptions.SecurityError as e:
+            reply = {"error": f"not allowed by the sandbox: {e}", "security": True}
+        except Exception as e:  # raise_exception(), undefined names, type errors, ...
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        data = msgpack.packb(reply)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(wfd, view):]
+    except BaseException:
+        os._exit(1)
+    os._exit(0)
+
+
+def _render_isolated(source: str, variables) -> str:
+    r, w = os.pipe()
+    try:
+        with warnings.catch_warnings():  # 3.12+ warns about fork with threads; the child runs no thread
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as e:
+        os.close(r), os.close(w)
+        raise ChatTemplateError(f"cannot start the renderer: {e}") from None
+    if pid == 0:
+        os.close(r)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's handlers must not run here
+        _child(source, variables, w)
+    os.close(w)
+    chunks, size, killed = [], 0, False
+    deadline = time.monotonic() + RENDER_SECONDS
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                killed = True
+                break
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > 4 * MAX_OUTPUT_CHARS + 1024:  # cannot happen with our child; bound it anyway
+                killed = True
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        if killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, status = os.waitpid(pid, 0)
+    if killed:
+        raise ChatTemplateError(f"rendering took longer than {RENDER_SECONDS:g} s")
+    try:
+        reply = msgpack.unpackb(b"".join(chunks))
+    except Exception:
+        reply = None
+    if not isinstance(reply, dict):
+        raise ChatTemplateError(f"the renderer ended without an answer (wait status {status})")
+    if "error" in reply:
+        raise (ChatTemplateSecurityError if reply.get("security") else ChatTemplateError)(reply["error"])
+    return reply["ok"]
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -179,6 +179,18 @@ class GGUFTokenizer:
 
     @classmethod
     def from_reader(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
+        """Raises ValueError (one line) for any defect of the file's tokenizer metadata: the
+        tokenizers library and odd value types raise other exceptions, which callers (the
+        engine, the CLI) would otherwise show as a traceback."""
+        try:
+            return cls._from_reader(reader)
+        except ValueError as e:
+            raise ValueError(" ".join(str(e).split())) from None
+        except Exception as e:
+            raise ValueError(f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]) from None
+
+    @classmethod
+    def _from_reader(cls, reader: gguf.GGUFReader) -> GGUFTokenizer:
         fields = _Fields(reader)
         model = fields.require("tokenizer.ggml.model")
         tokens = fields.string_list("tokenizer.ggml.tokens")

@@ -11,6 +11,7 @@ output slot (`own_slot`, the last one) but no process.
 """
 from __future__ import annotations
 
+import hmac
 import os
 import shutil
 import subprocess
@@ -23,7 +24,8 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from protocol.addresses import COORDINATOR_PID_ENV, private_runtime_dir, worker_endpoint
+from protocol.addresses import (COORDINATOR_PID_ENV, SECRET_FILE_ENV, private_runtime_dir, worker_endpoint,
+                                write_secret)
 from protocol.doorbell import WORKER_SPIN_US, CoordinatorBell, WakePipe, choose_spin
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import SharedBuffers, ShmLayout
@@ -32,6 +34,9 @@ from .placement import Plan, WorkerShard
 
 POLL_SLICE_MS = 100
 DEATH_CHECK_S = 0.2
+# Workers send only small messages (Hello, Ready, WorkerFailed); ZeroMQ drops a peer that
+# sends more, before it is read into memory.
+MAX_WORKER_MESSAGE = 1 << 20
 
 
 class WorkerError(RuntimeError):
@@ -76,7 +81,7 @@ def default_launcher(shard: WorkerShard, endpoint: str) -> list:
 _OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 
 
-def _worker_env(threads: int) -> dict:
+def _worker_env(threads: int, secret_path: Path | None = None) -> dict:
     """The environment of a worker process: its own thread counts and wait policy, set here for
     the child only (never exported into an environment other programs inherit)."""
     env = dict(os.environ)
@@ -86,6 +91,8 @@ def _worker_env(threads: int) -> dict:
     # A worker that is still importing when the coordinator dies must notice it: see
     # sparsecore/lifeline.py (PR_SET_PDEATHSIG only covers deaths after it is set).
     env[COORDINATOR_PID_ENV] = str(os.getpid())
+    if secret_path is not None:
+        env[SECRET_FILE_ENV] = str(secret_path)
     # Make the repo importable when running from a checkout without installing.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -114,9 +121,12 @@ class WorkerPool:
         self.proc_shards = [sh for sh in plan.shards if sh.role != "coordinator"]
         self.own_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
         self.run_dir = private_runtime_dir()
+        self.secret, self.secret_path = write_secret(self.run_dir)
+        self.authenticated: set[bytes] = set()  # identities whose Hello carried the secret
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_MESSAGE)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(worker_endpoint(self.run_dir, transport))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -138,7 +148,7 @@ class WorkerPool:
             if not any(len(n) for n in shard.neurons) and slot not in self.head_rows:
                 continue
             cmd = self.launcher(shard, self.endpoint)
-            proc = subprocess.Popen(cmd, env=_worker_env(self.threads), stdin=subprocess.DEVNULL, **_OWN_GROUP)
+            proc = subprocess.Popen(cmd, env=_worker_env(self.threads, self.secret_path), stdin=subprocess.DEVNULL, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, slot, proc,
                                            f"{shard.role}{shard.worker_id}".encode()))
 
@@ -171,6 +181,9 @@ class WorkerPool:
                 continue
             slot, w = by_identity[ident]
             if isinstance(msg, Hello):
+                if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+                    continue  # not our worker (another local process on the tcp port): ignore it
+                self.authenticated.add(ident)
                 w.pid = msg.pid
                 self._send(ident, self._assign(slot))
             elif isinstance(msg, Ready):
@@ -178,6 +191,15 @@ class WorkerPool:
                 pending_ready.discard(ident)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")
+        self._remove_names()
+
+    def _remove_names(self) -> None:
+        """Every worker has now connected, mapped the segment and opened its wake pipes (it does
+        all that before Ready): remove their names at once. Open mappings, descriptors and
+        connections keep working, and a kill -9 of any or all processes from here on leaves no
+        segment, FIFO, socket or directory behind (no one would be left to remove them)."""
+        self.buffers.unlink()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # ---- liveness -----------------------------------------------------------------------
 
@@ -190,7 +212,7 @@ class WorkerPool:
             ident, msg = got
             if isinstance(msg, WorkerFailed):
                 w = self._by_ident(ident)
-                raise WorkerError(f"{w.label if w else ident!r} failed: {msg.reason}")
+                raise WorkerError(f"{w.label if w else repr(ident)} failed: {msg.reason}")
         self._check_processes()
 
     def _check_processes(self) -> None:
@@ -211,16 +233,25 @@ class WorkerPool:
             raise WorkerError(f"cannot reach {self._by_ident(ident).label}: {e}") from None
 
     def _recv(self, timeout_ms: int):
-        """(identity, message) or None. A frame that is not a valid message is dropped: only our
-        own workers can connect to the private endpoint, and they send nothing else."""
+        """(identity, message) or None. Until a peer's Hello carried the run's secret, only its
+        Hello is passed on and anything else from it is dropped (with tcp, any local process can
+        connect). A malformed message from an authenticated worker ends the run naming it: our
+        workers never send one, so it has gone wrong."""
         while self.sock.poll(timeout_ms):
             frames = self.sock.recv_multipart()
-            if len(frames) != 2:
-                continue
+            ident = frames[0]
+            trusted = ident in self.authenticated
             try:
-                return frames[0], decode(frames[1])
-            except ProtocolError:
+                if len(frames) != 2:
+                    raise ProtocolError(f"{len(frames) - 1} frames instead of 1")
+                msg = decode(frames[1])
+            except ProtocolError as e:
+                if trusted:
+                    w = self._by_ident(ident)
+                    raise WorkerError(f"{w.label if w else repr(ident)} sent a malformed message: {e}") from None
                 continue
+            if trusted or isinstance(msg, Hello):
+                return ident, msg
         return None
 
     def close(self) -> None:

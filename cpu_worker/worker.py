@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import zmq
 
+from protocol.addresses import read_secret
 from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
 from protocol.shm_layout import SharedBuffers
@@ -70,7 +71,7 @@ class Worker:
 
     def serve(self) -> int:
         """The worker's whole life after connecting; returns the process's exit code."""
-        self.send(Hello(self.worker_id, self.role, os.getpid()))
+        self.send(Hello(self.worker_id, self.role, os.getpid(), read_secret()))
         assign = self.recv()
         if not isinstance(assign, Assign):
             return 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 6  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast
+PROTOCOL_VERSION = 7  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret
 
 
 class ProtocolError(Exception):
@@ -25,6 +25,7 @@ class Hello:
     worker_id: int
     role: str  # "gpu" or "cpu"
     pid: int
+    secret: str = ""  # the run's secret (protocol.addresses.read_secret): proves it is our worker
 
 
 # How a process keeps its weights in memory (sparsecore.ffn implements each): float32, int8
@@ -128,6 +129,20 @@ MESSAGE_TYPES = [Hello, Assign, Ready, WorkerFailed, Shutdown,
 _KIND = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES}
 
+# Field types as annotated (strings: `from __future__ import annotations`) -> check of a decoded
+# value, so a message of the right shape with values of the wrong type is refused at decode,
+# not as a TypeError somewhere later.
+_CHECKS = {
+    "int": lambda v: type(v) is int,
+    "str": lambda v: type(v) is str,
+    "bool": lambda v: type(v) is bool,
+    "float": lambda v: type(v) in (int, float),
+    "int | None": lambda v: v is None or type(v) is int,
+    "list[int]": lambda v: type(v) is list and all(type(x) is int for x in v),
+    "list[bytes]": lambda v: type(v) is list and all(type(x) is bytes for x in v),
+}
+_TYPES = {cls: tuple(_CHECKS[f.type] for f in fields(cls)) for cls in MESSAGE_TYPES}
+
 
 def encode(msg) -> bytes:
     cls = type(msg)
@@ -142,7 +157,7 @@ def decode(data: bytes):
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:
-        raise ProtocolError(f"undecodable message ({len(data)} bytes): {e}") from None
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {type(e).__name__} {e}".rstrip()) from None
     if not isinstance(obj, list) or len(obj) < 2:
         raise ProtocolError("message is not a [version, kind, ...] array")
     version, kind, *values = obj
@@ -154,4 +169,7 @@ def decode(data: bytes):
     names = _FIELDS[cls]
     if len(values) != len(names):
         raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    for name, check, v in zip(names, _TYPES[cls], values):
+        if not check(v):
+            raise ProtocolError(f"{cls.__name__}.{name}: wrong type {type(v).__name__}")
     return cls(*values)

@@ -167,6 +167,16 @@ class SharedBuffers:
             raise
         return cls(mapping, layout, owner=False)
 
+    def unlink(self) -> None:
+        """Remove the segment's name (creator only). Mappings already made stay valid, and the
+        memory is freed when the last one goes, so nothing is left whoever is killed later."""
+        if self.owner and not getattr(self, "_unlinked", False):
+            self._unlinked = True
+            try:
+                self.shm.unlink()  # also forgets it in the resource tracker
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         # Views must go before the mmap can close.
         self.x = self.mask = self.out = self.thresholds = self.request = self.slots = None
@@ -174,8 +184,4 @@ class SharedBuffers:
             self.shm.close()
         except BufferError:
             pass
-        if self.owner:
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:
-                pass
+        self.unlink()

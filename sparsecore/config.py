@@ -28,6 +28,7 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from .errors import ModelFileError
+from .gguf_check import check_model_metadata
 from .gguf_file import field_value
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
@@ -101,6 +102,7 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
             f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    check_model_metadata(path, reader, arch)  # bounds and shapes before any value sizes anything
     p = f"{arch}."
     hidden = int(_require(path, reader, p + "embedding_length"))
     n_heads = int(_require(path, reader, p + "attention.head_count"))

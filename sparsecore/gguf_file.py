@@ -5,6 +5,7 @@ ModelFileError naming the file and the reason instead of a traceback from numpy 
 """
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
 from .errors import ModelFileError
+from .gguf_check import check_layout
 
 GGUF_MAGIC = b"GGUF"
 PWRI_MAGIC = b"PWRI"  # PowerInfer writes this magic; the layout after it is plain GGUF
@@ -90,6 +92,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     if magic not in (GGUF_MAGIC, PWRI_MAGIC):
         raise ModelFileError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     reader_cls = _PWRIReader if magic == PWRI_MAGIC else _CheckedReader
+    _check_layout(path)  # gguf-py trusts every count in the header: bound them first
     try:
         reader = reader_cls(path, "r")
     except _Truncated as t:
@@ -100,6 +103,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         raise ModelFileError(f"{path}: malformed or truncated GGUF header ({size} bytes): {e}") from None
     check_tensor_extents(path, reader)
     return reader
+
+
+def _check_layout(path: Path) -> None:
+    size = path.stat().st_size
+    if size < 24:
+        raise ModelFileError(f"{path}: truncated GGUF header ({size} bytes)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        check_layout(path, buf)
 
 
 def tensor_nbytes(t) -> int:

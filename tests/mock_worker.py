@@ -20,6 +20,8 @@ Behaviors:
     slow_ffn      sleep 0.3 s before computing each step (the coordinator gives up spinning)
     sleeper       never spin, whatever the Assign says: every step comes through the wake pipe
     slow_ready    after the Assign, sleep (ignoring every message) instead of saying Ready
+    no_secret     say Hello without the run's secret (as a foreign process would), then wait
+    junk_after_ready  after Ready, send 9 bytes that are no message, then serve as ok
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell  # noqa: E402
+from protocol.addresses import read_secret  # noqa: E402
 from protocol.messages import Assign, Hello, Ready, Shutdown, WorkerFailed, decode, encode  # noqa: E402
 from protocol.shm_layout import SharedBuffers  # noqa: E402
 
-BEHAVIORS = ("ok", "fail_load", "die_at_start", "die_on_ffn", "fail_on_ffn", "slow_ffn", "sleeper", "slow_ready")
+BEHAVIORS = ("ok", "fail_load", "die_at_start", "die_on_ffn", "fail_on_ffn", "slow_ffn", "sleeper", "slow_ready",
+             "no_secret", "junk_after_ready")
 
 
 def compute_us(worker_id: int) -> float:
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     send = lambda m: sock.send(encode(m))  # noqa: E731
     buffers = None
     try:
-        send(Hello(wid, role, os.getpid()))
+        send(Hello(wid, role, os.getpid(), "" if behavior == "no_secret" else read_secret()))
         a = decode(sock.recv())
         if not isinstance(a, Assign):
             return 2
@@ -88,6 +92,8 @@ def main(argv=None) -> int:
         bell = WorkerBell(buffers, slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s, sock,
                           lambda layer: len(owned.get(layer, ())) > 0)
         send(Ready(wid, role, os.getpid(), sum(len(v) for v in owned.values()), "mock", 0.0))
+        if behavior == "junk_after_ready":
+            sock.send(b"\xc1junk9byt")
         n_steps = 0
         while True:
             req = bell.wait()

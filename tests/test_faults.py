@@ -396,8 +396,25 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
         # coordinator's end of its pipe closes.
         assert _wait_for(lambda: not (run.segments & shm_segments()), 3.0), \
             f"shared memory left behind by a SIGKILLed coordinator: {sorted(run.segments & shm_segments())}"
-        # Not checked: the private runtime dir (an empty dir and a stale workers.sock) stays,
-        # since nobody is left to remove it. Generate.__exit__ removes our TMPDIR.
+        # The pool removed the run dir (socket, wake pipes) and the segment's name once every
+        # worker was ready: nobody is left to remove them after a kill -9.
+        run.assert_clean()
+
+
+def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
+    """kill -9 of every process of the run at once (coordinator, its resource tracker, the
+    workers): no cleanup code runs anywhere, yet no segment, FIFO, socket or directory stays."""
+    with Generate(long_model, *LONG) as run:
+        run.wait_text()
+        members = _session_members(run.pid)
+        assert len(members) >= 3, members  # coordinator + 2 workers (+ resource tracker)
+        for pid in members:
+            os.kill(pid, signal.SIGKILL)
+        run.wait()
+        assert _wait_for(lambda: not run.leftovers(), 3.0), f"left behind: {run.leftovers()}"
+        assert not (run.segments & shm_segments()), f"shared memory left behind: {sorted(run.segments)}"
+        left = sorted(p.name for p in run.tmp.iterdir())
+        assert not left, f"private runtime dir left in {run.tmp}: {left}"
 
 
 def test_coordinator_sigkill_while_workers_start(long_model):
@@ -494,3 +511,77 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
     assert shm_segments() == shm_before
+
+
+# --------------------------------------------------------------------------- 7. worker channel
+
+def _mock_pool(behaviors=None, **kw):
+    from coordinator.placement import static_plan
+    from tests.test_worker_pool_mock import make_pool
+    return make_pool(static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=1), behaviors, **kw)
+
+
+def test_secret_file_is_private(no_leaks):
+    p = _mock_pool()
+    try:
+        assert oct(os.stat(p.run_dir).st_mode & 0o777) == "0o700"
+        assert oct(os.stat(p.secret_path).st_mode & 0o777) == "0o600"
+        assert p.secret_path.read_text() == p.secret and len(p.secret) == 64
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_forged_messages_cannot_end_a_run(no_leaks, transport):
+    """Another local process on the worker socket (tcp: any user can connect) sends junk, a
+    forged WorkerFailed, a Hello with a wrong secret, several frames: all ignored, the run goes on."""
+    import zmq
+    from protocol.messages import Hello, WorkerFailed, encode
+    from tests.test_worker_pool_mock import expected_dense, run_ffn, write_x
+    import numpy as np
+
+    p = _mock_pool(transport=transport, startup_timeout_s=60)
+    ctx = zmq.Context()
+    try:
+        if transport == "tcp":
+            assert p.endpoint.startswith("tcp://127.0.0.1:")
+        forger = ctx.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.setsockopt(zmq.IDENTITY, b"cpu9")
+        forger.connect(p.endpoint)
+        forger.send(encode(Hello(1, "cpu", os.getpid(), "0" * 64)))  # a guessed secret, during startup
+        p.wait_ready()
+        for msg in (b"\x00" * 9, encode(WorkerFailed(1, "cpu", "forged")), encode(Hello(1, "cpu", 1, "x"))):
+            forger.send(msg)
+        forger.send_multipart([b"a", b"b", b"c"])
+        time.sleep(0.3)
+        p.check_alive()  # nothing of it counts
+        rng = np.random.default_rng(0)
+        write_x(p, rng, 2)
+        np.testing.assert_array_equal(run_ffn(p, 1, 2), expected_dense(p, 1, 2).astype(np.float32))
+        forger.close()
+    finally:
+        ctx.term()
+        p.close()
+
+
+def test_worker_without_the_secret_is_not_accepted(no_leaks):
+    p = _mock_pool({1: "no_secret"}, startup_timeout_s=4)
+    try:
+        with pytest.raises(WorkerError, match=r"timed out .* waiting for: cpu worker 1"):
+            p.wait_ready()
+    finally:
+        p.close()
+
+
+def test_malformed_message_from_a_worker_ends_the_run_naming_it(no_leaks):
+    p = _mock_pool({1: "junk_after_ready"}, startup_timeout_s=60)
+    try:
+        p.wait_ready()
+        with pytest.raises(WorkerError, match=r"cpu worker 1 \(pid \d+\) sent a malformed message: undecodable"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                p.check_alive()
+                time.sleep(0.05)
+    finally:
+        p.close()

@@ -122,10 +122,19 @@ def test_unknown_kind():
 
 def test_wrong_field_count():
     kind = MESSAGE_TYPES.index(M.Hello)
-    with pytest.raises(ProtocolError, match=r"Hello: expected 3 fields, got 2"):
+    with pytest.raises(ProtocolError, match=r"Hello: expected 4 fields, got 2"):
         decode(_wire(PROTOCOL_VERSION, kind, 1, "cpu"))
-    with pytest.raises(ProtocolError, match=r"Hello: expected 3 fields, got 4"):
-        decode(_wire(PROTOCOL_VERSION, kind, 1, "cpu", 5, 6))
+    with pytest.raises(ProtocolError, match=r"Hello: expected 4 fields, got 5"):
+        decode(_wire(PROTOCOL_VERSION, kind, 1, "cpu", 5, "s", 6))
+
+
+def test_wrong_field_types_are_refused_at_decode():
+    kind = MESSAGE_TYPES.index(M.Hello)
+    with pytest.raises(ProtocolError, match=r"Hello.pid: wrong type str"):
+        decode(_wire(PROTOCOL_VERSION, kind, 1, "cpu", "5", ""))
+    failed = MESSAGE_TYPES.index(M.WorkerFailed)
+    with pytest.raises(ProtocolError, match=r"WorkerFailed.reason: wrong type dict"):
+        decode(_wire(PROTOCOL_VERSION, failed, 1, "cpu", {"a": 1}))
     with pytest.raises(ProtocolError, match=r"Shutdown: expected 0 fields, got 1"):
         decode(_wire(PROTOCOL_VERSION, MESSAGE_TYPES.index(M.Shutdown), "x"))
 

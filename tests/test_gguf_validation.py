@@ -1,0 +1,221 @@
+"""Mutated GGUF files are refused from the header: one ModelFileError naming file, field and
+value, quickly and without allocations sized by the mutated numbers (issue 16, item 2)."""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+
+from sparsecore.config import read_config
+from sparsecore.errors import ModelFileError
+from sparsecore.gguf_file import open_gguf
+from tests.fixtures.tiny_gguf import write_tiny_llama
+
+REPO = Path(__file__).resolve().parent.parent
+_FMT = {gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i", gguf.GGUFValueType.FLOAT32: "<f",
+        gguf.GGUFValueType.UINT64: "<Q"}
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("valid") / "tiny.gguf", n_layers=2)
+
+
+def _kv_value_offset(reader, key: str) -> int:
+    f = reader.fields[key]
+    return f.offset + 8 + len(key.encode()) + 4
+
+
+def set_kv(data: bytearray, reader, key: str, value) -> None:
+    """Overwrite a scalar metadata value in place (same width as the file stores)."""
+    f = reader.fields[key]
+    struct.pack_into(_FMT[f.types[0]], data, _kv_value_offset(reader, key), value)
+
+
+def _tensor_info(reader, name: str):
+    t = next(t for t in reader.tensors if t.name == name)
+    pos = t.field.offset + 8 + len(name.encode())
+    n_dims = struct.unpack_from("<I", reader.data, pos)[0]
+    dims_at = pos + 4
+    type_at = dims_at + 8 * n_dims
+    return t, pos, dims_at, type_at, type_at + 4
+
+
+def set_tensor(data: bytearray, reader, name: str, *, offset=None, type_id=None, n_dims=None, dim0=None):
+    t, ndims_at, dims_at, type_at, off_at = _tensor_info(reader, name)
+    if offset is not None:
+        struct.pack_into("<Q", data, off_at, offset)
+    if type_id is not None:
+        struct.pack_into("<I", data, type_at, type_id)
+    if n_dims is not None:
+        struct.pack_into("<I", data, ndims_at, n_dims)
+    if dim0 is not None:
+        struct.pack_into("<Q", data, dims_at, dim0)
+
+
+def rel_offset(reader, name: str) -> int:
+    t = next(t for t in reader.tensors if t.name == name)
+    return int(t.data_offset) - int(reader.data_offset)
+
+
+def _array_count_at(reader, key: str) -> int:
+    return _kv_value_offset(reader, key) + 4  # after the element type
+
+
+# name -> (mutation(data, reader, size), words the message must contain)
+MUTATIONS = {
+    "block_count_huge": (lambda d, r, n: set_kv(d, r, "llama.block_count", 2**32 - 1), ["llama.block_count", "4294967295"]),
+    "block_count_zero": (lambda d, r, n: set_kv(d, r, "llama.block_count", 0), ["llama.block_count", "= 0"]),
+    "block_count_mismatch": (lambda d, r, n: set_kv(d, r, "llama.block_count", 3), ["llama.block_count = 3", "blk.2"]),
+    "ff_huge": (lambda d, r, n: set_kv(d, r, "llama.feed_forward_length", 2**31), ["llama.feed_forward_length", "2147483648"]),
+    "ff_mismatch": (lambda d, r, n: set_kv(d, r, "llama.feed_forward_length", 128), ["ffn_gate", "feed_forward_length 128"]),
+    "rope_dims_huge": (lambda d, r, n: set_kv(d, r, "llama.rope.dimension_count", 10**6), ["llama.rope.dimension_count", "1000000"]),
+    "rope_dims_odd": (lambda d, r, n: set_kv(d, r, "llama.rope.dimension_count", 7), ["llama.rope.dimension_count", "even"]),
+    "head_count_zero": (lambda d, r, n: set_kv(d, r, "llama.attention.head_count", 0), ["llama.attention.head_count", "= 0"]),
+    "head_count_not_dividing": (lambda d, r, n: set_kv(d, r, "llama.attention.head_count", 3), ["head_count", "3"]),
+    "head_count_kv_not_dividing": (lambda d, r, n: set_kv(d, r, "llama.attention.head_count_kv", 3), ["head_count_kv", "3"]),
+    "hidden_mismatch": (lambda d, r, n: set_kv(d, r, "llama.embedding_length", 128), ["token_embd.weight", "128"]),
+    "eps_nan": (lambda d, r, n: set_kv(d, r, "llama.attention.layer_norm_rms_epsilon", math.nan), ["layer_norm_rms_epsilon", "nan"]),
+    "eps_negative": (lambda d, r, n: set_kv(d, r, "llama.attention.layer_norm_rms_epsilon", -1.0), ["layer_norm_rms_epsilon", "-1"]),
+    "rope_base_zero": (lambda d, r, n: set_kv(d, r, "llama.rope.freq_base", 0.0), ["llama.rope.freq_base", "0"]),
+    "rope_base_inf": (lambda d, r, n: set_kv(d, r, "llama.rope.freq_base", math.inf), ["llama.rope.freq_base", "inf"]),
+    "context_zero": (lambda d, r, n: set_kv(d, r, "llama.context_length", 0), ["llama.context_length", "= 0"]),
+    "vocab_mismatch": (lambda d, r, n: set_kv(d, r, "llama.vocab_size", 7), ["llama.vocab_size", "7"]),
+    "misaligned_offset": (lambda d, r, n: set_tensor(d, r, "blk.0.ffn_up.weight", offset=rel_offset(r, "blk.0.ffn_up.weight") + 4),
+                          ["blk.0.ffn_up.weight", "alignment"]),
+    "overlapping": (lambda d, r, n: set_tensor(d, r, "blk.0.ffn_up.weight", offset=rel_offset(r, "blk.0.ffn_gate.weight")),
+                    ["overlaps", "blk.0.ffn_gate.weight"]),
+    "offset_out_of_file": (lambda d, r, n: set_tensor(d, r, "blk.1.attn_q.weight", offset=1 << 40),
+                           ["blk.1.attn_q.weight", "needs bytes up to"]),
+    "type_smaller": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_k.weight", type_id=int(gguf.GGMLQuantizationType.F16)),
+                     ["blk.0.attn_k.weight", "F16", "does not match"]),
+    "type_bigger": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_k.weight", type_id=int(gguf.GGMLQuantizationType.F64)),
+                    ["blk.0.attn_k.weight", "F64", "overlaps"]),
+    "type_unknown": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_k.weight", type_id=999), ["blk.0.attn_k.weight", "999"]),
+    "dim_zero": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", dim0=0), ["blk.0.attn_v.weight", "positive"]),
+    "dim_huge": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", dim0=2**62), ["blk.0.attn_v.weight"]),
+    "n_dims_huge": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", n_dims=2**31), ["blk.0.attn_v.weight", "dimensions"]),
+    "kv_count_huge": (lambda d, r, n: struct.pack_into("<Q", d, 16, 2**60), ["GGUF.kv_count"]),
+    "tensor_count_huge": (lambda d, r, n: struct.pack_into("<Q", d, 8, 2**40), ["GGUF.tensor_count"]),
+    "token_array_huge": (lambda d, r, n: struct.pack_into("<Q", d, _array_count_at(r, "tokenizer.ggml.tokens"), 2**60),
+                         ["tokenizer.ggml.tokens", "does not fit"]),
+    "token_type_array_huge": (lambda d, r, n: struct.pack_into("<Q", d, _array_count_at(r, "tokenizer.ggml.token_type"), 2**40),
+                              ["tokenizer.ggml.token_type", "does not fit"]),
+    "key_length_huge": (lambda d, r, n: struct.pack_into("<Q", d, r.fields["llama.block_count"].offset, 2**50),
+                        ["metadata key", "length"]),
+}
+
+
+def _mutated(valid: Path, tmp_path: Path, name: str) -> Path:
+    mutate, _ = MUTATIONS[name]
+    data = bytearray(valid.read_bytes())
+    reader = gguf.GGUFReader(valid)
+    mutate(data, reader, len(data))
+    del reader
+    out = tmp_path / f"{name}.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def load(path: Path):
+    return read_config(path, open_gguf(path))
+
+
+def test_valid_fixture_loads(valid):
+    cfg = load(valid)
+    assert cfg.n_layers == 2
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_mutation_refused(valid, tmp_path, name):
+    bad = _mutated(valid, tmp_path, name)
+    t0 = time.monotonic()
+    with pytest.raises(ModelFileError) as e:
+        load(bad)
+    assert time.monotonic() - t0 < 2.0
+    msg = str(e.value)
+    assert "\n" not in msg and str(bad) in msg
+    for word in MUTATIONS[name][1]:
+        assert word in msg, (word, msg)
+
+
+@pytest.mark.parametrize("cut", [30, 200, 2000, -100])
+def test_truncated(valid, tmp_path, cut):
+    data = valid.read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[:cut] if cut > 0 else data[:cut])
+    with pytest.raises(ModelFileError) as e:
+        load(bad)
+    assert "truncated" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_all_mutations_under_memory_limit(valid, tmp_path):
+    """Every mutation in one child process limited to 1 GiB of address space and 60 s: nothing
+    the header declares gets allocated or looped over."""
+    files = [str(_mutated(valid, tmp_path, n)) for n in sorted(MUTATIONS)]
+    code = (
+        "import resource, sys\n"
+        "from sparsecore.config import read_config\n"
+        "from sparsecore.gguf_file import open_gguf\n"
+        "from sparsecore.errors import ModelFileError\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n"
+        "        read_config(p, open_gguf(p))\n"
+        "        print('ACCEPTED', p)\n"
+        "    except ModelFileError:\n"
+        "        pass\n"
+        "print('done')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code, *files], capture_output=True, text=True, timeout=60,
+                       env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "done", r.stdout
+
+
+def test_tokenizer_errors_are_one_line(valid, tmp_path):
+    from coordinator.tokenizer import GGUFTokenizer
+    data = bytearray(valid.read_bytes())
+    reader = gguf.GGUFReader(valid)
+    set_kv(data, reader, "tokenizer.ggml.eos_token_id", 10**6)
+    del reader
+    bad = tmp_path / "eos.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as e:
+        GGUFTokenizer.from_reader(open_gguf(bad))
+    assert "tokenizer.ggml.eos_token_id" in str(e.value) and "1000000" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["block_count_huge", "head_count_zero", "eps_nan", "overlapping", "token_array_huge"])
+def test_cli_prints_one_line(valid, tmp_path, name):
+    bad = _mutated(valid, tmp_path, name)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(bad), "-p", "hi", "-n", "1"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(bad) in lines[0], r.stderr
+
+
+def test_cli_tokenizer_error_one_line(valid, tmp_path):
+    data = bytearray(valid.read_bytes())
+    reader = gguf.GGUFReader(valid)
+    set_kv(data, reader, "tokenizer.ggml.eos_token_id", 10**6)
+    del reader
+    bad = tmp_path / "eos.gguf"
+    bad.write_bytes(bytes(data))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(bad), "-p", "hi", "-n", "1"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "tokenizer.ggml.eos_token_id" in lines[0], r.stderr
