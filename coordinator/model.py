@@ -353,4 +353,4 @@ class Transformer:
             h = self._ffn(i, h, decode=True)
         for c in caches:
             c.pos += 1
-        return self.head(rms_norm(h, self.out_norm, eps))
+        return self.head(rms_norm(h, self.out_norm, self.cfg.rms_eps))
