@@ -298,8 +298,11 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             b + "attn_k.weight": [hidden, n_kv * head_dim],
             b + "attn_v.weight": [hidden, n_kv * v_dim],
             b + "attn_output.weight": [n_heads * v_dim, hidden],
-            b + "ffn_gate.weight": [hidden, n_ff], b + "ffn_up.weight": [hidden, n_ff],
-            b + "ffn_down.weight": [n_ff, hidden], b + "ffn_down_t.weight": [hidden, n_ff],
+            b + "ffn_gate.weight": [hidden, n_ff], b + "ffn_down.weight": [n_ff, hidden],
+            b + "ffn_down_t.weight": [hidden, n_ff],
+            # phi3 fuses gate and up into ffn_up (no ffn_gate), and Q, K, V into attn_qkv
+            b + "ffn_up.weight": [hidden, n_ff if b + "ffn_gate.weight" in shapes else 2 * n_ff],
+            b + "attn_qkv.weight": [hidden, n_heads * head_dim + n_kv * (head_dim + v_dim)],
         })
     for name, want in expect.items():
         got = shapes.get(name)
