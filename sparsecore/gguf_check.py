@@ -178,8 +178,8 @@ def check_layout(path: Path, buf) -> None:
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             _fail(path, f"tensor {name} has unknown type id {raw_type}")
-        if any(d < 1 for d in dims):
-            _fail(path, f"tensor {name} has dims {dims}: every dimension must be positive")
+        if any(d < 0 for d in dims):  # an empty tensor is legal (a gpuidx layer with no hot neuron)
+            _fail(path, f"tensor {name} has dims {dims}: a dimension is negative")
         if dims[0] % block:
             _fail(path, f"tensor {name}: first dimension {dims[0]} is not a multiple of "
                         f"{qtype.name}'s block size {block}")

@@ -577,8 +577,9 @@ def test_worker_without_the_secret_is_not_accepted(no_leaks):
 def test_malformed_message_from_a_worker_ends_the_run_naming_it(no_leaks):
     p = _mock_pool({1: "junk_after_ready"}, startup_timeout_s=60)
     try:
-        p.wait_ready()
+        # the junk may arrive while the pool still waits for the other workers' Ready
         with pytest.raises(WorkerError, match=r"cpu worker 1 \(pid \d+\) sent a malformed message: undecodable"):
+            p.wait_ready()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 p.check_alive()

@@ -100,7 +100,7 @@ MUTATIONS = {
     "type_bigger": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_k.weight", type_id=int(gguf.GGMLQuantizationType.F64)),
                     ["blk.0.attn_k.weight", "F64", "overlaps"]),
     "type_unknown": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_k.weight", type_id=999), ["blk.0.attn_k.weight", "999"]),
-    "dim_zero": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", dim0=0), ["blk.0.attn_v.weight", "positive"]),
+    "dim_zero": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", dim0=0), ["blk.0.attn_v.weight", "does not match"]),
     "dim_huge": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", dim0=2**62), ["blk.0.attn_v.weight"]),
     "n_dims_huge": (lambda d, r, n: set_tensor(d, r, "blk.0.attn_v.weight", n_dims=2**31), ["blk.0.attn_v.weight", "dimensions"]),
     "kv_count_huge": (lambda d, r, n: struct.pack_into("<Q", d, 16, 2**60), ["GGUF.kv_count"]),

@@ -20,7 +20,8 @@ def textbook(x, cos, sin, d):
 @pytest.mark.parametrize("head_dim,rope_dim,T", [(64, 64, 1), (64, 64, 5), (64, 32, 3), (16, 8, 1)])
 def test_rope_matches_rotate_half(head_dim, rope_dim, T):
     max_ctx, heads, base = 40, 6, 10000.0
-    m = SimpleNamespace(cfg=SimpleNamespace(rope_dim=rope_dim, rope_base=base), max_ctx=max_ctx)
+    cfg = SimpleNamespace(rope_dim=rope_dim, rope_base=base, rope_scale=1.0, layer_rope_base=lambda i: (base, 1.0))
+    m = SimpleNamespace(cfg=cfg, max_ctx=max_ctx, layers=[SimpleNamespace()])
     store = SimpleNamespace(has=lambda name: False)
     Transformer._rope_tables(m, store)
     x = torch.randn(T, heads, head_dim)
