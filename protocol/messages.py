@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 7  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret
+PROTOCOL_VERSION = 8  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP)
 
 
 class ProtocolError(Exception):
@@ -86,46 +86,9 @@ class Shutdown:
     """Coordinator -> worker: exit now."""
 
 
-# ---- frontend (sparseinfer prompt, HTTP server) <-> coordinator ----------------------------
-
-@dataclass
-class GenerateRequest:
-    request_id: str
-    prompt: str
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    chat: bool = False
-    stop_at_eos: bool = True
-
-
-@dataclass
-class TokenChunk:
-    request_id: str
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class GenerateDone:
-    request_id: str
-    n_prompt: int
-    n_generated: int
-    prefill_s: float
-    decode_s: float
-    finish_reason: str = "length"
-    error: str = ""
-
-
-@dataclass
-class StopServer:
-    """Frontend -> coordinator: shut down workers and exit."""
-
-
-MESSAGE_TYPES = [Hello, Assign, Ready, WorkerFailed, Shutdown,
-                 GenerateRequest, TokenChunk, GenerateDone, StopServer]
+# Clients speak HTTP to the coordinator (coordinator/server.py); ZeroMQ is only between the
+# coordinator and its workers.
+MESSAGE_TYPES = [Hello, Assign, Ready, WorkerFailed, Shutdown]
 _KIND = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES}
 
