@@ -347,10 +347,16 @@ class Transformer:
                 raise ValueError(f"context full: {c.pos} + 1 tokens exceeds the context size {self.max_ctx}")
         if len(ids) == 1:
             return self.forward(ids, cache=caches[0])
-        h = self.embed(ids)
-        for i in range(len(self.layers)):
-            h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
-            h = self._ffn(i, h, decode=True)
+        h = self.embed(ids).contiguous()
+        positions = [c.pos for c in caches]
+        for i, L in enumerate(self.layers):
+            if (self.native[i] is not None and len(ids) <= MAX_SMALL_BATCH
+                    and (L.window is None or max(positions) < L.window)):
+                # one native call: the attention weights read once for every sequence
+                self.native[i].batch(h.numpy(), positions, [c.layer(i) for c in caches])
+            else:
+                h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
+            h = self._ffn(i, h, decode=True).contiguous()
         for c in caches:
             c.pos += 1
         return self.head(rms_norm(h, self.out_norm, self.cfg.rms_eps))

@@ -201,3 +201,30 @@ def test_eos_ends_a_sequence_with_stop(tokenizer):
         assert events[-1].reason == "stop" and events[-1].completion_tokens == 2
     finally:
         sched.stop()
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, tensor_type, fast, no_leaks):
+    """The real engine: a continuous batch's logits are, row for row, exactly those of each
+    sequence decoded alone (batched attention, FFN exchange and split head included), so a
+    greedy request gives the same tokens alone and inside a batch."""
+    from coordinator.engine import Engine, EngineOptions
+
+    path = tiny_model_factory(tensor_type=tensor_type, seed=3)
+    prompts = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3], [11, 12, 13]]
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast)) as eng:
+        m = eng.model
+        alone = []
+        for p in prompts:
+            c = m.new_cache()
+            m.forward(p, cache=c)
+            alone.append([m.forward([t], cache=c)[0].numpy().copy() for t in (60, 61, 62)])
+        caches = [m.new_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):
+            m.forward(p, cache=c)
+        for step, t in enumerate((60, 61, 62)):
+            got = m.decode_batch([t] * len(prompts), caches).numpy()
+            for b in range(len(prompts)):
+                np.testing.assert_array_equal(got[b], alone[b][step])
+        assert [c.pos for c in caches] == [len(p) + 3 for p in prompts]

@@ -337,6 +337,35 @@ class AttentionStep:
                      float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
         self.cache_shape = k_cache.shape
         self.tail = (_ptr(k_cache), _ptr(v_cache), max_ctx, int(fast), *(_ptr(a) for a in self.scratch))
+        self.sizes = (hidden, n_heads * head_dim, n_kv * head_dim)
+        self.fast, self.batch_tail = int(fast), None
+
+    def batch(self, h: np.ndarray, positions: list[int], caches: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Several sequences' decoded tokens (continuous batching): h (B, hidden) float32,
+        contiguous, row b at positions[b] with this layer's (keys, values) caches[b]; updated in
+        place. One pass over the weights for all B (_kernels.attn_batch); per row the same
+        arithmetic as a call of the step alone."""
+        B = len(positions)
+        if (h.dtype != np.float32 or h.shape != (B, self.hidden) or not h.flags.c_contiguous or len(caches) != B
+                or not 1 <= B <= MAX_SMALL_BATCH):
+            raise ValueError(f"attention batch: h must be (B, {self.hidden}) float32 with one position and cache "
+                             f"per row, 1 <= B <= {MAX_SMALL_BATCH}")
+        for k, v in caches:
+            for a in (k, v):
+                if a.dtype != np.float32 or a.shape != self.cache_shape or not a.flags.c_contiguous:
+                    raise ValueError(f"attention batch: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
+        if self.batch_tail is None:  # room for MAX_SMALL_BATCH rows, made on first use
+            hidden, nq, nk = self.sizes
+            n = MAX_SMALL_BATCH
+            self.batch_scratch = [np.empty(m, np.float32) for m in (n * hidden, n * nq, n * nk, n * nk, self.max_ctx,
+                                                                    n * nq)]
+            self.batch_scratch += [q8_scratch(hidden, n), q8_scratch(nq, n)]
+            self.batch_tail = tuple(_ptr(a) for a in self.batch_scratch)
+        pos = np.asarray(positions, dtype=np.int64)
+        kp = np.array([k.ctypes.data for k, _ in caches], dtype=np.int64)
+        vp = np.array([v.ctypes.data for _, v in caches], dtype=np.int64)
+        _kernels.attn_batch(*self.head, self.cos, self.sin, B, _ptr(pos), _ptr(kp), _ptr(vp), self.max_ctx,
+                            self.fast, *self.batch_tail, _ptr(h))
 
     def __call__(self, h: np.ndarray, pos: int, cache: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """h (hidden,) float32, contiguous: the residual, updated in place; pos: the token's position.

@@ -1097,6 +1097,65 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
     for (int i = 0; i < hidden; i++) h[i] += sc.x[i];
 }
 
+/* attn_token for B sequences decoded together (continuous batching), each at its own position
+ * with its own KV cache: RMSNorm per row, then the Q, K, V and output products read each weight
+ * row once for all B (matmul), while rope, the cache write and softmax attention run per
+ * sequence. Per sequence the same float operations as attn_token, so a sequence decodes the
+ * same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d). Scratch: x
+ * (B hidden), q and out (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32
+ * blocks), oq (B n_heads hd/32 blocks). h: B rows of hidden, updated in place. */
+static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
+                       float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
+    int64_t nq = (int64_t)n_heads * hd, nk = (int64_t)n_kv * hd;
+    int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK;
+    for (int b = 0; b < B; b++) {
+        const float *hb = h + (int64_t)b * hidden;
+        float *xb = sc.x + (int64_t)b * hidden;
+        double ss = 0.0;
+        for (int i = 0; i < hidden; i++) ss += (double)hb[i] * hb[i];
+        float r = 1.f / sqrtf((float)(ss / hidden) + eps);
+        for (int i = 0; i < hidden; i++) xb[i] = hb[i] * r * norm_w[i];
+        if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
+    }
+    matmul(wq, q_rows, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
+    matmul(wk, k_rows, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
+    matmul(wv, NULL, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    float scale = 1.f / sqrtf((float)hd);
+    int group = n_heads / n_kv;
+    for (int b = 0; b < B; b++) {
+        int p0 = (int)pos[b];
+        float *qb = sc.q + b * nq, *kb = sc.k + b * nk, *vb = sc.v + b * nk, *ob = sc.out + b * nq;
+        float *kc = kcs[b], *vc = vcs[b];
+        rope(qb, n_heads, hd, d, cos_t + (int64_t)p0 * d, sin_t + (int64_t)p0 * d);
+        rope(kb, n_kv, hd, d, cos_t + (int64_t)p0 * d, sin_t + (int64_t)p0 * d);
+        for (int j = 0; j < n_kv; j++) {
+            memcpy(kc + ((int64_t)j * max_ctx + p0) * hd, kb + j * hd, sizeof(float) * hd);
+            memcpy(vc + ((int64_t)j * max_ctx + p0) * hd, vb + j * hd, sizeof(float) * hd);
+        }
+        for (int hh = 0; hh < n_heads; hh++) {
+            const float *qh = qb + hh * hd;
+            const float *K = kc + (int64_t)(hh / group) * max_ctx * hd, *V = vc + (int64_t)(hh / group) * max_ctx * hd;
+            float mx = -INFINITY, sum = 0.f, *o = ob + hh * hd;
+            for (int p = 0; p <= p0; p++) {
+                sc.att[p] = dot_exact(T_F32, (const uint8_t *)(K + (int64_t)p * hd), qh, hd) * scale;
+                if (sc.att[p] > mx) mx = sc.att[p];
+            }
+            for (int p = 0; p <= p0; p++) { sc.att[p] = expf(sc.att[p] - mx); sum += sc.att[p]; }
+            memset(o, 0, sizeof(float) * hd);
+            for (int p = 0; p <= p0; p++) {
+                float w = sc.att[p] / sum;
+                const float *vp = V + (int64_t)p * hd;
+                for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+            }
+        }
+        if (fast) quantize_q8(ob, (int)nq, sc.oq + b * ldoq);
+    }
+    matmul(wo, NULL, 0, hidden, 0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, sc.x, hidden);  /* x: free again */
+    for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += sc.x[i];
+}
+
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     for (int64_t i = 0; i < n_rows; i++) {
@@ -1307,8 +1366,45 @@ static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* attn_batch(q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d,
+ *            cos_table_ptr, sin_table_ptr, B, pos_ptr (B int64), k_cache_ptrs (B int64), v_cache_ptrs,
+ *            max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 38 arguments */
+static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 38) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 38 arguments"); return NULL; }
+    mat wq, wk, wv, wo;
+    if (get_mat(args, &wq) || get_mat(args + 4, &wk) || get_mat(args + 8, &wv) || get_mat(args + 11, &wo)) return NULL;
+    const int32_t *q_rows = ARG_PTR(3), *k_rows = ARG_PTR(7);
+    const float *norm_w = ARG_PTR(14);
+    float eps = (float)PyFloat_AsDouble(args[15]);
+    int hidden = (int)ARG_LL(16), n_heads = (int)ARG_LL(17), n_kv = (int)ARG_LL(18), hd = (int)ARG_LL(19), d = (int)ARG_LL(20);
+    const float *cos_t = ARG_PTR(21), *sin_t = ARG_PTR(22);
+    int B = (int)ARG_LL(23);
+    const int64_t *pos = ARG_PTR(24);
+    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
+    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
+    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
+    float *h = ARG_PTR(37);
+    if (PyErr_Occurred()) return NULL;
+    if (d > 1024 || d > hd || n_kv <= 0 || n_heads % n_kv || B < 1 || B > MAXB) {
+        PyErr_SetString(PyExc_ValueError, "attn_batch: bad head, rope or batch arguments");
+        return NULL;
+    }
+    for (int b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= max_ctx) {
+            PyErr_SetString(PyExc_ValueError, "attn_batch: a position outside the cache");
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos,
+               kcs, vcs, max_ctx, fast, sc, h);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
+    {"attn_batch", (PyCFunction)(void (*)(void))py_attn_batch, METH_FASTCALL, "a small batch's attention blocks"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
