@@ -7,11 +7,11 @@
 Both servers run in their own processes, started from this script's environment minus every
 threading variable (neither inherits a policy meant for the other), with the same threads and
 the same number of parallel slots (`--parallel N` / `-np N`, N = the largest stream count) and
-the same context per slot. For each stream count, N clients each send REQS streamed
-completions one after another (distinct prompts of about PROMPT_WORDS words, greedy, EOS
+the same context per slot. For each stream count, N clients each send one streamed completion
+at the same moment (distinct prompts of about PROMPT_WORDS words, greedy, EOS
 ignored so every request yields exactly --tokens tokens). Printed per server and stream count:
-aggregate tokens/s (all completion tokens / wall time of the round, prefill included), and
-p50/p99 time to first token. Servers alternate per stream count and round (interleaved), so
+aggregate decode tokens/s while all N sequences decode, end-to-end tokens/s (prefill
+included), and the median and worst time to first token when N requests arrive at once. Servers alternate per stream count and round (interleaved), so
 a noisy neighbour hits both. llama-server is built by `scripts/setup-bench --server`.
 """
 from __future__ import annotations
@@ -40,7 +40,6 @@ DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q
 DEFAULT_LLAMA_SERVER = REPO / ".bench" / "llama-server"
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "VECLIB_")
 PROMPT_WORDS = 24
-REQS = 2
 WORDS = ("the of and to in is was for on that with as by at from his her an which were are this be had "
          "river mountain engine garden winter letter market doctor window silver history science music "
          "village ocean bridge forest journey question answer kingdom machine summer evening").split()
@@ -93,47 +92,46 @@ def prompt(rng: random.Random) -> str:
 
 
 def one_request(url: str, text: str, tokens: int, out: list) -> None:
-    body = {"prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    """One streamed completion; appends (start, arrival time of each token's text)."""
+    body = {"prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
-    first, n, usage = None, 0, None
+    arrivals = []
     for chunk in stream_completion(url, body, timeout=900):
-        if chunk.get("usage"):
-            usage = chunk["usage"].get("completion_tokens")
         choices = chunk.get("choices") or []
         if choices and choices[0].get("text"):
-            n += 1
-            if first is None:
-                first = time.perf_counter() - t0
-    out.append((first if first is not None else float("nan"), usage or n))
+            arrivals.append(time.perf_counter())
+    out.append((t0, arrivals))
 
 
 def run_round(url: str, streams: int, tokens: int, seed: int) -> dict:
+    """`streams` clients start one request each at once. Decode tokens/s: the tokens that
+    arrived while all `streams` sequences were decoding (after the last first token, before the
+    first sequence ended), per second of that window: the steady state with exactly N
+    sequences. End-to-end: all tokens over the whole round's wall time, prefill included."""
     rng = random.Random(seed)
-    texts = [[prompt(rng) for _ in range(REQS)] for _ in range(streams)]
+    texts = [prompt(rng) for _ in range(streams)]
     results: list = []
-
-    def client(i):
-        for t in texts[i]:
-            one_request(url, t, tokens, results)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    threads = [threading.Thread(target=one_request, args=(url, texts[i], tokens, results)) for i in range(streams)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    ttft = sorted(r[0] for r in results)
-    total = sum(r[1] for r in results)
-    return {"tok_s": total / wall, "ttft_p50": statistics.median(ttft),
-            "ttft_p99": ttft[min(len(ttft) - 1, int(round(0.99 * (len(ttft) - 1))))], "tokens": total}
+    firsts = [a[0] for _, a in results]
+    lo, hi = max(firsts), min(a[-1] for _, a in results)
+    inside = sum(sum(1 for x in a if lo < x <= hi) for _, a in results)
+    ttft = sorted(f - s for s, f in zip((r[0] for r in results), firsts))
+    return {"tok_s": inside / (hi - lo) if hi > lo else float("nan"),
+            "e2e_tok_s": sum(len(a) for _, a in results) / wall,
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[-1] if len(ttft) < 100 else ttft[int(0.99 * len(ttft))]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--streams", default="1,2,4,8")
-    ap.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
+    ap.add_argument("--tokens", type=int, default=128, help="completion tokens per request")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--ctx", type=int, default=512, help="context per slot")
@@ -168,17 +166,17 @@ def main() -> None:
             for n in streams:
                 for s in (servers if r % 2 == 0 else servers[::-1]):
                     res[s.name][n].append(run_round(s.url, n, a.tokens, seed=1000 * r + n))
-        summary = {name: {n: {k: statistics.median(x[k] for x in rounds) for k in ("tok_s", "ttft_p50", "ttft_p99")}
+        summary = {name: {n: {k: statistics.median(x[k] for x in rounds)
+                              for k in ("tok_s", "e2e_tok_s", "ttft_p50", "ttft_p99")}
                           for n, rounds in per.items()} for name, per in res.items()}
         if a.json:
             print(json.dumps({"model": a.model, "tokens": a.tokens, "threads": a.threads, "slots": slots,
                               "rounds": res, "median": summary}, indent=1))
             return
         print(f"model {Path(a.model).name}, {a.threads} threads, {slots} slots, {a.tokens} tokens per request, "
-              f"{REQS} requests per stream, medians of {a.rounds} interleaved rounds")
-        base = summary["sparseinfer"][streams[0]]["tok_s"]
-        print(f"{'server':<13}{'streams':>8}{'tok/s':>9}{'x 1 stream':>12}{'TTFT p50':>10}{'p99':>8}"
-              + ("   vs llama-server" if len(servers) > 1 else ""))
+              f"--arith {a.arith}, medians of {a.rounds} interleaved rounds")
+        print(f"{'server':<13}{'streams':>8}{'decode tok/s':>14}{'x 1 stream':>12}{'e2e tok/s':>11}{'TTFT p50':>10}"
+              f"{'max':>8}" + ("   decode vs llama-server" if len(servers) > 1 else ""))
         for name in summary:
             one = summary[name][streams[0]]["tok_s"]
             for n in streams:
@@ -186,9 +184,8 @@ def main() -> None:
                 vs = ""
                 if len(servers) > 1 and name == "sparseinfer":
                     vs = f"   {m['tok_s'] / summary['llama-server'][n]['tok_s']:.2f}x"
-                print(f"{name:<13}{n:>8}{m['tok_s']:>9.1f}{m['tok_s'] / one:>11.2f}x{m['ttft_p50']:>9.2f}s"
-                      f"{m['ttft_p99']:>7.2f}s{vs}")
-        del base
+                print(f"{name:<13}{n:>8}{m['tok_s']:>14.1f}{m['tok_s'] / one:>11.2f}x{m['e2e_tok_s']:>11.1f}"
+                      f"{m['ttft_p50']:>9.2f}s{m['ttft_p99']:>7.2f}s{vs}")
     finally:
         for s in servers:
             s.close()
