@@ -338,3 +338,20 @@ def test_chat_repl_keeps_history_and_resets(tiny_model):
     assert len(replies) == 3, r.stdout
     assert replies[0] == replies[2] and replies[0]  # after /reset the same conversation again
     assert "conversation cleared" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_beyond_the_slots_and_the_queue_requests_get_503(tiny_model, tmp_path):
+    with _server(tiny_model, tmp_path, "--parallel", "1", "--queue", "0") as (_, url):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        model = c.models.list().data[0].id
+        busy = c.completions.create(model=model, prompt="the lazy dog", max_tokens=200, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+        next(iter(busy))  # the one slot is decoding
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=model, prompt="hello", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "overloaded"
+        busy.close()
+        deadline = time.monotonic() + 10
+        while _health(url)[1]["slots_busy"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.completions.create(model=model, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
