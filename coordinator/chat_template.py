@@ -20,6 +20,7 @@ import os
 import resource
 import select
 import signal
+import threading
 import time
 import warnings
 from datetime import datetime
@@ -133,7 +134,18 @@ def _child(source: str, variables, wfd: int) -> None:
     os._exit(0)
 
 
+# One render at a time: the child is forked from a threaded process (the HTTP server renders in
+# a thread pool), and a lock another thread held inside jinja at the fork would stay locked in
+# the child forever. With renders serialized, no thread is inside jinja when we fork.
+_FORK_LOCK = threading.Lock()
+
+
 def _render_isolated(source: str, variables) -> str:
+    with _FORK_LOCK:
+        return _render_forked(source, variables)
+
+
+def _render_forked(source: str, variables) -> str:
     r, w = os.pipe()
     try:
         with warnings.catch_warnings():  # 3.12+ warns about fork with threads; the child runs no thread
