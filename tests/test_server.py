@@ -355,3 +355,24 @@ def test_beyond_the_slots_and_the_queue_requests_get_503(tiny_model, tmp_path):
         while _health(url)[1]["slots_busy"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert c.completions.create(model=model, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_ctrl_c_in_chat_stops_the_reply_not_the_session(tiny_model):
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "chat", "-m", str(tiny_model), "-t", "2",
+                             "--cpu-workers", "1", "-n", "200", "--ignore-eos"], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        proc.stdin.write("tell me a long story\n")
+        proc.stdin.flush()
+        # the reply is streaming once its first characters arrive
+        first = proc.stdout.read(1)
+        assert first, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/exit\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "[stopped]" in out and "Traceback" not in err
