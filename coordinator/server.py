@@ -160,6 +160,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         sched = state.ready()
         _check_model(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        _fits_at_all(state, sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = await run_in_threadpool(state.engine.encode_chat, messages)
         except Exception as e:  # a template that fails on these messages
@@ -174,6 +175,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         _check_model(state, body.model)
         tk = state.engine.tokenizer
         if isinstance(body.prompt, str):
+            _fits_at_all(state, len(body.prompt), "prompt")
             ids = await run_in_threadpool(tk.encode, body.prompt)
         else:
             ids = list(body.prompt)
@@ -188,6 +190,15 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 def _engine(state: ServerState):
     state.ready()
     return state.engine
+
+
+def _fits_at_all(state: ServerState, chars: int, param: str) -> None:
+    """Refuse a text that cannot fit the context whatever its tokens, before tokenizing it (a
+    token spells at most `longest_token_chars` characters)."""
+    at_least = chars // state.engine.tokenizer.longest_token_chars
+    if at_least > state.scheduler.max_ctx:
+        raise ApiError(400, f"{param}: {chars} characters are at least {at_least} tokens, more than the context "
+                            f"size {state.scheduler.max_ctx}", param=param, code="context_length_exceeded")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

@@ -170,6 +170,15 @@ class GGUFTokenizer:
         return len(self.tokens)
 
     @property
+    def longest_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to (its spelling's UTF-8 bytes,
+        plus a space a SentencePiece marker may stand for): a text of n characters needs at
+        least n / this many tokens, which bounds a prompt's length before tokenizing it."""
+        if not hasattr(self, "_longest"):
+            self._longest = max((len(t.encode("utf-8", "replace")) for t in self.tokens), default=1) + 1
+        return self._longest
+
+    @property
     def bos_token(self) -> str:
         return "" if self.bos_id is None else self.tokens[self.bos_id]
 

@@ -376,3 +376,14 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_session(tiny_model):
             proc.kill()
     assert proc.returncode == 0, err
     assert "[stopped]" in out and "Traceback" not in err
+
+
+def test_huge_prompts_are_refused_before_any_work(served, client, model_id):
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id, prompt="x" * 3_000_000, max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and time.monotonic() - t0 < 20
+    with pytest.raises(openai.APIStatusError) as e:  # beyond the body limit: refused unread
+        client.completions.create(model=model_id, prompt="x" * 9_000_000, max_tokens=1)
+    assert e.value.status_code == 413
+    assert _health(served[1])[0] == 200
