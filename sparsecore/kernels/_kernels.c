@@ -1336,49 +1336,61 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {  /* tests: force th
     return py_isa(self, NULL);
 }
 
-/* attn_token(q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d,
- *            cos_ptr, sin_ptr, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
- *            x, q, k, v, att, out, xq, oq, h): 37 arguments */
+/* The attention layer's arguments attn_token and attn_batch share, args[0..22]:
+ * q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_ptr, sin_ptr */
+typedef struct {
+    mat wq, wk, wv, wo;
+    const int32_t *q_rows, *k_rows;
+    const float *norm_w, *cos_r, *sin_r;
+    float eps;
+    int hidden, n_heads, n_kv, hd, d;
+} attn_layer;
+
+static int get_attn_layer(PyObject *const *args, attn_layer *L) {
+    if (get_mat(args, &L->wq) || get_mat(args + 4, &L->wk) || get_mat(args + 8, &L->wv) || get_mat(args + 11, &L->wo))
+        return -1;
+    L->q_rows = ARG_PTR(3), L->k_rows = ARG_PTR(7);
+    L->norm_w = ARG_PTR(14);
+    L->eps = (float)PyFloat_AsDouble(args[15]);
+    L->hidden = (int)ARG_LL(16), L->n_heads = (int)ARG_LL(17), L->n_kv = (int)ARG_LL(18);
+    L->hd = (int)ARG_LL(19), L->d = (int)ARG_LL(20);
+    L->cos_r = ARG_PTR(21), L->sin_r = ARG_PTR(22);
+    if (PyErr_Occurred()) return -1;
+    if (L->d > 1024 || L->d > L->hd || L->n_kv <= 0 || L->n_heads % L->n_kv) {
+        PyErr_SetString(PyExc_ValueError, "attention: bad head or rope arguments");
+        return -1;
+    }
+    return 0;
+}
+
+/* attn_token(<attn layer: 23>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
+ *            x, q, k, v, att, out, xq, oq, h): 37 arguments; cos_ptr, sin_ptr at the token's row */
 static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 37) { PyErr_SetString(PyExc_TypeError, "attn_token takes 37 arguments"); return NULL; }
-    mat wq, wk, wv, wo;
-    if (get_mat(args, &wq) || get_mat(args + 4, &wk) || get_mat(args + 8, &wv) || get_mat(args + 11, &wo)) return NULL;
-    const int32_t *q_rows = ARG_PTR(3), *k_rows = ARG_PTR(7);
-    const float *norm_w = ARG_PTR(14);
-    float eps = (float)PyFloat_AsDouble(args[15]);
-    int hidden = (int)ARG_LL(16), n_heads = (int)ARG_LL(17), n_kv = (int)ARG_LL(18), hd = (int)ARG_LL(19), d = (int)ARG_LL(20);
-    const float *cos_r = ARG_PTR(21), *sin_r = ARG_PTR(22);
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
     int pos = (int)ARG_LL(23);
     float *kc = ARG_PTR(24), *vc = ARG_PTR(25);
     int max_ctx = (int)ARG_LL(26), fast = (int)ARG_LL(27);
     attn_scratch sc = {ARG_PTR(28), ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35)};
     float *h = ARG_PTR(36);
     if (PyErr_Occurred()) return NULL;
-    if (d > 1024 || d > hd || n_kv <= 0 || n_heads % n_kv || pos < 0 || pos >= max_ctx) {
-        PyErr_SetString(PyExc_ValueError, "attn_token: bad head, rope or position arguments");
-        return NULL;
-    }
+    if (pos < 0 || pos >= max_ctx) { PyErr_SetString(PyExc_ValueError, "attn_token: position outside the cache"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    attn_token(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_r, sin_r, pos,
-               kc, vc, max_ctx, fast, sc, h);
+    attn_token(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+               L.cos_r, L.sin_r, pos, kc, vc, max_ctx, fast, sc, h);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* attn_batch(q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d,
- *            cos_table_ptr, sin_table_ptr, B, pos_ptr (B int64), k_cache_ptrs (B int64), v_cache_ptrs,
- *            max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 38 arguments */
+/* attn_batch(<attn layer: 23, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
+ *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 38 arguments */
 static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 38) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 38 arguments"); return NULL; }
-    mat wq, wk, wv, wo;
-    if (get_mat(args, &wq) || get_mat(args + 4, &wk) || get_mat(args + 8, &wv) || get_mat(args + 11, &wo)) return NULL;
-    const int32_t *q_rows = ARG_PTR(3), *k_rows = ARG_PTR(7);
-    const float *norm_w = ARG_PTR(14);
-    float eps = (float)PyFloat_AsDouble(args[15]);
-    int hidden = (int)ARG_LL(16), n_heads = (int)ARG_LL(17), n_kv = (int)ARG_LL(18), hd = (int)ARG_LL(19), d = (int)ARG_LL(20);
-    const float *cos_t = ARG_PTR(21), *sin_t = ARG_PTR(22);
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
     int B = (int)ARG_LL(23);
     const int64_t *pos = ARG_PTR(24);
     float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
@@ -1386,18 +1398,15 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
     float *h = ARG_PTR(37);
     if (PyErr_Occurred()) return NULL;
-    if (d > 1024 || d > hd || n_kv <= 0 || n_heads % n_kv || B < 1 || B > MAXB) {
-        PyErr_SetString(PyExc_ValueError, "attn_batch: bad head, rope or batch arguments");
-        return NULL;
-    }
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
     for (int b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= max_ctx) {
             PyErr_SetString(PyExc_ValueError, "attn_batch: a position outside the cache");
             return NULL;
         }
     Py_BEGIN_ALLOW_THREADS
-    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos,
-               kcs, vcs, max_ctx, fast, sc, h);
+    attn_batch(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+               L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
