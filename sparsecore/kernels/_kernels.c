@@ -1056,42 +1056,54 @@ static void rope(float *x, int n_heads, int hd, int d, const float *cos_r, const
     }
 }
 
-static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
-                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                       const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
-                       int fast, attn_scratch sc, float *h) {
+/* x = RMSNorm(h) * w (the double sum keeps long rows exact enough to match torch's) */
+static void rms_norm_into(const float *h, const float *w, float eps, int n, float *x) {
     double ss = 0.0;
-    for (int i = 0; i < hidden; i++) ss += (double)h[i] * h[i];
-    float r = 1.f / sqrtf((float)(ss / hidden) + eps);
-    for (int i = 0; i < hidden; i++) sc.x[i] = h[i] * r * norm_w[i];
-    if (fast) quantize_q8(sc.x, hidden, sc.xq);
-    matvec(wq, q_rows, 0, (int64_t)n_heads * hd, 0, hidden, sc.x, sc.xq, fast, sc.q);
-    matvec(wk, k_rows, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.k);
-    matvec(wv, NULL, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.v);
-    rope(sc.q, n_heads, hd, d, cos_r, sin_r);
-    rope(sc.k, n_kv, hd, d, cos_r, sin_r);
+    for (int i = 0; i < n; i++) ss += (double)h[i] * h[i];
+    float r = 1.f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) x[i] = h[i] * r * w[i];
+}
+
+/* One sequence at position pos: rope on q and k, k and v into the cache, then per query head
+ * softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] into out (query head i reads KV head i / group). */
+static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int hd, int d, const float *cos_r,
+                   const float *sin_r, int pos, float *kc, float *vc, int max_ctx, float *att, float *out) {
+    rope(q, n_heads, hd, d, cos_r, sin_r);
+    rope(k, n_kv, hd, d, cos_r, sin_r);
     for (int j = 0; j < n_kv; j++) {
-        memcpy(kc + ((int64_t)j * max_ctx + pos) * hd, sc.k + j * hd, sizeof(float) * hd);
-        memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, sc.v + j * hd, sizeof(float) * hd);
+        memcpy(kc + ((int64_t)j * max_ctx + pos) * hd, k + j * hd, sizeof(float) * hd);
+        memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, v + j * hd, sizeof(float) * hd);
     }
     float scale = 1.f / sqrtf((float)hd);
     int group = n_heads / n_kv;
     for (int hh = 0; hh < n_heads; hh++) {
-        const float *qh = sc.q + hh * hd;
+        const float *qh = q + hh * hd;
         const float *K = kc + (int64_t)(hh / group) * max_ctx * hd, *V = vc + (int64_t)(hh / group) * max_ctx * hd;
-        float mx = -INFINITY, sum = 0.f, *o = sc.out + hh * hd;
+        float mx = -INFINITY, sum = 0.f, *o = out + hh * hd;
         for (int p = 0; p <= pos; p++) {
-            sc.att[p] = dot_exact(T_F32, (const uint8_t *)(K + (int64_t)p * hd), qh, hd) * scale;
-            if (sc.att[p] > mx) mx = sc.att[p];
+            att[p] = dot_exact(T_F32, (const uint8_t *)(K + (int64_t)p * hd), qh, hd) * scale;
+            if (att[p] > mx) mx = att[p];
         }
-        for (int p = 0; p <= pos; p++) { sc.att[p] = expf(sc.att[p] - mx); sum += sc.att[p]; }
+        for (int p = 0; p <= pos; p++) { att[p] = expf(att[p] - mx); sum += att[p]; }
         memset(o, 0, sizeof(float) * hd);
         for (int p = 0; p <= pos; p++) {
-            float w = sc.att[p] / sum;
+            float w = att[p] / sum;
             const float *vp = V + (int64_t)p * hd;
             for (int i = 0; i < hd; i++) o[i] += w * vp[i];
         }
     }
+}
+
+static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
+                       int fast, attn_scratch sc, float *h) {
+    rms_norm_into(h, norm_w, eps, hidden, sc.x);
+    if (fast) quantize_q8(sc.x, hidden, sc.xq);
+    matvec(wq, q_rows, 0, (int64_t)n_heads * hd, 0, hidden, sc.x, sc.xq, fast, sc.q);
+    matvec(wk, k_rows, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.k);
+    matvec(wv, NULL, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.v);
+    attend(sc.q, sc.k, sc.v, n_heads, n_kv, hd, d, cos_r, sin_r, pos, kc, vc, max_ctx, sc.att, sc.out);
     if (fast) quantize_q8(sc.out, n_heads * hd, sc.oq);
     matvec(wo, NULL, 0, hidden, 0, n_heads * hd, sc.out, sc.oq, fast, sc.x);  /* x: free again */
     for (int i = 0; i < hidden; i++) h[i] += sc.x[i];
@@ -1111,46 +1123,18 @@ static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
     int64_t nq = (int64_t)n_heads * hd, nk = (int64_t)n_kv * hd;
     int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK;
     for (int b = 0; b < B; b++) {
-        const float *hb = h + (int64_t)b * hidden;
         float *xb = sc.x + (int64_t)b * hidden;
-        double ss = 0.0;
-        for (int i = 0; i < hidden; i++) ss += (double)hb[i] * hb[i];
-        float r = 1.f / sqrtf((float)(ss / hidden) + eps);
-        for (int i = 0; i < hidden; i++) xb[i] = hb[i] * r * norm_w[i];
+        rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
         if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
     }
     matmul(wq, q_rows, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
     matmul(wk, k_rows, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
     matmul(wv, NULL, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
-    float scale = 1.f / sqrtf((float)hd);
-    int group = n_heads / n_kv;
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
-        float *qb = sc.q + b * nq, *kb = sc.k + b * nk, *vb = sc.v + b * nk, *ob = sc.out + b * nq;
-        float *kc = kcs[b], *vc = vcs[b];
-        rope(qb, n_heads, hd, d, cos_t + (int64_t)p0 * d, sin_t + (int64_t)p0 * d);
-        rope(kb, n_kv, hd, d, cos_t + (int64_t)p0 * d, sin_t + (int64_t)p0 * d);
-        for (int j = 0; j < n_kv; j++) {
-            memcpy(kc + ((int64_t)j * max_ctx + p0) * hd, kb + j * hd, sizeof(float) * hd);
-            memcpy(vc + ((int64_t)j * max_ctx + p0) * hd, vb + j * hd, sizeof(float) * hd);
-        }
-        for (int hh = 0; hh < n_heads; hh++) {
-            const float *qh = qb + hh * hd;
-            const float *K = kc + (int64_t)(hh / group) * max_ctx * hd, *V = vc + (int64_t)(hh / group) * max_ctx * hd;
-            float mx = -INFINITY, sum = 0.f, *o = ob + hh * hd;
-            for (int p = 0; p <= p0; p++) {
-                sc.att[p] = dot_exact(T_F32, (const uint8_t *)(K + (int64_t)p * hd), qh, hd) * scale;
-                if (sc.att[p] > mx) mx = sc.att[p];
-            }
-            for (int p = 0; p <= p0; p++) { sc.att[p] = expf(sc.att[p] - mx); sum += sc.att[p]; }
-            memset(o, 0, sizeof(float) * hd);
-            for (int p = 0; p <= p0; p++) {
-                float w = sc.att[p] / sum;
-                const float *vp = V + (int64_t)p * hd;
-                for (int i = 0; i < hd; i++) o[i] += w * vp[i];
-            }
-        }
-        if (fast) quantize_q8(ob, (int)nq, sc.oq + b * ldoq);
+        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, n_heads, n_kv, hd, d, cos_t + (int64_t)p0 * d,
+               sin_t + (int64_t)p0 * d, p0, kcs[b], vcs[b], max_ctx, sc.att, sc.out + b * nq);
+        if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
     }
     matmul(wo, NULL, 0, hidden, 0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, sc.x, hidden);  /* x: free again */
     for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += sc.x[i];
