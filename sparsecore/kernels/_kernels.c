@@ -819,9 +819,181 @@ AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_
         default: dots_fast_tile(t, w, xq, ldq, nb, 1, y, ldy);
         }
 }
+
+/* ---- fast mode with AVX-512 VNNI (vpdpbusd on 256-bit registers, EVEX) ------------------------
+ * Another float order than the AVX2 kernels above (tested against them within tolerance only),
+ * the same for one token and for any batch: the one-token dot IS the batch tile with B = 1, so a
+ * token's result does not depend on its batch. Per (block, token): the integer dot in 8 int32
+ * lanes (vpdpbusd, exact), the block's offset terms folded in without scalar code (Q4_0: the -8
+ * as -s per lane, exact in int32; Q4_1 and Q4_K/Q5_K: the min times the q8 block sum in lane 0
+ * only), one convert and one FMA into the token's accumulator. Each token keeps two
+ * accumulators, even and odd blocks (sub-blocks of K blocks), so that one token is not bound by
+ * the FMA latency; scales are broadcast straight from the q8 blocks (no scalar multiply, no
+ * broadcast from a register). */
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define TILE_V 8
+
+/* the f16 at p, exactly converted, in 8 lanes */
+VNNI static inline __m256 f16x8(const uint8_t *p) {
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(rd16(p))));
+}
+
+/* unsigned bytes u times signed bytes s, sums of 4 in 8 int32 lanes */
+VNNI static inline __m256i dpbusd(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+/* the q8 block sum x->s times m in lane 0, zeros elsewhere */
+VNNI static inline __m256 min_lane0(__m256 m, const q8blk *x) {
+    return _mm256_maskz_mul_ps(1, m, _mm256_cvtepi32_ps(_mm256_set1_epi32(x->s)));
+}
+#define XV(x) _mm256_loadu_si256((const __m256i *)(x)->q)
+
+/* One (block, token) step of each type into the token's accumulator a; x: the token's q8 block */
+VNNI static INLINE __m256 q4_0_step(__m256i u, __m256 d, const q8blk *x, __m256 a) {
+    __m256i s = _mm256_sub_epi32(dpbusd(u, XV(x)), _mm256_set1_epi32(x->s));  /* sum (q - 8) x: -8 s as -s per lane */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const q8blk *x, __m256 a) {
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, XV(x))), d, min_lane0(m, x));  /* d sum q x + m s */
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
+}
+VNNI static INLINE __m256 q8_0_step(__m256i wa, __m256i wq, __m256 d, const q8blk *x, __m256 a) {
+    __m256i s = dpbusd(wa, _mm256_sign_epi8(XV(x), wq));  /* |w| times x with w's sign */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+VNNI static INLINE __m256 k45_step(__m256i q, __m256 sc, __m256 m, const q8blk *x, __m256 a) {
+    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dpbusd(q, XV(x))), sc, min_lane0(m, x));  /* scl sum q x - mn s */
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
+}
+VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8blk *x, __m256 a) {
+    const __m256i c32 = _mm256_set1_epi8(32);
+    __m256i xv = XV(x);
+    /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
+    __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(c32, xv));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+
+/* Blocks go in pairs, even one to acc0 and odd one to acc1 (explicitly: an accumulator picked by
+ * an index computed at run time lived on the stack); an odd last block goes to acc0. */
+VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B,
+                                            float *y, int64_t ldy) {
+    __m256 acc0[TILE_V], acc1[TILE_V];
+    for (int b = 0; b < B; b++) acc0[b] = acc1[b] = _mm256_setzero_ps();
+#define XQ(b, k) (xq + (b) * ldq + (k))
+    int k = 0;
+    switch (t) {
+    case T_Q4_0:
+        for (; k + 1 < nb; k += 2, w += 36) {
+            __m256i u0 = nibbles(w + 2), u1 = nibbles(w + 20);
+            __m256 d0 = f16x8(w), d1 = f16x8(w + 18);
+            for (int b = 0; b < B; b++) {
+                acc0[b] = q4_0_step(u0, d0, XQ(b, k), acc0[b]);
+                acc1[b] = q4_0_step(u1, d1, XQ(b, k + 1), acc1[b]);
+            }
+        }
+        if (k < nb) {
+            __m256i u0 = nibbles(w + 2);
+            __m256 d0 = f16x8(w);
+            for (int b = 0; b < B; b++) acc0[b] = q4_0_step(u0, d0, XQ(b, k), acc0[b]);
+        }
+        break;
+    case T_Q4_1:
+        for (; k + 1 < nb; k += 2, w += 40) {
+            __m256i u0 = nibbles(w + 4), u1 = nibbles(w + 24);
+            __m256 d0 = f16x8(w), m0 = f16x8(w + 2), d1 = f16x8(w + 20), m1 = f16x8(w + 22);
+            for (int b = 0; b < B; b++) {
+                acc0[b] = q4_1_step(u0, d0, m0, XQ(b, k), acc0[b]);
+                acc1[b] = q4_1_step(u1, d1, m1, XQ(b, k + 1), acc1[b]);
+            }
+        }
+        if (k < nb) {
+            __m256i u0 = nibbles(w + 4);
+            __m256 d0 = f16x8(w), m0 = f16x8(w + 2);
+            for (int b = 0; b < B; b++) acc0[b] = q4_1_step(u0, d0, m0, XQ(b, k), acc0[b]);
+        }
+        break;
+    case T_Q8_0:
+        for (; k + 1 < nb; k += 2, w += 68) {
+            __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
+            __m256i wq1 = _mm256_loadu_si256((const __m256i *)(w + 36)), wa1 = _mm256_sign_epi8(wq1, wq1);
+            __m256 d0 = f16x8(w), d1 = f16x8(w + 34);
+            for (int b = 0; b < B; b++) {
+                acc0[b] = q8_0_step(wa0, wq0, d0, XQ(b, k), acc0[b]);
+                acc1[b] = q8_0_step(wa1, wq1, d1, XQ(b, k + 1), acc1[b]);
+            }
+        }
+        if (k < nb) {
+            __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
+            __m256 d0 = f16x8(w);
+            for (int b = 0; b < B; b++) acc0[b] = q8_0_step(wa0, wq0, d0, XQ(b, k), acc0[b]);
+        }
+        break;
+    case T_Q4_K: case T_Q5_K: {  /* sub-blocks 2i to acc0, 2i+1 to acc1 */
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (; k < nb / 8; k++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2) {
+                __m256 sc0 = _mm256_set1_ps(scl[j]), m0 = _mm256_set1_ps(mn[j]);
+                __m256 sc1 = _mm256_set1_ps(scl[j + 1]), m1 = _mm256_set1_ps(mn[j + 1]);
+                for (int b = 0; b < B; b++) {
+                    acc0[b] = k45_step(q[j], sc0, m0, XQ(b, 8 * k + j), acc0[b]);
+                    acc1[b] = k45_step(q[j + 1], sc1, m1, XQ(b, 8 * k + j + 1), acc1[b]);
+                }
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        __m256i q[8];
+        for (; k < nb / 8; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            __m256 d = f16x8(w + 208);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2) {
+                __m256i scv0 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+                __m256i scv1 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 3]), _mm_set1_epi16(sc[2 * j + 2]));
+                for (int b = 0; b < B; b++) {
+                    acc0[b] = q6_k_step(q[j], scv0, d, XQ(b, 8 * k + j), acc0[b]);
+                    acc1[b] = q6_k_step(q[j + 1], scv1, d, XQ(b, 8 * k + j + 1), acc1[b]);
+                }
+            }
+        }
+        break;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, XQ(b, 0), nb);
+        return;
+    }
+#undef XQ
+    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc0[b], acc1[b]));
+}
+
+VNNI static float dot_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    float y;
+    dots_fast_vnni_tile(t, w, xq, 0, nb, 1, &y, 0);
+    return y;
+}
+
+VNNI static void dots_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE_V, xq += TILE_V * ldq, y += TILE_V * ldy)
+        switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
+        case 8: dots_fast_vnni_tile(t, w, xq, ldq, nb, 8, y, ldy); break;
+        case 7: dots_fast_vnni_tile(t, w, xq, ldq, nb, 7, y, ldy); break;
+        case 6: dots_fast_vnni_tile(t, w, xq, ldq, nb, 6, y, ldy); break;
+        case 5: dots_fast_vnni_tile(t, w, xq, ldq, nb, 5, y, ldy); break;
+        case 4: dots_fast_vnni_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
+        case 3: dots_fast_vnni_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
+        case 2: dots_fast_vnni_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
+        default: dots_fast_vnni_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        }
+}
 #endif
 
 static int use_avx2 = 0;
+static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
 
 static inline void axpy(int t, const uint8_t *w, float a, float *y, int n) {
 #if HAVE_X86
@@ -841,6 +1013,7 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (use_vnni) return dot_fast_vnni(t, w, xq, n / QK);
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
         return dot_fast_c(t, w, xq, n / QK);
@@ -854,6 +1027,7 @@ static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const
                      int fast, int B, float *y, int64_t ldy) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (use_vnni) { dots_fast_vnni(t, w, xq, ldq, n / QK, B, y, ldy); return; }
         if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
 #endif
         for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, n / QK);
@@ -1324,14 +1498,29 @@ static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(use_avx2 ? "avx2" : "generic"); }
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
+}
 
-static PyObject *py_set_isa(PyObject *self, PyObject *arg) {  /* tests: force the portable path */
+#if HAVE_X86
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+static int cpu_vnni(void) {  /* everything the VNNI target attribute enables */
+    return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+/* "avx512vnni" (fast mode's integer dots with VNNI, AVX2 elsewhere), "avx2" or "generic" (the
+ * portable path), each where the CPU has it, else the next one down */
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     const char *s = PyUnicode_AsUTF8(arg);
     if (!s) return NULL;
 #if HAVE_X86
-    __builtin_cpu_init();
-    use_avx2 = strcmp(s, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    use_vnni = strcmp(s, "avx512vnni") == 0 && cpu_vnni();
+    use_avx2 = (use_vnni || strcmp(s, "avx2") == 0 || strcmp(s, "avx512vnni") == 0) && cpu_avx2();
 #endif
     return py_isa(self, NULL);
 }
@@ -1411,15 +1600,15 @@ static PyMethodDef methods[] = {
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
-    {"set_isa", py_set_isa, METH_O, "use 'avx2' (where supported) or 'generic'"},
+    {"set_isa", py_set_isa, METH_O, "use 'avx512vnni' or 'avx2' (where supported) or 'generic'"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if HAVE_X86
-    __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    use_avx2 = cpu_avx2();
+    use_vnni = cpu_vnni();
 #endif
     return PyModule_Create(&module);
 }
