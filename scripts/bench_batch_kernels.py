@@ -69,17 +69,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--mbytes", type=int, default=64, help="weight bytes per shape, cycled (beyond the caches)")
     ap.add_argument("--modes", default="exact,fast")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="per method over the repeats (min: less at the mercy of other load on a shared machine)")
     ap.add_argument("--isas", default="", help="comma-separated ISAs to compare (default: the one import picked)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     gemms = [int(b) for b in args.gemm.split(",") if b]
+    stat = statistics.median if args.stat == "median" else min
     isas = [i for i in args.isas.split(",") if i] or [K.isa()]
     for i in isas:
         if K.set_isa(i) != i:
             raise SystemExit(f"this CPU has no {i}")
-    print(f"isas {','.join(isas)}, 1 thread, reps {args.reps}")
+    print(f"isas {','.join(isas)}, 1 thread, reps {args.reps}, {args.stat} of the repeats")
     for spec in args.shapes.split(","):
         shape, tname = spec.split("-")
         hidden, n_ff = SHAPES[shape]
@@ -120,11 +123,11 @@ def main() -> None:
         print(f"{'isa':10} {'mode':6} {'path':7} {'B':>3} {'us/call':>9} {'us/token':>9} {'per-token vs B=1':>17} "
               f"{'tok/s vs B=1':>13} {'tok/s vs first B=1':>19}")
         for mode in args.modes.split(","):
-            first = statistics.median(times[(isas[0], mode, "kernel", 1)])
+            first = stat(times[(isas[0], mode, "kernel", 1)])
             for isa in isas:
-                base = statistics.median(times[(isa, mode, "kernel", 1)])
+                base = stat(times[(isa, mode, "kernel", 1)])
                 for k in sorted((k for k in methods if k[:2] == (isa, mode)), key=lambda k: (k[2], k[3])):
-                    med = statistics.median(times[k])
+                    med = stat(times[k])
                     per_tok = med / k[3]
                     print(f"{isa:10} {mode:6} {k[2]:7} {k[3]:>3} {med * 1e6:9.0f} {per_tok * 1e6:9.1f} "
                           f"{per_tok / base:17.3f} {base / per_tok:13.2f} {first / per_tok:19.2f}")

@@ -874,74 +874,106 @@ VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8bl
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
 }
 
-/* Blocks go in pairs, even one to acc0 and odd one to acc1 (explicitly: an accumulator picked by
- * an index computed at run time lived on the stack); an odd last block goes to acc0. */
+/* The same steps on two consecutive blocks (or K sub-blocks) at once, block k in the low 8 lanes
+ * and k+1 in the high 8 of a 512-bit register: lane for lane the float operations of two 256-bit
+ * steps into an even and an odd accumulator (bit-identical), in fewer instructions. The two q8
+ * blocks' scales and sums come from one 64-byte load of both headers, spread by a permute. */
+VNNI static INLINE __m512i cat_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+VNNI static INLINE __m512i dpbusd2(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+#define X2(x) cat_i(XV(x), XV((x) + 1))
+/* q8 blocks x, x+1 (40 bytes each: d, s, q): d in the low/high 8 lanes, and s */
+VNNI static INLINE __m512 hdr_d(const q8blk *x) {
+    return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 10), _mm512_loadu_ps((const float *)x));
+}
+VNNI static INLINE __m512i hdr_s(const q8blk *x) {
+    return _mm512_permutexvar_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(1), 0xff00, 11), _mm512_loadu_si512((const void *)x));
+}
+VNNI static INLINE __m512 q4_0_step2(__m512i u, __m512 d, const q8blk *x, __m512 a) {
+    __m512i s = _mm512_sub_epi32(dpbusd2(u, X2(x)), hdr_s(x));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const q8blk *x, __m512 a) {
+    __m512 mz = _mm512_maskz_mul_ps(0x0101, m, _mm512_cvtepi32_ps(hdr_s(x)));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, X2(x))), d, mz), hdr_d(x), a);
+}
+/* Q8_0: no vpsignb in 512 bits: (x + 128) unsigned times w, and c = -128 (sum of w) per lane
+ * (the same for every token) as the starting value: the same integer lanes as the sign trick */
+VNNI static INLINE __m512 q8_0_step2(__m512i wq, __m512i c, __m512 d, const q8blk *x, __m512 a) {
+    __m512i s = _mm512_dpbusd_epi32(c, _mm512_xor_si512(X2(x), _mm512_set1_epi8((char)0x80)), wq);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const q8blk *x, __m512 a) {
+    __m512 mz = _mm512_maskz_mul_ps(0x0101, m, _mm512_cvtepi32_ps(hdr_s(x)));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, X2(x))), sc, mz), hdr_d(x), a);
+}
+VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i scv, __m512 d, const q8blk *x, __m512 a) {
+    const __m512i c32 = _mm512_set1_epi8(32);
+    __m512i xv = X2(x);
+    __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q, xv), _mm512_maddubs_epi16(c32, xv));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+
+/* Per token one accumulator of 16 lanes: blocks in pairs, the even one in the low 8 lanes, the
+ * odd one in the high 8; an odd last block goes to the low 8 (256-bit step). The result: the
+ * sum of the 16 lanes as hsum8(low + high). */
 VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B,
                                             float *y, int64_t ldy) {
-    __m256 acc0[TILE_V], acc1[TILE_V];
-    for (int b = 0; b < B; b++) acc0[b] = acc1[b] = _mm256_setzero_ps();
+    __m512 acc[TILE_V];
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
 #define XQ(b, k) (xq + (b) * ldq + (k))
+#define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
+#define LO(b) _mm512_castps512_ps256(acc[b])
     int k = 0;
     switch (t) {
     case T_Q4_0:
         for (; k + 1 < nb; k += 2, w += 36) {
-            __m256i u0 = nibbles(w + 2), u1 = nibbles(w + 20);
-            __m256 d0 = f16x8(w), d1 = f16x8(w + 18);
-            for (int b = 0; b < B; b++) {
-                acc0[b] = q4_0_step(u0, d0, XQ(b, k), acc0[b]);
-                acc1[b] = q4_0_step(u1, d1, XQ(b, k + 1), acc1[b]);
-            }
+            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 18));
+            for (int b = 0; b < B; b++) acc[b] = q4_0_step2(u, d, XQ(b, k), acc[b]);
         }
         if (k < nb) {
             __m256i u0 = nibbles(w + 2);
             __m256 d0 = f16x8(w);
-            for (int b = 0; b < B; b++) acc0[b] = q4_0_step(u0, d0, XQ(b, k), acc0[b]);
+            for (int b = 0; b < B; b++) LOW(b, q4_0_step(u0, d0, XQ(b, k), LO(b)));
         }
         break;
     case T_Q4_1:
         for (; k + 1 < nb; k += 2, w += 40) {
-            __m256i u0 = nibbles(w + 4), u1 = nibbles(w + 24);
-            __m256 d0 = f16x8(w), m0 = f16x8(w + 2), d1 = f16x8(w + 20), m1 = f16x8(w + 22);
-            for (int b = 0; b < B; b++) {
-                acc0[b] = q4_1_step(u0, d0, m0, XQ(b, k), acc0[b]);
-                acc1[b] = q4_1_step(u1, d1, m1, XQ(b, k + 1), acc1[b]);
-            }
+            __m512i u = cat_i(nibbles(w + 4), nibbles(w + 24));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 20)), m = cat_f(f16x8(w + 2), f16x8(w + 22));
+            for (int b = 0; b < B; b++) acc[b] = q4_1_step2(u, d, m, XQ(b, k), acc[b]);
         }
         if (k < nb) {
             __m256i u0 = nibbles(w + 4);
             __m256 d0 = f16x8(w), m0 = f16x8(w + 2);
-            for (int b = 0; b < B; b++) acc0[b] = q4_1_step(u0, d0, m0, XQ(b, k), acc0[b]);
+            for (int b = 0; b < B; b++) LOW(b, q4_1_step(u0, d0, m0, XQ(b, k), LO(b)));
         }
         break;
     case T_Q8_0:
         for (; k + 1 < nb; k += 2, w += 68) {
-            __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
-            __m256i wq1 = _mm256_loadu_si256((const __m256i *)(w + 36)), wa1 = _mm256_sign_epi8(wq1, wq1);
-            __m256 d0 = f16x8(w), d1 = f16x8(w + 34);
-            for (int b = 0; b < B; b++) {
-                acc0[b] = q8_0_step(wa0, wq0, d0, XQ(b, k), acc0[b]);
-                acc1[b] = q8_0_step(wa1, wq1, d1, XQ(b, k + 1), acc1[b]);
-            }
+            __m512i wq = cat_i(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(w + 36)));
+            __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), wq));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 34));
+            for (int b = 0; b < B; b++) acc[b] = q8_0_step2(wq, c, d, XQ(b, k), acc[b]);
         }
         if (k < nb) {
             __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
             __m256 d0 = f16x8(w);
-            for (int b = 0; b < B; b++) acc0[b] = q8_0_step(wa0, wq0, d0, XQ(b, k), acc0[b]);
+            for (int b = 0; b < B; b++) LOW(b, q8_0_step(wa0, wq0, d0, XQ(b, k), LO(b)));
         }
         break;
-    case T_Q4_K: case T_Q5_K: {  /* sub-blocks 2i to acc0, 2i+1 to acc1 */
+    case T_Q4_K: case T_Q5_K: {  /* sub-blocks 2i in the low lanes, 2i+1 in the high */
         float scl[8], mn[8];
         __m256i q[8];
         for (; k < nb / 8; k++, w += type_bytes(t)) {
             k45_scales(w, scl, mn);
             kq_unpack(t, w, q);
             for (int j = 0; j < 8; j += 2) {
-                __m256 sc0 = _mm256_set1_ps(scl[j]), m0 = _mm256_set1_ps(mn[j]);
-                __m256 sc1 = _mm256_set1_ps(scl[j + 1]), m1 = _mm256_set1_ps(mn[j + 1]);
-                for (int b = 0; b < B; b++) {
-                    acc0[b] = k45_step(q[j], sc0, m0, XQ(b, 8 * k + j), acc0[b]);
-                    acc1[b] = k45_step(q[j + 1], sc1, m1, XQ(b, 8 * k + j + 1), acc1[b]);
-                }
+                __m512i qq = cat_i(q[j], q[j + 1]);
+                __m512 sc = cat_f(_mm256_set1_ps(scl[j]), _mm256_set1_ps(scl[j + 1]));
+                __m512 m = cat_f(_mm256_set1_ps(mn[j]), _mm256_set1_ps(mn[j + 1]));
+                for (int b = 0; b < B; b++) acc[b] = k45_step2(qq, sc, m, XQ(b, 8 * k + j), acc[b]);
             }
         }
         break;
@@ -950,15 +982,14 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk
         __m256i q[8];
         for (; k < nb / 8; k++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
-            __m256 d = f16x8(w + 208);
+            __m256 d8 = f16x8(w + 208);
+            __m512 d = cat_f(d8, d8);
             kq_unpack(t, w, q);
             for (int j = 0; j < 8; j += 2) {
-                __m256i scv0 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-                __m256i scv1 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 3]), _mm_set1_epi16(sc[2 * j + 2]));
-                for (int b = 0; b < B; b++) {
-                    acc0[b] = q6_k_step(q[j], scv0, d, XQ(b, 8 * k + j), acc0[b]);
-                    acc1[b] = q6_k_step(q[j + 1], scv1, d, XQ(b, 8 * k + j + 1), acc1[b]);
-                }
+                __m512i qq = cat_i(q[j], q[j + 1]);
+                __m512i scv = cat_i(_mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])),
+                                    _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 3]), _mm_set1_epi16(sc[2 * j + 2])));
+                for (int b = 0; b < B; b++) acc[b] = q6_k_step2(qq, scv, d, XQ(b, 8 * k + j), acc[b]);
             }
         }
         break;
@@ -968,7 +999,9 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk
         return;
     }
 #undef XQ
-    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc0[b], acc1[b]));
+#undef LOW
+#undef LO
+    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[b]), _mm512_extractf32x8_ps(acc[b], 1)));
 }
 
 VNNI static float dot_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int nb) {
