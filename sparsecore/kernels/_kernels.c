@@ -15,6 +15,9 @@
  *          K block of 256 spans 8 activation blocks).
  * SIMD: AVX2 (+FMA, F16C) chosen at run time where the CPU has it, else portable C; both give
  * the same integer sums in fast mode and the same products up to summation order in exact mode.
+ * Where the CPU has AVX-512 VNNI (ISA level "avx512vnni"), fast mode's quantized dots use
+ * vpdpbusd instead (everything else stays AVX2): the same integer sums, another float order,
+ * one and the same for a token alone and in any batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
