@@ -854,7 +854,7 @@ VNNI static inline __m256 min_lane0(__m256 m, const q8blk *x) {
 
 /* One (block, token) step of each type into the token's accumulator a; x: the token's q8 block */
 VNNI static INLINE __m256 q4_0_step(__m256i u, __m256 d, const q8blk *x, __m256 a) {
-    __m256i s = _mm256_sub_epi32(dpbusd(u, XV(x)), _mm256_set1_epi32(x->s));  /* sum (q - 8) x: -8 s as -s per lane */
+    __m256i xv = XV(x), s = _mm256_sub_epi32(dpbusd(u, xv), dpbusd(_mm256_set1_epi8(8), xv));  /* sum (q - 8) x */
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
 }
 VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const q8blk *x, __m256 a) {
@@ -893,7 +893,7 @@ VNNI static INLINE __m512i hdr_s(const q8blk *x) {
     return _mm512_permutexvar_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(1), 0xff00, 11), _mm512_loadu_si512((const void *)x));
 }
 VNNI static INLINE __m512 q4_0_step2(__m512i u, __m512 d, const q8blk *x, __m512 a) {
-    __m512i s = _mm512_sub_epi32(dpbusd2(u, X2(x)), hdr_s(x));
+    __m512i xv = X2(x), s = _mm512_sub_epi32(dpbusd2(u, xv), dpbusd2(_mm512_set1_epi8(8), xv));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
 }
 VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const q8blk *x, __m512 a) {
