@@ -823,16 +823,15 @@ AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_
         }
 }
 
-/* ---- fast mode with AVX-512 VNNI (vpdpbusd on 256-bit registers, EVEX) ------------------------
+/* ---- fast mode with AVX-512 VNNI (vpdpbusd, EVEX) ---------------------------------------------
  * Another float order than the AVX2 kernels above (tested against them within tolerance only),
  * the same for one token and for any batch: the one-token dot IS the batch tile with B = 1, so a
  * token's result does not depend on its batch. Per (block, token): the integer dot in 8 int32
- * lanes (vpdpbusd, exact), the block's offset terms folded in without scalar code (Q4_0: the -8
- * as -s per lane, exact in int32; Q4_1 and Q4_K/Q5_K: the min times the q8 block sum in lane 0
- * only), one convert and one FMA into the token's accumulator. Each token keeps two
- * accumulators, even and odd blocks (sub-blocks of K blocks), so that one token is not bound by
- * the FMA latency; scales are broadcast straight from the q8 blocks (no scalar multiply, no
- * broadcast from a register). */
+ * lanes (vpdpbusd, exact), the block's offset terms per lane without scalar code (Q4_0: the -8
+ * as a second vpdpbusd of 8s and x, exact in int32; Q4_1 and Q4_K/Q5_K: the min times each
+ * lane's sum of x, a vpdpbusd of ones), one convert and one FMA into the token's accumulator.
+ * Each token keeps even and odd blocks (sub-blocks of K blocks) apart, so that one token is not
+ * bound by the FMA latency; scales come from the q8 blocks without scalar multiplies. */
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define TILE_V 8
 
@@ -846,10 +845,6 @@ VNNI static inline __m256i dpbusd(__m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 }
 
-/* the q8 block sum x->s times m in lane 0, zeros elsewhere */
-VNNI static inline __m256 min_lane0(__m256 m, const q8blk *x) {
-    return _mm256_maskz_mul_ps(1, m, _mm256_cvtepi32_ps(_mm256_set1_epi32(x->s)));
-}
 #define XV(x) _mm256_loadu_si256((const __m256i *)(x)->q)
 
 /* One (block, token) step of each type into the token's accumulator a; x: the token's q8 block */
@@ -858,7 +853,8 @@ VNNI static INLINE __m256 q4_0_step(__m256i u, __m256 d, const q8blk *x, __m256 
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
 }
 VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const q8blk *x, __m256 a) {
-    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, XV(x))), d, min_lane0(m, x));  /* d sum q x + m s */
+    __m256i xv = XV(x);  /* d sum q x + m sum x, per lane */
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, xv)), d, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
     return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
 }
 VNNI static INLINE __m256 q8_0_step(__m256i wa, __m256i wq, __m256 d, const q8blk *x, __m256 a) {
@@ -866,7 +862,8 @@ VNNI static INLINE __m256 q8_0_step(__m256i wa, __m256i wq, __m256 d, const q8bl
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
 }
 VNNI static INLINE __m256 k45_step(__m256i q, __m256 sc, __m256 m, const q8blk *x, __m256 a) {
-    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dpbusd(q, XV(x))), sc, min_lane0(m, x));  /* scl sum q x - mn s */
+    __m256i xv = XV(x);  /* scl sum q x - mn sum x, per lane */
+    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dpbusd(q, xv)), sc, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
     return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
 }
 VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8blk *x, __m256 a) {
@@ -880,25 +877,23 @@ VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8bl
 /* The same steps on two consecutive blocks (or K sub-blocks) at once, block k in the low 8 lanes
  * and k+1 in the high 8 of a 512-bit register: lane for lane the float operations of two 256-bit
  * steps into an even and an odd accumulator (bit-identical), in fewer instructions. The two q8
- * blocks' scales and sums come from one 64-byte load of both headers, spread by a permute. */
+ * blocks' scales come from one 64-byte load of both headers, spread by a permute. */
 VNNI static INLINE __m512i cat_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
 VNNI static INLINE __m512i dpbusd2(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
 #define X2(x) cat_i(XV(x), XV((x) + 1))
-/* q8 blocks x, x+1 (40 bytes each: d, s, q): d in the low/high 8 lanes, and s */
+/* q8 blocks x, x+1 (40 bytes each: d, s, q): d in the low/high 8 lanes */
 VNNI static INLINE __m512 hdr_d(const q8blk *x) {
     return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 10), _mm512_loadu_ps((const float *)x));
-}
-VNNI static INLINE __m512i hdr_s(const q8blk *x) {
-    return _mm512_permutexvar_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(1), 0xff00, 11), _mm512_loadu_si512((const void *)x));
 }
 VNNI static INLINE __m512 q4_0_step2(__m512i u, __m512 d, const q8blk *x, __m512 a) {
     __m512i xv = X2(x), s = _mm512_sub_epi32(dpbusd2(u, xv), dpbusd2(_mm512_set1_epi8(8), xv));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
 }
 VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const q8blk *x, __m512 a) {
-    __m512 mz = _mm512_maskz_mul_ps(0x0101, m, _mm512_cvtepi32_ps(hdr_s(x)));
-    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, X2(x))), d, mz), hdr_d(x), a);
+    __m512i xv = X2(x);  /* the min times each lane's sum of x */
+    __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), hdr_d(x), a);
 }
 /* Q8_0: no vpsignb in 512 bits: (x + 128) unsigned times w, and c = -128 (sum of w) per lane
  * (the same for every token) as the starting value: the same integer lanes as the sign trick */
@@ -907,8 +902,9 @@ VNNI static INLINE __m512 q8_0_step2(__m512i wq, __m512i c, __m512 d, const q8bl
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
 }
 VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const q8blk *x, __m512 a) {
-    __m512 mz = _mm512_maskz_mul_ps(0x0101, m, _mm512_cvtepi32_ps(hdr_s(x)));
-    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, X2(x))), sc, mz), hdr_d(x), a);
+    __m512i xv = X2(x);
+    __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), hdr_d(x), a);
 }
 VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i scv, __m512 d, const q8blk *x, __m512 a) {
     const __m512i c32 = _mm512_set1_epi8(32);
