@@ -9,8 +9,11 @@ calls cycle through enough layers that the weights come from DRAM, as in the eng
 methods run interleaved in a shuffled order on every repeat; the table gives each method's
 per-token cost as a ratio to B=1 of the same shape and mode, measured in the same run (the
 machines are shared: absolute figures are printed but only the ratios are comparable).
+With --isas, the kernel methods run once per instruction set (set_isa before each call, all
+interleaved): "vs first B=1" is the cost against the first ISA's B=1 of the same mode.
 
     PYTHONPATH=. python3 scripts/bench_batch_kernels.py [--reps 15] [--shapes smol-q4_1,smol-q8_0,1.1b-q4_0]
+    PYTHONPATH=. python3 scripts/bench_batch_kernels.py --modes fast --isas avx2,avx512vnni --gemm ""
 """
 from __future__ import annotations
 
@@ -66,12 +69,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--mbytes", type=int, default=64, help="weight bytes per shape, cycled (beyond the caches)")
     ap.add_argument("--modes", default="exact,fast")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="per method over the repeats (min: less at the mercy of other load on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time (time.thread_time), not counting time other processes take the core")
+    ap.add_argument("--isas", default="", help="comma-separated ISAs to compare (default: the one import picked)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     gemms = [int(b) for b in args.gemm.split(",") if b]
-    print(f"isa {K.isa()}, 1 thread, reps {args.reps}")
+    stat = statistics.median if args.stat == "median" else min
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    isas = [i for i in args.isas.split(",") if i] or [K.isa()]
+    for i in isas:
+        if K.set_isa(i) != i:
+            raise SystemExit(f"this CPU has no {i}")
+    print(f"isas {','.join(isas)}, 1 thread, reps {args.reps}, {args.stat} of the repeats, {args.clock} clock")
     for spec in args.shapes.split(","):
         shape, tname = spec.split("-")
         hidden, n_ff = SHAPES[shape]
@@ -85,36 +99,42 @@ def main() -> None:
         xs = {b: (rng.standard_normal((b, hidden)) * 0.5).astype(np.float32) for b in set(batches) | set(gemms)}
         own = range(0, n_ff)
         methods = {}
-        for mode in args.modes.split(","):
-            fast = mode == "fast"
-            for b in batches:
-                if b == 1:
-                    methods[(mode, "kernel", b)] = lambda L, x=xs[1][0], f=fast: K.ffn_token(
-                        *L, x, own, "silu", scratch, fast=f)
-                else:
-                    methods[(mode, "kernel", b)] = lambda L, x=xs[b], f=fast: K.ffn_batch(
-                        *L, x, own, "silu", scratch, fast=f)
+        for isa in isas:
+            for mode in args.modes.split(","):
+                fast = mode == "fast"
+                for b in batches:
+                    if b == 1:
+                        methods[(isa, mode, "kernel", b)] = lambda L, x=xs[1][0], f=fast: K.ffn_token(
+                            *L, x, own, "silu", scratch, fast=f)
+                    else:
+                        methods[(isa, mode, "kernel", b)] = lambda L, x=xs[b], f=fast: K.ffn_batch(
+                            *L, x, own, "silu", scratch, fast=f)
         for b in gemms:
-            methods[("exact", "gemm", b)] = lambda L, x=torch.from_numpy(xs[b]): gemm_step(L, x, tiles)
+            methods[(isas[0], "exact", "gemm", b)] = lambda L, x=torch.from_numpy(xs[b]): gemm_step(L, x, tiles)
         times = {k: [] for k in methods}
         keys = list(methods)
         for _ in range(args.reps):
             random.shuffle(keys)
             for k in keys:
                 fn = methods[k]
-                t0 = time.perf_counter()
+                K.set_isa(k[0])
+                t0 = clock()
                 for L in layers:
                     fn(L)
-                times[k].append((time.perf_counter() - t0) / len(layers))
+                times[k].append((clock() - t0) / len(layers))
         print(f"\n{spec}: hidden {hidden}, n_ff {n_ff}, {per_layer / 2**20:.1f} MiB a layer, {n_layers} layers cycled")
-        print(f"{'mode':6} {'path':7} {'B':>3} {'us/call':>9} {'us/token':>9} {'per-token vs B=1':>17} {'tok/s vs B=1':>13}")
+        print(f"{'isa':10} {'mode':6} {'path':7} {'B':>3} {'us/call':>9} {'us/token':>9} {'per-token vs B=1':>17} "
+              f"{'tok/s vs B=1':>13} {'tok/s vs first B=1':>19}")
         for mode in args.modes.split(","):
-            base = statistics.median(times[(mode, "kernel", 1)])
-            for k in sorted((k for k in methods if k[0] == mode), key=lambda k: (k[1], k[2])):
-                med = statistics.median(times[k])
-                per_tok = med / k[2]
-                print(f"{mode:6} {k[1]:7} {k[2]:>3} {med * 1e6:9.0f} {per_tok * 1e6:9.1f} {per_tok / base:17.3f} "
-                      f"{base / per_tok:13.2f}")
+            first = stat(times[(isas[0], mode, "kernel", 1)])
+            for isa in isas:
+                base = stat(times[(isa, mode, "kernel", 1)])
+                for k in sorted((k for k in methods if k[:2] == (isa, mode)), key=lambda k: (k[2], k[3])):
+                    med = stat(times[k])
+                    per_tok = med / k[3]
+                    print(f"{isa:10} {mode:6} {k[2]:7} {k[3]:>3} {med * 1e6:9.0f} {per_tok * 1e6:9.1f} "
+                          f"{per_tok / base:17.3f} {base / per_tok:13.2f} {first / per_tok:19.2f}")
+    K.set_isa(isas[0] if len(isas) == 1 else K.isa())
 
 
 if __name__ == "__main__":

@@ -36,12 +36,15 @@ MAX_SMALL_BATCH = 16
 
 
 def isa() -> str:
-    """The instruction set the kernels use on this CPU ("avx2" or "generic")."""
+    """The instruction set the kernels use on this CPU: "avx512vnni" (fast mode's integer dots
+    with AVX-512 VNNI, AVX2 for the rest), "avx2" or "generic"; import picks the best one."""
     return _kernels.isa()
 
 
 def set_isa(name: str) -> str:
-    """Force "generic" (portable C) or "avx2" where the CPU has it; returns what is in use."""
+    """Force "generic" (portable C), "avx2" or "avx512vnni", each where the CPU has it (else the
+    next one down); returns what is in use. Fast mode's results differ between ISA levels within
+    rounding; on one level a token's result is the same alone and in any batch."""
     return _kernels.set_isa(name)
 
 

@@ -15,6 +15,9 @@
  *          K block of 256 spans 8 activation blocks).
  * SIMD: AVX2 (+FMA, F16C) chosen at run time where the CPU has it, else portable C; both give
  * the same integer sums in fast mode and the same products up to summation order in exact mode.
+ * Where the CPU has AVX-512 VNNI (ISA level "avx512vnni"), fast mode's quantized dots use
+ * vpdpbusd instead (everything else stays AVX2): the same integer sums, another float order,
+ * one and the same for a token alone and in any batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -819,9 +822,210 @@ AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_
         default: dots_fast_tile(t, w, xq, ldq, nb, 1, y, ldy);
         }
 }
+
+/* ---- fast mode with AVX-512 VNNI (vpdpbusd, EVEX) ---------------------------------------------
+ * Another float order than the AVX2 kernels above (tested against them within tolerance only),
+ * the same for one token and for any batch: the one-token dot IS the batch tile with B = 1, so a
+ * token's result does not depend on its batch. Per (block, token): the integer dot in 8 int32
+ * lanes (vpdpbusd, exact), the block's offset terms per lane without scalar code (Q4_0: the -8
+ * as a second vpdpbusd of 8s and x, exact in int32; Q4_1 and Q4_K/Q5_K: the min times each
+ * lane's sum of x, a vpdpbusd of ones), one convert and one FMA into the token's accumulator.
+ * Each token keeps even and odd blocks (sub-blocks of K blocks) apart, so that one token is not
+ * bound by the FMA latency; scales come from the q8 blocks without scalar multiplies. */
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define TILE_V 8
+
+/* the f16 at p, exactly converted, in 8 lanes */
+VNNI static inline __m256 f16x8(const uint8_t *p) {
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(rd16(p))));
+}
+
+/* unsigned bytes u times signed bytes s, sums of 4 in 8 int32 lanes */
+VNNI static inline __m256i dpbusd(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+#define XV(x) _mm256_loadu_si256((const __m256i *)(x)->q)
+
+/* One (block, token) step of each type into the token's accumulator a; x: the token's q8 block */
+VNNI static INLINE __m256 q4_0_step(__m256i u, __m256 d, const q8blk *x, __m256 a) {
+    __m256i xv = XV(x), s = _mm256_sub_epi32(dpbusd(u, xv), dpbusd(_mm256_set1_epi8(8), xv));  /* sum (q - 8) x */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const q8blk *x, __m256 a) {
+    __m256i xv = XV(x);  /* d sum q x + m sum x, per lane */
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, xv)), d, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
+}
+VNNI static INLINE __m256 q8_0_step(__m256i wa, __m256i wq, __m256 d, const q8blk *x, __m256 a) {
+    __m256i s = dpbusd(wa, _mm256_sign_epi8(XV(x), wq));  /* |w| times x with w's sign */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+VNNI static INLINE __m256 k45_step(__m256i q, __m256 sc, __m256 m, const q8blk *x, __m256 a) {
+    __m256i xv = XV(x);  /* scl sum q x - mn sum x, per lane */
+    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dpbusd(q, xv)), sc, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
+}
+VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8blk *x, __m256 a) {
+    const __m256i c32 = _mm256_set1_epi8(32);
+    __m256i xv = XV(x);
+    /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
+    __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(c32, xv));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
+}
+
+/* The same steps on two consecutive blocks (or K sub-blocks) at once, block k in the low 8 lanes
+ * and k+1 in the high 8 of a 512-bit register: lane for lane the float operations of two 256-bit
+ * steps into an even and an odd accumulator (bit-identical), in fewer instructions. The two q8
+ * blocks' scales come from one 64-byte load of both headers, spread by a permute. */
+VNNI static INLINE __m512i cat_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+VNNI static INLINE __m512i dpbusd2(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+#define X2(x) cat_i(XV(x), XV((x) + 1))
+/* q8 blocks x, x+1 (40 bytes each: d, s, q): d in the low/high 8 lanes */
+VNNI static INLINE __m512 hdr_d(const q8blk *x) {
+    return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 10), _mm512_loadu_ps((const float *)x));
+}
+VNNI static INLINE __m512 q4_0_step2(__m512i u, __m512 d, const q8blk *x, __m512 a) {
+    __m512i xv = X2(x), s = _mm512_sub_epi32(dpbusd2(u, xv), dpbusd2(_mm512_set1_epi8(8), xv));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const q8blk *x, __m512 a) {
+    __m512i xv = X2(x);  /* the min times each lane's sum of x */
+    __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), hdr_d(x), a);
+}
+/* Q8_0: no vpsignb in 512 bits: (x + 128) unsigned times w, and c = -128 (sum of w) per lane
+ * (the same for every token) as the starting value: the same integer lanes as the sign trick */
+VNNI static INLINE __m512 q8_0_step2(__m512i wq, __m512i c, __m512 d, const q8blk *x, __m512 a) {
+    __m512i s = _mm512_dpbusd_epi32(c, _mm512_xor_si512(X2(x), _mm512_set1_epi8((char)0x80)), wq);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const q8blk *x, __m512 a) {
+    __m512i xv = X2(x);
+    __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), hdr_d(x), a);
+}
+VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i scv, __m512 d, const q8blk *x, __m512 a) {
+    const __m512i c32 = _mm512_set1_epi8(32);
+    __m512i xv = X2(x);
+    __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q, xv), _mm512_maddubs_epi16(c32, xv));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, hdr_d(x)), a);
+}
+
+/* Per token one accumulator of 16 lanes: blocks in pairs, the even one in the low 8 lanes, the
+ * odd one in the high 8; an odd last block goes to the low 8 (256-bit step). The result: the
+ * sum of the 16 lanes as hsum8(low + high). */
+VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B,
+                                            float *y, int64_t ldy) {
+    __m512 acc[TILE_V];
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+#define XQ(b, k) (xq + (b) * ldq + (k))
+#define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
+#define LO(b) _mm512_castps512_ps256(acc[b])
+    int k = 0;
+    switch (t) {
+    case T_Q4_0:
+        for (; k + 1 < nb; k += 2, w += 36) {
+            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 18));
+            for (int b = 0; b < B; b++) acc[b] = q4_0_step2(u, d, XQ(b, k), acc[b]);
+        }
+        if (k < nb) {
+            __m256i u0 = nibbles(w + 2);
+            __m256 d0 = f16x8(w);
+            for (int b = 0; b < B; b++) LOW(b, q4_0_step(u0, d0, XQ(b, k), LO(b)));
+        }
+        break;
+    case T_Q4_1:
+        for (; k + 1 < nb; k += 2, w += 40) {
+            __m512i u = cat_i(nibbles(w + 4), nibbles(w + 24));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 20)), m = cat_f(f16x8(w + 2), f16x8(w + 22));
+            for (int b = 0; b < B; b++) acc[b] = q4_1_step2(u, d, m, XQ(b, k), acc[b]);
+        }
+        if (k < nb) {
+            __m256i u0 = nibbles(w + 4);
+            __m256 d0 = f16x8(w), m0 = f16x8(w + 2);
+            for (int b = 0; b < B; b++) LOW(b, q4_1_step(u0, d0, m0, XQ(b, k), LO(b)));
+        }
+        break;
+    case T_Q8_0:
+        for (; k + 1 < nb; k += 2, w += 68) {
+            __m512i wq = cat_i(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(w + 36)));
+            __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), wq));
+            __m512 d = cat_f(f16x8(w), f16x8(w + 34));
+            for (int b = 0; b < B; b++) acc[b] = q8_0_step2(wq, c, d, XQ(b, k), acc[b]);
+        }
+        if (k < nb) {
+            __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
+            __m256 d0 = f16x8(w);
+            for (int b = 0; b < B; b++) LOW(b, q8_0_step(wa0, wq0, d0, XQ(b, k), LO(b)));
+        }
+        break;
+    case T_Q4_K: case T_Q5_K: {  /* sub-blocks 2i in the low lanes, 2i+1 in the high */
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (; k < nb / 8; k++, w += type_bytes(t)) {
+            k45_scales(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2) {
+                __m512i qq = cat_i(q[j], q[j + 1]);
+                __m512 sc = cat_f(_mm256_set1_ps(scl[j]), _mm256_set1_ps(scl[j + 1]));
+                __m512 m = cat_f(_mm256_set1_ps(mn[j]), _mm256_set1_ps(mn[j + 1]));
+                for (int b = 0; b < B; b++) acc[b] = k45_step2(qq, sc, m, XQ(b, 8 * k + j), acc[b]);
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        __m256i q[8];
+        for (; k < nb / 8; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            __m256 d8 = f16x8(w + 208);
+            __m512 d = cat_f(d8, d8);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2) {
+                __m512i qq = cat_i(q[j], q[j + 1]);
+                __m512i scv = cat_i(_mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])),
+                                    _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 3]), _mm_set1_epi16(sc[2 * j + 2])));
+                for (int b = 0; b < B; b++) acc[b] = q6_k_step2(qq, scv, d, XQ(b, 8 * k + j), acc[b]);
+            }
+        }
+        break;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, XQ(b, 0), nb);
+        return;
+    }
+#undef XQ
+#undef LOW
+#undef LO
+    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[b]), _mm512_extractf32x8_ps(acc[b], 1)));
+}
+
+VNNI static float dot_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    float y;
+    dots_fast_vnni_tile(t, w, xq, 0, nb, 1, &y, 0);
+    return y;
+}
+
+VNNI static void dots_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE_V, xq += TILE_V * ldq, y += TILE_V * ldy)
+        switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
+        case 8: dots_fast_vnni_tile(t, w, xq, ldq, nb, 8, y, ldy); break;
+        case 7: dots_fast_vnni_tile(t, w, xq, ldq, nb, 7, y, ldy); break;
+        case 6: dots_fast_vnni_tile(t, w, xq, ldq, nb, 6, y, ldy); break;
+        case 5: dots_fast_vnni_tile(t, w, xq, ldq, nb, 5, y, ldy); break;
+        case 4: dots_fast_vnni_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
+        case 3: dots_fast_vnni_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
+        case 2: dots_fast_vnni_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
+        default: dots_fast_vnni_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        }
+}
 #endif
 
 static int use_avx2 = 0;
+static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
 
 static inline void axpy(int t, const uint8_t *w, float a, float *y, int n) {
 #if HAVE_X86
@@ -841,6 +1045,7 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (use_vnni) return dot_fast_vnni(t, w, xq, n / QK);
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
         return dot_fast_c(t, w, xq, n / QK);
@@ -854,6 +1059,7 @@ static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const
                      int fast, int B, float *y, int64_t ldy) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (use_vnni) { dots_fast_vnni(t, w, xq, ldq, n / QK, B, y, ldy); return; }
         if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
 #endif
         for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, n / QK);
@@ -1308,14 +1514,29 @@ static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(use_avx2 ? "avx2" : "generic"); }
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
+}
 
-static PyObject *py_set_isa(PyObject *self, PyObject *arg) {  /* tests: force the portable path */
+#if HAVE_X86
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+static int cpu_vnni(void) {  /* everything the VNNI target attribute enables */
+    return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+/* "avx512vnni" (fast mode's integer dots with VNNI, AVX2 elsewhere), "avx2" or "generic" (the
+ * portable path), each where the CPU has it, else the next one down */
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     const char *s = PyUnicode_AsUTF8(arg);
     if (!s) return NULL;
 #if HAVE_X86
-    __builtin_cpu_init();
-    use_avx2 = strcmp(s, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    use_vnni = strcmp(s, "avx512vnni") == 0 && cpu_vnni();
+    use_avx2 = (use_vnni || strcmp(s, "avx2") == 0 || strcmp(s, "avx512vnni") == 0) && cpu_avx2();
 #endif
     return py_isa(self, NULL);
 }
@@ -1404,15 +1625,15 @@ static PyMethodDef methods[] = {
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
-    {"set_isa", py_set_isa, METH_O, "use 'avx2' (where supported) or 'generic'"},
+    {"set_isa", py_set_isa, METH_O, "use 'avx512vnni' or 'avx2' (where supported) or 'generic'"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if HAVE_X86
-    __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    use_avx2 = cpu_avx2();
+    use_vnni = cpu_vnni();
 #endif
     return PyModule_Create(&module);
 }
