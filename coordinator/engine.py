@@ -86,12 +86,15 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
     fused = cfg.arch == "phi3"
     per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_down"]
     per_layer += ["attn_qkv", "ffn_up"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"]
+    if cfg.arch == "falcon":  # one norm (with bias) before both attention and the gate-less FFN
+        names += ["output_norm.bias"]
+        per_layer = ["attn_norm", "attn_norm.bias", "attn_output", "attn_qkv", "ffn_up", "ffn_down"]
     if cfg.qk_norm:
         per_layer += ["attn_q_norm", "attn_k_norm"]
     if cfg.post_norms:
         per_layer += ["post_attention_norm", "post_ffw_norm"]
     for i in range(cfg.n_layers):
-        names += [f"blk.{i}.{n}.weight" for n in per_layer]
+        names += [f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for n in per_layer]
         if cfg.qkv_bias:
             names += [f"blk.{i}.attn_{n}.bias" for n in "qkv"]
     return names

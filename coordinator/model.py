@@ -31,7 +31,20 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused kernel instead of five: per decoded token this runs twice in every layer.
+    bias = getattr(weight, "ln_bias", None)  # a LayerNorm's weight (falcon): see norm_weight
+    if bias is not None:
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def norm_weight(store: TensorStore, name: str) -> torch.Tensor:
+    """A norm's weight `name` (`*.weight`); where the file has its bias too (falcon's LayerNorms)
+    the bias rides on the weight as `ln_bias`, and rms_norm computes a LayerNorm with them."""
+    w = _tensor(store.matrix(name))
+    bias = name[: -len("weight")] + "bias"
+    if store.has(bias):
+        w.ln_bias = _tensor(store.matrix(bias))
+    return w
 
 
 class KVCache:
@@ -132,8 +145,16 @@ class AttentionLayer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, i: int, weights: str = "f32", fast: bool = False):
         p = f"blk.{i}."
         norm = lambda n: _tensor(store.matrix(p + n)) if store.has(p + n) else None  # noqa: E731
-        self.attn_norm = _tensor(store.matrix(p + "attn_norm.weight"))
-        self.ffn_norm = _tensor(store.matrix(p + "ffn_norm.weight"))
+        self.attn_norm = norm_weight(store, p + "attn_norm.weight")
+        # falcon (parallel): the FFN reads attn_norm(h); attention reads attn_norm_2(h) where the
+        # layer has it (40B's new decoder architecture), else attn_norm(h) too
+        self.parallel = cfg.parallel
+        if cfg.parallel:
+            self.ffn_norm = self.attn_norm
+            if store.has(p + "attn_norm_2.weight"):
+                self.attn_norm = norm_weight(store, p + "attn_norm_2.weight")
+        else:
+            self.ffn_norm = norm_weight(store, p + "ffn_norm.weight")
         self.q_norm, self.k_norm = norm("attn_q_norm.weight"), norm("attn_k_norm.weight")
         self.post_attn_norm, self.post_ffn_norm = norm("post_attention_norm.weight"), norm("post_ffw_norm.weight")
         self.bias = (_tensor(np.concatenate([store.matrix(p + f"attn_{n}.bias") for n in "qkv"]))
@@ -181,7 +202,8 @@ class Transformer:
         if cfg.final_logit_softcap:
             head = _SoftCapped(head, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
-        self.out_norm = _tensor(store.matrix("output_norm.weight"))
+        self.out_norm = norm_weight(store, "output_norm.weight")
+        self._parallel_attn: list[tuple[int, torch.Tensor]] = []  # see _attend_parallel
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
         self.cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self._rope_tables(store)
@@ -301,6 +323,8 @@ class Transformer:
         """h (T, hidden) of one sequence plus its attention at `cache`'s position (with gemma3's
         norm of the attention output where the layer has one)."""
         L, eps = self.layers[i], self.cfg.rms_eps
+        if L.parallel:
+            return self._attend_parallel(i, h, cache)
         if (h.shape[0] == 1 and self.native[i] is not None
                 and (L.window is None or cache.pos < L.window)):  # the window still covers every key
             h = h.contiguous()
@@ -313,8 +337,31 @@ class Transformer:
     def _ffn(self, i: int, h: torch.Tensor, decode: bool | None = None) -> torch.Tensor:
         """h plus the FFN of its rows (and gemma3's norm of the FFN output)."""
         L, eps = self.layers[i], self.cfg.rms_eps
+        if L.parallel:
+            return self._ffn_parallel(i, h, decode)
         f = self.ffn(i, rms_norm(h, L.ffn_norm, eps), h, decode=decode)
         return h + (f if L.post_ffn_norm is None else rms_norm(f, L.post_ffn_norm, eps))
+
+    # Falcon: attention and FFN in parallel, both on the layer's input h (its output is
+    # h + attn + ffn). forward and decode_batch call _attend (per sequence) and then _ffn (all
+    # rows): _attend_parallel keeps h as it is and leaves the attention output here, in row order,
+    # for _ffn_parallel to add; the FFN (and a predictor, which reads h as PowerInfer's falcon
+    # does) sees the layer's input.
+    def _attend_parallel(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if self._parallel_attn and self._parallel_attn[-1][0] != i:
+            self._parallel_attn.clear()  # left by a step that failed midway
+        a = self._attention(i, rms_norm(h, self.layers[i].attn_norm, self.cfg.rms_eps), cache)
+        self._parallel_attn.append((i, a))
+        return h
+
+    def _ffn_parallel(self, i: int, h: torch.Tensor, decode: bool | None) -> torch.Tensor:
+        parts = [a for j, a in self._parallel_attn if j == i]
+        self._parallel_attn.clear()
+        a = (parts[0] if len(parts) == 1 else torch.cat(parts))[-h.shape[0]:]  # the latest rows: this step's
+        if a.shape != h.shape:
+            raise RuntimeError(f"layer {i}: the FFN of {h.shape[0]} rows has attention outputs for {a.shape[0]}")
+        f = self.ffn(i, rms_norm(h, self.layers[i].ffn_norm, self.cfg.rms_eps), h, decode=decode)
+        return h + (f + a)  # transformers' order: (mlp + attention) + residual
 
     @torch.inference_mode()
     def forward(self, ids: list[int], all_logits: bool = False, cache: KVCache | None = None) -> torch.Tensor:

@@ -9,6 +9,15 @@ eager attention. Writes
   tests/fixtures/arch_reference.json       per arch: prompts, greedy ids, versions
   tests/fixtures/arch_reference_logits.npz logits of every position of prompt 0 + its continuation
 
+PowerInfer's files (POWERINFER): bamboo is MistralForCausalLM with ReLU whose MLP is made
+symmetric as PowerInfer's llama.cpp computes LLM_ARCH_BAMBOO (LLM_FFN_SYM: relu(gate x) *
+relu(up x)); relufalcon is FalconForCausalLM with activation "relu". Besides the dense run, a
+"predicted" run: the prompt dense (the engine's prefill), every later position with the FFN
+neurons the file's predictor picks (fc2 relu(fc1 h) > powerinfer.sparse_threshold = 0; h the
+residual before post_attention_layernorm for bamboo, the layer's input for falcon), the rest
+zeroed: keys `<arch>.predicted` (ids) and `<arch>.predicted` logits (positions of prompt 0's
+last token and its continuation), with the smallest |score| met (a flip margin).
+
 Run it where transformers is installed (not a test dependency):
   /tmp/refvenv/bin/python scripts/make_arch_reference.py
 """
@@ -24,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.tiny_arch import ARCHS, hf_config, hf_weights  # noqa: E402
+from tests.fixtures.tiny_arch import ARCHS, POWERINFER, gguf_tensors, hf_config, hf_weights  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures"
 N_NEW = 16
@@ -39,7 +48,9 @@ def build(arch: str):
     import transformers as tf
     cls = {"mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
-           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[arch]
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "bamboo": (tf.MistralConfig, tf.MistralForCausalLM),
+           "falcon": (tf.FalconConfig, tf.FalconForCausalLM), "falcon40b": (tf.FalconConfig, tf.FalconForCausalLM),
+           "relufalcon": (tf.FalconConfig, tf.FalconForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
     model = cls[1](cfg).float().eval()
@@ -50,7 +61,55 @@ def build(arch: str):
     if cfg.tie_word_embeddings:
         model.tie_weights()
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if arch in POWERINFER:
+        _powerinfer_ffn(arch, model)
     return model
+
+
+class _Predicted:
+    """The predictor masks of the "predicted" run: off (dense) unless `start` is set."""
+    start: int | None = None
+    min_score: float = float("inf")
+
+
+def _powerinfer_ffn(arch: str, model) -> None:
+    """bamboo's symmetric ReLU FFN; both: the predictor's mask from position `_Predicted.start` on."""
+    fc = {k: torch.from_numpy(v) for k, v in gguf_tensors(arch).items() if ".fc" in k}
+    layers = model.transformer.h if arch == "relufalcon" else model.model.layers
+    for i, layer in enumerate(layers):
+        state = {}
+
+        def grab(_mod, args, kwargs, state=state):
+            state["h"] = args[0] if args else kwargs["hidden_states"]
+
+        if arch == "relufalcon":  # PowerInfer's falcon: the predictor reads the layer's input
+            layer.register_forward_pre_hook(grab, with_kwargs=True)
+        else:  # llama/bamboo: the residual before the FFN's norm
+            layer.post_attention_layernorm.register_forward_pre_hook(grab, with_kwargs=True)
+        mlp = layer.mlp
+
+        def mask(state=state, i=i):
+            if _Predicted.start is None:
+                return None
+            h = state["h"][0]
+            s = torch.relu(h @ fc[f"blk.{i}.fc1.weight"].T) @ fc[f"blk.{i}.fc2.weight"].T
+            m = (s > 0).float()
+            m[: _Predicted.start] = 1.0  # the prompt: dense prefill
+            if s.shape[0] > _Predicted.start:
+                _Predicted.min_score = min(_Predicted.min_score, float(s[_Predicted.start:].abs().min()))
+            return m
+
+        if arch == "relufalcon":
+            def fwd(x, mlp=mlp, mask=mask):
+                a = mlp.act(mlp.dense_h_to_4h(x))
+                m = mask()
+                return mlp.dense_4h_to_h(a if m is None else a * m)
+        else:
+            def fwd(x, mlp=mlp, mask=mask):
+                a = mlp.act_fn(mlp.gate_proj(x)) * mlp.act_fn(mlp.up_proj(x))  # LLM_FFN_SYM
+                m = mask()
+                return mlp.down_proj(a if m is None else a * m)
+        mlp.forward = fwd
 
 
 @torch.inference_mode()
@@ -68,7 +127,7 @@ def main() -> None:
     import transformers
     out = {"transformers": transformers.__version__, "torch": torch.__version__, "n_new": N_NEW, "archs": {}}
     arrays = {}
-    for arch in ARCHS:
+    for arch in ARCHS + POWERINFER:
         model = build(arch)
         cases = []
         for k, p in enumerate(PROMPTS):
@@ -79,6 +138,22 @@ def main() -> None:
                     arrays[arch] = model(input_ids=torch.tensor([p + ids]), use_cache=False).logits[0].float().numpy()
         out["archs"][arch] = cases
         print(arch, [c["generated_ids"] for c in cases], "min margin", min(c["min_margin"] for c in cases))
+        if arch not in POWERINFER:
+            continue
+        cases = []
+        for k, p in enumerate(PROMPTS):
+            _Predicted.start, _Predicted.min_score = len(p), float("inf")
+            ids, margins = greedy(model, p, N_NEW)
+            cases.append({"prompt_ids": p, "generated_ids": ids, "min_margin": min(margins),
+                          "min_abs_score": _Predicted.min_score})
+            if k == 0:
+                with torch.inference_mode():
+                    arrays[arch + ".predicted"] = model(input_ids=torch.tensor([p + ids]),
+                                                        use_cache=False).logits[0, len(p) - 1:].float().numpy()
+            _Predicted.start = None
+        out["archs"][arch + ".predicted"] = cases
+        print(arch, "predicted", [c["generated_ids"] for c in cases], "min margin",
+              min(c["min_margin"] for c in cases), "min |score|", min(c["min_abs_score"] for c in cases))
     (FIXTURES / "arch_reference.json").write_text(json.dumps(out, indent=1) + "\n")
     np.savez_compressed(FIXTURES / "arch_reference_logits.npz", **arrays)
 

@@ -19,6 +19,16 @@ What differs between them, and where the engine handles it:
   carry it). `final_logit_softcapping` if present.
 - phi3: Q, K and V fused as `attn_qkv` and gate and up fused as `ffn_up` (gate rows first);
   sparsecore.tensors.TensorStore presents them under the llama names. `sliding_window` 0 = none.
+- bamboo (PowerInfer's Bamboo, written by PowerInfer's convert.py for `model_type: bamboo`):
+  llama's layout and keys under `bamboo.`, always ReLU, and PowerInfer's llama.cpp builds its
+  FFN with LLM_FFN_SYM: relu(gate x) * relu(up x) (`ffn_gate = "sym"`).
+- falcon (llama.cpp's and PowerInfer's converters): LayerNorms with bias
+  (`attention.layer_norm_epsilon`), attention and FFN in parallel on the layer's input:
+  h + attn(attn_norm_2(h) or attn_norm(h)) + ffn(attn_norm(h)) (attn_norm_2 only in the 40B
+  "new decoder architecture"); Q, K, V fused as `attn_qkv` (the converter's "jploski" layout: all
+  Q heads, then K, then V); neox rope; no gate: ffn = down(act(up x)) (`ffn_gate = "none"`), act
+  ReLU in PowerInfer's ReluFalcon (predictors present), else GELU (transformers' exact erf
+  GELU). PowerInfer's predictor input is the layer's input h.
 """
 from __future__ import annotations
 
@@ -31,10 +41,10 @@ from .errors import ModelFileError
 from .gguf_check import check_model_metadata
 from .gguf_file import field_value
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "bamboo", "falcon")
 # Architectures whose converter permutes Q/K rows for llama.cpp's "normal" (adjacent pairs)
 # rope; the others use "neox" rope (rotate-half, HF's own row order) and are stored as is.
-PERMUTED_QK_ARCHS = ("llama", "mistral")
+PERMUTED_QK_ARCHS = ("llama", "mistral", "bamboo")
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3
 GEMMA3_ROPE_BASE_SWA = 10000.0  # llama.cpp: rope_freq_base_train_swa for LLM_ARCH_GEMMA3
 
@@ -68,12 +78,18 @@ class ModelConfig:
     rope_base_swa: float | None = None  # rope base of the sliding layers (gemma3); None = rope_base
     rope_scale: float = 1.0  # linear rope scaling factor of the global layers
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+    # How the FFN combines gate and up (sparsecore.ffn.GATE_MODES): "par" act(gate x) * (up x);
+    # "sym" act(gate x) * act(up x) (bamboo); "none": act(up x), no gate tensor (falcon).
+    ffn_gate: str = "par"
+    layer_norm: bool = False  # LayerNorm with bias instead of RMSNorm (falcon)
+    parallel: bool = False  # attention and FFN both read the layer's input (falcon)
 
     @property
     def plain_llama(self) -> bool:
         """Attention exactly as llama's (what the native one-call AttentionStep computes)."""
         return not (self.qkv_bias or self.qk_norm or self.post_norms or self.attn_scale is not None
-                    or self.rope_base_swa is not None or self.rope_scale != 1.0)
+                    or self.rope_base_swa is not None or self.rope_scale != 1.0 or self.layer_norm
+                    or self.parallel)
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every position."""
@@ -113,7 +129,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     if emb is None:
         raise ModelFileError(f"{path}: tensor token_embd.weight is missing")
     vocab = int(field_value(reader, p + "vocab_size", int(emb.shape[1])))
-    act = "relu" if "blk.0.fc1.weight" in names else ("gelu_tanh" if arch == "gemma3" else "silu")
+    act = "relu" if "blk.0.fc1.weight" in names or arch == "bamboo" else (
+        {"gemma3": "gelu_tanh", "falcon": "gelu"}.get(arch, "silu"))
     act = str(field_value(reader, "sparseinfer.activation", act))
     thr = field_value(reader, "powerinfer.sparse_threshold")
     n_layers = int(_require(path, reader, p + "block_count"))
@@ -134,6 +151,11 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
             rope_base_swa=float(field_value(reader, p + "rope.freq_base_swa", GEMMA3_ROPE_BASE_SWA)))
         if str(field_value(reader, p + "rope.scaling.type", "none")) == "linear":
             extra["rope_scale"] = float(field_value(reader, p + "rope.scaling.factor", 1.0))
+    if arch == "bamboo":
+        extra = dict(ffn_gate="sym")
+    if arch == "falcon":
+        extra = dict(ffn_gate="none", layer_norm=True, parallel=True)
+    eps_key = "attention.layer_norm_epsilon" if arch == "falcon" else "attention.layer_norm_rms_epsilon"
     cap = field_value(reader, p + "final_logit_softcapping")
     return ModelConfig(
         arch=arch,
@@ -145,7 +167,7 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         head_dim=head_dim,
         rope_dim=int(field_value(reader, p + "rope.dimension_count", head_dim)),
         rope_base=float(field_value(reader, p + "rope.freq_base", 10000.0)),
-        rms_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_eps=float(field_value(reader, p + eps_key, 1e-5)),  # falcon: its LayerNorm's eps
         context_length=int(field_value(reader, p + "context_length", 2048)),
         vocab_size=vocab,
         tied_embeddings="output.weight" not in names,

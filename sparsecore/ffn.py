@@ -17,7 +17,20 @@ from .kernels import MAX_SMALL_BATCH, FileMatrix, dequant_scratch, q8_scratch
 
 # silu: SwiGLU (llama, qwen, mistral, phi3); relu: PowerInfer's ReLU models; gelu_tanh: GeGLU
 # with tanh-approximated GELU (gemma3's gelu_pytorch_tanh).
-ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+# gelu: falcon's (exact, erf).
+ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
+# How gate and up combine (ModelConfig.ffn_gate; the kernels' GATE_BITS): "par" act(gate x) *
+# (up x), "sym" act(gate x) * act(up x) (bamboo), "none" act(gate x) alone, where the shard's
+# gate rows are the up matrix's (falcon has no gate). The activity rule reads act(gate x) in all.
+GATE_MODES = ("par", "sym", "none")
+
+
+def _combine(g: torch.Tensor, x: torch.Tensor, up, activation: str, gate_mode: str) -> torch.Tensor:
+    """h from g = act(gate x): times up x, times act(up x), or g itself."""
+    if gate_mode == "none":
+        return g
+    u = x_wt(x, up)
+    return g * (ACTIVATIONS[activation](u) if gate_mode == "sym" else u)
 
 
 class Int8Rows:
@@ -209,13 +222,14 @@ def _h_w(h: torch.Tensor, w: Rows) -> torch.Tensor:
 
 
 def ffn_partial(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
-                activation: str, active: torch.Tensor | None = None) -> torch.Tensor:
+                activation: str, active: torch.Tensor | None = None, gate_mode: str = "par") -> torch.Tensor:
     """x: (T, hidden); gate/up/down_t: (n_owned, hidden); active: local row indices or None (all)."""
     if active is not None:
         if active.numel() == 0:
             return x.new_zeros(x.shape)
-        gate, up, down_t = gate.index_select(0, active), up.index_select(0, active), down_t.index_select(0, active)
-    h = ACTIVATIONS[activation](x_wt(x, gate)) * x_wt(x, up)
+        gate, down_t = gate.index_select(0, active), down_t.index_select(0, active)
+        up = up if gate_mode == "none" else up.index_select(0, active)
+    h = _combine(ACTIVATIONS[activation](x_wt(x, gate)), x, up, activation, gate_mode)
     return _h_w(h, down_t)
 
 
@@ -233,7 +247,7 @@ def is_active(g: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
-                          activation: str, threshold: float) -> tuple[torch.Tensor, int]:
+                          activation: str, threshold: float, gate_mode: str = "par") -> tuple[torch.Tensor, int]:
     """CATS: a neuron is active for a token where |act(gate x)| > threshold; up and down are
     computed for active neurons only. Returns (output, active neuron-token pairs).
     One token with few active neurons: gather the active rows. Otherwise the same math with a
@@ -246,6 +260,8 @@ def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
         return x.new_zeros(x.shape), 0
     if x.shape[0] == 1 and n < GATHER_BELOW * g.shape[1]:
         active = keep[0].nonzero().squeeze(1)
-        h = g[:, active] * x_wt(x, up.index_select(0, active))
+        h = _combine(g[:, active], x, up if gate_mode == "none" else up.index_select(0, active), activation, gate_mode)
         return _h_w(h, down_t.index_select(0, active)), n
+    if gate_mode != "par":
+        return _h_w(_combine(g.mul_(keep), x, up, activation, gate_mode), down_t), n
     return _h_w(g.mul_(keep).mul_(x_wt(x, up)), down_t), n  # in place: g is ours

@@ -272,6 +272,7 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
         _fail(path, f"metadata {p}rope.dimension_count = {rope_dim}: must be even")
     _positive_float(path, reader, p + "rope.freq_base", 10000.0)
     _positive_float(path, reader, p + "attention.layer_norm_rms_epsilon", 1e-5)
+    _positive_float(path, reader, p + "attention.layer_norm_epsilon", 1e-5)  # falcon's LayerNorm
     _int(path, reader, p + "context_length", 2048, 1, MAX_CONTEXT)
 
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
@@ -300,8 +301,9 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             b + "attn_output.weight": [n_heads * v_dim, hidden],
             b + "ffn_gate.weight": [hidden, n_ff], b + "ffn_down.weight": [n_ff, hidden],
             b + "ffn_down_t.weight": [hidden, n_ff],
-            # phi3 fuses gate and up into ffn_up (no ffn_gate), and Q, K, V into attn_qkv
-            b + "ffn_up.weight": [hidden, n_ff if b + "ffn_gate.weight" in shapes else 2 * n_ff],
+            # phi3 fuses gate and up into ffn_up (no ffn_gate), and Q, K, V into attn_qkv;
+            # falcon has no gate at all
+            b + "ffn_up.weight": [hidden, n_ff if b + "ffn_gate.weight" in shapes or arch == "falcon" else 2 * n_ff],
             b + "attn_qkv.weight": [hidden, n_heads * head_dim + n_kv * (head_dim + v_dim)],
         })
     for name, want in expect.items():

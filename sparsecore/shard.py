@@ -34,13 +34,15 @@ class LayerRows:
     """One layer's owned neurons: gate/up rows and down columns (as rows) on the device, in the
     weight format `weights` (sparsecore.ffn.WEIGHT_FORMATS), converted once from the file."""
 
-    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device, weights: str):
+    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device, weights: str,
+                 gate_mode: str = "par"):
         self.idx = idx
         p = f"blk.{layer}."
         conv = lambda a, down=False: quantize_rows(torch.from_numpy(np.ascontiguousarray(a)).to(device),
                                                    weights, for_h_w=down)
         self.gate: Rows = conv(store.rows(p + "ffn_gate.weight", idx))
-        self.up: Rows = conv(store.rows(p + "ffn_up.weight", idx))
+        # no gate (falcon): the gate rows are the up rows, used once
+        self.up: Rows = self.gate if gate_mode == "none" else conv(store.rows(p + "ffn_up.weight", idx))
         if store.has(p + "ffn_down_t.weight"):  # PowerInfer stores down transposed: rows are neurons
             self.down_t: Rows = conv(store.rows(p + "ffn_down_t.weight", idx), down=True)
         else:
@@ -48,7 +50,7 @@ class LayerRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(rows_nbytes(w) for w in (self.gate, self.up, self.down_t))
+        return sum(rows_nbytes(w) for w in {id(w): w for w in (self.gate, self.up, self.down_t)}.values())
 
 
 def as_range(idx: np.ndarray, align: int) -> range | None:
@@ -72,8 +74,10 @@ class FileLayer:
     so does a small batch of them (2..MAX_SMALL_BATCH sequences decoded together: ffn_batch,
     each row read once for all tokens, each token's output the one it would get alone)."""
 
-    def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch):
+    def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch,
+                 gate_mode: str = "par"):
         p = f"blk.{layer}."
+        self.gate_mode = gate_mode  # "none": gate is the up matrix, read once (sparsecore.ffn.GATE_MODES)
         # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
         # of blocks, read only when the neuron is active.
         self.down_t = store.has(p + "ffn_down_t.weight")
@@ -107,29 +111,31 @@ class FileLayer:
         """Bytes of the file a dense step reads (the rows are not held: they are mapped)."""
         n = len(self.own)
         down = n * self.down.row_bytes if self.down_t else self.down.row_bytes * n // self.down.cols * self.down.rows
-        return n * (self.gate.row_bytes + self.up.row_bytes) + down
+        up = 0 if self.gate_mode == "none" else self.up.row_bytes
+        return n * (self.gate.row_bytes + up) + down
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
         """One token, written straight into `out` (the process's output slot): no tensor round trip."""
         return ffn_token(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
-                         self.fast, self.down_t, out)[1]
+                         self.fast, self.down_t, out, self.gate_mode)[1]
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
         """A small batch x (T, hidden), T <= MAX_SMALL_BATCH, written straight into `out` (T, hidden)."""
         return ffn_batch(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
-                         self.fast, self.down_t, out)[1]
+                         self.fast, self.down_t, out, self.gate_mode)[1]
 
     def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[torch.Tensor, int]:
         if x.shape[0] == 1:
             y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
-                             threshold, active, self.fast, self.down_t)
+                             threshold, active, self.fast, self.down_t, gate_mode=self.gate_mode)
             return torch.from_numpy(y.copy())[None], n
         if x.shape[0] <= MAX_SMALL_BATCH:
             y, n = ffn_batch(self.gate, self.up, self.down, np.ascontiguousarray(x.numpy(), dtype=np.float32),
-                             self.own, activation, self.scratch, threshold, active, self.fast, self.down_t)
+                             self.own, activation, self.scratch, threshold, active, self.fast, self.down_t,
+                             gate_mode=self.gate_mode)
             return torch.from_numpy(y.copy()), n
         # A batch: dequantize a chunk of owned neurons at a time into reused tiles and let
         # torch's GEMM run (down as read: (hidden, chunk) columns, used transposed, no copy).
@@ -140,16 +146,16 @@ class FileLayer:
             rows = range(a, min(a + PREFILL_CHUNK, self.own.stop))
             n = len(rows) * hidden
             gate = torch.from_numpy(self.gate.dequantize(rows, out=tiles[0][:n]))
-            up = torch.from_numpy(self.up.dequantize(rows, out=tiles[1][:n]))
+            up = gate if self.gate_mode == "none" else torch.from_numpy(self.up.dequantize(rows, out=tiles[1][:n]))
             if self.down_t:
                 down_t = torch.from_numpy(self.down.dequantize(rows, out=tiles[2][:n]))
             else:
                 down_t = torch.from_numpy(self.down.dequantize(cols=rows, out=tiles[2][:n])).T
             if threshold is not None:
-                part, k = ffn_partial_threshold(x, gate, up, down_t, activation, threshold)
+                part, k = ffn_partial_threshold(x, gate, up, down_t, activation, threshold, self.gate_mode)
             else:
                 sel = None if active is None else torch.from_numpy(np.flatnonzero(active[rows.start:rows.stop]))
-                part = ffn_partial(x, gate, up, down_t, activation, sel)
+                part = ffn_partial(x, gate, up, down_t, activation, sel, self.gate_mode)
                 k = len(rows) * x.shape[0] if sel is None else int(sel.numel()) * x.shape[0]
             y += part
             n_active += k
@@ -158,8 +164,9 @@ class FileLayer:
 
 class FfnShard:
     def __init__(self, layers: dict[int, LayerRows], activation: str, device: torch.device,
-                 head: HeadRows | None = None):
+                 head: HeadRows | None = None, gate_mode: str = "par"):
         self.layers, self.activation, self.device, self.head = layers, activation, device, head
+        self.gate_mode = gate_mode  # ModelConfig.ffn_gate
 
     @classmethod
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: torch.device | str = "cpu",
@@ -182,15 +189,15 @@ class FfnShard:
             if not len(idx):
                 continue
             if weights == "gguf" and device.type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
-                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch)
+                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate)
             else:
                 fmt = weights if weights != "gguf" else ("f16" if device.type == "cuda" else "f32")
-                layers[layer] = LayerRows(store, layer, np.asarray(idx, dtype=np.int64), device, fmt)
+                layers[layer] = LayerRows(store, layer, np.asarray(idx, dtype=np.int64), device, fmt, cfg.ffn_gate)
         head = None
         if head_rows:
             head = HeadRows(store, head_tensor_name(cfg.tied_embeddings), *head_rows, in_file=weights == "gguf",
                             fast=fast)
-        return cls(layers, cfg.activation, device, head)
+        return cls(layers, cfg.activation, device, head, cfg.ffn_gate)
 
     @property
     def n_neurons(self) -> int:
@@ -213,11 +220,13 @@ class FfnShard:
         if isinstance(w, FileLayer):
             return w.step(x, self.activation, active, threshold)
         if threshold is not None:
-            return ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation, threshold)
+            return ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation, threshold, self.gate_mode)
         if active is None:
-            return ffn_partial(x, w.gate, w.up, w.down_t, self.activation), len(w.idx) * x.shape[0]
+            return (ffn_partial(x, w.gate, w.up, w.down_t, self.activation, gate_mode=self.gate_mode),
+                    len(w.idx) * x.shape[0])
         own = torch.from_numpy(np.flatnonzero(active[w.idx])).to(self.device)
-        return ffn_partial(x, w.gate, w.up, w.down_t, self.activation, own), int(own.numel()) * x.shape[0]
+        return (ffn_partial(x, w.gate, w.up, w.down_t, self.activation, own, self.gate_mode),
+                int(own.numel()) * x.shape[0])
 
     def serve(self, buf: SharedBuffers, slot: int, req: Request) -> tuple[int, int]:
         """Compute the posted step `req` from shared memory into output slot `slot`.

@@ -31,7 +31,9 @@ def row_slice(t, name: str, start: int, stop: int):
 def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
     """The llama names of the parts of fused tensors (phi3): `attn_qkv` rows are Q (n_heads *
     head_dim), then K and V (n_kv_heads * head_dim each); `ffn_up` holds gate rows, then up rows
-    (HF Phi3MLP's gate_up_proj, which the converter keeps whole)."""
+    (HF Phi3MLP's gate_up_proj, which the converter keeps whole). Falcon has no gate: its
+    `ffn_gate` is its `ffn_up` (the FFN step, told ffn_gate = "none", applies the activation to
+    that product and reads no second row), so activity, |act(up x)|, is read the one way."""
     arch = field_value(reader, "general.architecture")
     out: dict = {}
     if arch is None:
@@ -53,6 +55,8 @@ def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
             blk, f = name[: -len("ffn_up.weight")], int(n_ff)
             out[blk + "ffn_gate.weight"] = row_slice(t, blk + "ffn_gate.weight", 0, f)
             out[blk + "ffn_up.weight"] = row_slice(t, blk + "ffn_up.weight", f, 2 * f)
+        elif name.endswith(".ffn_up.weight") and arch == "falcon":
+            out.setdefault(name.replace("ffn_up", "ffn_gate"), t)
     return out
 
 

@@ -28,7 +28,11 @@ from . import _kernels
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
 NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
                 12: 256, 13: 256, 14: 256}  # Q4_K, Q5_K, Q6_K
-ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2}  # act_fn in _kernels.c
+ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in _kernels.c
+# How gate and up combine (ModelConfig.ffn_gate), or'ed into the activation id: "par"
+# act(gate x) * (up x); "none" act(gate x) alone, with `gate` the up matrix (falcon: no second
+# row is read); "sym" act(gate x) * act(up x) (bamboo). ACT_NOGATE, ACT_SYM in _kernels.c.
+GATE_BITS = {"par": 0, "none": 16, "sym": 32}
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # Most tokens the small-batch kernels take at once (_kernels.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.
@@ -262,12 +266,12 @@ def _check_ffn(gate: FileMatrix, up: FileMatrix, down: FileMatrix, own: range, m
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
               fast: bool = False, down_t: bool = False,
-              out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+              out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:
     """One token's partial FFN over owned neurons `own` (a range of the layer's aligned to whole
     blocks of down's rows, 32 or 256 values, or any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
     which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
-    PowerInfer's ffn_down_t), and only active neurons' rows are read."""
+    PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS."""
     hidden = _check_ffn(gate, up, down, own, mask, down_t)
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if len(x) != hidden:
@@ -275,15 +279,15 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
     if y.dtype != np.float32 or y.shape != (hidden,) or not y.flags.c_contiguous:
         raise ValueError(f"out must be {hidden} contiguous float32 values")
-    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own), ACT_IDS[activation],
-                           -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
+    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
+                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
                            _ptr(x), int(fast), _ptr(scratch.h), _ptr(scratch.xq), _ptr(scratch.hq), _ptr(y))
     return y, n
 
 
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold=None, mask: np.ndarray | None = None, fast: bool = False,
-              down_t: bool = False, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+              down_t: bool = False, out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:
     """ffn_token for a small batch x (B, hidden), 1 <= B <= MAX_SMALL_BATCH, in one pass over the
     shard's rows: (y (B, hidden), active (neuron, token) pairs); scratch.small_batch()[4][:B]
     holds each token's count. `threshold`: one value for every token or B values (None, or a
@@ -304,7 +308,7 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
         thr[:B] = threshold  # a scalar or B values
         thr_ptr = _ptr(thr)
     n = _kernels.ffn_batch(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-                           ACT_IDS[activation], thr_ptr, 0 if mask is None else _ptr(mask), _ptr(x), B, int(fast),
+                           ACT_IDS[activation] | GATE_BITS[gate_mode], thr_ptr, 0 if mask is None else _ptr(mask), _ptr(x), B, int(fast),
                            _ptr(h), _ptr(anyv), _ptr(xq), _ptr(hq), _ptr(counts), _ptr(y))
     return y, n
 

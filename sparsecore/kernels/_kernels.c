@@ -1083,8 +1083,16 @@ static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
     return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);
 }
 
+/* The act argument of ffn_token/ffn_batch: the activation in its low 4 bits, how gate and up
+ * combine above them (sparsecore.kernels.GATE_BITS): ACT_PAR act(gate x) * (up x); ACT_NOGATE
+ * act(gate x) alone, gate being the up matrix (falcon: no up pass at all); ACT_SYM
+ * act(gate x) * act(up x) (PowerInfer's bamboo). */
+#define ACT_MASK 15
+#define ACT_NOGATE 16
+#define ACT_SYM 32
 static float act_fn(int act, float g) {
     if (act == 1) return g > 0.f ? g : 0.f;                /* relu */
+    if (act == 3) return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));  /* gelu (erf): falcon */
     if (act == 2)                                          /* gelu_tanh (GeGLU: gemma) */
         return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
     return g / (1.f + expf(-g));                            /* silu */
@@ -1120,6 +1128,8 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
                          float threshold, const uint8_t *mask, const float *x, int fast,
                          float *h, q8blk *xq, q8blk *hq, float *y) {
     if (fast) quantize_q8(x, hidden, xq);
+    int mode = act & ~ACT_MASK;
+    act &= ACT_MASK;
     int64_t n_active = 0;
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
@@ -1138,10 +1148,12 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         h[i] = g;
         n_active++;
     }
-    for (int64_t i = 0; i < n_own; i++) {
+    for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {
         if (i + PREFETCH_ROWS < n_own && h[i + PREFETCH_ROWS] != 0.f)
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
-        if (h[i] != 0.f) h[i] *= dot_any(up.t, row_at(up, own0 + i, 0), x, xq, hidden, fast);
+        if (h[i] == 0.f) continue;
+        float u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, hidden, fast);
+        h[i] *= mode == ACT_SYM ? act_fn(act, u) : u;
     }
     if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
     if (down_t) {  /* down stored transposed (rows = neurons): an axpy per active neuron only */
@@ -1185,6 +1197,8 @@ static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
 static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
                          const float *thr, const uint8_t *mask, const float *x, int B, int fast,
                          float *h, uint8_t *any, q8blk *xq, q8blk *hq, int64_t *counts, float *y) {
+    int mode = act & ~ACT_MASK;
+    act &= ACT_MASK;
     int64_t ldq = hidden / QK, ldhq = (n_own + QK - 1) / QK, total = 0;
     if (fast)
         for (int b = 0; b < B; b++) quantize_q8(x + (int64_t)b * hidden, hidden, xq + b * ldq);
@@ -1209,13 +1223,13 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
             if (v != 0.f) any[i] = 1;
         }
     }
-    for (int64_t i = 0; i < n_own; i++) {  /* up, for neurons some token needs */
+    for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {  /* up, for neurons some token needs */
         if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
         if (!any[i]) continue;
         dots_any(up.t, row_at(up, own0 + i, 0), x, hidden, xq, ldq, hidden, fast, B, g, 1);
         for (int b = 0; b < B; b++)
-            if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= g[b];
+            if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= mode == ACT_SYM ? act_fn(act, g[b]) : g[b];
     }
     for (int b = 0; b < B; b++) total += counts[b];
     if (total == 0 || down_t) memset(y, 0, sizeof(float) * hidden * B);
