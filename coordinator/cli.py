@@ -158,17 +158,157 @@ def _fail(msg: str) -> None:
     sys.exit(EXIT_ERROR)
 
 
-class _Cli(click.Group):
-    """Turns the errors a user can cause into one line on stderr instead of a traceback."""
+class OptionError(ValueError):
+    """A value the CLI refuses before anything loads: one line naming the option, exit 1."""
+
+    def __init__(self, option: str, value, why: str):
+        super().__init__(f"{option} {value}: {why}")
+
+
+def _usable_cores() -> int:
+    from protocol.doorbell import usable_cores
+
+    return usable_cores()
+
+
+def _check_range(option: str, value, lo=None, hi=None, why: str = "") -> None:
+    """`value` within [lo, hi] (either end open when None); NaN is never within."""
+    if value is None:
+        return
+    if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
+        span = f"{lo if lo is not None else ''}..{hi if hi is not None else ''}"
+        raise OptionError(option, value, why or f"choose {span}")
+
+
+def _check_text(option: str, text: str | None) -> None:
+    """Refuse an empty text and one that is not valid Unicode: bytes the terminal's encoding could
+    not decode reach Python as lone surrogates, which no tokenizer can encode."""
+    if text is None:
+        return
+    if text == "":
+        raise OptionError(option, "''", "empty: give some text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise OptionError(option, "(text)", f"{byte} at character {e.start} is not valid in the terminal's "
+                                            f"encoding ({sys.getfilesystemencoding()}); pass UTF-8 text") from None
+
+
+def _seed(seed: int | None) -> int | None:
+    """llama.cpp's convention: --seed -1 means a random seed (as no --seed does)."""
+    if seed is not None and seed < -1:
+        raise OptionError("--seed", seed, "choose -1 (random) or a seed >= 0")
+    return None if seed == -1 else seed
+
+
+def _sampling(temperature, top_k, top_p, seed):
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, _seed(seed))
+    sampling.validate()
+    return sampling
+
+
+def _explicit(name: str) -> bool:
+    """Whether the user gave this parameter (rather than its default)."""
+    from click.core import ParameterSource
+
+    c = click.get_current_context(silent=True)
+    return c is not None and c.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+
+def _check_engine_args(model, threads, cpu_workers, ctx, gpu_share=None, sparsity=None,
+                       need: tuple[str, int] | None = None):
+    """What an engine's options must satisfy, checked before anything heavy loads: the cores, then
+    the model's header (read_config: fast; the engine's load is the slow part). Returns (model path,
+    config, the context size to use): --ctx beyond the model's trained context is capped, saying so.
+    `need`: (the options, tokens) a command needs in one window, which must fit the trained context
+    (the command raises --ctx to it, as it always did)."""
+    cores = _usable_cores()
+    _check_range("-t/--threads", threads, 1, cores, f"this machine has {cores} usable cores: choose 1..{cores}")
+    # More workers than cores never helps (each wait becomes a scheduler wake-up) and each one maps
+    # the model and imports torch: refuse rather than start dozens of processes.
+    _check_range("--cpu-workers", cpu_workers, 1, cores,
+                 f"at most one worker per usable core ({cores} here): choose 1..{cores}")
+    _check_range("--ctx", ctx, 1, None, "the context must hold at least one token")
+    _check_range("--gpu-share", gpu_share, 0.0, 1.0)
+    if sparsity is not None and not 0.0 <= sparsity < 1.0:
+        raise OptionError("--sparsity", sparsity, "choose a fraction in [0, 1)")
+    placement = _placement_from_context()
+    share = placement.get("coordinator_share")
+    if share is not None and not 0.0 <= share < 1.0:  # the engine's own words (static_plan)
+        raise ValueError(f"coordinator share must be within [0, 1), got {share}")
+    _check_range("--vram-budget", placement.get("vram_budget_gb"), 0.0, None, "a budget cannot be negative")
+    from sparsecore.config import read_config
+    from sparsecore.gguf_file import open_gguf
+
+    path = _resolve_model(model)
+    cfg = read_config(path, open_gguf(path))
+    trained = cfg.context_length
+    if ctx is not None and ctx > trained:
+        if _explicit("ctx"):
+            click.echo(f"note: --ctx {ctx} capped at the model's trained context, {trained} tokens", err=True)
+        ctx = trained
+    if need is not None and need[1] > trained:
+        raise ValueError(f"{need[0]}: {need[1]} tokens do not fit the model's trained context of {trained}")
+    return path, cfg, ctx
+
+
+def _check_tokens(option: str, n: int, ctx: int, least: int = 1) -> None:
+    _check_range(option, n, least, None, f"generate at least {least} token{'s' if least > 1 else ''}")
+    if n + 1 > ctx:  # a prompt has at least one token
+        raise OptionError(option, n, f"does not fit the context of {ctx} tokens with a prompt (raise --ctx "
+                                     f"up to the model's trained context, or lower {option.split('/')[-1]})")
+
+
+def _count_prompt_tokens(path, text: str) -> int | None:
+    """The prompt's tokens as the engine will count them (0.3 s for SmolLM2's vocabulary: far less
+    than loading); None if the tokenizer cannot be built, which the engine then reports."""
+    from sparsecore.gguf_file import open_gguf
+
+    from .tokenizer import GGUFTokenizer
+
+    try:
+        return len(GGUFTokenizer.from_reader(open_gguf(path)).encode(text))
+    except Exception:  # noqa: BLE001 - the engine's load names the problem
+        return None
+
+
+class _Command(click.Command):
+    """A value a command's body refuses with click.BadParameter is a refused value like any other
+    (exit 1); only what click's parser itself rejects keeps click's usage code, 2."""
 
     def invoke(self, ctx):
-        from .worker_pool import WorkerError
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as e:
+            raise ValueError(e.format_message()) from None
 
+
+class _Cli(click.Group):
+    """Turns the errors a user can cause into one line on stderr instead of a traceback: exit 1
+    for a value refused (by the checks below, the model file, the engine), 2 for click's own
+    usage errors (an unknown option, `-n abc`), which it would otherwise print in three lines."""
+
+    command_class = _Command
+
+    def invoke(self, ctx):
         stop_on_signals()
         try:
             return super().invoke(ctx)
-        except (ModelFileError, WorkerError, FetchError, ValueError) as e:
-            _fail(str(e))
+        except click.UsageError as e:
+            click.echo(f"error: {e.format_message()} (see `sparseinfer {ctx.invoked_subcommand or ''} --help`)",
+                       err=True)
+            sys.exit(e.exit_code)
+        except Exception as e:
+            # worker_pool imports torch (2 s): only a run that got that far can raise its error,
+            # so look it up rather than import it, and a refused option fails fast.
+            pool = sys.modules.get("coordinator.worker_pool")
+            if isinstance(e, (ModelFileError, FetchError, ValueError) + ((pool.WorkerError,) if pool else ())):
+                _fail(str(e))
+            raise
         except KeyboardInterrupt:
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
@@ -200,12 +340,19 @@ def pull_cmd(name, list_models):
 def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k,
              top_p, seed, chat, ignore_eos, prompt, stats):
     """Start coordinator and workers, generate a continuation of PROMPT, shut down."""
-    from .sampling import SamplingParams
     from .tokenizer import StreamDecoder
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    sampling.validate()
-    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
+    _check_text("-p/--prompt", prompt)
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
+
+    _check_tokens("-n/--max-tokens", max_tokens, ctx)
+    n_prompt = _count_prompt_tokens(path, prompt)  # the chat template only adds to it
+    if n_prompt is not None and n_prompt + max_tokens > ctx:
+        raise OptionError("-n/--max-tokens", max_tokens, f"the prompt's {n_prompt} tokens + {max_tokens} exceed "
+                                                         f"the context of {ctx} tokens (raise --ctx or lower -n)")
+    with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         text = eng.chat_prompt(prompt) if chat else prompt
         ids = eng.tokenizer.encode(text)
         stream = StreamDecoder(eng.tokenizer, skip_special=True)
@@ -238,15 +385,15 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
           ready_file):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
-    from .server import serve as serve_http
-
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
     if not 1 <= parallel <= 64:
         raise click.BadParameter(f"{parallel}: choose 1..64 sequences", param_hint="--parallel")
     if queue < 0:
         raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
-    path = _resolve_model(model)
+    path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
+
     opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,
                 sparsity=sparsity)
     click_ctx = click.get_current_context()
@@ -272,6 +419,10 @@ def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt
     """Send PROMPT to a running `sparseinfer serve` and stream its reply."""
     from .http_client import DEFAULT_URL, ClientError, chunk_text, stream_completion
 
+    _check_text("-p/--prompt", prompt)
+    _check_text("--system", system)
+    _check_range("-n/--max-tokens", max_tokens, 1, None, "generate at least 1 token")
+    seed = _seed(seed)
     url = url or DEFAULT_URL
     body = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                 ignore_eos=ignore_eos)
@@ -298,11 +449,14 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
          seed, chat, ignore_eos, system):
     """Talk with the model: a multi-turn chat in the terminal (/reset, /exit; Ctrl-C stops a reply)."""
     from .chat_repl import run_chat
-    from .sampling import SamplingParams
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    sampling.validate()
-    with _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
+    _check_text("--system", system)
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
+
+    _check_tokens("-n/--max-tokens", max_tokens, ctx)
+    with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)
 
 
@@ -319,6 +473,13 @@ def _corpus_options(f):
     return f
 
 
+def _check_corpus(corpus, chunks, chunk_len) -> None:
+    _check_range("--chunks", chunks, 1, None, "use at least 1 window")
+    _check_range("--chunk-len", chunk_len, 2, None, "a window needs at least 2 tokens")
+    if corpus is not None and not Path(corpus).is_file():
+        raise OptionError("--corpus", corpus, "no such file")
+
+
 def _chunks(eng, corpus, part, chunks, chunk_len):
     from .tools import corpus as corpus_mod
 
@@ -332,17 +493,24 @@ def _chunks(eng, corpus, part, chunks, chunk_len):
 @click.option("--levels", default=None, help="comma-separated sparsities to store (default 0.1 ... 0.9)")
 def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, levels):
     """Calibrate per-layer activation thresholds (CATS) for SwiGLU sparsity on calibration text."""
+    try:
+        given = sorted({float(v) for v in levels.split(",")}) if levels else []
+    except ValueError:
+        raise OptionError("--levels", levels, "give comma-separated fractions, e.g. 0.2,0.5") from None
+    if not all(0.0 < s < 1.0 for s in given + ([sparsity] if sparsity is not None else [])):
+        raise ValueError(f"sparsity levels must be in (0, 1), got {given + [sparsity]}")
+    _check_corpus(corpus, chunks, chunk_len)
+    path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
+                                      need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
     from .model_files import save_thresholds
     from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
 
-    grid = sorted({float(v) for v in levels.split(",")} if levels else set(DEFAULT_LEVELS))
+    grid = sorted(set(given) if given else set(DEFAULT_LEVELS))
     if sparsity is not None:
         grid = sorted(set(grid) | {sparsity})
-    if not all(0.0 < s < 1.0 for s in grid):
-        raise ValueError(f"sparsity levels must be in (0, 1), got {grid}")
-    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
+    with _open_engine(path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
         data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
         table = run_calibration(eng, tqdm(data, desc="calibrating", unit="chunk"), grid)
         path = save_thresholds(eng.path, table)
@@ -354,12 +522,15 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
 @_corpus_options
 def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len):
     """Perplexity on held-out text, dense or with --sparsity (applied to every token)."""
+    _check_corpus(corpus, chunks, chunk_len)
+    path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
+                                      need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
     from .tools.observe import predictors
     from .tools.perplexity import perplexity as run_perplexity
 
-    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, sparsity) as eng:
+    with _open_engine(path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, sparsity) as eng:
         data = _chunks(eng, corpus, "heldout", chunks, chunk_len)
         with tqdm(total=len(data), desc="perplexity", unit="chunk") as bar:
             r = run_perplexity(eng, data, bar.update)
@@ -380,13 +551,16 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
 def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, out_dir,
             powerinfer_activations):
     """Measure how often each FFN neuron is active on calibration text (for --vram-budget)."""
-
+    if not powerinfer_activations:
+        _check_corpus(corpus, chunks, chunk_len)
+    model, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
+                                       need=None if powerinfer_activations else (f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
     from . import model_files
     from .tools import profile as profiling
 
-    path = Path(_resolve_model(model))
+    path = Path(model)
     if powerinfer_activations:
         from sparsecore.config import read_config
         from sparsecore.gguf_file import open_gguf
@@ -446,7 +620,7 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 
-    path = _resolve_model(model)
+    path, _, _ = _check_engine_args(model, threads, cpu_workers, None)
     reader = open_gguf(path)
     cfg = read_config(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
@@ -501,7 +675,16 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
 def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunks, chunk_len, epochs, seed, dtype,
                     threads, output):
     """Train low-rank activation predictors per layer (PowerInfer-style fc1/fc2) on calibration text."""
-
+    _check_corpus(corpus, chunks, chunk_len)
+    _check_range("--heldout-chunks", heldout_chunks, 1, None, "evaluate on at least 1 window")
+    _check_range("--rank", rank, 1, None, "a predictor needs rank >= 1")
+    _check_range("--epochs", epochs, 1, None, "train at least 1 epoch")
+    if not 0.0 < recall <= 1.0:
+        raise OptionError("--recall", recall, "choose a fraction in (0, 1]")
+    if not 0.0 < sparsity < 1.0:
+        raise OptionError("--sparsity", sparsity, "choose a fraction in (0, 1)")
+    _check_range("--seed", seed, 0, None, "choose a seed >= 0")
+    model, _, _ = _check_engine_args(model, threads, None, None, need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
     from .model_files import load_thresholds, predictor_path, save_predictor
@@ -551,6 +734,12 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
 
     Sparse means the model's predictors (or --predictor) when there are any, else CATS
     thresholds at --sparsity (default: the operating point, calibrated first if needed)."""
+    _check_range("-p/--n-prompt", pp, 1, None, "the prompt needs at least 1 token")
+    _check_range("-n/--n-gen", tg, 2, None, "decode at least 2 tokens (the first one is prefill's)")
+    _check_range("-r/--reps", reps, 1, None, "time at least 1 run")
+    _check_range("--warmup", warmup, 0, None, "cannot be negative")
+    model, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
+                                       need=(f"-p {pp} + -n {tg} + 1", pp + tg + 1))
     from tqdm import tqdm
 
     from .model_files import level_key, save_thresholds, thresholds_path
@@ -560,8 +749,6 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     from .tools.observe import predictors, worker_layout
     from .tools.profile import DEFAULT_SPARSITY
 
-    if pp < 1 or tg < 2:
-        raise ValueError("need --n-prompt >= 1 and --n-gen >= 2")
     with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport) as eng:
         prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
         modes = [b.Mode("dense")]

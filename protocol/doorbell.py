@@ -24,6 +24,15 @@ Memory ordering (the one place these rules are written):
 Spinning needs a core per spinner: the coordinator spins only when it and every worker that
 computes have one each (choose_spin); a worker spins for WORKER_SPIN_US after its last step
 (enough to cover the lm_head and sampling between tokens), then sleeps.
+
+A shared machine. Those cores may not stay free: another program's busy threads turn every spin
+into a fight for the core, and a spinner that loses it delays the very process it waits for by a
+scheduler slice (SmolLM2 on 2 cores: 100 tok/s quiet, 13 with one busy neighbour, 5 with two).
+So each side watches its own spins (SpinGovernor): a spin that got much less CPU time than wall
+time was preempted. Then it spins only briefly and sleeps on its wake pipe, which costs a wake-up
+(about 0.2 ms) a layer but gives the core to whoever has work; now and then it tries a full spin
+again and keeps spinning once its spins run undisturbed. $SPARSEINFER_SYNC forces a policy:
+"static" (the old rule: spin whenever choose_spin allowed it at start), "sleep" (never spin).
 """
 from __future__ import annotations
 
@@ -42,7 +51,26 @@ from .shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLA
 WORKER_SPIN_US = 50_000  # a worker spins this long for the next step (covers lm_head + sampling)
 COORDINATOR_SPIN_US = 20_000  # the coordinator spins this long for a step to be done before it sleeps
 SOCKET_CHECK_SPINS = 256  # a spinner looks at its socket (Shutdown, WorkerFailed) this often
+CLOCK_CHECK_SPINS = 16  # and at the clock this often (a contended spin budget is only 50 us)
 MAX_SLEEP_MS = 100  # a sleeper's longest wait before it checks on the other side
+
+SYNC_ENV = "SPARSEINFER_SYNC"  # adaptive (default) | static (spin as choose_spin said) | sleep
+SYNC_POLICIES = ("adaptive", "static", "sleep")
+CONTENDED_SPIN_US = 50  # a contended coordinator still spins this long: a worker that finishes with it
+# costs no wake-up. A contended worker does not spin: its next step comes after the coordinator's
+# attention (about 0.3 ms), far beyond a short spin.
+SPIN_WINDOW_S = 0.005  # judge spinning over this much spin time (several waits)
+MIN_SPIN_CPU = 0.7  # a spin window with less CPU time than this share of wall time was preempted
+# A contended side tries full spins again after PROBE_S, doubling to MAX_PROBE_S while contention
+# keeps coming back (within RECENT_S of the last time): a one-off preemption (another program's
+# burst) costs 0.1 s of sleeping, a lasting neighbour a probe window every 8 s.
+PROBE_S, MAX_PROBE_S, RECENT_S = 0.1, 8.0, 10.0
+
+
+def sync_policy() -> str:
+    """The policy from $SPARSEINFER_SYNC; anything unknown is the default, adaptive."""
+    p = os.environ.get(SYNC_ENV, "adaptive").strip().lower()
+    return p if p in SYNC_POLICIES else "adaptive"
 
 
 def spin_supported() -> bool:
@@ -59,7 +87,65 @@ def usable_cores() -> int:
 def choose_spin(spinning_workers: int, cores: int | None = None) -> bool:
     """Spin only when the coordinator and every worker that computes have a core each: a spinner
     sharing a core with the process it waits for delays it by a scheduler tick."""
+    if sync_policy() == "sleep":
+        return False
     return spin_supported() and 1 + spinning_workers <= (cores or usable_cores())
+
+
+class SpinGovernor:
+    """How long one side spins before it sleeps, from how its recent spins went.
+
+    A side reports each spin: wall time and the CPU time its thread got meanwhile (thread_time).
+    Over a window of SPIN_WINDOW_S of spinning, CPU below MIN_SPIN_CPU of wall means another
+    runnable process took the core while this one spun: the cores are oversubscribed, and every
+    further spin steals time from the processes that compute (ours or not). Then the budget drops
+    to CONTENDED_SPIN_US; after PROBE_S one full-budget window is tried again (a probe), and a
+    clean one restores spinning; a contended one doubles the wait before the next probe (to
+    MAX_PROBE_S), so a long-busy machine pays a probe every few seconds. Pure logic with the clock
+    passed in, so the decisions are tested without timing. The wait before a probe doubles while
+    contention keeps returning (within `recent_s` of the last, even across a clean probe) and
+    starts again from `probe_s` after a quiet spell."""
+
+    def __init__(self, budget_s: float, adaptive: bool = True, contended_s: float = CONTENDED_SPIN_US / 1e6,
+                 window_s: float = SPIN_WINDOW_S, min_cpu: float = MIN_SPIN_CPU, probe_s: float = PROBE_S,
+                 max_probe_s: float = MAX_PROBE_S, recent_s: float = RECENT_S):
+        self.full_s, self.adaptive, self.contended_s = budget_s, adaptive, min(contended_s, budget_s)
+        self.window_s, self.min_cpu, self.probe_s, self.max_probe_s = window_s, min_cpu, probe_s, max_probe_s
+        self.recent_s = recent_s
+        self.last_contended = float("-inf")
+        self.contended = False
+        self.probing = False
+        self.next_probe = 0.0
+        self.backoff_s = probe_s
+        self.switches = 0  # times it went from spinning to contended (for benchmarks and tests)
+        self._wall = self._cpu = 0.0
+
+    def budget(self, now: float) -> float:
+        """Seconds to spin on this wait."""
+        if not self.contended:
+            return self.full_s
+        if not self.probing and now >= self.next_probe:
+            self.probing, self._wall, self._cpu = True, 0.0, 0.0
+        return self.full_s if self.probing else self.contended_s
+
+    def record(self, wall_s: float, cpu_s: float, now: float) -> None:
+        """One spin: `wall_s` long, of which this thread ran `cpu_s`."""
+        if not self.adaptive or (self.contended and not self.probing):
+            return  # short contended spins say nothing about whether long ones would be preempted
+        self._wall += wall_s
+        self._cpu += cpu_s
+        if self._wall < self.window_s:
+            return
+        preempted = self._cpu < self.min_cpu * self._wall
+        self._wall = self._cpu = 0.0
+        if preempted:
+            again = self.contended or now - self.last_contended < self.recent_s
+            self.backoff_s = min(self.max_probe_s, self.backoff_s * 2) if again else self.probe_s
+            self.switches += not self.contended
+            self.contended, self.probing, self.last_contended = True, False, now
+            self.next_probe = now + self.backoff_s
+        else:
+            self.contended, self.probing = False, False
 
 
 class WakePipe:
@@ -139,6 +225,7 @@ class CoordinatorBell:
                  check_every_s: float = 0.2):
         self.buffers, self.wake, self.worker_wakes = buffers, own_wake, worker_wakes
         self.spin, self.socket, self.check, self.check_every_s = spin, socket, check, check_every_s
+        self.governor = SpinGovernor(COORDINATOR_SPIN_US / 1e6, adaptive=sync_policy() == "adaptive")
         self.step = 0
         self.wakeups = 0  # steps posted to sleeping workers
         self._last_check = 0.0
@@ -184,17 +271,21 @@ class CoordinatorBell:
 
         self._check_every(self.check_every_s)  # also workers that sit this step out
         if self.spin:
-            deadline = time.monotonic() + COORDINATOR_SPIN_US / 1e6
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            deadline = t0 + self.governor.budget(t0)
             n = 0
             while waiting:
                 collect()
                 n += 1
-                if waiting and n % SOCKET_CHECK_SPINS == 0:
-                    if self.socket is not None and self.socket.poll(0):
-                        self.check()
-                    self._check_every(self.check_every_s)
-                    if time.monotonic() > deadline:
+                if waiting and n % CLOCK_CHECK_SPINS == 0:
+                    if n % SOCKET_CHECK_SPINS == 0:
+                        if self.socket is not None and self.socket.poll(0):
+                            self.check()
+                        self._check_every(self.check_every_s)
+                    if time.perf_counter() > deadline:
                         break
+            t1 = time.perf_counter()
+            self.governor.record(t1 - t0, time.thread_time() - cpu0, t1)
             if not waiting:
                 return n_active, slowest
         req = self.buffers.request
@@ -239,6 +330,7 @@ class WorkerBell:
         self.buffers, self.slot, self.wake, self.coordinator_wake = buffers, slot, wake, coordinator_wake
         self.spin_s, self.socket, self.takes_part, self.gone = spin_s, socket, takes_part, gone
         self.gone_check_ms = gone_check_ms
+        self.governor = SpinGovernor(spin_s, adaptive=sync_policy() == "adaptive", contended_s=0.0)
         self.last_step = 0
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
@@ -263,19 +355,24 @@ class WorkerBell:
         """The next Request for this worker, MESSAGE (read the socket), or GONE."""
         req = self.buffers.request
         if self.spin_s > 0:
-            deadline = time.perf_counter() + self.spin_s
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            deadline = t0 + self.governor.budget(t0)
             n = 0
-            while True:
-                if req[REQ_STEP] != self.last_step:
-                    r = self._request()
-                    if r is not None:
-                        return r
-                n += 1
-                if n % SOCKET_CHECK_SPINS == 0:
-                    if self.socket.poll(0):
-                        return MESSAGE
-                    if time.perf_counter() > deadline:
-                        break
+            try:
+                while True:
+                    if req[REQ_STEP] != self.last_step:
+                        r = self._request()
+                        if r is not None:
+                            return r
+                    n += 1
+                    if n % CLOCK_CHECK_SPINS == 0:
+                        if n % SOCKET_CHECK_SPINS == 0 and self.socket.poll(0):
+                            return MESSAGE
+                        if time.perf_counter() > deadline:
+                            break
+            finally:
+                t1 = time.perf_counter()
+                self.governor.record(t1 - t0, time.thread_time() - cpu0, t1)
         sleeping = self.buffers.slots[self.slot]
         sleeping[SLOT_SLEEPING] = SLEEPING
         try:
