@@ -264,6 +264,8 @@ class Scheduler:
             return
         logits = self.model.decode_batch([s.next for s in running], [s.cache for s in running]).numpy()
         self.steps += 1
+        if self.steps % 1000 == 0:
+            self.engine.ffn.stats.trim()  # bounded memory however long the server runs
         for s, row in zip(running, logits):
             s.tokens.append(s.next)
             s.next = None

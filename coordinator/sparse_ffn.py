@@ -46,6 +46,14 @@ class ExchangeStats:
         self.active.clear()
         self.tokens.clear()
 
+    def trim(self, keep: int = 50_000) -> None:
+        """Forget all but the last `keep` timings of each kind: a server decodes for days, and
+        these lists grow by one entry per layer and token. (Offline tools measure bounded runs
+        by list index and never call this.)"""
+        for timings in (self.round_trip_us, self.overhead_us, self.head_us):
+            if len(timings) > 2 * keep:
+                del timings[:-keep]
+
 
 class SparseFfn:
     """The FFN of every layer, computed by the workers' shards and the coordinator's own.

@@ -58,7 +58,10 @@ class FakeModel:
 
 class FakeEngine:
     def __init__(self, model, tokenizer):
+        from coordinator.sparse_ffn import ExchangeStats
+
         self.model, self.tokenizer = model, tokenizer
+        self.ffn = type("Ffn", (), {"stats": ExchangeStats()})()
 
     def check_workers(self):
         pass
@@ -228,3 +231,14 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
             for b in range(len(prompts)):
                 np.testing.assert_array_equal(got[b], alone[b][step])
         assert [c.pos for c in caches] == [len(p) + 3 for p in prompts]
+
+
+def test_exchange_timings_stay_bounded():
+    from coordinator.sparse_ffn import ExchangeStats
+
+    st = ExchangeStats()
+    st.round_trip_us.extend(range(250))
+    st.trim(keep=100)
+    assert st.round_trip_us == list(range(150, 250))
+    st.trim(keep=100)  # below twice the bound: nothing to do
+    assert len(st.round_trip_us) == 100
