@@ -1306,11 +1306,8 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
         }
         for (int p = 0; p <= pos; p++) { att[p] = expf(att[p] - mx); sum += att[p]; }
         memset(o, 0, sizeof(float) * hd);
-        for (int p = 0; p <= pos; p++) {
-            float w = att[p] / sum;
-            const float *vp = V + (int64_t)p * hd;
-            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
-        }
+        for (int p = 0; p <= pos; p++)  /* vectorized: in a batch each sequence pays this alone */
+            axpy(T_F32, (const uint8_t *)(V + (int64_t)p * hd), att[p] / sum, o, hd);
     }
 }
 
