@@ -141,7 +141,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         eng = _engine(state)
-        ids = eng.tokenizer.encode(body.content, add_bos=None if body.add_special else False, add_eos=False)
+        ids = eng.tokenizer.encode(_text(body.content, "content"), add_bos=None if body.add_special else False, add_eos=False)
         if body.with_pieces:
             return {"tokens": [{"id": i, "piece": eng.tokenizer.piece_bytes(i).decode("utf-8", "replace")} for i in ids]}
         return {"tokens": ids}
@@ -159,7 +159,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def chat(body: ChatRequest, http: HttpRequest):
         sched = state.ready()
         _check_model(state, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": _text(m.text(), "messages")} for m in body.messages]
         _fits_at_all(state, sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = await run_in_threadpool(state.engine.encode_chat, messages)
@@ -176,7 +176,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         tk = state.engine.tokenizer
         if isinstance(body.prompt, str):
             _fits_at_all(state, len(body.prompt), "prompt")
-            ids = await run_in_threadpool(tk.encode, body.prompt)
+            ids = await run_in_threadpool(tk.encode, _text(body.prompt, "prompt"))
         else:
             ids = list(body.prompt)
             bad = [t for t in ids if not 0 <= t < tk.vocab_size]
@@ -190,6 +190,15 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 def _engine(state: ServerState):
     state.ready()
     return state.engine
+
+
+def _text(s: str, param: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: not valid Unicode text ({e.reason} at character {e.start})", param=param) from None
+    return s
 
 
 def _fits_at_all(state: ServerState, chars: int, param: str) -> None:

@@ -387,3 +387,65 @@ def test_huge_prompts_are_refused_before_any_work(served, client, model_id):
         client.completions.create(model=model_id, prompt="x" * 9_000_000, max_tokens=1)
     assert e.value.status_code == 413
     assert _health(served[1])[0] == 200
+
+
+HOSTILE = [
+    (b"not json", "application/json"),
+    (b"{", "application/json"),
+    (b"[]", "application/json"),
+    (b"null", "application/json"),
+    (b'{"prompt": 123}', "application/json"),
+    (b'{"prompt": null, "max_tokens": null}', "application/json"),
+    (b'{"prompt": "x", "max_tokens": "many"}', "application/json"),
+    (b'{"prompt": "x", "max_tokens": 1e308}', "application/json"),
+    (b'{"prompt": "x", "max_tokens": -5}', "application/json"),
+    (b'{"prompt": "x", "temperature": "hot"}', "application/json"),
+    (b'{"prompt": "x", "temperature": NaN}', "application/json"),
+    (b'{"prompt": "x", "seed": 1e400}', "application/json"),
+    (b'{"prompt": "x", "seed": 99999999999999999999999999999}', "application/json"),
+    (b'{"prompt": [1, 2, 99999999]}', "application/json"),
+    (b'{"prompt": [-1]}', "application/json"),
+    (b'{"prompt": [[1, 2], [3]]}', "application/json"),
+    (b'{"prompt": ["a", "b"]}', "application/json"),
+    (b'{"prompt": {"x": 1}}', "application/json"),
+    (b'{"prompt": "x", "stop": 5}', "application/json"),
+    (b'{"prompt": "x", "stop": [1, 2]}', "application/json"),
+    (b'{"prompt": "x", "logprobs": 1000}', "application/json"),
+    (b'{"prompt": "x", "stream": "yes"}', "application/json"),
+    (b'{"prompt": "\\ud800"}', "application/json"),
+    (b'{"prompt": "x", "n": 0}', "application/json"),
+    (b'{"prompt": "x"' + b', "a": [' * 5000 + b']' * 5000 + b'}', "application/json"),
+    (b'\xff\xfe\x00garbage', "application/json"),
+    (b'{"prompt": "x"}', "text/plain"),
+]
+
+
+@pytest.mark.parametrize("body, ctype", HOSTILE, ids=[f"h{i}" for i in range(len(HOSTILE))])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_hostile_requests_get_an_error_and_the_server_keeps_serving(served, client, model_id, body, ctype, path):
+    req = urllib.request.Request(served[1] + path, data=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, reply = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, reply = e.code, e.read()
+    assert 400 <= status < 500 or status == 200, (status, reply[:200])
+    if status >= 400:
+        assert "error" in json.loads(reply) and b"Traceback" not in reply
+    assert _health(served[1])[0] == 200
+
+
+def test_a_50_mb_request_is_refused_at_once(served):
+    t0 = time.monotonic()
+    req = urllib.request.Request(served[1] + "/v1/completions", data=b"x" * (50 << 20),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        status = 200
+    except urllib.error.HTTPError as e:
+        status = e.code
+    except (ConnectionError, urllib.error.URLError):
+        status = 413  # the server answered 413 and closed before the client finished sending
+    assert status == 413 and time.monotonic() - t0 < 5
+    assert _health(served[1])[0] == 200
