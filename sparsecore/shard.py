@@ -87,6 +87,10 @@ class FileLayer:
         self.own, self.fast, self.scratch = own, fast, scratch
         self.idx = np.arange(own.start, own.stop)
 
+    @property
+    def tiled_prefill(self) -> bool:
+        return self.fast and min(m.block for m in (self.gate, self.up, self.down)) >= 32
+
     @staticmethod
     def down_name(store: TensorStore, layer: int) -> str:
         t = f"blk.{layer}.ffn_down_t.weight"
@@ -132,11 +136,18 @@ class FileLayer:
             y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
                              threshold, active, self.fast, self.down_t, gate_mode=self.gate_mode)
             return torch.from_numpy(y.copy())[None], n
-        if x.shape[0] <= MAX_SMALL_BATCH:
-            y, n = ffn_batch(self.gate, self.up, self.down, np.ascontiguousarray(x.numpy(), dtype=np.float32),
-                             self.own, activation, self.scratch, threshold, active, self.fast, self.down_t,
-                             gate_mode=self.gate_mode)
-            return torch.from_numpy(y.copy()), n
+        if x.shape[0] <= MAX_SMALL_BATCH or self.tiled_prefill:
+            # small batches, and with fast arithmetic any batch: MAX_SMALL_BATCH tokens at a time
+            # through the integer kernels (see FileRows.tiled_prefill)
+            xs = np.ascontiguousarray(x.numpy(), dtype=np.float32)
+            y, n_active = np.empty_like(xs), 0
+            for a in range(0, len(xs), MAX_SMALL_BATCH):
+                part, n = ffn_batch(self.gate, self.up, self.down, xs[a:a + MAX_SMALL_BATCH], self.own, activation,
+                                    self.scratch, threshold, active, self.fast, self.down_t,
+                                    gate_mode=self.gate_mode)
+                y[a:a + len(part)] = part
+                n_active += n
+            return torch.from_numpy(y), n_active
         # A batch: dequantize a chunk of owned neurons at a time into reused tiles and let
         # torch's GEMM run (down as read: (hidden, chunk) columns, used transposed, no copy).
         y, n_active = torch.zeros(x.shape), 0

@@ -434,3 +434,27 @@ def test_shard_batch_step_equals_token_steps(shard_model, fast):
     assert logits.shape == (4, 500)
     for b in range(4):
         np.testing.assert_array_equal(logits[b], shard.head(buf.x[b:b + 1]))
+
+
+def test_fast_prefill_goes_through_the_small_batch_kernels_in_tiles(shard_model):
+    """With fast arithmetic a prompt's tokens (more than MAX_SMALL_BATCH) take the integer
+    kernels a tile at a time: each token's FFN output and products equal its one-token step
+    exactly (exact arithmetic keeps the float32 GEMM for prompts)."""
+    from sparsecore.config import read_config
+    from sparsecore.ffn import FileRows, x_wt
+    from sparsecore.gguf_file import open_gguf
+    from sparsecore.shard import FfnShard
+    from sparsecore.tensors import TensorStore
+    store = TensorStore(shard_model, open_gguf(shard_model))
+    cfg = read_config(shard_model, store.reader)
+    T = K.MAX_SMALL_BATCH * 2 + 5
+    x = torch.from_numpy(np.random.default_rng(31).standard_normal((T, cfg.hidden)).astype(np.float32))
+    shard = FfnShard.load(shard_model, [np.arange(cfg.n_ff)] * cfg.n_layers, weights="gguf", fast=True, store=store)
+    for thr in (None, 0.05):
+        y, n = shard.step(0, x, None, thr)
+        singles = [shard.step(0, x[t:t + 1], None, thr) for t in range(T)]
+        np.testing.assert_array_equal(y.numpy(), torch.cat([s[0] for s in singles]).numpy())
+        assert n == sum(s[1] for s in singles)
+    q = FileRows(K.FileMatrix(store.info("blk.0.attn_q.weight")), None, fast=True)
+    assert q.tiled_prefill and not FileRows(q.m, None, fast=False).tiled_prefill
+    np.testing.assert_array_equal(x_wt(x, q).numpy(), np.stack([q.matvec(x[t].numpy()).copy() for t in range(T)]))
