@@ -396,11 +396,16 @@ class Transformer:
             return self.forward(ids, cache=caches[0])
         h = self.embed(ids).contiguous()
         positions = [c.pos for c in caches]
+        native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
+        if native_ok:  # checked here once per step, not per layer: positions and cache addresses
+            pos = np.asarray(positions, dtype=np.int64)
+            k0 = np.array([c.k.data_ptr() for c in caches], dtype=np.int64)
+            v0 = np.array([c.v.data_ptr() for c in caches], dtype=np.int64)
+            stride = self.cache.k[0].numel() * self.cache.k.element_size()  # bytes of one layer's cache
         for i, L in enumerate(self.layers):
-            if (self.native[i] is not None and len(ids) <= MAX_SMALL_BATCH
-                    and (L.window is None or max(positions) < L.window)):
+            if native_ok and self.native[i] is not None and (L.window is None or max(positions) < L.window):
                 # one native call: the attention weights read once for every sequence
-                self.native[i].batch(h.numpy(), positions, [c.layer(i) for c in caches])
+                self.native[i].batch_raw(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
             else:
                 h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
             h = self._ffn(i, h, decode=True).contiguous()

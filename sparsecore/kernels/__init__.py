@@ -238,6 +238,8 @@ class FfnScratch:
             self.small = (np.empty(B * n, np.float32), np.empty(n, np.uint8), q8_scratch(self.hidden, B),
                           q8_scratch(n, B), np.zeros(B, np.int64), np.empty((B, self.hidden), np.float32),
                           np.empty(B, np.float32))
+            # h, any, xq, hq, counts as the kernel takes them: looked up once, not per layer and step
+            self.small_ptrs = tuple(_ptr(a) for a in self.small[:5])
         return self.small
 
     def batch_tiles(self, chunk: int) -> list[np.ndarray]:
@@ -309,7 +311,7 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
         thr_ptr = _ptr(thr)
     n = _kernels.ffn_batch(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
                            ACT_IDS[activation] | GATE_BITS[gate_mode], thr_ptr, 0 if mask is None else _ptr(mask), _ptr(x), B, int(fast),
-                           _ptr(h), _ptr(anyv), _ptr(xq), _ptr(hq), _ptr(counts), _ptr(y))
+                           *scratch.small_ptrs, _ptr(y))
     return y, n
 
 
@@ -361,6 +363,15 @@ class AttentionStep:
             for a in (k, v):
                 if a.dtype != np.float32 or a.shape != self.cache_shape or not a.flags.c_contiguous:
                     raise ValueError(f"attention batch: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
+        pos = np.asarray(positions, dtype=np.int64)
+        kp = np.array([k.ctypes.data for k, _ in caches], dtype=np.int64)
+        vp = np.array([v.ctypes.data for _, v in caches], dtype=np.int64)
+        self.batch_raw(h, pos, kp, vp)
+
+    def batch_raw(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
+        """`batch` for a caller that checked once per step what `batch` checks per call: h (B,
+        hidden) float32 contiguous; pos, kp, vp: B int64 (positions, addresses of this layer's
+        key and value caches, each shaped like the constructor's)."""
         if self.batch_tail is None:  # room for MAX_SMALL_BATCH rows, made on first use
             hidden, nq, nk = self.sizes
             n = MAX_SMALL_BATCH
@@ -368,10 +379,7 @@ class AttentionStep:
                                                                     n * nq)]
             self.batch_scratch += [q8_scratch(hidden, n), q8_scratch(nq, n)]
             self.batch_tail = tuple(_ptr(a) for a in self.batch_scratch)
-        pos = np.asarray(positions, dtype=np.int64)
-        kp = np.array([k.ctypes.data for k, _ in caches], dtype=np.int64)
-        vp = np.array([v.ctypes.data for _, v in caches], dtype=np.int64)
-        _kernels.attn_batch(*self.head, self.cos, self.sin, B, _ptr(pos), _ptr(kp), _ptr(vp), self.max_ctx,
+        _kernels.attn_batch(*self.head, self.cos, self.sin, len(pos), _ptr(pos), _ptr(kp), _ptr(vp), self.max_ctx,
                             self.fast, *self.batch_tail, _ptr(h))
 
     def __call__(self, h: np.ndarray, pos: int, cache: tuple[np.ndarray, np.ndarray] | None = None) -> None:
