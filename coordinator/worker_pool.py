@@ -28,9 +28,10 @@ from protocol.addresses import (COORDINATOR_PID_ENV, SECRET_FILE_ENV, private_ru
                                 write_secret)
 from protocol.doorbell import WORKER_SPIN_US, CoordinatorBell, WakePipe, choose_spin
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import SharedBuffers, ShmLayout
+from protocol.shm_layout import SharedBuffers, ShmLayout, new_segment_name
 
 from .placement import Plan, WorkerShard
+from .reaper import start_reaper
 
 POLL_SLICE_MS = 100
 DEATH_CHECK_S = 0.2
@@ -121,6 +122,9 @@ class WorkerPool:
         self.proc_shards = [sh for sh in plan.shards if sh.role != "coordinator"]
         self.own_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
         self.run_dir = private_runtime_dir()
+        shm_name = new_segment_name()
+        # whatever happens to this process from here, the names go (coordinator/reaper.py)
+        self.reaper_fd: int | None = start_reaper(str(self.run_dir), shm_name)
         self.secret, self.secret_path = write_secret(self.run_dir)
         self.authenticated: set[bytes] = set()  # identities whose Hello carried the secret
         self.ctx = zmq.Context()
@@ -131,7 +135,7 @@ class WorkerPool:
         self.sock.bind(worker_endpoint(self.run_dir, transport))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
-        self.buffers = SharedBuffers.create(layout)
+        self.buffers = SharedBuffers.create(layout, shm_name)
         self.spinning_workers = sum(1 for sh in self.proc_shards if any(len(n) for n in sh.neurons))
         self.spin = choose_spin(self.spinning_workers, cores) if spin is None else spin
         wakes = [WakePipe.create(str(self.run_dir / f"slot{slot}.wake")) for slot in range(len(self.proc_shards))]
@@ -200,6 +204,13 @@ class WorkerPool:
         segment, FIFO, socket or directory behind (no one would be left to remove them)."""
         self.buffers.unlink()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._release_reaper()
+
+    def _release_reaper(self) -> None:
+        """No names left to remove: let the reaper go."""
+        if self.reaper_fd is not None:
+            os.close(self.reaper_fd)
+            self.reaper_fd = None
 
     # ---- liveness -----------------------------------------------------------------------
 
@@ -280,6 +291,7 @@ class WorkerPool:
         self.bell.close()
         self.buffers.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._release_reaper()
 
     def __enter__(self):
         return self

@@ -113,6 +113,11 @@ class _Mapping:
             pass
 
 
+def new_segment_name() -> str:
+    """A fresh segment name. The creator's pid in it lets a leak check tell orphans from live runs."""
+    return f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+
+
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
     hidden), thresholds (n_layers,), and the doorbell: request (8,) and slots (n_slots, 8) int64."""
@@ -133,10 +138,9 @@ class SharedBuffers:
         return self.shm.name
 
     @classmethod
-    def create(cls, layout: ShmLayout) -> "SharedBuffers":
+    def create(cls, layout: ShmLayout, name: str | None = None) -> "SharedBuffers":
         # Python creates POSIX segments with mode 0600; the random name avoids collisions.
-        # The creator's pid in the name lets a leak check tell orphans from live runs.
-        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        name = name or new_segment_name()
         shm = shared_memory.SharedMemory(name, create=True, size=layout.size)
         shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
         return cls(shm, layout, owner=True)

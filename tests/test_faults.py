@@ -417,6 +417,29 @@ def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
         assert not left, f"private runtime dir left in {run.tmp}: {left}"
 
 
+def test_sigkill_of_the_whole_tree_while_workers_start_leaves_nothing(long_model):
+    """The same kill before the workers are ready, while the segment and the run directory still
+    have their names: the run's reaper (coordinator/reaper.py), outside the process group,
+    removes them once the coordinator is gone."""
+    with Generate(long_model, *LONG) as run:
+        run.wait_workers()
+        segments = _mapped_segments(run.pid)
+        assert segments and any(run.tmp.iterdir())  # names exist: start-up is not over
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+        assert _wait_for(lambda: not (segments & shm_segments()) and not any(run.tmp.iterdir()), 5.0), \
+            f"left behind: {sorted(segments & shm_segments())}, {sorted(p.name for p in run.tmp.iterdir())}"
+        assert _wait_for(lambda: not run.leftovers(), 20.0, 0.2), f"left behind: {run.leftovers()}"
+
+
+def test_the_reaper_leaves_with_the_run(tiny_model):
+    with Generate(tiny_model, *WORKERS, "-n", "2") as run:
+        run.wait()
+    marker = str(tiny_model)
+    assert _wait_for(lambda: not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout, 3.0), \
+        "a process of the run (its reaper?) outlived a normal exit"
+
+
 def test_coordinator_sigkill_while_workers_start(long_model):
     """Killed while its workers are still importing (before they set PR_SET_PDEATHSIG): they
     must still notice and exit, not wait forever for an Assign from a dead coordinator."""
