@@ -1431,19 +1431,32 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_token(gate(3), up(3), down(3), down_t, hidden, own0, n_own, act, threshold, mask_ptr|0, x_ptr,
- *           fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+/* The shard's arguments ffn_token and ffn_batch share: gate(3), up(3), down(3), down_t, hidden,
+ * own0, n_own, act at args[0..13]; mask_ptr|0 and x_ptr at args[15], args[16]. */
+typedef struct {
+    mat g, u, d;
+    int down_t, hidden, act;
+    int64_t own0, n_own;
+    const uint8_t *mask;
+    const float *x;
+} ffn_shard;
+
+static int get_ffn_shard(PyObject *const *args, ffn_shard *f) {
+    if (get_mat(args, &f->g) || get_mat(args + 3, &f->u) || get_mat(args + 6, &f->d)) return -1;
+    f->down_t = (int)ARG_LL(9), f->hidden = (int)ARG_LL(10);
+    f->own0 = ARG_LL(11), f->n_own = ARG_LL(12);
+    f->act = (int)ARG_LL(13);
+    f->mask = ARG_PTR(15);
+    f->x = ARG_PTR(16);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ffn_token(<shard: 14>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
 static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 22) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 22 arguments"); return NULL; }
-    mat g, u, d;
-    if (get_mat(args, &g) || get_mat(args + 3, &u) || get_mat(args + 6, &d)) return NULL;
-    int down_t = (int)ARG_LL(9);
-    int hidden = (int)ARG_LL(10);
-    int64_t own0 = ARG_LL(11), n_own = ARG_LL(12);
-    int act = (int)ARG_LL(13);
+    ffn_shard f;
+    if (get_ffn_shard(args, &f)) return NULL;
     float threshold = (float)PyFloat_AsDouble(args[14]);
-    const uint8_t *mask = ARG_PTR(15);
-    const float *x = ARG_PTR(16);
     int fast = (int)ARG_LL(17);
     float *h = ARG_PTR(18);
     q8blk *xq = ARG_PTR(19), *hq = ARG_PTR(20);
@@ -1451,7 +1464,8 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (PyErr_Occurred()) return NULL;
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
-    n_active = ffn_token(g, u, d, down_t, hidden, own0, n_own, act, threshold, mask, x, fast, h, xq, hq, y);
+    n_active = ffn_token(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, threshold, f.mask, f.x, fast, h,
+                         xq, hq, y);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(n_active);
 }
@@ -1482,18 +1496,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_batch(gate(3), up(3), down(3), down_t, hidden, own0, n_own, act, thr_ptr|0, mask_ptr|0, x_ptr, B,
- *           fast, h_ptr, any_ptr, xq_ptr, hq_ptr, counts_ptr, y_ptr) -> active (neuron, token) pairs */
+/* ffn_batch(<shard: 14>, thr_ptr|0, mask_ptr|0, x_ptr, B, fast, h_ptr, any_ptr, xq_ptr, hq_ptr,
+ *           counts_ptr, y_ptr) -> active (neuron, token) pairs */
 static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 25 arguments"); return NULL; }
-    mat g, u, d;
-    if (get_mat(args, &g) || get_mat(args + 3, &u) || get_mat(args + 6, &d)) return NULL;
-    int down_t = (int)ARG_LL(9), hidden = (int)ARG_LL(10);
-    int64_t own0 = ARG_LL(11), n_own = ARG_LL(12);
-    int act = (int)ARG_LL(13);
+    ffn_shard f;
+    if (get_ffn_shard(args, &f)) return NULL;
     const float *thr = ARG_PTR(14);
-    const uint8_t *mask = ARG_PTR(15);
-    const float *x = ARG_PTR(16);
     int B = (int)ARG_LL(17), fast = (int)ARG_LL(18);
     float *h = ARG_PTR(19);
     uint8_t *any = ARG_PTR(20);
@@ -1504,7 +1513,8 @@ static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "ffn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
-    n_active = ffn_batch(g, u, d, down_t, hidden, own0, n_own, act, thr, mask, x, B, fast, h, any, xq, hq, counts, y);
+    n_active = ffn_batch(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, thr, f.mask, f.x, B, fast, h, any,
+                         xq, hq, counts, y);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(n_active);
 }
