@@ -345,8 +345,6 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
     _check_text("-p/--prompt", prompt)
     sampling = _sampling(temperature, top_k, top_p, seed)
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
-    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
-
     _check_tokens("-n/--max-tokens", max_tokens, ctx)
     n_prompt = _count_prompt_tokens(path, prompt)  # the chat template only adds to it
     if n_prompt is not None and n_prompt + max_tokens > ctx:
@@ -453,8 +451,6 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     _check_text("--system", system)
     sampling = _sampling(temperature, top_k, top_p, seed)
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
-    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
-
     _check_tokens("-n/--max-tokens", max_tokens, ctx)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)

@@ -38,7 +38,6 @@ on the dense file of the same shape and type.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

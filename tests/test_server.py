@@ -108,8 +108,6 @@ def test_models_and_health(served, client, tiny_model):
 
 
 def test_greedy_completion_matches_the_engine_alone_and_in_a_batch_of_4(served, client, model_id, reference):
-    from coordinator.engine import Engine  # noqa: F401  (the reference fixture ran the oracle)
-
     tk = _tokenizer(served)
     alone = {p: _ids(client, model_id, p) for p in PROMPTS}
     for p in PROMPTS:
