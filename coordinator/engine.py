@@ -19,7 +19,7 @@ from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
-from sparsecore.tensors import TensorStore
+from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
 
 from sparsecore.kernels import supports
 from sparsecore.lm_head import head_tensor_name
@@ -118,8 +118,13 @@ class Engine:
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
             wanted = set(required_tensors(cfg) + down_t)
-            slow = sorted({t.tensor_type.name for t in reader.tensors
-                           if t.name in wanted and len(t.shape) > 1 and not supports(t.tensor_type)})
+            types = {t.tensor_type for t in reader.tensors if t.name in wanted and len(t.shape) > 1
+                     and not supports(t.tensor_type)}
+            exact = sorted(f"{t.name} as {EXACT_CONVERSIONS[t][0].name}" for t in types if t in EXACT_CONVERSIONS)
+            slow = sorted(t.name for t in types if t not in EXACT_CONVERSIONS)
+            if exact:
+                print(f"note: {self.path.name}: no native kernel for {', '.join(exact)}: converted once at load, "
+                      f"same values", file=sys.stderr)
             if slow:
                 print(f"note: {self.path.name}: {', '.join(slow)} tensors have no native kernel; "
                       f"converted to float32 once at load", file=sys.stderr)

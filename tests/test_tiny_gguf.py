@@ -251,3 +251,30 @@ def test_garbage_files(tmp_path):
         r = gguf.GGUFReader(files["undequantizable_qtype"])
         t = next(t for t in r.tensors if t.name == "blk.0.ffn_gate.weight")
         gguf.quants.dequantize(t.data, t.tensor_type)
+
+
+def test_q5_0_is_read_as_q8_0_with_the_same_values(tiny_model_factory):
+    """Q5_0 (common in K-quant files) has no native kernel: the store hands it out as Q8_0
+    blocks holding exactly the same values, so every process computes on the native kernels."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize, quantize
+
+    from sparsecore.gguf_file import open_gguf
+    from sparsecore.kernels import FileMatrix
+    from sparsecore.tensors import TensorStore, q5_0_as_q8_0
+
+    x = np.random.default_rng(5).standard_normal((9, 128)).astype(np.float32) * 3
+    q5 = quantize(x, QT.Q5_0)
+    np.testing.assert_array_equal(dequantize(q5_0_as_q8_0(q5), QT.Q8_0), dequantize(q5, QT.Q5_0))
+    path = tiny_model_factory(tensor_type="Q5_0")
+    store = TensorStore(path, open_gguf(path))
+    raw = next(t for t in store.reader.tensors if t.name == "blk.0.ffn_up.weight")
+    assert raw.tensor_type == QT.Q5_0
+    t = store.info("blk.0.ffn_up.weight")
+    assert t.tensor_type == QT.Q8_0
+    np.testing.assert_array_equal(store.matrix("blk.0.ffn_up.weight"),
+                                  dequantize(np.asarray(raw.data), QT.Q5_0).reshape(store.shape("blk.0.ffn_up.weight")))
+    m = FileMatrix(t)
+    xs = np.random.default_rng(6).standard_normal(m.cols).astype(np.float32)
+    np.testing.assert_allclose(m.matvec(xs), store.matrix("blk.0.ffn_up.weight") @ xs, rtol=1e-4, atol=1e-4)
