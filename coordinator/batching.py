@@ -67,7 +67,6 @@ class Request:
     stop_at_eos: bool = True
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 class StopMatcher:

@@ -351,8 +351,8 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
         raise OptionError("-n/--max-tokens", max_tokens, f"the prompt's {n_prompt} tokens + {max_tokens} exceed "
                                                          f"the context of {ctx} tokens (raise --ctx or lower -n)")
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
-        text = eng.chat_prompt(prompt) if chat else prompt
-        ids = eng.tokenizer.encode(text)
+        # encode_chat: no second BOS where the template writes one (Gemma's, Llama 3's)
+        ids = eng.encode_chat([{"role": "user", "content": prompt}]) if chat else eng.tokenizer.encode(prompt)
         stream = StreamDecoder(eng.tokenizer, skip_special=True)
         if not chat:
             click.echo(prompt, nl=False)

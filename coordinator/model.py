@@ -405,7 +405,7 @@ class Transformer:
         for i, L in enumerate(self.layers):
             if native_ok and self.native[i] is not None and (L.window is None or max(positions) < L.window):
                 # one native call: the attention weights read once for every sequence
-                self.native[i].batch_raw(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
+                self.native[i].batch(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
             else:
                 h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
             h = self._ffn(i, h, decode=True).contiguous()

@@ -349,29 +349,18 @@ class AttentionStep:
         self.sizes = (hidden, n_heads * head_dim, n_kv * head_dim)
         self.fast, self.batch_tail = int(fast), None
 
-    def batch(self, h: np.ndarray, positions: list[int], caches: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Several sequences' decoded tokens (continuous batching): h (B, hidden) float32,
-        contiguous, row b at positions[b] with this layer's (keys, values) caches[b]; updated in
-        place. One pass over the weights for all B (_kernels.attn_batch); per row the same
-        arithmetic as a call of the step alone."""
-        B = len(positions)
-        if (h.dtype != np.float32 or h.shape != (B, self.hidden) or not h.flags.c_contiguous or len(caches) != B
-                or not 1 <= B <= MAX_SMALL_BATCH):
+    def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
+        """Several sequences' decoded tokens (continuous batching) in one call, the weights read
+        once for all B (_kernels.attn_batch); per row the arithmetic of a call of the step alone.
+        h (B, hidden) float32 contiguous, updated in place; pos, kp, vp: B int64 (positions, and
+        the addresses of this layer's key and value caches, each shaped like the constructor's).
+        The caller (Transformer.decode_batch) checks the caches once per step, not per layer."""
+        B = len(pos)
+        if h.dtype != np.float32 or h.shape != (B, self.hidden) or not h.flags.c_contiguous or not (
+                1 <= B <= MAX_SMALL_BATCH and len(kp) == len(vp) == B
+                and pos.dtype == kp.dtype == vp.dtype == np.int64):
             raise ValueError(f"attention batch: h must be (B, {self.hidden}) float32 with one position and cache "
                              f"per row, 1 <= B <= {MAX_SMALL_BATCH}")
-        for k, v in caches:
-            for a in (k, v):
-                if a.dtype != np.float32 or a.shape != self.cache_shape or not a.flags.c_contiguous:
-                    raise ValueError(f"attention batch: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
-        pos = np.asarray(positions, dtype=np.int64)
-        kp = np.array([k.ctypes.data for k, _ in caches], dtype=np.int64)
-        vp = np.array([v.ctypes.data for _, v in caches], dtype=np.int64)
-        self.batch_raw(h, pos, kp, vp)
-
-    def batch_raw(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
-        """`batch` for a caller that checked once per step what `batch` checks per call: h (B,
-        hidden) float32 contiguous; pos, kp, vp: B int64 (positions, addresses of this layer's
-        key and value caches, each shaped like the constructor's)."""
         if self.batch_tail is None:  # room for MAX_SMALL_BATCH rows, made on first use
             hidden, nq, nk = self.sizes
             n = MAX_SMALL_BATCH
