@@ -337,6 +337,7 @@ class AttentionStep:
             raise ValueError("attention: rope dimension or head counts not supported natively")
         self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
         self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
+        self.weight_bytes = sum(m.rows * m.row_bytes for m in (q, k, v, o))
         self.hidden, self.rope_bytes, self.max_ctx = hidden, rope_dim * 4, max_ctx
         self.scratch = [np.empty(n, np.float32) for n in (hidden, n_heads * head_dim, n_kv * head_dim,
                                                           n_kv * head_dim, max_ctx, n_heads * head_dim)]
@@ -349,12 +350,7 @@ class AttentionStep:
         self.sizes = (hidden, n_heads * head_dim, n_kv * head_dim)
         self.fast, self.batch_tail = int(fast), None
 
-    def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
-        """Several sequences' decoded tokens (continuous batching) in one call, the weights read
-        once for all B (_kernels.attn_batch); per row the arithmetic of a call of the step alone.
-        h (B, hidden) float32 contiguous, updated in place; pos, kp, vp: B int64 (positions, and
-        the addresses of this layer's key and value caches, each shaped like the constructor's).
-        The caller (Transformer.decode_batch) checks the caches once per step, not per layer."""
+    def _check_rows(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
         B = len(pos)
         if h.dtype != np.float32 or h.shape != (B, self.hidden) or not h.flags.c_contiguous or not (
                 1 <= B <= MAX_SMALL_BATCH and len(kp) == len(vp) == B
@@ -368,6 +364,27 @@ class AttentionStep:
                                                                     n * nq)]
             self.batch_scratch += [q8_scratch(hidden, n), q8_scratch(nq, n)]
             self.batch_tail = tuple(_ptr(a) for a in self.batch_scratch)
+
+    def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, kv0: int, kv1: int,
+             out: np.ndarray) -> None:
+        """The share of KV heads [kv0, kv1) (and their query heads) in the attention output of
+        each row of h (_kernels.attn_part): written to out (B, hidden), h left as it is. Their
+        keys and values go into the caches at kp, vp (addresses of head 0 of this layer's caches,
+        as for `batch`). Shares of disjoint ranges summed are the whole attention: processes
+        that split a layer's heads each compute one (coordinator/attention_split.py)."""
+        self._check_rows(h, pos, kp, vp)
+        if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
+            raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
+        _kernels.attn_part(*self.head, self.cos, self.sin, len(pos), _ptr(pos), _ptr(kp), _ptr(vp), self.max_ctx,
+                           self.fast, *self.batch_tail, _ptr(h), int(kv0), int(kv1), _ptr(out))
+
+    def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
+        """Several sequences' decoded tokens (continuous batching) in one call, the weights read
+        once for all B (_kernels.attn_batch); per row the arithmetic of a call of the step alone.
+        h (B, hidden) float32 contiguous, updated in place; pos, kp, vp: B int64 (positions, and
+        the addresses of this layer's key and value caches, each shaped like the constructor's).
+        The caller (Transformer.decode_batch) checks the caches once per step, not per layer."""
+        self._check_rows(h, pos, kp, vp)
         _kernels.attn_batch(*self.head, self.cos, self.sin, len(pos), _ptr(pos), _ptr(kp), _ptr(vp), self.max_ctx,
                             self.fast, *self.batch_tail, _ptr(h))
 

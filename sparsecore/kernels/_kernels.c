@@ -1326,35 +1326,51 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
     for (int i = 0; i < hidden; i++) h[i] += sc.x[i];
 }
 
-/* attn_token for B sequences decoded together (continuous batching), each at its own position
- * with its own KV cache: RMSNorm per row, then the Q, K, V and output products read each weight
- * row once for all B (matmul), while rope, the cache write and softmax attention run per
- * sequence. Per sequence the same float operations as attn_token, so a sequence decodes the
- * same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d). Scratch: x
- * (B hidden), q and out (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32
- * blocks), oq (B n_heads hd/32 blocks). h: B rows of hidden, updated in place. */
-static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
-                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
-                       float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
-    int64_t nq = (int64_t)n_heads * hd, nk = (int64_t)n_kv * hd;
-    int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK;
+/* The attention of KV heads [kv0, kv1) (and their query heads) for B sequences decoded together
+ * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
+ * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
+ * attention per sequence, then those heads' columns of the output product: `part` (B rows of
+ * hidden) gets their share of the attention output. The shares of disjoint head ranges summed
+ * are the whole attention (what lets processes split a layer's heads: coordinator/
+ * attention_split.py). Per sequence the same float operations whatever B, so a sequence decodes
+ * the same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d); kcs[b],
+ * vcs[b]: the layer's caches of sequence b at KV head 0. Scratch: x (B hidden), q and out
+ * (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32 blocks), oq (B n_heads
+ * hd/32 blocks). kv1 - kv0 heads' columns of wo must start on a block of wo's type. */
+static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                      const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                      const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
+                      float *const *vcs, int max_ctx, int fast, attn_scratch sc, const float *h, int kv0, int kv1,
+                      float *part) {
+    int group = n_heads / n_kv, lq = (kv1 - kv0) * group, lk = kv1 - kv0;
+    int64_t nq = (int64_t)lq * hd, nk = (int64_t)lk * hd, q0 = (int64_t)kv0 * group * hd, k0 = (int64_t)kv0 * hd;
+    int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK, head_off = (int64_t)kv0 * max_ctx * hd;
     for (int b = 0; b < B; b++) {
         float *xb = sc.x + (int64_t)b * hidden;
         rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
         if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
     }
-    matmul(wq, q_rows, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
-    matmul(wk, k_rows, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
-    matmul(wv, NULL, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    matmul(wq, q_rows + q0, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
+    matmul(wk, k_rows + k0, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
+    matmul(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
-        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, n_heads, n_kv, hd, d, cos_t + (int64_t)p0 * d,
-               sin_t + (int64_t)p0 * d, p0, kcs[b], vcs[b], max_ctx, sc.att, sc.out + b * nq);
+        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,
+               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, sc.att, sc.out + b * nq);
         if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
     }
-    matmul(wo, NULL, 0, hidden, 0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, sc.x, hidden);  /* x: free again */
-    for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += sc.x[i];
+    matmul(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
+}
+
+/* attn_token for B sequences: every head's share (attn_part) added to the residual h in place. */
+static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
+                       float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
+    float *part = sc.x;  /* x: free once the products have read it (attn_part's last matmul reads out) */
+    attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos, kcs,
+              vcs, max_ctx, fast, sc, h, 0, n_kv, part);
+    for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += part[i];
 }
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
@@ -1637,9 +1653,43 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* attn_part(<attn_batch's 38 arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): 41 arguments */
+static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 41) { PyErr_SetString(PyExc_TypeError, "attn_part takes 41 arguments"); return NULL; }
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
+    int B = (int)ARG_LL(23);
+    const int64_t *pos = ARG_PTR(24);
+    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
+    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
+    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
+    const float *h = ARG_PTR(37);
+    int kv0 = (int)ARG_LL(38), kv1 = (int)ARG_LL(39);
+    float *part = ARG_PTR(40);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_part: %d tokens, at most %d", B, MAXB); return NULL; }
+    if (kv0 < 0 || kv1 <= kv0 || kv1 > L.n_kv
+        || ((int64_t)kv0 * (L.n_heads / L.n_kv) * L.hd) % block_size(L.wo.t)) {
+        PyErr_SetString(PyExc_ValueError, "attn_part: KV head range outside the layer or off the output's blocks");
+        return NULL;
+    }
+    for (int b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= max_ctx) {
+            PyErr_SetString(PyExc_ValueError, "attn_part: a position outside the cache");
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    attn_part(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+              L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, kv0, kv1, part);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
     {"attn_batch", (PyCFunction)(void (*)(void))py_attn_batch, METH_FASTCALL, "a small batch's attention blocks"},
+    {"attn_part", (PyCFunction)(void (*)(void))py_attn_part, METH_FASTCALL, "some KV heads' share of attention"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
