@@ -142,12 +142,13 @@ def _placement_from_context() -> dict:
     return dict(ctx.meta.get("sparseinfer.placement", {})) if ctx is not None else {}
 
 
-def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None):
+def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2):
     from .engine import Engine, EngineOptions
 
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
+                                                       kv_caches=kv_caches,
                                                        weights=_weights_from_context(),
                                                        fast=_arith_from_context() == "fast",
                                                        **_placement_from_context()))
@@ -392,8 +393,9 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     from .server import serve as serve_http  # after the checks: it imports the engine (torch)
 
+    # a shared KV cache for each slot (and the engine's own): every slot's attention splits
     opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,
-                sparsity=sparsity)
+                sparsity=sparsity, kv_caches=parallel + 1)
     click_ctx = click.get_current_context()
 
     def load():  # on the loader thread: the click context is this thread's, so pass it along

@@ -21,11 +21,15 @@ from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
 
+from sparsecore.attn_shard import head_unit, native_attention, split_heads
 from sparsecore.kernels import supports
+from sparsecore.kv_pool import KvPool, KvShape
+from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.shard import FileLayer
 
 from .chat_template import chat_template_from_reader, render_chat
+from .attention_split import SplitAttention
 from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
@@ -68,6 +72,13 @@ class EngineOptions:
     coordinator_share: float | None = None
     # With a coordinator share, split the lm_head's vocabulary rows across the same processes.
     split_lm_head: bool = True
+    # Split decoded tokens' attention heads across the coordinator and the CPU workers (llama-
+    # shaped attention in the file's blocks; the KV caches then live in shared memory).
+    split_attention: bool = True
+    # KV caches in that shared memory: the engine's own, the chat REPL's, a server's slots
+    # (`serve` asks for --parallel + 1). A sequence beyond them gets a private cache, and its
+    # attention runs on the coordinator alone.
+    kv_caches: int = 2
 
 
 @dataclass
@@ -137,9 +148,19 @@ class Engine:
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
-        self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
-                               opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
-                               spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast)
+        max_ctx = min(opts.ctx, cfg.context_length)
+        attn_heads = self._split_heads(store)
+        self.kv_pool = (KvPool.create(KvShape(max(1, opts.kv_caches), cfg.n_layers, cfg.n_kv_heads, max_ctx,
+                                              cfg.head_dim, cfg.rope_dim)) if attn_heads else None)
+        try:
+            self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
+                                   opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
+                                   spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
+                                   attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool)
+        except BaseException:
+            if self.kv_pool is not None:
+                self.kv_pool.close()
+            raise
         # While workers spin on their cores, the coordinator computes on the one left to it.
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
@@ -148,14 +169,18 @@ class Engine:
             in_file = opts.weights == "gguf"
             embed = Embedding(store, in_file, cfg.embed_scale)
             self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
-            self.model = Transformer(store, cfg, min(opts.ctx, cfg.context_length), embed, self.ffn, self.head,
-                                     opts.weights, opts.fast)
+            self.model = Transformer(store, cfg, max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
+                                     self.kv_pool)
             self.pool.wait_ready()
+            if attn_heads and all(step is not None for step in self.model.native):
+                self.model.split_attn = SplitAttention(
+                    self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,
+                    {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats)
             self.last = RunStats()
             self.sparsity: float | None = None
             self.set_sparsity(opts.sparsity)
         except BaseException:
-            self.pool.close()
+            self.close()
             raise
 
     @property
@@ -190,6 +215,17 @@ class Engine:
             n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]
             head_rows = split_vocabulary(plan, n_vocab, opts.max_batch * cfg.hidden)
         return plan, source, head_rows, per_worker, total
+
+    def _split_heads(self, store: TensorStore) -> dict[int, tuple[int, int]]:
+        """KV heads per CPU worker slot and the coordinator's (key -1) for decoded tokens'
+        attention, or {} when it stays on the coordinator (sparsecore/attn_shard.py)."""
+        opts, cfg = self.opts, self.cfg
+        if not (opts.split_attention and opts.weights == "gguf" and shared_kv_supported()
+                and native_attention(store, cfg)):
+            return {}
+        workers = [slot for slot, sh in enumerate(self.plan.shards)
+                   if sh.role == "cpu" and any(len(n) for n in sh.neurons)]
+        return split_heads(cfg.n_kv_heads, workers + [-1], head_unit(store, cfg))
 
     def _load_predictors(self, reader) -> Predictors | None:
         p = self.opts.predictor
@@ -291,7 +327,12 @@ class Engine:
         }
 
     def close(self) -> None:
-        self.pool.close()
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        if getattr(self, "model", None) is not None:
+            self.model.split_attn = None
+        if getattr(self, "kv_pool", None) is not None:
+            self.kv_pool.close()
 
     def __enter__(self):
         return self

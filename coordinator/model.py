@@ -7,17 +7,24 @@ un-permuted Q/K, SDPA) so greedy decoding matches it token for token.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+import weakref
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sparsecore.attn_shard import qk_order
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
+from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
+
+if TYPE_CHECKING:  # the split is passed in (coordinator/engine.py), like the FFN and the head
+    from .attention_split import SplitStep
 
 Ffn = Callable[..., torch.Tensor]
 """ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden), decode=None) -> FFN output (T, hidden).
@@ -51,9 +58,16 @@ class KVCache:
     """Keys and values of every layer for the positions decoded so far (`pos` of them): one per
     sequence (the engine's own, and one per slot of the HTTP server's continuous batch)."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, max_ctx: int, head_dim: int):
+    def __init__(self, n_layers: int, n_kv_heads: int, max_ctx: int, head_dim: int, pool: KvPool | None = None):
         shape = (n_layers, n_kv_heads, max_ctx, head_dim)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        # `index`: this cache's place in the shared pool (None: private memory), whose caches
+        # workers can write too (split attention); the place is given back when the cache goes.
+        self.index = pool.take() if pool is not None else None
+        if self.index is None:
+            self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        else:
+            self.k, self.v = torch.from_numpy(pool.keys(self.index)), torch.from_numpy(pool.values(self.index))
+            weakref.finalize(self, pool.give_back, self.index)
         self.max_ctx = max_ctx
         self.pos = 0
 
@@ -131,11 +145,6 @@ class Embedding:
         return rows if self.scale is None else rows * self.scale
 
 
-def _qk_order(rows: int, n_heads: int) -> np.ndarray:
-    """Row order that undoes llama.cpp's Q/K permutation (unpermute_qk applied to row numbers)."""
-    return np.ascontiguousarray(unpermute_qk(np.arange(rows)[:, None], n_heads)[:, 0], dtype=np.int32)
-
-
 class AttentionLayer:
     """One layer's attention matrices and norms. Beyond llama (sparsecore/config.py): Q/K/V
     biases (`bias`, qwen2), per-head Q/K norms (`q_norm`, `k_norm`: qwen3, gemma3), norms of the
@@ -165,8 +174,8 @@ class AttentionLayer:
         if weights == "gguf" and all(supports(store.info(n).tensor_type) for n in names):
             # The file's blocks, Q and K rows read in un-permuted order: nothing is copied.
             q, k, v, o = (FileMatrix(store.info(n)) for n in names)
-            self.wqkv = [FileRows(q, _qk_order(q.rows, cfg.n_heads) if permuted else None, fast),
-                         FileRows(k, _qk_order(k.rows, cfg.n_kv_heads) if permuted else None, fast),
+            self.wqkv = [FileRows(q, qk_order(q.rows, cfg.n_heads) if permuted else None, fast),
+                         FileRows(k, qk_order(k.rows, cfg.n_kv_heads) if permuted else None, fast),
                          FileRows(v, None, fast)]
             self.wo = FileRows(o, None, fast)
             return
@@ -198,15 +207,22 @@ class _SoftCapped:
 
 class Transformer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
-                 head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32", fast: bool = False):
+                 head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32", fast: bool = False,
+                 kv_pool: KvPool | None = None):
         if cfg.final_logit_softcap:
             head = _SoftCapped(head, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = norm_weight(store, "output_norm.weight")
         self._parallel_attn: list[tuple[int, torch.Tensor]] = []  # see _attend_parallel
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
-        self.cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
+        self.kv_pool = kv_pool  # shared KV caches (sparsecore/kv_pool.py), or None: private ones
+        self.cache = self.new_cache()
         self._rope_tables(store)
+        if kv_pool is not None:  # the workers' attention steps read the same tables
+            kv_pool.cos[:], kv_pool.sin[:] = self.cos.numpy(), self.sin_signed.numpy()
+        # Decoded tokens' attention split by KV heads across processes (coordinator/
+        # attention_split.py), set by the engine once its workers are ready; None: here alone.
+        self.split_attn = None
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
         self.native = [self._native_step(i, L, fast) for i, L in enumerate(self.layers)]
@@ -230,7 +246,7 @@ class Transformer:
 
     def new_cache(self) -> KVCache:
         """A KV cache for another sequence (continuous batching), as long as the model's context."""
-        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.max_ctx, self.cfg.head_dim)
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.max_ctx, self.cfg.head_dim, self.kv_pool)
 
     def bytes_per_token(self) -> int:
         """Weights one decoded token reads outside the FFN: attention and norms of every layer,
@@ -319,15 +335,30 @@ class Transformer:
                                                  scale=scale)[0]
         return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
 
-    def _attend(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _split_for(self, caches: list[KVCache]) -> SplitStep | None:
+        """This decode step of `caches`' sequences when their attention is split across the
+        processes, or None: not splittable (a private cache), or too little work for an extra
+        exchange a layer to pay (SplitAttention.pays)."""
+        sa = self.split_attn
+        if sa is None or any(c.index is None for c in caches):
+            return None
+        pos = np.array([c.pos for c in caches], np.int64)
+        return sa.begin(pos, np.array([c.index for c in caches], np.int64)) if sa.pays(pos) else None
+
+    def _attend(self, i: int, h: torch.Tensor, cache: KVCache,
+                split: SplitStep | None = None) -> torch.Tensor:
         """h (T, hidden) of one sequence plus its attention at `cache`'s position (with gemma3's
-        norm of the attention output where the layer has one)."""
+        norm of the attention output where the layer has one). `split`: a decoded token's step
+        when its heads are split across the processes (_split_for)."""
         L, eps = self.layers[i], self.cfg.rms_eps
         if L.parallel:
             return self._attend_parallel(i, h, cache)
         if (h.shape[0] == 1 and self.native[i] is not None
                 and (L.window is None or cache.pos < L.window)):  # the window still covers every key
             h = h.contiguous()
+            if split is not None:  # heads across the processes
+                self.split_attn(i, h.numpy(), split)
+                return h
             # h += attention(h), in place; the step object was built over self.cache's arrays
             self.native[i](h.numpy()[0], cache.pos, None if cache is self.cache else cache.layer(i))
             return h
@@ -373,8 +404,9 @@ class Transformer:
             raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = self.embed(ids)
         eps = self.cfg.rms_eps
+        split = self._split_for([cache]) if T == 1 else None  # once a step, not per layer
         for i in range(len(self.layers)):
-            h = self._ffn(i, self._attend(i, h, cache))
+            h = self._ffn(i, self._attend(i, h, cache, split))
         cache.pos += T
         return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))
 
@@ -402,10 +434,13 @@ class Transformer:
             k0 = np.array([c.k.data_ptr() for c in caches], dtype=np.int64)
             v0 = np.array([c.v.data_ptr() for c in caches], dtype=np.int64)
             stride = self.cache.k[0].numel() * self.cache.k.element_size()  # bytes of one layer's cache
+        split = self._split_for(caches) if native_ok else None  # the heads across the processes
         for i, L in enumerate(self.layers):
             if native_ok and self.native[i] is not None and (L.window is None or max(positions) < L.window):
-                # one native call: the attention weights read once for every sequence
-                self.native[i].batch(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
+                if split is not None:
+                    self.split_attn(i, h.numpy(), split)
+                else:  # one native call: the attention weights read once for every sequence
+                    self.native[i].batch(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
             else:
                 h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
             h = self._ffn(i, h, decode=True).contiguous()

@@ -41,6 +41,7 @@ class ExchangeStats:
     active: dict[int, int] = field(default_factory=dict)  # layer -> (neuron, token) pairs computed
     tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
     head_us: list[float] = field(default_factory=list)  # lm_head steps split across processes
+    attn_us: list[float] = field(default_factory=list)  # attention steps split across processes
 
     def clear_counts(self) -> None:
         self.active.clear()
@@ -50,7 +51,7 @@ class ExchangeStats:
         """Forget all but the last `keep` timings of each kind: a server decodes for days, and
         these lists grow by one entry per layer and token. (Offline tools measure bounded runs
         by list index and never call this.)"""
-        for timings in (self.round_trip_us, self.overhead_us, self.head_us):
+        for timings in (self.round_trip_us, self.overhead_us, self.head_us, self.attn_us):
             if len(timings) > 2 * keep:
                 del timings[:-keep]
 

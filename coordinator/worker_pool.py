@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -105,7 +105,8 @@ class WorkerPool:
                  threads_per_worker: int = 1, gpu_device: str = "auto", transport: str = "ipc",
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
                  spin: bool | None = None, cores: int | None = None,
-                 head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False):
+                 head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
+                 attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -116,6 +117,9 @@ class WorkerPool:
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
         self.head_rows = head_rows or {}  # slot -> [start, stop) of the lm_head's vocabulary rows
+        # slot -> [kv0, kv1): KV heads of decoded tokens' attention (sparsecore/attn_shard.py),
+        # over the KV caches of kv_pool (sparsecore/kv_pool.py), whose descriptor workers inherit
+        self.attn_heads, self.kv_pool = attn_heads or {}, kv_pool
         self.workers: list[WorkerProc] = []
         self.closed = False
         # Worker processes for every shard but a last "coordinator" one, which this process computes.
@@ -152,7 +156,9 @@ class WorkerPool:
             if not any(len(n) for n in shard.neurons) and slot not in self.head_rows:
                 continue
             cmd = self.launcher(shard, self.endpoint)
-            proc = subprocess.Popen(cmd, env=_worker_env(self.threads, self.secret_path), stdin=subprocess.DEVNULL, **_OWN_GROUP)
+            fds = (self.kv_pool.fd,) if self.kv_pool is not None and slot in self.attn_heads else ()
+            proc = subprocess.Popen(cmd, env=_worker_env(self.threads, self.secret_path), stdin=subprocess.DEVNULL,
+                                    pass_fds=fds, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, slot, proc,
                                            f"{shard.role}{shard.worker_id}".encode()))
 
@@ -163,7 +169,9 @@ class WorkerPool:
         return Assign(str(self.model_path), self.buffers.name, slot, layers, neurons, self.threads,
                       self.gpu_device if shard.role == "gpu" else "cpu", self.weights,
                       WORKER_SPIN_US if self.spin else 0, self.bell.worker_wakes[slot].path, self.bell.wake.path,
-                      list(self.head_rows.get(slot, ())), self.fast)
+                      list(self.head_rows.get(slot, ())), self.fast, list(self.attn_heads.get(slot, ())),
+                      self.kv_pool.fd if self.kv_pool is not None else -1,
+                      list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [])
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""

@@ -20,9 +20,14 @@ import zmq
 from protocol.addresses import read_secret
 from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import SharedBuffers
+from protocol.shm_layout import SharedBuffers, attn_layer_of
+from sparsecore.attn_shard import AttnShard
+from sparsecore.config import read_config
+from sparsecore.gguf_file import open_gguf
+from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
 from sparsecore.shard import FfnShard
+from sparsecore.tensors import TensorStore
 
 IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
 
@@ -43,6 +48,8 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(endpoint)
         self.shard: FfnShard | None = None
+        self.attn: AttnShard | None = None  # KV heads of decoded tokens' attention, if assigned
+        self.pool: KvPool | None = None
         self.buffers: SharedBuffers | None = None
         self.bell: WorkerBell | None = None
 
@@ -60,14 +67,25 @@ class Worker:
         torch.set_num_threads(max(1, a.threads))
         device = self.pick_device(a.device)
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
-        self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, fast=a.fast)
+        store = TensorStore(a.model_path, open_gguf(a.model_path))
+        self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
+                                   a.fast)
+        if a.attn_heads:
+            self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)
+            cfg = read_config(a.model_path, store.reader)
+            self.attn = AttnShard.load(store, cfg, self.pool, (a.attn_heads[0], a.attn_heads[1]), a.fast)
         self.buffers = SharedBuffers.attach(a.shm_name)
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.
         spin_s = a.spin_us / 1e6 if self.shard.layers else 0.0
         self.bell = WorkerBell(self.buffers, a.slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s,
-                               self.sock, self.shard.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
+                               self.sock, self.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
+
+    def takes_part(self, layer: int) -> bool:
+        if attn_layer_of(layer) >= 0:
+            return self.attn is not None
+        return self.shard.takes_part(layer)
 
     def serve(self) -> int:
         """The worker's whole life after connecting; returns the process's exit code."""
@@ -96,9 +114,14 @@ class Worker:
                     return 0
                 continue
             try:
-                n_active, ns = self.shard.serve(self.buffers, self.slot, req)
+                if attn_layer_of(req.layer) >= 0:
+                    n_active, ns = self.attn.serve(self.buffers, self.slot, req)
+                else:
+                    n_active, ns = self.shard.serve(self.buffers, self.slot, req)
             except Exception as e:
-                self.send(WorkerFailed(self.worker_id, self.role, f"layer {req.layer}: {type(e).__name__}: {e}"))
+                what = (f"attention of layer {attn_layer_of(req.layer)}" if attn_layer_of(req.layer) >= 0
+                        else f"layer {req.layer}")
+                self.send(WorkerFailed(self.worker_id, self.role, f"{what}: {type(e).__name__}: {e}"))
                 return 1
             self.bell.finish(req.step, n_active, ns)
 
@@ -107,5 +130,8 @@ class Worker:
             self.bell.close()
         if self.buffers is not None:
             self.buffers.close()
+        if self.pool is not None:
+            self.attn = None
+            self.pool.close()
         self.sock.close()
         self.ctx.term()

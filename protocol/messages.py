@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 8  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP)
+PROTOCOL_VERSION = 9  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq)
 
 
 class ProtocolError(Exception):
@@ -59,6 +59,13 @@ class Assign:
     # With weights "gguf": quantize activations to 8 bits (llama.cpp's arithmetic) instead of
     # multiplying float32 activations by the dequantized blocks (exact, the oracle's).
     fast: bool = False
+    # [kv0, kv1): KV heads of every layer whose share of decoded tokens' attention this worker
+    # computes (attention steps, shm_layout.attn_layer_code); empty: none. The KV caches are in
+    # the pool the worker inherited as descriptor kv_fd, of kv_shape (sparsecore.kv_pool.KvShape's
+    # fields in order).
+    attn_heads: list[int] = field(default_factory=list)
+    kv_fd: int = -1
+    kv_shape: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -2,14 +2,17 @@
 and the doorbell words that synchronize each layer without a system call.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
-    [thresholds: f32 n_layers][request: i64 x 8][slot 0: i64 x 8]...[slot n_slots-1: i64 x 8]
+    [thresholds: f32 n_layers][seq: i64 max_tokens*2][request: i64 x 8][slot 0: i64 x 8]...
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
 
 Doorbell words: request (REQ_*) and one line per slot (SLOT_*). What they mean, in which order
 each side writes them and when a side spins or sleeps: protocol/doorbell.py, which is the only
 module that reads or writes them. An lm_head step (request[REQ_LAYER] == HEAD_LAYER) reads
-x[0] and writes the worker's logits into the start of its output slot, flattened.
+x[0] and writes the worker's logits into the start of its output slot, flattened. An attention
+step (request[REQ_LAYER] == attn_layer_code(layer)) reads the residuals x[:T] of T decoded
+sequences and their (position, KV cache index) in seq[:T], and writes the worker's heads' share
+of their attention output into its output slot.
 The coordinator creates and unlinks the segment; workers attach and refuse a header that does
 not match what they were told.
 """
@@ -36,8 +39,19 @@ REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
 SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
 FLAG_DENSE, FLAG_THRESHOLD = 1, 2
 HEAD_LAYER = -1  # request[REQ_LAYER] of an lm_head step: logits of the worker's vocabulary rows
+_ATTN0 = -2  # request[REQ_LAYER] of layer i's attention step: _ATTN0 - i (see attn_layer_code)
 SLEEPING = 1  # value of a sleeping word: ring this side's wake pipe (0: it spins)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line
+
+
+def attn_layer_code(layer: int) -> int:
+    """request[REQ_LAYER] of an attention step of `layer` (FFN steps use the layer itself)."""
+    return _ATTN0 - layer
+
+
+def attn_layer_of(code: int) -> int:
+    """The layer of an attention step's request[REQ_LAYER] (negative for any other step)."""
+    return _ATTN0 - code if code <= _ATTN0 else -1
 
 
 class LayoutError(Exception):
@@ -73,8 +87,12 @@ class ShmLayout:
         return _align(self.out_offset + 4 * self.n_slots * self.max_tokens * self.hidden)
 
     @property
-    def request_offset(self) -> int:
+    def seq_offset(self) -> int:
         return _align(self.thresholds_offset + 4 * self.n_layers)
+
+    @property
+    def request_offset(self) -> int:
+        return _align(self.seq_offset + 8 * 2 * self.max_tokens)
 
     @property
     def slots_offset(self) -> int:
@@ -120,7 +138,8 @@ def new_segment_name() -> str:
 
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
-    hidden), thresholds (n_layers,), and the doorbell: request (8,) and slots (n_slots, 8) int64."""
+    hidden), thresholds (n_layers,), seq (max_tokens, 2) int64, and the doorbell: request (8,)
+    and slots (n_slots, 8) int64."""
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
         self.shm, self.layout, self.owner = shm, layout, owner
@@ -130,6 +149,7 @@ class SharedBuffers:
         self.mask = np.ndarray((L.n_ff,), np.uint8, buf, L.mask_offset)
         self.out = np.ndarray((L.n_slots, L.max_tokens, L.hidden), np.float32, buf, L.out_offset)
         self.thresholds = np.ndarray((L.n_layers,), np.float32, buf, L.thresholds_offset)
+        self.seq = np.ndarray((L.max_tokens, 2), np.int64, buf, L.seq_offset)
         self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
         self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
 
@@ -183,7 +203,7 @@ class SharedBuffers:
 
     def close(self) -> None:
         # Views must go before the mmap can close.
-        self.x = self.mask = self.out = self.thresholds = self.request = self.slots = None
+        self.x = self.mask = self.out = self.thresholds = self.seq = self.request = self.slots = None
         try:
             self.shm.close()
         except BufferError:

@@ -41,7 +41,7 @@ def main() -> None:
                                                                               fast=args.arith == "fast")) as eng:
         m = eng.model
         ids = eng.tokenizer.encode("The history of the city of Paris begins")
-        zero_ffn = lambda layer, x, pre: torch.zeros_like(x)  # noqa: E731
+        zero_ffn = lambda layer, x, pre, decode=False: torch.zeros_like(x)  # noqa: E731
         room = m.max_ctx - len(ids) - 1
         n = min(args.n, room // 2 - 1)
 
@@ -71,6 +71,10 @@ def main() -> None:
         print(f"  FFN exchanges                {layers} x {np.median(exchanges):.0f} us = "
               f"{layers * np.median(exchanges) / 1e3:.2f} ms")
         print(f"  not accounted for            {full - alone - layers * np.median(exchanges) / 1e3:7.2f} ms")
+        attn = eng.ffn.stats.attn_us
+        if attn:
+            print(f"  attention heads split across processes: {layers} x {np.median(attn):.0f} us = "
+                  f"{layers * np.median(attn) / 1e3:.2f} ms (in 'coordinator alone')")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,20 @@ def test_greedy_tokens_match_transformers(engine, case):
         f"first difference at step {next(i for i, (a, b) in enumerate(zip(got, case['generated_ids'])) if a != b)}")
 
 
+def test_greedy_tokens_match_transformers_with_attention_split_across_processes(smollm2_path):
+    """Decoded tokens' attention heads split between the coordinator and the worker (at every
+    context length: SmolLM2's short prompts alone would not pay for the extra exchange)."""
+    with Engine(smollm2_path, EngineOptions(threads=2, cpu_workers=1)) as eng:
+        assert eng.model.split_attn is not None
+        eng.model.split_attn.min_bytes = 0
+        for case in REF["prompts"]:
+            calls = len(eng.ffn.stats.attn_us)
+            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
+                                    stop_at_eos=False))
+            assert got == case["generated_ids"], case["name"]
+            assert len(eng.ffn.stats.attn_us) - calls == (len(got) - 1) * eng.cfg.n_layers
+
+
 def test_logits_match_transformers(engine):
     arrays = np.load(FIXTURES / "smollm2_reference_logits.npz", allow_pickle=False)
     steps = REF["logit_steps"]

@@ -1,0 +1,81 @@
+"""THE per-layer attention step of decoded tokens when their heads are split across processes:
+the coordinator's side of the exchange (the workers' side: sparsecore/attn_shard.py).
+
+Per layer (`SplitAttention.__call__`, called by the model for one decoded token or a continuous
+batch of them, whose KV caches are in the shared pool):
+  1. the residuals go into shared memory with each sequence's (position, cache), the doorbell
+     rings (an attention step: shm_layout.attn_layer_code);
+  2. the coordinator computes its own KV heads' share meanwhile (the same kernel, _kernels.attn_part);
+  3. it waits for the workers that hold the other heads;
+  4. the residual plus the shares is the layer's attention output.
+Each process reads only its heads' rows of Q, K, V and columns of the output matrix: a decoded
+token's attention weights are read once across the cores instead of by the coordinator alone.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from protocol.doorbell import CoordinatorBell
+from protocol.shm_layout import SharedBuffers, attn_layer_code
+from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep
+from sparsecore.kv_pool import KvPool
+
+from .sparse_ffn import ExchangeStats
+
+
+# An attention step split across processes costs one more exchange a layer (a doorbell round
+# trip and some Python, 20-40 us); it pays when the work it halves is larger: the layer's
+# attention weights plus the keys and values the step reads. Measured on a 2-core EPYC: SmolLM2
+# (0.55 MB of weights a layer) lost 5 % at short contexts and gained 19 % at 512 positions
+# (+0.8 MB of cache); the 1.1B shape (5.3 MB a layer) gained at every length.
+MIN_SPLIT_BYTES = 1 << 20
+
+
+class SplitAttention:
+    """`heads[slot]` = [kv0, kv1) per worker slot and `own` the coordinator's range; `steps`: the
+    model's native step objects (one per layer), which compute the coordinator's share."""
+
+    def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, pool: KvPool, steps: list[AttentionStep],
+                 heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats):
+        self.bell, self.buffers, self.pool, self.steps, self.own, self.stats = bell, buffers, pool, steps, own, stats
+        self.part = np.array(sorted(heads), dtype=np.intp)
+        self.scratch = np.empty((MAX_SMALL_BATCH, buffers.layout.hidden), np.float32)
+        s = pool.shape
+        self.weight_bytes = steps[0].weight_bytes  # one layer's Q, K, V and output matrices
+        self.kv_bytes_per_pos = 2 * 4 * s.n_kv * s.head_dim  # keys and values of one position
+        self.min_bytes = MIN_SPLIT_BYTES
+
+    def pays(self, pos: np.ndarray) -> bool:
+        """Whether splitting a step of sequences at `pos` is worth its extra exchange a layer."""
+        return self.weight_bytes + self.kv_bytes_per_pos * int(pos.sum() + len(pos)) >= self.min_bytes
+
+    def begin(self, pos: np.ndarray, caches: np.ndarray) -> "SplitStep":
+        """A decode step of sequences at `pos` with pool caches `caches` (int64): their (position,
+        cache) go into shared memory once for every layer of the step."""
+        kp, vp = self.pool.addresses(0, caches)  # checks the indices; layer i adds i layers
+        self.buffers.seq[:len(pos), 0], self.buffers.seq[:len(pos), 1] = pos, caches
+        return SplitStep(pos, kp, vp, self.pool.shape.layer_bytes)
+
+    def __call__(self, layer: int, h: np.ndarray, step: "SplitStep") -> None:
+        """h (B, hidden) float32, contiguous: the step's residuals, plus their attention in place."""
+        t0 = time.perf_counter()
+        B, buf = len(h), self.buffers
+        buf.x[:B] = h
+        posted = self.bell.post(attn_layer_code(layer), B, True, False, self.part)
+        own, off = self.scratch[:B], layer * step.layer_bytes
+        self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own)
+        self.bell.wait(posted.step, self.part)
+        for slot in self.part:
+            own += buf.out[slot, :B]
+        h += own
+        self.stats.attn_us.append((time.perf_counter() - t0) * 1e6)
+
+
+class SplitStep(NamedTuple):
+    pos: np.ndarray  # (B,) int64 positions
+    kp: np.ndarray  # (B,) int64 addresses of layer 0's keys in each sequence's cache
+    vp: np.ndarray  # and of its values
+    layer_bytes: int  # from one layer's keys (or values) to the next

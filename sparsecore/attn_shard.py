@@ -1,0 +1,107 @@
+"""`AttnShard`: the attention heads one process computes for decoded tokens, in every layer.
+
+Decoding reads a layer's Q, K, V and output matrices once per token, and on a CPU-only machine
+the coordinator used to do that alone while its workers' cores waited. Split by KV heads, each
+process reads only its heads' rows of Q, K and V (and their columns of the output matrix),
+writes their keys and values into the shared caches (sparsecore/kv_pool.py) and computes its
+share of the output; the coordinator sums the shares (coordinator/attention_split.py). The
+coordinator computes its own share with the same step objects, so every process runs the same
+kernel (_kernels.attn_part).
+
+Only llama-shaped attention is split (no biases, Q/K norms, windows or partial rope): the
+kernel's arithmetic; other architectures keep attention on the coordinator.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from protocol.doorbell import Request
+from protocol.shm_layout import SharedBuffers, attn_layer_of
+
+from .config import ModelConfig
+from .kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
+from .kv_pool import KvPool
+from .tensors import TensorStore, unpermute_qk
+
+ATTN_NAMES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+
+
+def qk_order(rows: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (unpermute_qk applied to row numbers)."""
+    return np.ascontiguousarray(unpermute_qk(np.arange(rows)[:, None], n_heads)[:, 0], dtype=np.int32)
+
+
+def native_attention(store: TensorStore, cfg: ModelConfig) -> bool:
+    """Whether every layer's attention runs in the native kernel: llama's arithmetic on matrices
+    of types the kernels read."""
+    if not cfg.plain_llama or cfg.rope_dim > cfg.head_dim or cfg.rope_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
+        return False
+    return all(supports(store.info(f"blk.{i}.{n}").tensor_type) for i in range(cfg.n_layers) for n in ATTN_NAMES)
+
+
+def head_unit(store: TensorStore, cfg: ModelConfig) -> int:
+    """Fewest KV heads a share may hold: its output-matrix columns must start on whole blocks."""
+    cols = cfg.n_heads // cfg.n_kv_heads * cfg.head_dim  # output columns per KV head
+    block = max(FileMatrix(store.info(f"blk.{i}.attn_output.weight")).block for i in range(cfg.n_layers))
+    unit = 1
+    while (unit * cols) % block:
+        unit += 1
+    return unit
+
+
+def split_heads(n_kv: int, slots: list[int], unit: int) -> dict[int, tuple[int, int]]:
+    """KV head ranges for `slots` (the coordinator's last), as even as `unit` allows; the
+    coordinator, which also sums the shares, gets the smaller part of an uneven split. Slots
+    left without a head are left out; {} when fewer than two processes get one."""
+    units = n_kv // unit
+    if n_kv % unit or units < 2 or len(slots) < 2:
+        return {}
+    n = min(len(slots), units)
+    counts = [units // n + (1 if k < units % n else 0) for k in range(n)]  # larger parts first
+    chosen = slots[:n - 1] + [slots[-1]]  # the coordinator (last) always takes part
+    out, start = {}, 0
+    for slot, c in zip(chosen, counts):
+        out[slot] = (start * unit, (start + c) * unit)
+        start += c
+    return out
+
+
+def attention_steps(store: TensorStore, cfg: ModelConfig, pool: KvPool, fast: bool) -> list[AttentionStep]:
+    """One native step object per layer over the file's blocks and the pool's rope tables."""
+    steps = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        q, k, v, o = (FileMatrix(store.info(p + n)) for n in ATTN_NAMES)
+        q_rows = qk_order(q.rows, cfg.n_heads) if cfg.permuted_qk else np.arange(q.rows, dtype=np.int32)
+        k_rows = qk_order(k.rows, cfg.n_kv_heads) if cfg.permuted_qk else np.arange(k.rows, dtype=np.int32)
+        norm = np.ascontiguousarray(store.matrix(p + "attn_norm.weight"), dtype=np.float32)
+        steps.append(AttentionStep(q, q_rows, k, k_rows, v, o, norm, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads,
+                                   cfg.head_dim, cfg.rope_dim, pool.cos, pool.sin, pool.keys(0)[i],
+                                   pool.values(0)[i], fast))
+    return steps
+
+
+class AttnShard:
+    """KV heads [kv0, kv1) of every layer, for a worker: `serve` computes a posted attention step."""
+
+    def __init__(self, steps: list[AttentionStep], pool: KvPool, heads: tuple[int, int]):
+        self.steps, self.pool, (self.kv0, self.kv1) = steps, pool, heads
+
+    @classmethod
+    def load(cls, store: TensorStore, cfg: ModelConfig, pool: KvPool, heads: tuple[int, int],
+             fast: bool) -> "AttnShard":
+        return cls(attention_steps(store, cfg, pool, fast), pool, heads)
+
+    def serve(self, buf: SharedBuffers, slot: int, req: Request) -> tuple[int, int]:
+        """x[:B] are B sequences' residuals, seq[:B] their (position, cache): this shard's share of
+        their attention output goes into output slot `slot`. Returns (0, ns taken)."""
+        t0 = time.perf_counter()
+        layer, B = attn_layer_of(req.layer), req.n_tokens
+        if not (0 <= layer < len(self.steps) and 1 <= B <= MAX_SMALL_BATCH):
+            raise ValueError(f"attention step for layer {layer} with {B} tokens")
+        pos, caches = buf.seq[:B, 0].copy(), buf.seq[:B, 1].copy()
+        kp, vp = self.pool.addresses(layer, caches)
+        self.steps[layer].part(buf.x[:B], pos, kp, vp, self.kv0, self.kv1, buf.out[slot, :B])
+        return 0, int((time.perf_counter() - t0) * 1e9)

@@ -1,0 +1,129 @@
+"""Decoded tokens' attention split by KV heads across the coordinator and a CPU worker
+(coordinator/attention_split.py, sparsecore/attn_shard.py, sparsecore/kv_pool.py): the same
+tokens and (up to summation order) the same logits as one process computing every head, a
+continuous batch's rows bit for bit those of each sequence alone, and a sequence whose cache is
+not in the shared pool still decodes (on the coordinator alone)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from sparsecore.attn_shard import split_heads
+
+PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
+
+
+def test_heads_split_evenly_with_the_coordinator_taking_the_smaller_part():
+    assert split_heads(4, [0, -1], 1) == {0: (0, 2), -1: (2, 4)}
+    assert split_heads(3, [0, -1], 1) == {0: (0, 2), -1: (2, 3)}
+    assert split_heads(8, [0, 1, -1], 2) == {0: (0, 4), 1: (4, 6), -1: (6, 8)}
+    assert split_heads(2, [0, 1, 2, -1], 1) == {0: (0, 1), -1: (1, 2)}  # more processes than heads
+
+
+def test_no_split_without_two_shares():
+    assert split_heads(1, [0, -1], 1) == {}
+    assert split_heads(4, [-1], 1) == {}  # no worker
+    assert split_heads(4, [0, -1], 4) == {}  # one unit of heads: the output's blocks forbid a cut
+    assert split_heads(6, [0, -1], 4) == {}  # heads not a whole number of units
+
+
+def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
+    eng = Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, split_attention=split,
+                                     kv_caches=kv_caches))
+    if split:
+        assert eng.model.split_attn is not None, "the tiny model's attention should be split"
+        eng.model.split_attn.min_bytes = 0  # tiny layers never pay for the exchange: split anyway
+    return eng
+
+
+def _decode(eng: Engine, prompt: list[int], steps: int = 6) -> tuple[list[int], np.ndarray]:
+    m = eng.model
+    c = m.new_cache()
+    logits = m.forward(prompt, cache=c)[-1].numpy()
+    toks, rows = [], []
+    for _ in range(steps):
+        t = int(np.argmax(logits))
+        toks.append(t)
+        logits = m.forward([t], cache=c)[0].numpy().copy()
+        rows.append(logits)
+    return toks, np.array(rows)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "F16", "F32"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type, fast, no_leaks):
+    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2)
+    with _engine(path, fast, split=False) as whole:
+        assert whole.model.split_attn is None
+        want = [_decode(whole, p) for p in PROMPTS]
+    with _engine(path, fast, split=True) as split:
+        calls = len(split.ffn.stats.attn_us)
+        got = [_decode(split, p) for p in PROMPTS]
+        # every one-token step of every layer went through the exchange (a one-token prompt too)
+        one_token_steps = len(PROMPTS) * 6 + sum(len(p) == 1 for p in PROMPTS)
+        assert len(split.ffn.stats.attn_us) - calls == one_token_steps * split.cfg.n_layers
+    # The same products; only the two shares' sum adds in another order (~1e-7 in a layer's
+    # output). Fast arithmetic quantizes the next layer's input to 8 bits, where such a
+    # difference can flip a rounding: a few 1e-3 of the logits' range after some steps.
+    tol = 1e-2 if fast else 2e-4
+    for (t_want, l_want), (t_got, l_got) in zip(want, got):
+        assert t_got == t_want
+        np.testing.assert_allclose(l_got, l_want, rtol=0, atol=tol * max(1.0, np.abs(l_want).max()))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_split_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, fast, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=5, n_heads=4, n_kv_heads=2)
+    with _engine(path, fast, split=True) as eng:
+        m = eng.model
+        alone = []
+        for p in PROMPTS:
+            c = m.new_cache()
+            assert c.index is not None
+            m.forward(p, cache=c)
+            alone.append([m.forward([t], cache=c)[0].numpy().copy() for t in (60, 61, 62)])
+            del c  # its place in the pool goes back
+        caches = [m.new_cache() for _ in PROMPTS]
+        assert all(c.index is not None for c in caches)
+        for p, c in zip(PROMPTS, caches):
+            m.forward(p, cache=c)
+        calls = len(eng.ffn.stats.attn_us)
+        for step, t in enumerate((60, 61, 62)):
+            got = m.decode_batch([t] * len(PROMPTS), caches).numpy()
+            for b in range(len(PROMPTS)):
+                np.testing.assert_array_equal(got[b], alone[b][step])
+        assert len(eng.ffn.stats.attn_us) - calls == 3 * eng.cfg.n_layers  # one exchange a layer per step
+
+
+def test_a_cache_outside_the_pool_decodes_on_the_coordinator(tiny_model_factory, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
+    with _engine(path, fast=False, split=True, kv_caches=1) as eng:
+        m = eng.model
+        assert m.cache.index == 0  # the engine's own cache holds the only place
+        want = _decode(eng, PROMPTS[0])  # a new cache: private, so not split
+        c = m.new_cache()
+        assert c.index is None
+        calls = len(eng.ffn.stats.attn_us)
+        m.cache.pos = 0
+        m.forward(PROMPTS[0])
+        rows = []
+        logits = None
+        for t in want[0]:
+            logits = m.forward([t])[0].numpy().copy()
+            rows.append(logits)
+        assert len(eng.ffn.stats.attn_us) - calls == len(want[0]) * eng.cfg.n_layers  # the pool's cache: split
+        np.testing.assert_allclose(np.array(rows), want[1], rtol=0, atol=2e-4 * max(1.0, np.abs(want[1]).max()))
+        # a batch mixing a pooled and a private cache decodes too, every head on the coordinator
+        calls = len(eng.ffn.stats.attn_us)
+        m.forward(PROMPTS[1], cache=c)
+        m.decode_batch([60, 61], [m.cache, c])
+        assert len(eng.ffn.stats.attn_us) == calls
+
+
+def test_attention_stays_on_the_coordinator_when_not_split(tiny_model_factory, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
+    with _engine(path, fast=False, split=False) as eng:
+        assert eng.kv_pool is None and eng.model.cache.index is None
+        _decode(eng, PROMPTS[0], 2)
+        assert eng.ffn.stats.attn_us == []
