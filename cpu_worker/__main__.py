@@ -10,13 +10,11 @@ import signal
 import sys
 from typing import Callable
 
-import torch
-
 from cpu_worker.worker import Worker, cpu_device
 from sparsecore.lifeline import coordinator_pid, die_with_parent, process_gone
 
 
-def main(role: str = "cpu", pick_device: Callable[[str], torch.device] = cpu_device, argv=None) -> int:
+def main(role: str = "cpu", pick_device: Callable[[str], object] = cpu_device, argv=None) -> int:
     """Run one worker as the whole program of this process; ends it with os._exit."""
     ap = argparse.ArgumentParser(prog=f"{role}_worker")
     ap.add_argument("--endpoint", required=True)

@@ -14,7 +14,6 @@ import time
 from typing import Callable
 
 import numpy as np
-import torch
 import zmq
 
 from protocol.addresses import read_secret
@@ -32,14 +31,14 @@ from sparsecore.tensors import TensorStore
 IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
 
 
-def cpu_device(requested: str) -> torch.device:
+def cpu_device(requested: str) -> str:
     """A CPU worker computes on the CPU whatever it is told, unless told a device explicitly."""
-    return torch.device("cpu" if requested in ("auto", "") else requested)
+    return "cpu" if requested in ("auto", "") else requested
 
 
 class Worker:
     def __init__(self, endpoint: str, worker_id: int, role: str = "cpu",
-                 pick_device: Callable[[str], torch.device] = cpu_device):
+                 pick_device: Callable[[str], object] = cpu_device):
         self.worker_id, self.role, self.pick_device = worker_id, role, pick_device
         self.lifeline = Lifeline()
         self.ctx = zmq.Context()
@@ -64,8 +63,13 @@ class Worker:
         return decode(self.sock.recv())
 
     def load(self, a: Assign) -> None:
-        torch.set_num_threads(max(1, a.threads))
         device = self.pick_device(a.device)
+        # torch only for float copies of the rows (other weight formats, a GPU): a worker that
+        # computes on the file's blocks never imports it (sparsecore/shard.py)
+        if a.weights != "gguf" or str(device) != "cpu":
+            import torch
+
+            torch.set_num_threads(max(1, a.threads))
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path))
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from protocol.messages import WEIGHT_FORMATS  # noqa: F401  (re-exported: the formats this module implements)
 
-from .kernels import MAX_SMALL_BATCH, FileMatrix, dequant_scratch, q8_scratch
+from .file_rows import FileRows
+from .kernels import MAX_SMALL_BATCH
 
 # silu: SwiGLU (llama, qwen, mistral, phi3); relu: PowerInfer's ReLU models; gelu_tanh: GeGLU
 # with tanh-approximated GELU (gemma3's gelu_pytorch_tanh).
@@ -118,63 +119,6 @@ class HalfRows:
         return self.rows.float()
 
 
-class FileRows:
-    """A matrix left in the model file's own blocks (sparsecore.kernels.FileMatrix), or some of
-    its rows in a given order (a shard's neurons, Q/K un-permuted): nothing is copied. One row
-    x is a native matvec; a small batch (2..MAX_SMALL_BATCH rows, sequences decoded together)
-    the native matmul, which reads each row once for all of them and gives each what matvec
-    would; larger batches (prefill) dequantize the rows once and run torch's GEMM."""
-
-    def __init__(self, m: FileMatrix, rows: np.ndarray | range | None = None, fast: bool = False):
-        self.m, self.fast = m, fast
-        self.rows = range(m.rows) if rows is None else rows
-        self.xq = q8_scratch(m.cols)
-        # Checked once here: a decoded token calls matvec per layer, where checks cost as much
-        # as a small product.
-        self._call = m.prepare(self.rows, fast=fast, xq=self.xq)
-        self._batch = None  # prepared on the first small batch: its buffers hold MAX_SMALL_BATCH rows
-
-    @property
-    def tiled_prefill(self) -> bool:
-        """Fast arithmetic on quantized blocks: a prompt's tokens go through the small-batch
-        integer kernels in tiles (each weight row read once per tile) instead of dequantizing
-        to float32 for torch's GEMM: 2.1x faster for a 1.1B-shape Q4_0 matrix and 64 tokens on
-        one AVX-512 VNNI core, and the arithmetic of decoding (and of llama.cpp) for the prompt too."""
-        return self.fast and self.m.block >= 32
-
-    def matmul_tiled(self, x: np.ndarray) -> np.ndarray:
-        """rows . x[t] for any number of tokens, MAX_SMALL_BATCH at a time: (T, rows), new array."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((len(x), len(self.rows)), np.float32)
-        for a in range(0, len(x), MAX_SMALL_BATCH):
-            out[a:a + MAX_SMALL_BATCH] = self.matmul(x[a:a + MAX_SMALL_BATCH])
-        return out
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        """rows . x[b] for a small batch x (B, cols), B <= MAX_SMALL_BATCH: (B, rows), in a
-        buffer the next call overwrites."""
-        if self._batch is None:
-            self._batch = self.m.prepare_batch(self.rows, fast=self.fast)
-        return self._batch(np.ascontiguousarray(x, dtype=np.float32))
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((len(self.rows), self.m.cols))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the file these rows span (what a product reads)."""
-        return len(self.rows) * self.m.row_bytes
-
-    def matvec(self, x: np.ndarray) -> np.ndarray:
-        """rows . x, in a buffer the next call overwrites."""
-        return self._call(np.ascontiguousarray(x, dtype=np.float32))
-
-    def dequantize(self) -> torch.Tensor:
-        """The rows as float32, in the process's reusable scratch: use before the next call."""
-        return torch.from_numpy(self.m.dequantize(self.rows, out=dequant_scratch(len(self.rows) * self.m.cols)))
-
-
 Rows = torch.Tensor | Int8Rows | HalfRows | FileRows
 
 
@@ -223,7 +167,7 @@ def x_wt(x: torch.Tensor, w: Rows) -> torch.Tensor:
             return torch.from_numpy(w.matmul(x.detach().numpy()).copy())
         if w.tiled_prefill and x.device.type == "cpu":
             return torch.from_numpy(w.matmul_tiled(x.detach().numpy()))
-        return x @ w.dequantize().T
+        return x @ torch.from_numpy(w.dequantize()).T
     return x @ w.T
 
 

@@ -17,17 +17,26 @@ Measured on one core of the 2-core CI machine: 9.3 ms against 13.2 ms for the fl
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 
-from .ffn import FileRows, x_wt
+from .file_rows import FileRows
 from .kernels import FileMatrix, supports
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a float or Q8_0 copy is used: a CPU worker whose head rows stay in the
+# file's blocks (--weights gguf) never imports it (a quarter of a GB and a second at start-up).
 
 QK8_0 = 32
 
 
 def _kernel():
+    import torch
+
     try:
         return torch.ops.quantized.embedding_bag_byte_rowwise_offsets
     except (AttributeError, RuntimeError):
@@ -38,6 +47,8 @@ class Q8Head:
     """logits = x @ W.T for one row x, W given as GGUF Q8_0 bytes (rows, n_blocks * 34)."""
 
     def __init__(self, raw: np.ndarray, n_cols: int):
+        import torch
+
         n_rows, nb = raw.shape[0], n_cols // QK8_0
         blocks = np.ascontiguousarray(raw).reshape(n_rows, nb, 2 + QK8_0)
         d = blocks[:, :, :2].copy().view(np.float16).reshape(n_rows, nb)
@@ -87,8 +98,11 @@ class HeadRows:
         # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel
         self.file = FileRows(FileMatrix(t), range(start, stop), fast) if in_file and supports(t.tensor_type) else None
         self.q8 = None if self.file is not None else Q8Head.from_tensor(t, slice(start, stop))
-        self.w = None if self.file is not None or self.q8 is not None else torch.from_numpy(
-            np.ascontiguousarray(store.rows(name, np.arange(start, stop))))
+        self.w = None
+        if self.file is None and self.q8 is None:
+            import torch
+
+            self.w = torch.from_numpy(np.ascontiguousarray(store.rows(name, np.arange(start, stop))))
 
     @property
     def nbytes(self) -> int:
@@ -100,14 +114,13 @@ class HeadRows:
         """x: (T, n_cols) float32 (shared memory, as the processes hold it) -> logits: (stop - start,)
         for one token, (T, stop - start) for several (sequences decoded together; up to
         MAX_SMALL_BATCH in the file's blocks read once for all, more through a GEMM)."""
-        if len(x) == 1:
-            if self.file is not None:
-                return self.file.matvec(x[0])
-            t = torch.from_numpy(x)
-            return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()
-        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         if self.file is not None:
-            return x_wt(t, self.file).numpy()
+            return self.file.matvec(x[0]) if len(x) == 1 else self.file.x_wt(x)
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        if len(x) == 1:
+            return (self.q8(t) if self.q8 is not None else t @ self.w.T)[0].numpy()
         if self.q8 is not None:  # Q8Head takes one token
             return torch.cat([self.q8(t[i:i + 1]) for i in range(len(t))]).numpy()
         return (t @ self.w.T).numpy()

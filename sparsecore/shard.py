@@ -15,27 +15,53 @@ from __future__ import annotations
 
 import time
 from os import PathLike
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from protocol.doorbell import Request
 from protocol.shm_layout import HEAD_LAYER, SharedBuffers
 
 from .config import read_config
-from .ffn import Rows, ffn_partial, ffn_partial_threshold, quantize_rows, rows_nbytes
 from .gguf_file import open_gguf
 from .kernels import MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, neuron_align, supports
 from .lm_head import HeadRows, head_tensor_name
 from .tensors import TensorStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from .ffn import Rows
+
+# torch is imported only where a shard holds float copies (LayerRows: --weights f32/int8/f16, a
+# GPU): a CPU worker computing on the file's blocks never imports it (a quarter of a GB resident
+# and about a second of start-up per process).
+
+
+def _np_activation(activation: str):
+    """The FFN activations on float32 numpy arrays (the file-block prompt path below)."""
+    if activation == "silu":
+        return lambda g: g / (np.float32(1) + np.exp(-g))
+    if activation == "relu":
+        return lambda g: np.maximum(g, np.float32(0))
+    if activation == "gelu_tanh":
+        return lambda g: np.float32(0.5) * g * (np.float32(1) + np.tanh(
+            np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)))
+    import torch  # gelu with erf (falcon): numpy has no erf
+
+    from .ffn import ACTIVATIONS
+    return lambda g: ACTIVATIONS[activation](torch.from_numpy(g)).numpy()
 
 
 class LayerRows:
     """One layer's owned neurons: gate/up rows and down columns (as rows) on the device, in the
     weight format `weights` (sparsecore.ffn.WEIGHT_FORMATS), converted once from the file."""
 
-    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: torch.device, weights: str,
+    def __init__(self, store: TensorStore, layer: int, idx: np.ndarray, device: "torch.device", weights: str,
                  gate_mode: str = "par"):
+        import torch
+
+        from .ffn import quantize_rows
         self.idx = idx
         p = f"blk.{layer}."
         conv = lambda a, down=False: quantize_rows(torch.from_numpy(np.ascontiguousarray(a)).to(device),
@@ -50,6 +76,7 @@ class LayerRows:
 
     @property
     def nbytes(self) -> int:
+        from .ffn import rows_nbytes
         return sum(rows_nbytes(w) for w in {id(w): w for w in (self.gate, self.up, self.down_t)}.values())
 
 
@@ -130,16 +157,17 @@ class FileLayer:
         return ffn_batch(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
                          self.fast, self.down_t, out, self.gate_mode)[1]
 
-    def step(self, x: torch.Tensor, activation: str, active: np.ndarray | None,
-             threshold: float | None) -> tuple[torch.Tensor, int]:
-        if x.shape[0] == 1:
-            y, n = ffn_token(self.gate, self.up, self.down, x.numpy()[0], self.own, activation, self.scratch,
+    def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
+             threshold: float | None) -> tuple[np.ndarray, int]:
+        """x (T, hidden) float32 -> (this shard's partial output (T, hidden), active pairs)."""
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        if len(xs) == 1:
+            y, n = ffn_token(self.gate, self.up, self.down, xs[0], self.own, activation, self.scratch,
                              threshold, active, self.fast, self.down_t, gate_mode=self.gate_mode)
-            return torch.from_numpy(y.copy())[None], n
-        if x.shape[0] <= MAX_SMALL_BATCH or self.tiled_prefill:
+            return y.copy()[None], n
+        if len(xs) <= MAX_SMALL_BATCH or self.tiled_prefill:
             # small batches, and with fast arithmetic any batch: MAX_SMALL_BATCH tokens at a time
             # through the integer kernels (see FileRows.tiled_prefill)
-            xs = np.ascontiguousarray(x.numpy(), dtype=np.float32)
             y, n_active = np.empty_like(xs), 0
             for a in range(0, len(xs), MAX_SMALL_BATCH):
                 part, n = ffn_batch(self.gate, self.up, self.down, xs[a:a + MAX_SMALL_BATCH], self.own, activation,
@@ -147,40 +175,50 @@ class FileLayer:
                                     gate_mode=self.gate_mode)
                 y[a:a + len(part)] = part
                 n_active += n
-            return torch.from_numpy(y), n_active
-        # A batch: dequantize a chunk of owned neurons at a time into reused tiles and let
-        # torch's GEMM run (down as read: (hidden, chunk) columns, used transposed, no copy).
-        y, n_active = torch.zeros(x.shape), 0
+            return y, n_active
+        # A prompt: dequantize a chunk of owned neurons at a time into reused tiles and let
+        # numpy's float32 GEMM run (down as read: (hidden, chunk) columns, used transposed).
+        act = _np_activation(activation)
+        y, n_active = np.zeros_like(xs), 0
         tiles = self.scratch.batch_tiles(PREFILL_CHUNK)
         hidden = self.gate.cols
         for a in range(self.own.start, self.own.stop, PREFILL_CHUNK):
             rows = range(a, min(a + PREFILL_CHUNK, self.own.stop))
             n = len(rows) * hidden
-            gate = torch.from_numpy(self.gate.dequantize(rows, out=tiles[0][:n]))
-            up = gate if self.gate_mode == "none" else torch.from_numpy(self.up.dequantize(rows, out=tiles[1][:n]))
+            gate = self.gate.dequantize(rows, out=tiles[0][:n]).reshape(len(rows), hidden)
+            g = act(xs @ gate.T)  # (T, chunk)
+            if threshold is not None:  # CATS: |act(gate x)| > threshold (sparsecore.ffn.is_active)
+                keep = np.abs(g) > threshold
+                k = int(keep.sum())
+            else:
+                keep = None if active is None else active[rows.start:rows.stop].astype(bool)[None, :]
+                k = len(rows) * len(xs) if keep is None else int(keep.sum()) * len(xs)
+            if k == 0:
+                continue
+            if self.gate_mode != "none":
+                up = self.up.dequantize(rows, out=tiles[1][:n]).reshape(len(rows), hidden)
+                u = xs @ up.T
+                g = g * (act(u) if self.gate_mode == "sym" else u)
+            if keep is not None:
+                g = g * keep
             if self.down_t:
-                down_t = torch.from_numpy(self.down.dequantize(rows, out=tiles[2][:n]))
+                down_t = self.down.dequantize(rows, out=tiles[2][:n]).reshape(len(rows), hidden)
+                y += g @ down_t
             else:
-                down_t = torch.from_numpy(self.down.dequantize(cols=rows, out=tiles[2][:n])).T
-            if threshold is not None:
-                part, k = ffn_partial_threshold(x, gate, up, down_t, activation, threshold, self.gate_mode)
-            else:
-                sel = None if active is None else torch.from_numpy(np.flatnonzero(active[rows.start:rows.stop]))
-                part = ffn_partial(x, gate, up, down_t, activation, sel, self.gate_mode)
-                k = len(rows) * x.shape[0] if sel is None else int(sel.numel()) * x.shape[0]
-            y += part
+                down = self.down.dequantize(cols=rows, out=tiles[2][:n]).reshape(hidden, len(rows))
+                y += g @ down.T
             n_active += k
         return y, n_active
 
 
 class FfnShard:
-    def __init__(self, layers: dict[int, LayerRows], activation: str, device: torch.device,
+    def __init__(self, layers: dict[int, LayerRows], activation: str, device: "torch.device | str",
                  head: HeadRows | None = None, gate_mode: str = "par"):
         self.layers, self.activation, self.device, self.head = layers, activation, device, head
         self.gate_mode = gate_mode  # ModelConfig.ffn_gate
 
     @classmethod
-    def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: torch.device | str = "cpu",
+    def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: "torch.device | str" = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
@@ -191,7 +229,7 @@ class FfnShard:
         if store is None:
             store = TensorStore(model_path, open_gguf(model_path))
         cfg = read_config(model_path, store.reader)
-        device = torch.device(device)
+        device_type = str(device).split(":")[0]  # a torch.device only where float copies are made
         layers: dict[int, LayerRows | FileLayer] = {}
         ranges = [as_range(np.asarray(idx, dtype=np.int64), FileLayer.align(store, layer))
                   for layer, idx in enumerate(neurons)]
@@ -199,9 +237,12 @@ class FfnShard:
         for layer, idx in enumerate(neurons):
             if not len(idx):
                 continue
-            if weights == "gguf" and device.type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
+            if weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
                 layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate)
             else:
+                import torch
+
+                device = torch.device(device)
                 fmt = weights if weights != "gguf" else ("f16" if device.type == "cuda" else "f32")
                 layers[layer] = LayerRows(store, layer, np.asarray(idx, dtype=np.int64), device, fmt, cfg.ffn_gate)
         head = None
@@ -222,14 +263,18 @@ class FfnShard:
     def takes_part(self, layer: int) -> bool:
         return self.head is not None if layer == HEAD_LAYER else layer in self.layers
 
-    def step(self, layer: int, x: torch.Tensor, active: np.ndarray | None = None,
-             threshold: float | None = None) -> tuple[torch.Tensor, int]:
+    def step(self, layer: int, x: "torch.Tensor", active: np.ndarray | None = None,
+             threshold: float | None = None) -> tuple["torch.Tensor", int]:
         """This shard's partial FFN output for x (T, hidden) and the active neuron-token pairs.
         Dense unless `active` (a mask over all n_ff neurons of the layer, a predictor's choice)
         or `threshold` (CATS: neurons whose |act(gate x)| exceeds it) is given."""
+        import torch
+
+        from .ffn import ffn_partial, ffn_partial_threshold
         w = self.layers[layer]
         if isinstance(w, FileLayer):
-            return w.step(x, self.activation, active, threshold)
+            y, n = w.step(x.cpu().numpy(), self.activation, active, threshold)
+            return torch.from_numpy(y), n
         if threshold is not None:
             return ffn_partial_threshold(x, w.gate, w.up, w.down_t, self.activation, threshold, self.gate_mode)
         if active is None:
@@ -261,6 +306,12 @@ class FfnShard:
             n_active = w.batch_into(buf.x[:req.n_tokens], self.activation, active, threshold,
                                     buf.out[slot, :req.n_tokens])
             return n_active, int((time.perf_counter() - t0) * 1e9)
+        if isinstance(w, FileLayer):  # a prompt: numpy's GEMM or integer tiles, no torch
+            y, n_active = w.step(buf.x[:req.n_tokens], self.activation, active, threshold)
+            buf.out[slot, :req.n_tokens] = y
+            return n_active, int((time.perf_counter() - t0) * 1e9)
+        import torch
+
         x = torch.from_numpy(buf.x[:req.n_tokens]).to(self.device)
         y, n_active = self.step(req.layer, x, active, threshold)
         buf.out[slot, :req.n_tokens] = y.cpu().numpy()
