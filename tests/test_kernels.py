@@ -291,7 +291,7 @@ def test_ffn_token_down_transposed(ffn, isa, fast, which):
 # ---- small batches (continuous batching): the batch kernels against stacked one-token calls ----
 # They promise the one-token kernel's float operations in its order, per token: equality is exact.
 
-BATCHES = [1, 2, 3, 5, 16]
+BATCHES = [1, 2, 3, 5, 8, 9, 16]  # 8, 9: a whole VNNI tile of tokens, and one more
 
 
 @pytest.mark.parametrize("t", TYPES + KTYPES, ids=lambda t: t.name)

@@ -131,6 +131,9 @@ static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
  * the sum of the int8 values (Q4_0's -8 offset and Q4_1's min need it). */
 typedef struct { float d; int32_t s; int8_t q[QK]; } q8blk;
 
+/* Fast mode with VNNI: a token's q8 blocks 2i and 2i+1 as its steps read them (vnni_pack) */
+typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
+
 static void quantize_q8(const float *x, int n, q8blk *out) {
     for (int b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
@@ -827,11 +830,15 @@ AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_
  * Another float order than the AVX2 kernels above (tested against them within tolerance only),
  * the same for one token and for any batch: the one-token dot IS the batch tile with B = 1, so a
  * token's result does not depend on its batch. Per (block, token): the integer dot in 8 int32
- * lanes (vpdpbusd, exact), the block's offset terms per lane without scalar code (Q4_0: the -8
- * as a second vpdpbusd of 8s and x, exact in int32; Q4_1 and Q4_K/Q5_K: the min times each
- * lane's sum of x, a vpdpbusd of ones), one convert and one FMA into the token's accumulator.
- * Each token keeps even and odd blocks (sub-blocks of K blocks) apart, so that one token is not
- * bound by the FMA latency; scales come from the q8 blocks without scalar multiplies. */
+ * lanes (vpdpbusd, exact), the block's offset terms per lane without scalar code (Q4_1 and
+ * Q4_K/Q5_K: the min times each lane's sum of x, a vpdpbusd of ones), one convert and one FMA
+ * into the token's accumulator. Each token keeps even and odd blocks (sub-blocks of K blocks)
+ * apart, so that one token is not bound by the FMA latency.
+ * The steps, run rows x tokens times, read the activations repacked once per product
+ * (vnni_pack): a block pair's values in one aligned 64-byte load, and for Q4_0, Q8_0 and Q6_K
+ * as x + 128 (unsigned), times the weights signed: the offset that adds, -128 (sum of w) per
+ * lane, comes from the weights alone, once per row block for all tokens (Q4_0's -8 then costs
+ * no step work). The same integer sums, hence the same floats, as reading x itself. */
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define TILE_V 8
 
@@ -840,126 +847,136 @@ VNNI static inline __m256 f16x8(const uint8_t *p) {
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(rd16(p))));
 }
 
-/* unsigned bytes u times signed bytes s, sums of 4 in 8 int32 lanes */
+/* unsigned bytes u times signed bytes s, sums of 4 in 8 (16) int32 lanes */
 VNNI static inline __m256i dpbusd(__m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 }
-
-#define XV(x) _mm256_loadu_si256((const __m256i *)(x)->q)
-
-/* One (block, token) step of each type into the token's accumulator a; x: the token's q8 block */
-VNNI static INLINE __m256 q4_0_step(__m256i u, __m256 d, const q8blk *x, __m256 a) {
-    __m256i xv = XV(x), s = _mm256_sub_epi32(dpbusd(u, xv), dpbusd(_mm256_set1_epi8(8), xv));  /* sum (q - 8) x */
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
-}
-VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const q8blk *x, __m256 a) {
-    __m256i xv = XV(x);  /* d sum q x + m sum x, per lane */
-    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, xv)), d, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
-    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
-}
-VNNI static INLINE __m256 q8_0_step(__m256i wa, __m256i wq, __m256 d, const q8blk *x, __m256 a) {
-    __m256i s = dpbusd(wa, _mm256_sign_epi8(XV(x), wq));  /* |w| times x with w's sign */
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
-}
-VNNI static INLINE __m256 k45_step(__m256i q, __m256 sc, __m256 m, const q8blk *x, __m256 a) {
-    __m256i xv = XV(x);  /* scl sum q x - mn sum x, per lane */
-    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dpbusd(q, xv)), sc, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
-    return _mm256_fmadd_ps(v, _mm256_set1_ps(x->d), a);
-}
-VNNI static INLINE __m256 q6_k_step(__m256i q, __m256i scv, __m256 d, const q8blk *x, __m256 a) {
-    const __m256i c32 = _mm256_set1_epi8(32);
-    __m256i xv = XV(x);
-    /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
-    __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(c32, xv));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), a);
-}
-
-/* The same steps on two consecutive blocks (or K sub-blocks) at once, block k in the low 8 lanes
- * and k+1 in the high 8 of a 512-bit register: lane for lane the float operations of two 256-bit
- * steps into an even and an odd accumulator (bit-identical), in fewer instructions. The two q8
- * blocks' scales come from one 64-byte load of both headers, spread by a permute. */
+VNNI static INLINE __m512i dpbusd2(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
 VNNI static INLINE __m512i cat_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
-VNNI static INLINE __m512i dpbusd2(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
-#define X2(x) cat_i(XV(x), XV((x) + 1))
-/* q8 blocks x, x+1 (40 bytes each: d, s, q): d in the low/high 8 lanes */
-VNNI static INLINE __m512 hdr_d(const q8blk *x) {
-    return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 10), _mm512_loadu_ps((const float *)x));
+/* -128 (sum of the signed bytes w) per lane: what x + 128 adds to a dot with w */
+VNNI static INLINE __m512i off128(__m512i w) { return _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), w)); }
+VNNI static INLINE __m256i off128_1(__m256i w) { return _mm256_sub_epi32(_mm256_setzero_si256(), dpbusd(_mm256_set1_epi8((char)0x80), w)); }
+
+static inline int xp_unsigned(int t) { return t == T_Q4_0 || t == T_Q8_0 || t == T_Q6_K; }
+/* a token's share of the packed buffer, in pairs: np pairs of values, then their 2 np scales */
+static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return np + (np * 8 + 63) / 64; }
+
+/* Per token: np = ceil(nb / 2) pairs of blocks (2i, 2i+1; an odd last block with zeros above),
+ * x + 128 where xp_unsigned(t), then the pairs' scales (d_2i, d_2i+1). */
+VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
+    int64_t np = (nb + 1) / 2, ld = xp_ld(nb);
+    __m512i flip = _mm512_set1_epi8(xp_unsigned(t) ? (char)0x80 : 0);
+    for (int b = 0; b < B; b++, out += ld) {
+        float *d = (float *)(out + np);
+        for (int k = 0; k < nb; k += 2) {
+            const q8blk *x = xq + b * ldq + k;
+            int two = k + 1 < nb;
+            __m512i xv = cat_i(_mm256_loadu_si256((const __m256i *)x[0].q),
+                               two ? _mm256_loadu_si256((const __m256i *)x[1].q) : _mm256_setzero_si256());
+            _mm512_store_si512(out[k / 2].q, _mm512_xor_si512(xv, flip));
+            d[k] = x[0].d;
+            d[k + 1] = two ? x[1].d : 0.f;
+        }
+    }
 }
-VNNI static INLINE __m512 q4_0_step2(__m512i u, __m512 d, const q8blk *x, __m512 a) {
-    __m512i xv = X2(x), s = _mm512_sub_epi32(dpbusd2(u, xv), dpbusd2(_mm512_set1_epi8(8), xv));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
+
+/* a pair's 64 bytes; its scales d, d[1] in the low / high 8 lanes; the low halves (odd last block) */
+#define XV2(p) _mm512_load_si512((p)->q)
+#define XV1(p) _mm256_load_si256((const __m256i *)(p)->q)
+VNNI static INLINE __m512 xd2(const float *d) {
+    return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 1),
+                                 _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)d))));
 }
-VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const q8blk *x, __m512 a) {
-    __m512i xv = X2(x);  /* the min times each lane's sum of x */
+
+/* One (block, token) step of each type into the token's accumulator a (an odd last block, low
+ * 8 lanes); q: the weights signed, c = off128(q) for x + 128 */
+VNNI static INLINE __m256 q4_0_step(__m256i q, __m256i c, __m256 d, const xpair *x, const float *xd, __m256 a) {
+    __m256i s = _mm256_dpbusd_epi32(c, XV1(x), q);  /* sum (q - 8) x */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(*xd)), a);
+}
+VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const xpair *x, const float *xd, __m256 a) {
+    __m256i xv = XV1(x);  /* d sum q x + m sum x, per lane */
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, xv)), d, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(*xd), a);
+}
+/* Q8_0 and Q4_0 (their q - 8) have the same step */
+#define q8_0_step q4_0_step
+
+/* The same on two consecutive blocks (or K sub-blocks) at once, block k in the low 8 lanes and
+ * k+1 in the high 8 of a 512-bit register: lane for lane the float operations of two 256-bit
+ * steps into an even and an odd accumulator (bit-identical), in fewer instructions. */
+VNNI static INLINE __m512 q4_0_step2(__m512i q, __m512i c, __m512 d, const xpair *x, const float *xd, __m512 a) {
+    __m512i s = _mm512_dpbusd_epi32(c, XV2(x), q);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd2(xd)), a);
+}
+#define q8_0_step2 q4_0_step2
+VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const xpair *x, const float *xd, __m512 a) {
+    __m512i xv = XV2(x);  /* the min times each lane's sum of x */
     __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
-    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), hdr_d(x), a);
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), xd2(xd), a);
 }
-/* Q8_0: no vpsignb in 512 bits: (x + 128) unsigned times w, and c = -128 (sum of w) per lane
- * (the same for every token) as the starting value: the same integer lanes as the sign trick */
-VNNI static INLINE __m512 q8_0_step2(__m512i wq, __m512i c, __m512 d, const q8blk *x, __m512 a) {
-    __m512i s = _mm512_dpbusd_epi32(c, _mm512_xor_si512(X2(x), _mm512_set1_epi8((char)0x80)), wq);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, hdr_d(x)), a);
-}
-VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const q8blk *x, __m512 a) {
-    __m512i xv = X2(x);
+VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const xpair *x, const float *xd, __m512 a) {
+    __m512i xv = XV2(x);
     __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
-    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), hdr_d(x), a);
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), xd2(xd), a);
 }
-VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i scv, __m512 d, const q8blk *x, __m512 a) {
-    const __m512i c32 = _mm512_set1_epi8(32);
-    __m512i xv = X2(x);
-    __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q, xv), _mm512_maddubs_epi16(c32, xv));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, hdr_d(x)), a);
+/* Q6_K: q - 32 signed; pairs of (x + 128)(q - 32) in int16, less c = 128 (sum of the pair's
+ * q - 32) (|.| <= 255 * 32 * 2), then times each half's scale */
+VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i c, __m512i scv, __m512 d, const xpair *x, const float *xd, __m512 a) {
+    __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(XV2(x), q), c);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, xd2(xd)), a);
 }
 
 /* Per token one accumulator of 16 lanes: blocks in pairs, the even one in the low 8 lanes, the
  * odd one in the high 8; an odd last block goes to the low 8 (256-bit step). The result: the
- * sum of the 16 lanes as hsum8(low + high). */
-VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B,
-                                            float *y, int64_t ldy) {
+ * sum of the 16 lanes as hsum8(low + high). xp: B tokens packed (vnni_pack). */
+VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair *xp, int nb, int B, float *y, int64_t ldy) {
     __m512 acc[TILE_V];
+    int64_t ld = xp_ld(nb), np = (nb + 1) / 2;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-#define XQ(b, k) (xq + (b) * ldq + (k))
+#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + np) + (k))  /* values, scales */
 #define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
 #define LO(b) _mm512_castps512_ps256(acc[b])
     int k = 0;
     switch (t) {
-    case T_Q4_0:
-        for (; k + 1 < nb; k += 2, w += 36) {
-            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20));
+    case T_Q4_0: {
+        const __m256i eight = _mm256_set1_epi8(8);
+        for (; k + 1 < nb; k += 2, w += 36) {  /* c = off128(q) in one: 4096 - 128 (sum of the nibbles u) */
+            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20)), q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+            __m512i c = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), u, _mm512_set1_epi8((char)0x80));
             __m512 d = cat_f(f16x8(w), f16x8(w + 18));
-            for (int b = 0; b < B; b++) acc[b] = q4_0_step2(u, d, XQ(b, k), acc[b]);
+            for (int b = 0; b < B; b++) acc[b] = q4_0_step2(q, c, d, XP(b, k), acc[b]);
         }
         if (k < nb) {
-            __m256i u0 = nibbles(w + 2);
+            __m256i q0 = _mm256_sub_epi8(nibbles(w + 2), eight), c0 = off128_1(q0);
             __m256 d0 = f16x8(w);
-            for (int b = 0; b < B; b++) LOW(b, q4_0_step(u0, d0, XQ(b, k), LO(b)));
+            for (int b = 0; b < B; b++) LOW(b, q4_0_step(q0, c0, d0, XP(b, k), LO(b)));
         }
         break;
+    }
     case T_Q4_1:
         for (; k + 1 < nb; k += 2, w += 40) {
             __m512i u = cat_i(nibbles(w + 4), nibbles(w + 24));
             __m512 d = cat_f(f16x8(w), f16x8(w + 20)), m = cat_f(f16x8(w + 2), f16x8(w + 22));
-            for (int b = 0; b < B; b++) acc[b] = q4_1_step2(u, d, m, XQ(b, k), acc[b]);
+            for (int b = 0; b < B; b++) acc[b] = q4_1_step2(u, d, m, XP(b, k), acc[b]);
         }
         if (k < nb) {
             __m256i u0 = nibbles(w + 4);
             __m256 d0 = f16x8(w), m0 = f16x8(w + 2);
-            for (int b = 0; b < B; b++) LOW(b, q4_1_step(u0, d0, m0, XQ(b, k), LO(b)));
+            for (int b = 0; b < B; b++) LOW(b, q4_1_step(u0, d0, m0, XP(b, k), LO(b)));
         }
         break;
     case T_Q8_0:
         for (; k + 1 < nb; k += 2, w += 68) {
-            __m512i wq = cat_i(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(w + 36)));
-            __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), wq));
+            __m512i q = cat_i(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(w + 36))), c = off128(q);
             __m512 d = cat_f(f16x8(w), f16x8(w + 34));
-            for (int b = 0; b < B; b++) acc[b] = q8_0_step2(wq, c, d, XQ(b, k), acc[b]);
+            for (int b = 0; b < B; b++) acc[b] = q8_0_step2(q, c, d, XP(b, k), acc[b]);
         }
         if (k < nb) {
-            __m256i wq0 = _mm256_loadu_si256((const __m256i *)(w + 2)), wa0 = _mm256_sign_epi8(wq0, wq0);
+            __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2)), c0 = off128_1(q0);
             __m256 d0 = f16x8(w);
-            for (int b = 0; b < B; b++) LOW(b, q8_0_step(wa0, wq0, d0, XQ(b, k), LO(b)));
+            for (int b = 0; b < B; b++) LOW(b, q8_0_step(q0, c0, d0, XP(b, k), LO(b)));
         }
         break;
     case T_Q4_K: case T_Q5_K: {  /* sub-blocks 2i in the low lanes, 2i+1 in the high */
@@ -972,12 +989,13 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk
                 __m512i qq = cat_i(q[j], q[j + 1]);
                 __m512 sc = cat_f(_mm256_set1_ps(scl[j]), _mm256_set1_ps(scl[j + 1]));
                 __m512 m = cat_f(_mm256_set1_ps(mn[j]), _mm256_set1_ps(mn[j + 1]));
-                for (int b = 0; b < B; b++) acc[b] = k45_step2(qq, sc, m, XQ(b, 8 * k + j), acc[b]);
+                for (int b = 0; b < B; b++) acc[b] = k45_step2(qq, sc, m, XP(b, 8 * k + j), acc[b]);
             }
         }
         break;
     }
     case T_Q6_K: {
+        const __m512i c32 = _mm512_set1_epi8(32);
         __m256i q[8];
         for (; k < nb / 8; k++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
@@ -985,41 +1003,39 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const q8blk
             __m512 d = cat_f(d8, d8);
             kq_unpack(t, w, q);
             for (int j = 0; j < 8; j += 2) {
-                __m512i qq = cat_i(q[j], q[j + 1]);
+                __m512i qq = _mm512_sub_epi8(cat_i(q[j], q[j + 1]), c32);
+                __m512i c = _mm512_maddubs_epi16(_mm512_set1_epi8((char)0x80), qq);
                 __m512i scv = cat_i(_mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])),
                                     _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 3]), _mm_set1_epi16(sc[2 * j + 2])));
-                for (int b = 0; b < B; b++) acc[b] = q6_k_step2(qq, scv, d, XQ(b, 8 * k + j), acc[b]);
+                for (int b = 0; b < B; b++) acc[b] = q6_k_step2(qq, c, scv, d, XP(b, 8 * k + j), acc[b]);
             }
         }
         break;
     }
-    default:
-        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, XQ(b, 0), nb);
-        return;
     }
-#undef XQ
+#undef XP
 #undef LOW
 #undef LO
     for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[b]), _mm512_extractf32x8_ps(acc[b], 1)));
 }
 
-VNNI static float dot_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int nb) {
+VNNI static float dot_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb) {
     float y;
-    dots_fast_vnni_tile(t, w, xq, 0, nb, 1, &y, 0);
+    dots_fast_vnni_tile(t, w, xp, nb, 1, &y, 0);
     return y;
 }
 
-VNNI static void dots_fast_vnni(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
-    for (int b = 0; b < B; b += TILE_V, xq += TILE_V * ldq, y += TILE_V * ldy)
+VNNI static void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE_V, xp += TILE_V * xp_ld(nb), y += TILE_V * ldy)
         switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
-        case 8: dots_fast_vnni_tile(t, w, xq, ldq, nb, 8, y, ldy); break;
-        case 7: dots_fast_vnni_tile(t, w, xq, ldq, nb, 7, y, ldy); break;
-        case 6: dots_fast_vnni_tile(t, w, xq, ldq, nb, 6, y, ldy); break;
-        case 5: dots_fast_vnni_tile(t, w, xq, ldq, nb, 5, y, ldy); break;
-        case 4: dots_fast_vnni_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
-        case 3: dots_fast_vnni_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
-        case 2: dots_fast_vnni_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
-        default: dots_fast_vnni_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        case 8: dots_fast_vnni_tile(t, w, xp, nb, 8, y, ldy); break;
+        case 7: dots_fast_vnni_tile(t, w, xp, nb, 7, y, ldy); break;
+        case 6: dots_fast_vnni_tile(t, w, xp, nb, 6, y, ldy); break;
+        case 5: dots_fast_vnni_tile(t, w, xp, nb, 5, y, ldy); break;
+        case 4: dots_fast_vnni_tile(t, w, xp, nb, 4, y, ldy); break;
+        case 3: dots_fast_vnni_tile(t, w, xp, nb, 3, y, ldy); break;
+        case 2: dots_fast_vnni_tile(t, w, xp, nb, 2, y, ldy); break;
+        default: dots_fast_vnni_tile(t, w, xp, nb, 1, y, ldy);
         }
 }
 #endif
@@ -1041,11 +1057,35 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
     return dot_exact_c(t, w, x, n);
 }
 
-/* fast mode for quantized types; float types have no integer path and use x itself */
-static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, int n, int fast) {
+/* VNNI's fast-mode products read the activations repacked (xpair), once per product, into a
+ * buffer of the calling thread (calls release the GIL), grown as needed and kept: NULL where
+ * the product takes another path (then xq is read), or if it cannot grow (then AVX2's path). */
+static _Thread_local xpair *xp_buf;
+static _Thread_local int64_t xp_cap;
+static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
+#if HAVE_X86
+    int nb = n / QK;
+    int64_t need = B * xp_ld(nb);
+    if (!(fast && use_vnni && is_quant(t)) || need == 0) return NULL;
+    if (need > xp_cap) {
+        free(xp_buf);
+        xp_buf = aligned_alloc(64, need * sizeof(xpair));
+        xp_cap = xp_buf ? need : 0;
+        if (!xp_buf) return NULL;
+    }
+    vnni_pack(t, xq, ldq, nb, B, xp_buf);
+    return xp_buf;
+#else
+    return NULL;
+#endif
+}
+
+/* fast mode for quantized types; float types have no integer path and use x itself. xp: xq
+ * packed by pack_x, or NULL */
+static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
-        if (use_vnni) return dot_fast_vnni(t, w, xq, n / QK);
+        if (xp) return dot_fast_vnni(t, w, xp, n / QK);
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
         return dot_fast_c(t, w, xq, n / QK);
@@ -1055,11 +1095,11 @@ static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk
 
 /* B tokens against one row (see dots_exact_avx2): the row is read from memory once; the
  * portable path calls the one-token dot per token while the row is in L1. */
-static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int n,
-                     int fast, int B, float *y, int64_t ldy) {
+static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq,
+                     const xpair *xp, int n, int fast, int B, float *y, int64_t ldy) {
     if (fast && is_quant(t)) {
 #if HAVE_X86
-        if (use_vnni) { dots_fast_vnni(t, w, xq, ldq, n / QK, B, y, ldy); return; }
+        if (xp) { dots_fast_vnni(t, w, xp, n / QK, B, y, ldy); return; }
         if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
 #endif
         for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, n / QK);
@@ -1110,11 +1150,12 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
                    const float *x, const q8blk *xq, int fast, float *y) {
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
+    const xpair *xp = pack_x(m.t, xq, 0, n, 1, fast);
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t r = rows ? rows[i] : start + i;
         if (partial && i + PREFETCH_ROWS < n_rows)
             prefetch_row(row_at(m, rows ? rows[i + PREFETCH_ROWS] : start + i + PREFETCH_ROWS, col0), bytes);
-        y[i] = dot_any(m.t, row_at(m, r, col0), x, xq, n, fast);
+        y[i] = dot_any(m.t, row_at(m, r, col0), x, xq, xp, n, fast);
     }
 }
 
@@ -1136,6 +1177,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     /* Two passes, each one stream through the file: gate (deciding who is active), then up for
      * the active neurons only; h holds act(gate x) in between, 0 for inactive neurons (an
      * active one whose activation is 0 contributes 0 either way, so it needs no up row). */
+    const xpair *xp = pack_x(gate.t, xq, 0, hidden, 1, fast);
     for (int64_t i = 0; i < n_own; i++) {
         int64_t n = own0 + i;
         h[i] = 0.f;
@@ -1143,16 +1185,17 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
             if (i + PREFETCH_ROWS < n_own && mask[n + PREFETCH_ROWS]) prefetch_row(row_at(gate, n + PREFETCH_ROWS, 0), gbytes);
             if (!mask[n]) continue;   /* a predictor said no: not even the gate row is read */
         }
-        float g = act_fn(act, dot_any(gate.t, row_at(gate, n, 0), x, xq, hidden, fast));
+        float g = act_fn(act, dot_any(gate.t, row_at(gate, n, 0), x, xq, xp, hidden, fast));
         if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
         h[i] = g;
         n_active++;
     }
+    if (mode != ACT_NOGATE) xp = pack_x(up.t, xq, 0, hidden, 1, fast);  /* up's type may be another */
     for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {
         if (i + PREFETCH_ROWS < n_own && h[i + PREFETCH_ROWS] != 0.f)
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
         if (h[i] == 0.f) continue;
-        float u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, hidden, fast);
+        float u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
         h[i] *= mode == ACT_SYM ? act_fn(act, u) : u;
     }
     if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
@@ -1178,11 +1221,12 @@ static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
                    const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy) {
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
+    const xpair *xp = pack_x(m.t, xq, ldq, n, B, fast);
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t r = rows ? rows[i] : start + i;
         if (partial && i + PREFETCH_ROWS < n_rows)
             prefetch_row(row_at(m, rows ? rows[i + PREFETCH_ROWS] : start + i + PREFETCH_ROWS, col0), bytes);
-        dots_any(m.t, row_at(m, r, col0), x, ldx, xq, ldq, n, fast, B, y + i, ldy);
+        dots_any(m.t, row_at(m, r, col0), x, ldx, xq, ldq, xp, n, fast, B, y + i, ldy);
     }
 }
 
@@ -1205,6 +1249,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
     float g[MAXB];
+    const xpair *xp = pack_x(gate.t, xq, ldq, hidden, B, fast);
     for (int b = 0; b < B; b++) counts[b] = 0;
     for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
         int64_t n = own0 + i;
@@ -1214,7 +1259,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
             if (i + PREFETCH_ROWS < n_own && mask[n + PREFETCH_ROWS]) prefetch_row(row_at(gate, n + PREFETCH_ROWS, 0), gbytes);
             if (!mask[n]) continue;
         }
-        dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, hidden, fast, B, g, 1);
+        dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, g, 1);
         for (int b = 0; b < B; b++) {
             float v = act_fn(act, g[b]);
             if (thr && thr[b] >= 0.f && !(fabsf(v) > thr[b])) continue;  /* sparsecore.ffn.is_active */
@@ -1223,11 +1268,12 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
             if (v != 0.f) any[i] = 1;
         }
     }
+    if (mode != ACT_NOGATE) xp = pack_x(up.t, xq, ldq, hidden, B, fast);
     for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {  /* up, for neurons some token needs */
         if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
         if (!any[i]) continue;
-        dots_any(up.t, row_at(up, own0 + i, 0), x, hidden, xq, ldq, hidden, fast, B, g, 1);
+        dots_any(up.t, row_at(up, own0 + i, 0), x, hidden, xq, ldq, xp, hidden, fast, B, g, 1);
         for (int b = 0; b < B; b++)
             if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= mode == ACT_SYM ? act_fn(act, g[b]) : g[b];
     }
