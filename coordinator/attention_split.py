@@ -28,10 +28,13 @@ from .sparse_ffn import ExchangeStats
 
 # An attention step split across processes costs one more exchange a layer (a doorbell round
 # trip and some Python, 20-40 us); it pays when the work it halves is larger: the layer's
-# attention weights plus the keys and values the step reads. Measured on a 2-core EPYC: SmolLM2
-# (0.55 MB of weights a layer) lost 5 % at short contexts and gained 19 % at 512 positions
-# (+0.8 MB of cache); the 1.1B shape (5.3 MB a layer) gained at every length.
-MIN_SPLIT_BYTES = 1 << 20
+# attention weights plus the keys and values the step reads. Measured on a 2-core EPYC with the
+# vectorized attention kernel (paired in-process runs, fast arithmetic): SmolLM2 (0.55 MB of
+# weights a layer) one sequence 0.95x at 8 positions, 0.97-0.99x at 128-256, 1.00x at 1024
+# (2.1 MB with the cache); 4 sequences at 128 positions (1.3 MB) 1.04x; the 1.1B shape (5.3 MB
+# a layer) one sequence 1.02-1.08x at 8-1024 positions, 4 sequences 1.13x.
+MIN_SPLIT_BYTES = 2 << 20  # one sequence
+MIN_SPLIT_BYTES_BATCH = 1 << 20  # several: their caches' share of the work splits too
 
 
 class SplitAttention:
@@ -46,11 +49,12 @@ class SplitAttention:
         s = pool.shape
         self.weight_bytes = steps[0].weight_bytes  # one layer's Q, K, V and output matrices
         self.kv_bytes_per_pos = 2 * 4 * s.n_kv * s.head_dim  # keys and values of one position
-        self.min_bytes = MIN_SPLIT_BYTES
+        self.min_bytes = (MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH)  # (one sequence, several)
 
     def pays(self, pos: np.ndarray) -> bool:
         """Whether splitting a step of sequences at `pos` is worth its extra exchange a layer."""
-        return self.weight_bytes + self.kv_bytes_per_pos * int(pos.sum() + len(pos)) >= self.min_bytes
+        work = self.weight_bytes + self.kv_bytes_per_pos * int(pos.sum() + len(pos))
+        return work >= self.min_bytes[len(pos) > 1]
 
     def begin(self, pos: np.ndarray, caches: np.ndarray) -> "SplitStep":
         """A decode step of sequences at `pos` with pool caches `caches` (int64): their (position,

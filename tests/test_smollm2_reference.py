@@ -44,7 +44,7 @@ def test_greedy_tokens_match_transformers_with_attention_split_across_processes(
     context length: SmolLM2's short prompts alone would not pay for the extra exchange)."""
     with Engine(smollm2_path, EngineOptions(threads=2, cpu_workers=1)) as eng:
         assert eng.model.split_attn is not None
-        eng.model.split_attn.min_bytes = 0
+        eng.model.split_attn.min_bytes = (0, 0)
         for case in REF["prompts"]:
             calls = len(eng.ffn.stats.attn_us)
             got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),

@@ -33,7 +33,7 @@ def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
                                      kv_caches=kv_caches))
     if split:
         assert eng.model.split_attn is not None, "the tiny model's attention should be split"
-        eng.model.split_attn.min_bytes = 0  # tiny layers never pay for the exchange: split anyway
+        eng.model.split_attn.min_bytes = (0, 0)  # tiny layers never pay for the exchange: split anyway
     return eng
 
 
@@ -127,3 +127,18 @@ def test_attention_stays_on_the_coordinator_when_not_split(tiny_model_factory, n
         assert eng.kv_pool is None and eng.model.cache.index is None
         _decode(eng, PROMPTS[0], 2)
         assert eng.ffn.stats.attn_us == []
+
+
+def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
+    from types import SimpleNamespace
+
+    from coordinator.attention_split import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, SplitAttention
+
+    small = SimpleNamespace(weight_bytes=550_000, kv_bytes_per_pos=1536, min_bytes=(MIN_SPLIT_BYTES,
+                                                                                   MIN_SPLIT_BYTES_BATCH))
+    pays = lambda sa, *pos: SplitAttention.pays(sa, np.array(pos, np.int64))  # noqa: E731
+    assert not pays(small, 10)  # SmolLM2-sized layer, short context: the exchange costs more
+    assert pays(small, 1200)  # its cache grew past the weights
+    assert pays(small, 120, 130, 140, 150)  # a batch: every sequence's cache splits too
+    large = SimpleNamespace(weight_bytes=5_300_000, kv_bytes_per_pos=2048, min_bytes=small.min_bytes)
+    assert pays(large, 0)  # a 1.1B-sized layer always pays
