@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from . import interrupts
 from .batching import DoneEvent, FailedEvent, Request, Scheduler, TokenEvent
 from .sampling import SamplingParams
 
@@ -26,6 +27,7 @@ def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: Sampling
                 ev = events.get(timeout=0.2)
             except queue.Empty:
                 continue
+            interrupts.raise_if_interrupted()
             if isinstance(ev, TokenEvent):
                 text.append(ev.text)
                 click.echo(ev.text, nl=False)
@@ -36,6 +38,7 @@ def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: Sampling
             elif isinstance(ev, FailedEvent):
                 raise click.ClickException(ev.message)
     except KeyboardInterrupt:
+        interrupts.clear()
         req.cancelled.set()
         while not isinstance(ev := events.get(), (DoneEvent, FailedEvent)):
             pass

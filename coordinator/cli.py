@@ -13,6 +13,7 @@ import numpy as np
 from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
+from . import interrupts
 from .interrupts import stop_on_signals
 from .model_fetch import MODELS, FetchError, default_model_path, pull
 
@@ -358,6 +359,7 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
         if not chat:
             click.echo(prompt, nl=False)
         for tok in eng.generate(ids, max_tokens, sampling, stop_at_eos=not ignore_eos):
+            interrupts.raise_if_interrupted()
             if not ignore_eos and tok in eng.tokenizer.eos_ids:
                 break
             click.echo(stream.push(tok), nl=False)
