@@ -191,8 +191,16 @@ class GGUFTokenizer:
         """Raises ValueError (one line) for any defect of the file's tokenizer metadata: the
         tokenizers library and odd value types raise other exceptions, which callers (the
         engine, the CLI) would otherwise show as a traceback."""
+        cached = getattr(reader, "_sparseinfer_tokenizer", None)  # one reader, one tokenizer (open_gguf shares readers)
+        if cached is not None:
+            return cached
         try:
-            return cls._from_reader(reader)
+            tok = cls._from_reader(reader)
+            try:
+                reader._sparseinfer_tokenizer = tok
+            except AttributeError:
+                pass
+            return tok
         except ValueError as e:
             raise ValueError(" ".join(str(e).split())) from None
         except Exception as e:
