@@ -15,21 +15,20 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from sparsecore.attn_shard import head_unit, native_attention, split_heads
 from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
-from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
-
-from sparsecore.attn_shard import head_unit, native_attention, split_heads
 from sparsecore.kernels import supports
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.shard import FileLayer
+from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
 
-from .chat_template import chat_template_from_reader, render_chat
 from .attention_split import SplitAttention
+from .chat_template import chat_template_from_reader, render_chat
 from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)

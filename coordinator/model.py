@@ -7,9 +7,8 @@ un-permuted Q/K, SDPA) so greedy decoding matches it token for token.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
 import weakref
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
