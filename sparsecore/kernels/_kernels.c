@@ -1665,6 +1665,14 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
  * vcs[b]: the layer's caches of sequence b at KV head 0. Scratch: x (B hidden), q and out
  * (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32 blocks), oq (B n_heads
  * hd/32 blocks). kv1 - kv0 heads' columns of wo must start on a block of wo's type. */
+/* matmul, or for one token matvec, its own faster path (the same floats: see matmul) */
+static inline void products(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
+                            const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y,
+                            int64_t ldy) {
+    if (B == 1) matvec(m, rows, start, n_rows, col0, n, x, xq, fast, y);
+    else matmul(m, rows, start, n_rows, col0, n, x, ldx, xq, ldq, B, fast, y, ldy);
+}
+
 static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
@@ -1678,16 +1686,16 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
         rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
         if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
     }
-    matmul(wq, q_rows + q0, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
-    matmul(wk, k_rows + k0, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
-    matmul(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    products(wq, q_rows + q0, 0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.q, nq);
+    products(wk, k_rows + k0, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
+    products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
         attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,
                sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, sc.att, sc.out + b * nq);
         if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
     }
-    matmul(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
+    products(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
 }
 
 /* attn_token for B sequences: every head's share (attn_part) added to the residual h in place. */
