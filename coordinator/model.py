@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparsecore.attn_shard import qk_order
+from sparsecore.attn_shard import attention_step, qk_order
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
@@ -224,18 +224,15 @@ class Transformer:
         self.split_attn = None
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
-        self.native = [self._native_step(i, L, fast) for i, L in enumerate(self.layers)]
+        self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
 
-    def _native_step(self, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
+    def _native_step(self, store: TensorStore, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
         # The kernel computes llama's attention: none of the other architectures' extras.
         if not isinstance(L.wqkv, list) or self.cfg.rope_dim > self.cfg.head_dim or not self.cfg.plain_llama:
             return None
-        q, k, v = L.wqkv
         try:
-            return AttentionStep(q.m, q.rows, k.m, k.rows, v.m, L.wo.m, L.attn_norm.numpy(), self.cfg.rms_eps,
-                                 self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.rope_dim,
-                                 self.cos.numpy(), self.sin_signed.numpy(), self.cache.k[i].numpy(),
-                                 self.cache.v[i].numpy(), fast)
+            return attention_step(store, self.cfg, i, self.cos.numpy(), self.sin_signed.numpy(),
+                                  self.cache.k[i].numpy(), self.cache.v[i].numpy(), fast)
         except ValueError:  # a shape the kernel does not take: the torch path below
             return None
 

@@ -16,12 +16,12 @@ which model, profile, budget and neuron size it was made for, so a stale file is
 from __future__ import annotations
 
 import heapq
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from protocol.doorbell import usable_cores
 from sparsecore.ffn import row_nbytes
 
 from .model_files import GPUIDX_FORMAT, gpuidx_path, read_gpuidx, write_gpuidx
@@ -78,21 +78,12 @@ def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int,
 
 # ---- cores, default shares and the vocabulary split ---------------------------------------------
 
-def _usable_cores() -> int:
-    """The cores this process may run on (a taskset or a container's cpuset narrows them), not
-    every core of the machine: workers beyond them would only queue behind each other."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def resolve_threads(threads: int | None, cpu_workers: int | None, cuda: bool = False) -> tuple[int, int, int]:
     """(total threads, cpu workers, threads per worker) without oversubscribing the cores.
     The coordinator keeps one core; the workers share the rest. Without CUDA the GPU worker
     holds no neuron by default (see default_gpu_share), so every other core gets a CPU worker;
     with CUDA the GPU worker's feeding thread takes a core too."""
-    total = threads or _usable_cores()
+    total = threads or usable_cores()
     default_cpu = max(1, total - 2) if cuda else max(1, total - 1)
     n_cpu = cpu_workers if cpu_workers is not None else default_cpu
     per_worker = max(1, (total - 1) // n_cpu) if total > 1 and n_cpu > 0 else 1

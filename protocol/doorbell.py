@@ -78,8 +78,10 @@ def spin_supported() -> bool:
 
 
 def usable_cores() -> int:
+    """The cores this process may run on (a taskset or a container's cpuset narrows them), not
+    every core of the machine: workers or spinners beyond them would only queue behind each other."""
     try:
-        return len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 

@@ -68,19 +68,18 @@ def split_heads(n_kv: int, slots: list[int], unit: int) -> dict[int, tuple[int, 
     return out
 
 
-def attention_steps(store: TensorStore, cfg: ModelConfig, pool: KvPool, fast: bool) -> list[AttentionStep]:
-    """One native step object per layer over the file's blocks and the pool's rope tables."""
-    steps = []
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        q, k, v, o = (FileMatrix(store.info(p + n)) for n in ATTN_NAMES)
-        q_rows = qk_order(q.rows, cfg.n_heads) if cfg.permuted_qk else np.arange(q.rows, dtype=np.int32)
-        k_rows = qk_order(k.rows, cfg.n_kv_heads) if cfg.permuted_qk else np.arange(k.rows, dtype=np.int32)
-        norm = np.ascontiguousarray(store.matrix(p + "attn_norm.weight"), dtype=np.float32)
-        steps.append(AttentionStep(q, q_rows, k, k_rows, v, o, norm, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads,
-                                   cfg.head_dim, cfg.rope_dim, pool.cos, pool.sin, pool.keys(0)[i],
-                                   pool.values(0)[i], fast))
-    return steps
+def attention_step(store: TensorStore, cfg: ModelConfig, i: int, cos: np.ndarray, sin: np.ndarray,
+                   k_cache: np.ndarray, v_cache: np.ndarray, fast: bool) -> AttentionStep:
+    """Layer i's native step over the file's blocks (Q and K rows in un-permuted order), with the
+    rope tables and this layer's keys and values of a default cache: the coordinator's model and
+    a worker's shard build theirs here alike. Raises ValueError for a shape the kernel refuses."""
+    p = f"blk.{i}."
+    q, k, v, o = (FileMatrix(store.info(p + n)) for n in ATTN_NAMES)
+    q_rows = qk_order(q.rows, cfg.n_heads) if cfg.permuted_qk else np.arange(q.rows, dtype=np.int32)
+    k_rows = qk_order(k.rows, cfg.n_kv_heads) if cfg.permuted_qk else np.arange(k.rows, dtype=np.int32)
+    norm = np.ascontiguousarray(store.matrix(p + "attn_norm.weight"), dtype=np.float32)
+    return AttentionStep(q, q_rows, k, k_rows, v, o, norm, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.rope_dim, cos, sin, k_cache, v_cache, fast)
 
 
 class AttnShard:
@@ -92,7 +91,9 @@ class AttnShard:
     @classmethod
     def load(cls, store: TensorStore, cfg: ModelConfig, pool: KvPool, heads: tuple[int, int],
              fast: bool) -> "AttnShard":
-        return cls(attention_steps(store, cfg, pool, fast), pool, heads)
+        steps = [attention_step(store, cfg, i, pool.cos, pool.sin, pool.keys(0)[i], pool.values(0)[i], fast)
+                 for i in range(cfg.n_layers)]
+        return cls(steps, pool, heads)
 
     def serve(self, buf: SharedBuffers, slot: int, req: Request) -> tuple[int, int]:
         """x[:B] are B sequences' residuals, seq[:B] their (position, cache): this shard's share of

@@ -13,6 +13,20 @@ from tests.fixtures.tiny_gguf import write_tiny_llama
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(params=["generic", "avx2", "avx512vnni"])
+def isa(request):
+    """Each instruction-set level of the native kernels this CPU runs, the default restored after
+    (AVX-512 VNNI: fast mode's integer dots; a level the CPU lacks is skipped)."""
+    from sparsecore import kernels as K
+
+    default = K.isa()  # what import picked: the best this CPU has
+    if K.set_isa(request.param) != request.param:
+        K.set_isa(default)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    K.set_isa(default)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer F32 Llama with a small byte-level BPE vocabulary."""

@@ -15,19 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 
-DEFAULT_ISA = K.isa()
-ISAS = [name for name in ("generic", "avx2", "avx512vnni") if K.set_isa(name) == name]
-K.set_isa(DEFAULT_ISA)
 MAX_CTX = 320
-
-
-@pytest.fixture(params=["generic", "avx2", "avx512vnni"])
-def isa(request):
-    if request.param not in ISAS:
-        pytest.skip(f"this CPU has no {request.param}")
-    assert K.set_isa(request.param) == request.param
-    yield request.param
-    K.set_isa(DEFAULT_ISA)
 
 
 def f32_matrix(a: np.ndarray, name: str) -> K.FileMatrix:

@@ -17,19 +17,6 @@ from tests.ffn_reference import ffn_dense_reference
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0]
 KTYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-DEFAULT_ISA = K.isa()  # what import picked: the best this CPU has
-# every ISA level this CPU runs (AVX-512 VNNI: fast mode's integer dots; skipped where absent)
-ISAS = [name for name in ("generic", "avx2", "avx512vnni") if K.set_isa(name) == name]
-K.set_isa(DEFAULT_ISA)
-
-
-@pytest.fixture(params=["generic", "avx2", "avx512vnni"])
-def isa(request):
-    if request.param not in ISAS:
-        pytest.skip(f"this CPU has no {request.param}")
-    assert K.set_isa(request.param) == request.param
-    yield request.param
-    K.set_isa(DEFAULT_ISA)
 
 
 def random_kquant(rng, rows: int, cols: int, t: T, size: float = 0.3) -> np.ndarray:

@@ -126,7 +126,7 @@ def test_sync_policy_from_the_environment(monkeypatch):
 def test_threads_default_to_the_usable_cores(monkeypatch):
     from coordinator import placement
 
-    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert placement.resolve_threads(None, None) == (3, 2, 1)
 
 

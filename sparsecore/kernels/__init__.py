@@ -338,7 +338,7 @@ class AttentionStep:
         self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
         self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
         self.weight_bytes = sum(m.rows * m.row_bytes for m in (q, k, v, o))
-        self.hidden, self.rope_bytes, self.max_ctx = hidden, rope_dim * 4, max_ctx
+        self.hidden, self.max_ctx = hidden, max_ctx
         self.scratch = [np.empty(n, np.float32) for n in (hidden, n_heads * head_dim, n_kv * head_dim,
                                                           n_kv * head_dim, max_ctx, n_heads * head_dim)]
         self.scratch += [q8_scratch(hidden), q8_scratch(n_heads * head_dim)]
@@ -402,5 +402,5 @@ class AttentionStep:
                     raise ValueError(f"attention step: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
             tail = (_ptr(k), _ptr(v), *tail[2:])
             self.keep_cache = cache  # alive until the next call, like the constructor's
-        _kernels.attn_token(*self.head, self.cos + pos * self.rope_bytes, self.sin + pos * self.rope_bytes, pos,
+        _kernels.attn_token(*self.head, self.cos, self.sin, pos,
                             *tail, _ptr(h))

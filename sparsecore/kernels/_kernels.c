@@ -1639,21 +1639,6 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
     }
 }
 
-static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
-                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                       const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
-                       int fast, attn_scratch sc, float *h) {
-    rms_norm_into(h, norm_w, eps, hidden, sc.x);
-    if (fast) quantize_q8(sc.x, hidden, sc.xq);
-    matvec(wq, q_rows, 0, (int64_t)n_heads * hd, 0, hidden, sc.x, sc.xq, fast, sc.q);
-    matvec(wk, k_rows, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.k);
-    matvec(wv, NULL, 0, (int64_t)n_kv * hd, 0, hidden, sc.x, sc.xq, fast, sc.v);
-    attend(sc.q, sc.k, sc.v, n_heads, n_kv, hd, d, cos_r, sin_r, pos, kc, vc, max_ctx, sc.att, sc.out);
-    if (fast) quantize_q8(sc.out, n_heads * hd, sc.oq);
-    matvec(wo, NULL, 0, hidden, 0, n_heads * hd, sc.out, sc.oq, fast, sc.x);  /* x: free again */
-    for (int i = 0; i < hidden; i++) h[i] += sc.x[i];
-}
-
 /* The attention of KV heads [kv0, kv1) (and their query heads) for B sequences decoded together
  * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
  * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
@@ -1707,6 +1692,17 @@ static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
     attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos, kcs,
               vcs, max_ctx, fast, sc, h, 0, n_kv, part);
     for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += part[i];
+}
+
+/* One sequence's decoded token: attn_batch of one row (one token's products go through matvec) */
+static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_t, const float *sin_t, int pos, float *kc, float *vc, int max_ctx,
+                       int fast, attn_scratch sc, float *h) {
+    int64_t p = pos;
+    float *kcs[1] = {kc}, *vcs[1] = {vc};
+    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, 1, &p, kcs,
+               vcs, max_ctx, fast, sc, h);
 }
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
@@ -1942,7 +1938,7 @@ static int get_attn_layer(PyObject *const *args, attn_layer *L) {
 }
 
 /* attn_token(<attn layer: 23>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
- *            x, q, k, v, att, out, xq, oq, h): 37 arguments; cos_ptr, sin_ptr at the token's row */
+ *            x, q, k, v, att, out, xq, oq, h): 37 arguments; cos/sin: the whole tables */
 static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 37) { PyErr_SetString(PyExc_TypeError, "attn_token takes 37 arguments"); return NULL; }
