@@ -348,11 +348,14 @@ def test_chat_repl_keeps_history_and_resets(tiny_model):
     assert "conversation cleared" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_beyond_the_slots_and_the_queue_requests_get_503(tiny_model, tmp_path):
-    with _server(tiny_model, tmp_path, "--parallel", "1", "--queue", "0") as (_, url):
+def test_beyond_the_slots_and_the_queue_requests_get_503(tiny_model_factory, tmp_path):
+    # a long context: the busy request must outlast the next one's arrival (a tiny model decodes
+    # thousands of tokens a second, so 200 of them could end first and free the slot)
+    model_path = tiny_model_factory(tensor_type="F32", ctx=16384)
+    with _server(model_path, tmp_path, "--parallel", "1", "--queue", "0", "--ctx", "16384") as (_, url):
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         model = c.models.list().data[0].id
-        busy = c.completions.create(model=model, prompt="the lazy dog", max_tokens=200, temperature=0, stream=True,
+        busy = c.completions.create(model=model, prompt="the lazy dog", max_tokens=16000, temperature=0, stream=True,
                                     extra_body={"ignore_eos": True})
         next(iter(busy))  # the one slot is decoding
         with pytest.raises(openai.APIStatusError) as e:
