@@ -45,6 +45,8 @@ class SplitAttention:
                  heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats):
         self.bell, self.buffers, self.pool, self.steps, self.own, self.stats = bell, buffers, pool, steps, own, stats
         self.part = np.array(sorted(heads), dtype=np.intp)
+        for s in steps:
+            s.keep_output_columns(*own)
         self.scratch = np.empty((MAX_SMALL_BATCH, buffers.layout.hidden), np.float32)
         s = pool.shape
         self.weight_bytes = steps[0].weight_bytes  # one layer's Q, K, V and output matrices

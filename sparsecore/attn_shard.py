@@ -93,6 +93,8 @@ class AttnShard:
              fast: bool) -> "AttnShard":
         steps = [attention_step(store, cfg, i, pool.cos, pool.sin, pool.keys(0)[i], pool.values(0)[i], fast)
                  for i in range(cfg.n_layers)]
+        for s in steps:
+            s.keep_output_columns(*heads)
         return cls(steps, pool, heads)
 
     def serve(self, buf: SharedBuffers, slot: int, req: Request) -> tuple[int, int]:

@@ -125,6 +125,8 @@ class FileLayer:
                                                                                  down))
         self.own, self.fast, self.scratch = own, fast, scratch
         self.idx = np.arange(own.start, own.stop)
+        if not self.down_t:  # a share of the neurons reads a part of every down row: hold that part
+            self.down = self.down.keep_columns(own)
 
     @property
     def tiled_prefill(self) -> bool:

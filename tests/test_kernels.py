@@ -236,6 +236,30 @@ def test_ffn_token(ffn, isa, fast, which):
         assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale, name
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("which", ["middle", "last"])
+def test_ffn_token_with_its_down_columns_held(ffn, isa, fast, which):
+    """A shard holding its columns of down (FileLayer: FileMatrix.keep_columns) computes bit for
+    bit what it computes on the file's down, alone and in a batch."""
+    t, m, _ = ffn
+    hidden, _, _ = ffn_dims(t)
+    own = own_range(t, which)
+    held = m["down"].keep_columns(own)
+    x = np.random.default_rng(23).standard_normal((3, hidden)).astype(np.float32)
+    for thr in (None, 0.05):
+        a = K.ffn_token(m["gate"], m["up"], m["down"], x[0], own, "silu", K.FfnScratch(hidden, len(own)),
+                        threshold=thr, fast=fast)
+        b = K.ffn_token(m["gate"], m["up"], held, x[0], own, "silu", K.FfnScratch(hidden, len(own)),
+                        threshold=thr, fast=fast)
+        np.testing.assert_array_equal(a[0], b[0])
+        assert a[1] == b[1]
+        a = K.ffn_batch(m["gate"], m["up"], m["down"], x, own, "silu", K.FfnScratch(hidden, len(own)),
+                        threshold=thr, fast=fast)
+        b = K.ffn_batch(m["gate"], m["up"], held, x, own, "silu", K.FfnScratch(hidden, len(own)),
+                        threshold=thr, fast=fast)
+        np.testing.assert_array_equal(a[0], b[0])
+
+
 def test_ffn_token_alignment_is_down_blocks(ffn):
     """down's columns (the neurons) are read in whole blocks: a range must start on one"""
     t, m, _ = ffn
@@ -299,6 +323,53 @@ def test_matmul_equals_stacked_matvec(mats, kmats, isa, t, fast):
                 np.testing.assert_array_equal(got, want, err_msg=f"B={B} rows={rows} cols={cols}")
         call = m.prepare_batch(rows=[3, 0, 36], fast=fast)
         np.testing.assert_array_equal(call(X), np.stack([m.matvec(X[b], rows=[3, 0, 36], fast=fast) for b in range(B)]))
+
+
+@pytest.mark.parametrize("t", TYPES + KTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_kept_columns_read_as_the_file_does(mats, kmats, isa, t, fast):
+    """A matrix holding some columns only (FileMatrix.keep_columns: a process's share of down
+    or of the attention output) gives bit for bit what the file's matrix gives over them, by
+    the same column numbers; the file's matrix still reads right after its pages were unmapped;
+    columns it does not hold are refused."""
+    tensor = (kmats if t in KTYPES else mats)[f"w.{t.name}"]
+    m = K.FileMatrix(tensor)
+    b = max(m.block, 32)
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal(m.cols).astype(np.float32)
+    whole = m.matvec(x, fast=fast).copy()
+    for cols in (range(b, m.cols), range(0, b), range(b, 2 * b) if m.cols >= 3 * b else range(0, m.cols)):
+        held = m.keep_columns(cols)
+        assert held.data.nbytes == m.rows * len(cols) * m.row_bytes // m.cols
+        xc = np.ascontiguousarray(x[cols.start:cols.stop])
+        for sub in (cols, range(cols.start, cols.start + b)):
+            xs = np.ascontiguousarray(x[sub.start:sub.stop])
+            np.testing.assert_array_equal(held.matvec(xs, rows=[3, 0, 36], cols=sub, fast=fast),
+                                          m.matvec(xs, rows=[3, 0, 36], cols=sub, fast=fast))
+        X = rng.standard_normal((3, len(cols))).astype(np.float32)
+        np.testing.assert_array_equal(held.matmul(X, cols=cols, fast=fast), m.matmul(X, cols=cols, fast=fast))
+        np.testing.assert_array_equal(held.dequantize(rows=range(2, 9), cols=cols),
+                                      m.dequantize(rows=range(2, 9), cols=cols))
+        if len(cols) < m.cols:
+            with pytest.raises(ValueError, match="holds columns|whole blocks"):
+                held.matvec(x, fast=fast)
+            outside = range(0, b) if cols.start else range(cols.stop, cols.stop + b)
+            with pytest.raises(ValueError, match="within"):
+                held.matvec(np.zeros(b, np.float32), cols=outside)
+    np.testing.assert_array_equal(m.matvec(x, fast=fast), whole)
+
+
+def test_kept_columns_leave_memory_that_is_not_a_file_alone(mats):
+    """Unmapping a file's pages would zero anonymous memory (a tensor converted at load): a
+    matrix whose blocks are not a view of a file keeps its values."""
+    m = K.FileMatrix(mats["w.Q8_0"])
+    anon = K.FileMatrix(mats["w.Q8_0"])
+    anon.data = m.data.copy()
+    before = anon.data.copy()
+    held = anon.keep_columns(range(32, 96))
+    np.testing.assert_array_equal(anon.data, before)
+    x = np.random.default_rng(22).standard_normal(64).astype(np.float32)
+    np.testing.assert_array_equal(held.matvec(x, cols=range(32, 96)), m.matvec(x, cols=range(32, 96)))
 
 
 def test_matmul_refuses_bad_batches(mats):
