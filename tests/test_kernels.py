@@ -117,6 +117,24 @@ def test_exact_mode_is_the_dequantized_product(mats, isa):
     assert exact < 1e-4 * np.abs(want).max() < fast
 
 
+def test_activation_quantization_is_the_same_on_every_isa(isa):
+    """The 8-bit activation blocks (fast mode) equal numpy's round-half-even of x / d, d = max|x|
+    / 127 per block of 32, on every ISA: ties, a zero block, tiny and huge values."""
+    rng = np.random.default_rng(30)
+    x = (rng.standard_normal(32 * 64) * np.repeat(10.0 ** rng.integers(-6, 6, 64), 32)).astype(np.float32)
+    x[32:64] = 0
+    x[64:96] = np.arange(-16, 16) * 0.5  # x / d lands on halves: ties round to even
+    x[96] = 127 * 4
+    d, s, q = K.quantize_q8(x)
+    xb = x.reshape(-1, 32)
+    want_d = np.abs(xb).max(axis=1) / np.float32(127)
+    inv = np.where(want_d > 0, np.float32(1) / np.where(want_d > 0, want_d, 1), 0).astype(np.float32)
+    want_q = np.rint(xb * inv[:, None]).astype(np.int8)
+    np.testing.assert_array_equal(d, want_d)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(s, want_q.astype(np.int32).sum(axis=1))
+
+
 def test_bad_arguments_are_refused(mats):
     m = K.FileMatrix(mats["w.Q8_0"])
     x = np.zeros(96, np.float32)

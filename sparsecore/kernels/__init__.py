@@ -92,6 +92,19 @@ def q8_scratch(n_values: int, tokens: int = 1) -> np.ndarray:
     return np.empty(tokens * max(1, -(-n_values // 32)) * Q8_BLOCK_BYTES, np.uint8)
 
 
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fast mode's quantization of float32 x (a whole number of blocks of 32), as every kernel
+    does it: per block (d, sum of q, q int8 values)."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if len(x) % 32:
+        raise ValueError(f"{len(x)} values is not a whole number of blocks of 32")
+    out = q8_scratch(len(x))
+    _kernels.quantize_q8(_ptr(x), len(x), _ptr(out))
+    blocks = out.reshape(-1, Q8_BLOCK_BYTES)
+    return blocks[:, :4].copy().view(np.float32)[:, 0], blocks[:, 4:8].copy().view(np.int32)[:, 0], \
+        blocks[:, 8:].view(np.int8).copy()
+
+
 def _check_batch(x: np.ndarray, n: int, what: str) -> int:
     """x must be (B, n) float32, C-contiguous, 1 <= B <= MAX_SMALL_BATCH; returns B."""
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n or not x.flags.c_contiguous \
@@ -388,6 +401,9 @@ class AttentionStep:
         if rope_dim > min(head_dim, 1024) or rope_dim % 2 or n_heads % n_kv:
             raise ValueError("attention: rope dimension or head counts not supported natively")
         self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
+        heads = self.q_rows.reshape(n_heads, head_dim)
+        if not (np.sort(heads, axis=1) == np.arange(n_heads * head_dim).reshape(n_heads, head_dim)).all():
+            raise ValueError("attention: q_rows must order rows within each head only")  # attn_part reads Q in file order
         self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
         self.weight_bytes = sum(m.rows * m.row_bytes for m in (q, k, v, o))
         self.hidden, self.max_ctx = hidden, max_ctx
