@@ -155,7 +155,9 @@ class Engine:
             self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                    opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
-                                   attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool)
+                                   attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
+                                   predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
+                                   and opts.weights == "gguf" else "")
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -171,6 +173,7 @@ class Engine:
             self.model = Transformer(store, cfg, max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
                                      self.kv_pool)
             self.pool.wait_ready()
+            self.ffn.use_shard_predictors(all(w.predicts for w in self.pool.workers if w.n_neurons))
             if attn_heads and all(step is not None for step in self.model.native):
                 self.model.split_attn = SplitAttention(
                     self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,

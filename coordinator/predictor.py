@@ -19,12 +19,10 @@ import torch
 from sparsecore.config import ModelConfig
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import FileRows, x_wt
-from sparsecore.gguf_file import field_value, open_gguf
+from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, supports
+from sparsecore.predictor_rows import PER_LAYER_KEY, predictor_thresholds
 from sparsecore.tensors import TensorStore
-
-THRESHOLD_KEY = "powerinfer.sparse_threshold"
-PER_LAYER_KEY = "sparseinfer.predictor.thresholds"
 
 
 def has_predictors(reader) -> bool:
@@ -62,12 +60,17 @@ class Predictors:
                     out.append(FileRows(FileMatrix(t), None, fast))
                 else:
                     out.append(torch.from_numpy(np.ascontiguousarray(store.matrix(name), dtype=np.float32)))
-        thr = field_value(reader, PER_LAYER_KEY)
+        thr = predictor_thresholds(reader, cfg.n_layers)
         if thr is None:
-            thr = [float(field_value(reader, THRESHOLD_KEY, 0.0))] * cfg.n_layers
-        if len(thr) != cfg.n_layers:
-            raise ModelFileError(f"{path}: {PER_LAYER_KEY} has {len(thr)} entries, the model {cfg.n_layers} layers")
+            raise ModelFileError(f"{path}: {PER_LAYER_KEY} does not have an entry for each of the model's "
+                                 f"{cfg.n_layers} layers")
         return cls(fc1, fc2, thr, path)
+
+    @property
+    def in_file(self) -> bool:
+        """Every fc1/fc2 is read in the file's blocks: the processes that own the neurons can
+        score them themselves (sparsecore/predictor_rows.py) with this file's thresholds."""
+        return self.path is not None and all(isinstance(m, FileRows) for m in self.fc1 + self.fc2)
 
     @property
     def n_layers(self) -> int:

@@ -76,6 +76,9 @@ class SparseFfn:
         self.observer: Observer | None = None
         self.thresholds: bool = False  # CATS thresholds (in shared memory) apply to decoded tokens
         self.sparse_batches = False  # perplexity: apply thresholds/predictors to multi-token batches too
+        # The predictors every process with neurons scores its own with (use_shard_predictors):
+        # while they are self.predictors, a token's step carries its pre-norm residual, no mask.
+        self.shard_predictors: Predictors | None = None
 
     @classmethod
     def over(cls, pool: WorkerPool, store: TensorStore | None = None, predictors: Predictors | None = None,
@@ -84,8 +87,16 @@ class SparseFfn:
         loaded here when the plan gives it one. `store`: the model file, already open."""
         slot = pool.own_slot
         own = None if slot is None else FfnShard.load(pool.model_path, pool.plan.shards[slot].neurons, "cpu",
-                                                      weights, pool.head_rows.get(slot), store, fast)
+                                                      weights, pool.head_rows.get(slot), store, fast,
+                                                      pool.predictor_path or None)
         return cls(pool.bell, pool.buffers, [sh.neurons for sh in pool.proc_shards], own, slot, predictors)
+
+    def use_shard_predictors(self, workers_predict: bool) -> None:
+        """After the workers are ready: when every process that owns neurons loaded the
+        predictors' rows (workers_predict: every worker with neurons said so in Ready), they
+        score their own neurons in parallel instead of the coordinator scoring all of them."""
+        own_ok = self.own is None or not self.own.layers or self.own.predicts
+        self.shard_predictors = self.predictors if workers_predict and own_ok else None
 
     def set_thresholds(self, per_layer: list[float] | None) -> None:
         """Use these per-layer thresholds from now on (None: dense)."""
@@ -118,8 +129,15 @@ class SparseFfn:
         return torch.from_numpy(out)
 
     def _predicted(self, layer: int, xs: np.ndarray, pre_norm: torch.Tensor) -> torch.Tensor:
-        """One exchange per token: the shared mask holds one active set per step."""
+        """One exchange per token: the shared mask holds one active set per step; or each
+        process scores its own neurons from the token's pre-norm residual (x[1])."""
         out = np.empty_like(xs)
+        if self.predictors is self.shard_predictors:
+            pre = pre_norm.numpy()
+            for t in range(len(xs)):
+                self.buffers.x[0], self.buffers.x[1] = xs[t], pre[t]
+                out[t:t + 1] = self.exchange(layer, 1, dense=False, predict=True)
+            return torch.from_numpy(out)
         masks = self.predictors.masks(layer, pre_norm)
         for t in range(len(xs)):
             self.buffers.x[:1] = xs[t:t + 1]
@@ -127,14 +145,15 @@ class SparseFfn:
             out[t:t + 1] = self.exchange(layer, 1, dense=False)
         return torch.from_numpy(out)
 
-    def exchange(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False) -> np.ndarray:
+    def exchange(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False,
+                 predict: bool = False) -> np.ndarray:
         """x[:n_tokens] (and the mask or thresholds) are in shared memory: run the step on every
         process that owns neurons of `layer` and return the summed output (n_tokens, hidden)."""
         if not 1 <= n_tokens <= self.max_tokens:
             raise ValueError(f"n_tokens {n_tokens} outside 1..{self.max_tokens}")
         t0 = time.perf_counter()
         buf, part = self.buffers, self.participants[layer]
-        posted = self.bell.post(layer, n_tokens, dense, threshold, part)
+        posted = self.bell.post(layer, n_tokens, dense, threshold, part, predict)
         n_own = own_ns = 0
         if self.own is not None and layer in self.own.layers:  # our neurons while the workers compute theirs
             n_own, own_ns = self.own.serve(buf, self.own_slot, posted)

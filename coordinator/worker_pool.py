@@ -55,6 +55,7 @@ class WorkerProc:
     device: str = ""
     pid: int = 0
     weight_bytes: int = 0
+    predicts: bool = False  # scores its own neurons in FLAG_PREDICT steps (Ready.predicts)
 
     @property
     def label(self) -> str:
@@ -106,7 +107,7 @@ class WorkerPool:
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
                  spin: bool | None = None, cores: int | None = None,
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
-                 attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None):
+                 attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = ""):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -114,6 +115,7 @@ class WorkerPool:
         self.threads = threads_per_worker
         self.gpu_device = gpu_device
         self.weights, self.fast = weights, fast
+        self.predictor_path = str(predictor_path or "")  # Assign.predictor_path
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
         self.head_rows = head_rows or {}  # slot -> [start, stop) of the lm_head's vocabulary rows
@@ -171,7 +173,7 @@ class WorkerPool:
                       WORKER_SPIN_US if self.spin else 0, self.bell.worker_wakes[slot].path, self.bell.wake.path,
                       list(self.head_rows.get(slot, ())), self.fast, list(self.attn_heads.get(slot, ())),
                       self.kv_pool.fd if self.kv_pool is not None else -1,
-                      list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [])
+                      list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path)
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
@@ -199,7 +201,8 @@ class WorkerPool:
                 w.pid = msg.pid
                 self._send(ident, self._assign(slot))
             elif isinstance(msg, Ready):
-                w.n_neurons, w.device, w.weight_bytes = msg.n_neurons, msg.device, msg.weight_bytes
+                w.n_neurons, w.device, w.weight_bytes, w.predicts = (msg.n_neurons, msg.device, msg.weight_bytes,
+                                                                     msg.predicts)
                 pending_ready.discard(ident)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")

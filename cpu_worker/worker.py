@@ -73,7 +73,7 @@ class Worker:
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path))
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
-                                   a.fast)
+                                   a.fast, a.predictor_path or None)
         if a.attn_heads:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)
             cfg = read_config(a.model_path, store.reader)
@@ -104,7 +104,7 @@ class Worker:
             self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
             return 1
         self.send(Ready(self.worker_id, self.role, os.getpid(), self.shard.n_neurons, str(self.shard.device),
-                        time.perf_counter() - t0, self.shard.nbytes))
+                        time.perf_counter() - t0, self.shard.nbytes, self.shard.predicts))
         while True:
             req = self.bell.wait()
             if req is GONE:

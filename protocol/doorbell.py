@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import zmq
 
-from .shm_layout import (FLAG_DENSE, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER, REQ_STEP,
+from .shm_layout import (FLAG_DENSE, FLAG_PREDICT, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER, REQ_STEP,
                          REQ_TOKENS, SLEEPING, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING,
                          SharedBuffers)
 
@@ -212,6 +212,10 @@ class Request(NamedTuple):
     def threshold(self) -> bool:
         return bool(self.flags & FLAG_THRESHOLD)
 
+    @property
+    def predict(self) -> bool:
+        return bool(self.flags & FLAG_PREDICT)
+
 
 # ---- the coordinator's end ---------------------------------------------------------------------
 
@@ -238,10 +242,12 @@ class CoordinatorBell:
         if not spin:  # the coordinator always sleeps: workers always ring its wake pipe
             buffers.request[REQ_COORD_SLEEPING] = SLEEPING
 
-    def post(self, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray) -> Request:
+    def post(self, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray,
+             predict: bool = False) -> Request:
         """Publish the next step, then ring the slots in `part` that sleep. Returns what was posted."""
         self.step += 1
-        posted = Request(self.step, layer, n_tokens, (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0))
+        posted = Request(self.step, layer, n_tokens, (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0)
+                         | (FLAG_PREDICT if predict else 0))
         req, slots = self.buffers.request, self.buffers.slots
         req[REQ_LAYER], req[REQ_TOKENS], req[REQ_FLAGS] = layer, n_tokens, posted.flags
         req[REQ_STEP] = self.step  # last: a worker that sees it reads a complete request

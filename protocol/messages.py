@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 9  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq)
+PROTOCOL_VERSION = 10  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT)
 
 
 class ProtocolError(Exception):
@@ -66,6 +66,9 @@ class Assign:
     attn_heads: list[int] = field(default_factory=list)
     kv_fd: int = -1
     kv_shape: list[int] = field(default_factory=list)
+    # A predictor file (blk.N.fc1/fc2, thresholds): the worker scores its own neurons in
+    # FLAG_PREDICT steps (sparsecore/predictor_rows.py); empty: the coordinator sends masks.
+    predictor_path: str = ""
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Ready:
     device: str
     load_s: float
     weight_bytes: int = 0  # FFN weights held in memory, in the Assign's weight format
+    predicts: bool = False  # it loaded the Assign's predictor for every layer it owns neurons of
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +28,7 @@ from .config import read_config
 from .gguf_file import open_gguf
 from .kernels import MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, neuron_align, supports
 from .lm_head import HeadRows, head_tensor_name
+from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
 
 if TYPE_CHECKING:
@@ -227,16 +229,25 @@ class FileLayer:
 
 class FfnShard:
     def __init__(self, layers: dict[int, LayerRows], activation: str, device: "torch.device | str",
-                 head: HeadRows | None = None, gate_mode: str = "par"):
+                 head: HeadRows | None = None, gate_mode: str = "par", predict: dict[int, PredictorRows] | None = None):
         self.layers, self.activation, self.device, self.head = layers, activation, device, head
         self.gate_mode = gate_mode  # ModelConfig.ffn_gate
+        self.predict = predict or {}  # per layer: this shard's share of the predictor (FLAG_PREDICT steps)
+
+    @property
+    def predicts(self) -> bool:
+        """Every layer it owns neurons of can score them itself (FLAG_PREDICT)."""
+        return bool(self.layers) and set(self.predict) == set(self.layers)
 
     @classmethod
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: "torch.device | str" = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
-             store: TensorStore | None = None, fast: bool = False) -> "FfnShard":
+             store: TensorStore | None = None, fast: bool = False,
+             predictor_path: str | PathLike | None = None) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
+        `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
+        layers kept in the file's blocks score their own neurons with it (PredictorRows).
         weights "gguf": on the CPU, layers whose neurons are a 32-aligned range of types the
         kernels read stay in the file's blocks (FileLayer); others, and a CUDA device, are
         converted once (float32 on the CPU, float16 on a GPU)."""
@@ -263,7 +274,15 @@ class FfnShard:
         if head_rows:
             head = HeadRows(store, head_tensor_name(cfg.tied_embeddings), *head_rows, in_file=weights == "gguf",
                             fast=fast)
-        return cls(layers, cfg.activation, device, head, cfg.ffn_gate)
+        predict = {}
+        if predictor_path:
+            same = Path(predictor_path).resolve() == Path(model_path).resolve()
+            pstore = store if same else TensorStore(predictor_path, open_gguf(predictor_path))
+            thresholds = predictor_thresholds(pstore.reader, cfg.n_layers)
+            for layer, w in layers.items():
+                if thresholds is not None and isinstance(w, FileLayer) and native_predictor(pstore, layer):
+                    predict[layer] = PredictorRows.load(pstore, layer, w.own, thresholds[layer], fast)
+        return cls(layers, cfg.activation, device, head, cfg.ffn_gate, predict)
 
     @property
     def n_neurons(self) -> int:
@@ -313,6 +332,11 @@ class FfnShard:
         threshold = float(buf.thresholds[req.layer]) if req.threshold else None
         active = None if req.dense or req.threshold else buf.mask
         w = self.layers[req.layer]
+        if req.predict:  # one token: score this shard's neurons from its pre-norm residual in x[1]
+            if req.n_tokens != 1 or req.layer not in self.predict:
+                raise ValueError(f"a predictor step of {req.n_tokens} tokens for layer {req.layer}, which this "
+                                 f"shard {'cannot score' if req.layer not in self.predict else 'scores one at a time'}")
+            active = self.predict[req.layer].mask_for(buf.x[1])
         if req.n_tokens == 1 and isinstance(w, FileLayer):  # a decoded token: the kernel writes the slot
             n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0])
             return n_active, int((time.perf_counter() - t0) * 1e9)

@@ -125,12 +125,19 @@ def test_decode_uses_the_files_predictors(pwri, oracle, weights, no_leaks):
     n = 10
     with Engine(pwri, EngineOptions(**OPTS, weights=weights)) as eng:
         assert eng.predictors is not None and eng.cfg.activation == "relu"
+        # in the file's blocks every process scores its own neurons (FLAG_PREDICT steps)
+        assert (eng.ffn.shard_predictors is eng.predictors) == (weights == "gguf")
         ids = eng.tokenizer.encode(PROMPT)
         got = list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
         active = dict(eng.ffn.stats.active)
         st = eng.ffn.stats
         st.active.clear()
         logits, toks = _decode_logits(eng, ids, n)
+        if weights == "gguf":  # the coordinator scoring every neuron and sending masks: the same floats
+            eng.ffn.shard_predictors = None
+            st.active.clear()
+            logits_masks, _ = _decode_logits(eng, ids, n)
+            np.testing.assert_array_equal(logits_masks, logits)
     want = oracle.greedy(ids, n, predictor=True)
     assert got == want
     assert got != oracle.greedy(ids, n)  # the dense model goes elsewhere: the masks matter
