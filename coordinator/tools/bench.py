@@ -71,10 +71,7 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     b = n * per_neuron * active_fraction
     if mode.predictors is not None:
         p = mode.predictors
-        b += sum(rows_nbytes(t) for t in p.fc1 + p.fc2)
-        if engine.ffn.shard_predictors is p:  # each process with neurons reads fc1 whole
-            scorers = len(set(int(s) for part in engine.ffn.sum_slots for s in part))
-            b += (scorers - 1) * sum(rows_nbytes(t) for t in p.fc1)
+        b += sum(rows_nbytes(t) for t in p.fc2) + observe.fc1_readers(engine, p) * sum(rows_nbytes(t) for t in p.fc1)
     return b
 
 

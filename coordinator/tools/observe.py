@@ -79,6 +79,15 @@ def coordinator_bytes_per_token(engine) -> int:
 
 # ---- running it ----------------------------------------------------------------------------------
 
+def fc1_readers(engine, predictors) -> int:
+    """How many processes read `predictors`' fc1 per token: each that scores its own neurons
+    (SparseFfn.shard_predictors), else the coordinator alone."""
+    ffn = getattr(engine, "ffn", None)
+    if ffn is None or ffn.shard_predictors is not predictors:
+        return 1
+    return len({int(s) for part in ffn.sum_slots for s in part})
+
+
 def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None:
     """Decode with calibrated thresholds at `sparsity`, or with `predictors`, or densely (both None)."""
     engine.predictors = predictors
