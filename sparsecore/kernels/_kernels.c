@@ -858,23 +858,29 @@ VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x
 VNNI static INLINE __m512i off128(__m512i w) { return _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), w)); }
 VNNI static INLINE __m256i off128_1(__m256i w) { return _mm256_sub_epi32(_mm256_setzero_si256(), dpbusd(_mm256_set1_epi8((char)0x80), w)); }
 
-static inline int xp_unsigned(int t) { return t == T_Q4_0 || t == T_Q8_0 || t == T_Q6_K; }
-/* a token's share of the packed buffer, in pairs: np pairs of values, then their 2 np scales */
-static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return np + (np * 8 + 63) / 64; }
+static inline int xp_unsigned(int t) { return t == T_Q8_0 || t == T_Q6_K; }
+/* a token's share of the packed buffer, in pairs: np pairs of values, np pairs of Q4_0's
+ * offset terms, then the pairs' 2 np scales */
+static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return 2 * np + (np * 8 + 63) / 64; }
 
 /* Per token: np = ceil(nb / 2) pairs of blocks (2i, 2i+1; an odd last block with zeros above),
- * x + 128 where xp_unsigned(t), then the pairs' scales (d_2i, d_2i+1). */
+ * x + 128 where xp_unsigned(t); for Q4_0 then, per pair, -8 (sum of x) of each int32 lane (the
+ * 4 values a lane of vpdpbusd sums: Q4_0's nibbles u are unsigned, and sum (u - 8) x per lane
+ * is vpdpbusd(that, u, x), no per-row work); then the pairs' scales (d_2i, d_2i+1). */
 VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
     int64_t np = (nb + 1) / 2, ld = xp_ld(nb);
     __m512i flip = _mm512_set1_epi8(xp_unsigned(t) ? (char)0x80 : 0);
     for (int b = 0; b < B; b++, out += ld) {
-        float *d = (float *)(out + np);
+        float *d = (float *)(out + 2 * np);
         for (int k = 0; k < nb; k += 2) {
             const q8blk *x = xq + b * ldq + k;
             int two = k + 1 < nb;
             __m512i xv = cat_i(_mm256_loadu_si256((const __m256i *)x[0].q),
                                two ? _mm256_loadu_si256((const __m256i *)x[1].q) : _mm256_setzero_si256());
             _mm512_store_si512(out[k / 2].q, _mm512_xor_si512(xv, flip));
+            if (t == T_Q4_0)
+                _mm512_store_si512(out[np + k / 2].q,
+                                   _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(dpbusd2(_mm512_set1_epi8(1), xv), 3)));
             d[k] = x[0].d;
             d[k + 1] = two ? x[1].d : 0.f;
         }
@@ -892,7 +898,12 @@ VNNI static INLINE __m512 xd2(const float *d) {
 /* One (block, token) step of each type into the token's accumulator a (an odd last block, low
  * 8 lanes); q: the weights signed, c = off128(q) for x + 128 */
 VNNI static INLINE __m256 q4_0_step(__m256i q, __m256i c, __m256 d, const xpair *x, const float *xd, __m256 a) {
-    __m256i s = _mm256_dpbusd_epi32(c, XV1(x), q);  /* sum (q - 8) x */
+    __m256i s = _mm256_dpbusd_epi32(c, XV1(x), q);  /* sum (q - 8) x (Q8_0: sum q x) */
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(*xd)), a);
+}
+/* Q4_0: nibbles u unsigned times x signed, plus the token's offset terms o (vnni_pack) */
+VNNI static INLINE __m256 q4_0u_step(__m256i u, __m256 d, const xpair *x, const float *xd, const xpair *o, __m256 a) {
+    __m256i s = _mm256_dpbusd_epi32(XV1(o), u, XV1(x));  /* sum (u - 8) x */
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(*xd)), a);
 }
 VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const xpair *x, const float *xd, __m256 a) {
@@ -911,6 +922,10 @@ VNNI static INLINE __m512 q4_0_step2(__m512i q, __m512i c, __m512 d, const xpair
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd2(xd)), a);
 }
 #define q8_0_step2 q4_0_step2
+VNNI static INLINE __m512 q4_0u_step2(__m512i u, __m512 d, const xpair *x, const float *xd, const xpair *o, __m512 a) {
+    __m512i s = _mm512_dpbusd_epi32(XV2(o), u, XV2(x));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd2(xd)), a);
+}
 VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const xpair *x, const float *xd, __m512 a) {
     __m512i xv = XV2(x);  /* the min times each lane's sum of x */
     __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
@@ -935,26 +950,24 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
     __m512 acc[TILE_V];
     int64_t ld = xp_ld(nb), np = (nb + 1) / 2;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + np) + (k))  /* values, scales */
+#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + 2 * np) + (k))  /* values, scales */
+#define XO(b, k) (xp + (b) * ld + np + (k) / 2)  /* Q4_0's offset terms */
 #define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
 #define LO(b) _mm512_castps512_ps256(acc[b])
     int k = 0;
     switch (t) {
-    case T_Q4_0: {
-        const __m256i eight = _mm256_set1_epi8(8);
-        for (; k + 1 < nb; k += 2, w += 36) {  /* c = off128(q) in one: 4096 - 128 (sum of the nibbles u) */
-            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20)), q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
-            __m512i c = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), u, _mm512_set1_epi8((char)0x80));
+    case T_Q4_0:  /* the nibbles as they are: the -8 is in the token's offset terms */
+        for (; k + 1 < nb; k += 2, w += 36) {
+            __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20));
             __m512 d = cat_f(f16x8(w), f16x8(w + 18));
-            for (int b = 0; b < B; b++) acc[b] = q4_0_step2(q, c, d, XP(b, k), acc[b]);
+            for (int b = 0; b < B; b++) acc[b] = q4_0u_step2(u, d, XP(b, k), XO(b, k), acc[b]);
         }
         if (k < nb) {
-            __m256i q0 = _mm256_sub_epi8(nibbles(w + 2), eight), c0 = off128_1(q0);
+            __m256i u0 = nibbles(w + 2);
             __m256 d0 = f16x8(w);
-            for (int b = 0; b < B; b++) LOW(b, q4_0_step(q0, c0, d0, XP(b, k), LO(b)));
+            for (int b = 0; b < B; b++) LOW(b, q4_0u_step(u0, d0, XP(b, k), XO(b, k), LO(b)));
         }
         break;
-    }
     case T_Q4_1:
         for (; k + 1 < nb; k += 2, w += 40) {
             __m512i u = cat_i(nibbles(w + 4), nibbles(w + 24));
@@ -1014,6 +1027,7 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
     }
     }
 #undef XP
+#undef XO
 #undef LOW
 #undef LO
     for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[b]), _mm512_extractf32x8_ps(acc[b], 1)));
