@@ -858,28 +858,34 @@ VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x
 VNNI static INLINE __m512i off128(__m512i w) { return _mm512_sub_epi32(_mm512_setzero_si512(), dpbusd2(_mm512_set1_epi8((char)0x80), w)); }
 VNNI static INLINE __m256i off128_1(__m256i w) { return _mm256_sub_epi32(_mm256_setzero_si256(), dpbusd(_mm256_set1_epi8((char)0x80), w)); }
 
-static inline int xp_unsigned(int t) { return t == T_Q8_0 || t == T_Q6_K; }
-/* a token's share of the packed buffer, in pairs: np pairs of values, np pairs of Q4_0's
- * offset terms, then the pairs' 2 np scales */
-static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return 2 * np + (np * 8 + 63) / 64; }
+/* One token's Q4_0 products take the nibbles unsigned and x signed, with -8 (sum of x) per lane
+ * packed beside x (vnni_pack): two instructions less per row block pair than x + 128 times
+ * the signed nibbles, which a batch keeps (its per-token loads outweigh it: 8 tokens 37 %
+ * slower). Both give the same integer per lane, so a token's floats do not depend on its batch. */
+static inline int q4_0_alone(int t, int B) { return t == T_Q4_0 && B == 1; }
+static inline int xp_unsigned(int t, int B) { return t == T_Q8_0 || t == T_Q6_K || (t == T_Q4_0 && B > 1); }
+/* a token's share of the packed buffer, in pairs: np pairs of values, then their 2 np scales;
+ * one token's Q4_0 offset terms follow it (np pairs more: xp_size) */
+static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return np + (np * 8 + 63) / 64; }
+static inline int64_t xp_size(int nb, int B) { return B * xp_ld(nb) + (B == 1 ? (nb + 1) / 2 : 0); }
 
 /* Per token: np = ceil(nb / 2) pairs of blocks (2i, 2i+1; an odd last block with zeros above),
- * x + 128 where xp_unsigned(t); for Q4_0 then, per pair, -8 (sum of x) of each int32 lane (the
- * 4 values a lane of vpdpbusd sums: Q4_0's nibbles u are unsigned, and sum (u - 8) x per lane
- * is vpdpbusd(that, u, x), no per-row work); then the pairs' scales (d_2i, d_2i+1). */
+ * x + 128 where xp_unsigned; for one token's Q4_0 then, per pair, -8 (sum of x) of each int32
+ * lane (the 4 values a lane of vpdpbusd sums: with the nibbles u unsigned, sum (u - 8) x per
+ * lane is vpdpbusd(that, u, x)); then the pairs' scales (d_2i, d_2i+1). */
 VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
     int64_t np = (nb + 1) / 2, ld = xp_ld(nb);
-    __m512i flip = _mm512_set1_epi8(xp_unsigned(t) ? (char)0x80 : 0);
+    __m512i flip = _mm512_set1_epi8(xp_unsigned(t, B) ? (char)0x80 : 0);
     for (int b = 0; b < B; b++, out += ld) {
-        float *d = (float *)(out + 2 * np);
+        float *d = (float *)(out + np);
         for (int k = 0; k < nb; k += 2) {
             const q8blk *x = xq + b * ldq + k;
             int two = k + 1 < nb;
             __m512i xv = cat_i(_mm256_loadu_si256((const __m256i *)x[0].q),
                                two ? _mm256_loadu_si256((const __m256i *)x[1].q) : _mm256_setzero_si256());
             _mm512_store_si512(out[k / 2].q, _mm512_xor_si512(xv, flip));
-            if (t == T_Q4_0)
-                _mm512_store_si512(out[np + k / 2].q,
+            if (q4_0_alone(t, B))
+                _mm512_store_si512(out[ld + k / 2].q,
                                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(dpbusd2(_mm512_set1_epi8(1), xv), 3)));
             d[k] = x[0].d;
             d[k + 1] = two ? x[1].d : 0.f;
@@ -946,18 +952,33 @@ VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i c, __m512i scv, __m512 d
 /* Per token one accumulator of 16 lanes: blocks in pairs, the even one in the low 8 lanes, the
  * odd one in the high 8; an odd last block goes to the low 8 (256-bit step). The result: the
  * sum of the 16 lanes as hsum8(low + high). xp: B tokens packed (vnni_pack). */
-VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair *xp, int nb, int B, float *y, int64_t ldy) {
+VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair *xp, int nb, int B, int alone, float *y,
+                                            int64_t ldy) {
     __m512 acc[TILE_V];
     int64_t ld = xp_ld(nb), np = (nb + 1) / 2;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + 2 * np) + (k))  /* values, scales */
-#define XO(b, k) (xp + (b) * ld + np + (k) / 2)  /* Q4_0's offset terms */
+#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + np) + (k))  /* values, scales */
+#define XO(b, k) (xp + ld + (k) / 2)  /* one token's Q4_0 offset terms */
 #define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
 #define LO(b) _mm512_castps512_ps256(acc[b])
     int k = 0;
     switch (t) {
-    case T_Q4_0:  /* the nibbles as they are: the -8 is in the token's offset terms */
-        for (; k + 1 < nb; k += 2, w += 36) {
+    case T_Q4_0:
+        if (!alone) {  /* c = off128(q) in one: 4096 - 128 (sum of the nibbles u) */
+            for (; k + 1 < nb; k += 2, w += 36) {
+                __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20)), q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+                __m512i c = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), u, _mm512_set1_epi8((char)0x80));
+                __m512 d = cat_f(f16x8(w), f16x8(w + 18));
+                for (int b = 0; b < B; b++) acc[b] = q4_0_step2(q, c, d, XP(b, k), acc[b]);
+            }
+            if (k < nb) {
+                __m256i q0 = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)), c0 = off128_1(q0);
+                __m256 d0 = f16x8(w);
+                for (int b = 0; b < B; b++) LOW(b, q4_0_step(q0, c0, d0, XP(b, k), LO(b)));
+            }
+            break;
+        }
+        for (; k + 1 < nb; k += 2, w += 36) {  /* one token: the -8 is in its offset terms */
             __m512i u = cat_i(nibbles(w + 2), nibbles(w + 20));
             __m512 d = cat_f(f16x8(w), f16x8(w + 18));
             for (int b = 0; b < B; b++) acc[b] = q4_0u_step2(u, d, XP(b, k), XO(b, k), acc[b]);
@@ -1035,21 +1056,21 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
 
 VNNI static float dot_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb) {
     float y;
-    dots_fast_vnni_tile(t, w, xp, nb, 1, &y, 0);
+    dots_fast_vnni_tile(t, w, xp, nb, 1, 1, &y, 0);
     return y;
 }
 
 VNNI static void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb, int B, float *y, int64_t ldy) {
     for (int b = 0; b < B; b += TILE_V, xp += TILE_V * xp_ld(nb), y += TILE_V * ldy)
         switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
-        case 8: dots_fast_vnni_tile(t, w, xp, nb, 8, y, ldy); break;
-        case 7: dots_fast_vnni_tile(t, w, xp, nb, 7, y, ldy); break;
-        case 6: dots_fast_vnni_tile(t, w, xp, nb, 6, y, ldy); break;
-        case 5: dots_fast_vnni_tile(t, w, xp, nb, 5, y, ldy); break;
-        case 4: dots_fast_vnni_tile(t, w, xp, nb, 4, y, ldy); break;
-        case 3: dots_fast_vnni_tile(t, w, xp, nb, 3, y, ldy); break;
-        case 2: dots_fast_vnni_tile(t, w, xp, nb, 2, y, ldy); break;
-        default: dots_fast_vnni_tile(t, w, xp, nb, 1, y, ldy);
+        case 8: dots_fast_vnni_tile(t, w, xp, nb, 8, 0, y, ldy); break;
+        case 7: dots_fast_vnni_tile(t, w, xp, nb, 7, 0, y, ldy); break;
+        case 6: dots_fast_vnni_tile(t, w, xp, nb, 6, 0, y, ldy); break;
+        case 5: dots_fast_vnni_tile(t, w, xp, nb, 5, 0, y, ldy); break;
+        case 4: dots_fast_vnni_tile(t, w, xp, nb, 4, 0, y, ldy); break;
+        case 3: dots_fast_vnni_tile(t, w, xp, nb, 3, 0, y, ldy); break;
+        case 2: dots_fast_vnni_tile(t, w, xp, nb, 2, 0, y, ldy); break;
+        default: dots_fast_vnni_tile(t, w, xp, nb, 1, B == 1, y, ldy);
         }
 }
 #endif
@@ -1119,7 +1140,7 @@ static _Thread_local int64_t xp_cap;
 static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
 #if HAVE_X86
     int nb = n / QK;
-    int64_t need = B * xp_ld(nb);
+    int64_t need = xp_size(nb, B);
     if (!(fast && use_vnni && is_quant(t)) || need == 0) return NULL;
     if (need > xp_cap) {
         free(xp_buf);
