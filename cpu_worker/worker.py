@@ -71,7 +71,7 @@ class Worker:
 
             torch.set_num_threads(max(1, a.threads))
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
-        store = TensorStore(a.model_path, open_gguf(a.model_path))
+        store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
                                    a.fast, a.predictor_path or None)
         if a.attn_heads:

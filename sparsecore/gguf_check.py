@@ -127,6 +127,14 @@ class _Walker:
         _fail(self.path, f"metadata {key}: unknown value type {vtype}")
 
 
+def skip_metadata_value(path, buf, pos: int, endian: str, key: str) -> int:
+    """The offset after metadata `key`'s type and value, which start at `pos` (bounds-checked)."""
+    w = _Walker(path, buf, endian)
+    w.pos = pos
+    w.skip_value(w.u32(f"metadata {key} type"), key)
+    return w.pos
+
+
 def check_layout(path: Path, buf) -> None:
     """Walk the header of the GGUF bytes `buf` (a memory map) and check the tensor table."""
     if len(buf) < 24:

@@ -218,3 +218,28 @@ def test_cli_tokenizer_error_one_line(valid, tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "tokenizer.ggml.eos_token_id" in lines[0], r.stderr
+
+
+def test_a_header_without_the_vocabulary_reads_the_rest_alike(valid, tmp_path):
+    """open_gguf(vocabulary=False), as workers open the model: the vocabulary arrays are stepped
+    over, every other field and every tensor reads as in the full header; a vocabulary array
+    cut short is still refused with the file's name."""
+    full, lean = open_gguf(valid), open_gguf(valid, vocabulary=False)
+    assert "tokenizer.ggml.tokens" in full.fields and "tokenizer.ggml.tokens" not in lean.fields
+    kept = [k for k in full.fields if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                                 "tokenizer.ggml.token_type", "tokenizer.ggml.merges")]
+    assert sorted(lean.fields) == sorted(kept)
+    for k in kept:
+        if not k.startswith("GGUF."):
+            assert lean.fields[k].contents() == full.fields[k].contents(), k
+    assert [(t.name, int(t.data_offset), t.tensor_type) for t in lean.tensors] == \
+        [(t.name, int(t.data_offset), t.tensor_type) for t in full.tensors]
+    assert read_config(valid, lean) == read_config(valid, full)
+    data = bytearray(valid.read_bytes())
+    tokens = full.fields["tokenizer.ggml.tokens"]
+    struct.pack_into("<Q", data, _kv_value_offset(full, "tokenizer.ggml.tokens") + 4, 1 << 40)  # element count
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    assert len(tokens.data) > 0
+    with pytest.raises(ModelFileError, match="bad.gguf"):
+        open_gguf(bad, vocabulary=False)
