@@ -52,10 +52,15 @@ class SplitAttention:
         self.weight_bytes = steps[0].weight_bytes  # one layer's Q, K, V and output matrices
         self.kv_bytes_per_pos = 2 * 4 * s.n_kv * s.head_dim  # keys and values of one position
         self.min_bytes = (MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH)  # (one sequence, several)
+        self.max_tokens = min(MAX_SMALL_BATCH, buffers.layout.max_tokens)  # rows of a step in shared memory
 
-    def pays(self, pos: np.ndarray) -> bool:
-        """Whether splitting a step of sequences at `pos` is worth its extra exchange a layer."""
-        work = self.weight_bytes + self.kv_bytes_per_pos * int(pos.sum() + len(pos))
+    def pays(self, pos: np.ndarray, prompt: bool = False) -> bool:
+        """Whether splitting a step of tokens at `pos` is worth its extra exchange a layer: one
+        token each of several sequences (their weights read once), or `prompt`: consecutive
+        tokens of one, whose products cost about the weights' bytes once per token."""
+        if len(pos) > self.max_tokens:
+            return False
+        work = self.weight_bytes * (len(pos) if prompt else 1) + self.kv_bytes_per_pos * int(pos.sum() + len(pos))
         return work >= self.min_bytes[len(pos) > 1]
 
     def begin(self, pos: np.ndarray, caches: np.ndarray) -> "SplitStep":

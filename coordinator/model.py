@@ -341,6 +341,32 @@ class Transformer:
         pos = np.array([c.pos for c in caches], np.int64)
         return sa.begin(pos, np.array([c.index for c in caches], np.int64)) if sa.pays(pos) else None
 
+    def _native_prompt(self, i: int, cache: KVCache, T: int) -> bool:
+        """Whether layer i's attention of a T-token prompt runs through the native step: a
+        causal chunk is a batch of one sequence's tokens at consecutive positions (attn_part
+        writes each token's key and value before the next token attends)."""
+        L = self.layers[i]
+        return (self.native[i] is not None and (L.window is None or cache.pos + T <= L.window)
+                and cache.k.shape == self.cache.k.shape)
+
+    def _attend_prompt(self, i: int, h: np.ndarray, cache: KVCache) -> None:
+        """h (T, hidden) float32, contiguous, plus its attention in place, MAX_SMALL_BATCH tokens a
+        call: the heads split across the processes where the cache is in the shared pool, else
+        here. In torch, the prompt's products and softmax ran on the coordinator's core alone
+        (SmolLM2, 128 tokens: half the prompt's time, while the worker waited)."""
+        sa, p0 = self.split_attn, cache.pos
+        in_pool = sa is not None and cache.index is not None
+        chunk = sa.max_tokens if in_pool else MAX_SMALL_BATCH
+        for a in range(0, len(h), chunk):
+            part = h[a:a + chunk]
+            pos = np.arange(p0 + a, p0 + a + len(part), dtype=np.int64)
+            if in_pool and sa.pays(pos, prompt=True):
+                sa(i, part, sa.begin(pos, np.full(len(part), cache.index, np.int64)))
+            else:
+                kv = self.cache.k[0].numel() * self.cache.k.element_size() * i  # layer i in the cache
+                k0, v0 = cache.k.data_ptr() + kv, cache.v.data_ptr() + kv
+                self.native[i].batch(part, pos, np.full(len(part), k0, np.int64), np.full(len(part), v0, np.int64))
+
     def _attend(self, i: int, h: torch.Tensor, cache: KVCache,
                 split: SplitStep | None = None) -> torch.Tensor:
         """h (T, hidden) of one sequence plus its attention at `cache`'s position (with gemma3's
@@ -401,8 +427,14 @@ class Transformer:
         h = self.embed(ids)
         eps = self.cfg.rms_eps
         split = self._split_for([cache]) if T == 1 else None  # once a step, not per layer
+        if T > 1:
+            h = h.contiguous()
         for i in range(len(self.layers)):
-            h = self._ffn(i, self._attend(i, h, cache, split))
+            if T > 1 and self._native_prompt(i, cache, T):
+                self._attend_prompt(i, h.numpy(), cache)
+                h = self._ffn(i, h)
+            else:
+                h = self._ffn(i, self._attend(i, h, cache, split))
         cache.pos += T
         return self.head(rms_norm(h if all_logits else h[-1:], self.out_norm, eps))
 

@@ -2,7 +2,8 @@
 (coordinator/attention_split.py, sparsecore/attn_shard.py, sparsecore/kv_pool.py): the same
 tokens and (up to summation order) the same logits as one process computing every head, a
 continuous batch's rows bit for bit those of each sequence alone, and a sequence whose cache is
-not in the shared pool still decodes (on the coordinator alone)."""
+not in the shared pool still decodes (on the coordinator alone). Prompts go through the same
+native step in causal chunks: their logits match torch's attention path."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from coordinator.engine import Engine, EngineOptions
 from sparsecore.attn_shard import split_heads
+from sparsecore.kernels import MAX_SMALL_BATCH
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
 
@@ -60,9 +62,10 @@ def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type
     with _engine(path, fast, split=True) as split:
         calls = len(split.ffn.stats.attn_us)
         got = [_decode(split, p) for p in PROMPTS]
-        # every one-token step of every layer went through the exchange (a one-token prompt too)
-        one_token_steps = len(PROMPTS) * 6 + sum(len(p) == 1 for p in PROMPTS)
-        assert len(split.ffn.stats.attn_us) - calls == one_token_steps * split.cfg.n_layers
+        # every one-token step of every layer went through the exchange, and the prompts, up to
+        # MAX_SMALL_BATCH tokens an exchange
+        steps = len(PROMPTS) * 6 + sum(-(-len(p) // MAX_SMALL_BATCH) for p in PROMPTS)
+        assert len(split.ffn.stats.attn_us) - calls == steps * split.cfg.n_layers
     # The same products; only the two shares' sum adds in another order (~1e-7 in a layer's
     # output). Fast arithmetic quantizes the next layer's input to 8 bits, where such a
     # difference can flip a rounding: a few 1e-3 of the logits' range after some steps.
@@ -70,6 +73,36 @@ def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type
     for (t_want, l_want), (t_got, l_got) in zip(want, got):
         assert t_got == t_want
         np.testing.assert_allclose(l_got, l_want, rtol=0, atol=tol * max(1.0, np.abs(l_want).max()))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-process"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_prompt_chunks_attend_causally_as_torch_does(tiny_model_factory, fast, split, no_leaks):
+    """A 37-token prompt (chunks of 16, 16 and 5 tokens, each token attending to every earlier
+    one, in its chunk too) after 3 tokens already in the cache: every position's logits are
+    torch's attention path's (an implementation of its own), and so are the cache's contents."""
+    path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
+    prompt = [(7 * i + 3) % 90 + 2 for i in range(37)]
+    with _engine(path, fast, split=split) as eng:
+        m = eng.model
+        runs = {}
+        for native in (True, False):
+            saved = m.native
+            if not native:
+                m.native = [None] * len(saved)  # the torch path: SDPA over KVCache.update
+            try:
+                c = m.new_cache()
+                m.forward([11, 12, 13], cache=c)
+                runs[native] = (m.forward(prompt, all_logits=True, cache=c).numpy().copy(),
+                                c.k[:, :, :40].numpy().copy(), c.pos)
+            finally:
+                m.native = saved
+            del c
+    (got, k_got, pos_got), (want, k_want, pos_want) = runs[True], runs[False]
+    assert pos_got == pos_want == 40
+    tol = 1e-2 if fast else 2e-4
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))
+    np.testing.assert_allclose(k_got, k_want, rtol=0, atol=tol * max(1.0, np.abs(k_want).max()))
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
@@ -112,7 +145,8 @@ def test_a_cache_outside_the_pool_decodes_on_the_coordinator(tiny_model_factory,
         for t in want[0]:
             logits = m.forward([t])[0].numpy().copy()
             rows.append(logits)
-        assert len(eng.ffn.stats.attn_us) - calls == len(want[0]) * eng.cfg.n_layers  # the pool's cache: split
+        # the pool's cache: split, the prompt (one chunk) and every decoded token
+        assert len(eng.ffn.stats.attn_us) - calls == (len(want[0]) + 1) * eng.cfg.n_layers
         np.testing.assert_allclose(np.array(rows), want[1], rtol=0, atol=2e-4 * max(1.0, np.abs(want[1]).max()))
         # a batch mixing a pooled and a private cache decodes too, every head on the coordinator
         calls = len(eng.ffn.stats.attn_us)
@@ -135,10 +169,16 @@ def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
     from coordinator.attention_split import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, SplitAttention
 
     small = SimpleNamespace(weight_bytes=550_000, kv_bytes_per_pos=1536, min_bytes=(MIN_SPLIT_BYTES,
-                                                                                   MIN_SPLIT_BYTES_BATCH))
+                                                                                   MIN_SPLIT_BYTES_BATCH), max_tokens=16)
     pays = lambda sa, *pos: SplitAttention.pays(sa, np.array(pos, np.int64))  # noqa: E731
     assert not pays(small, 10)  # SmolLM2-sized layer, short context: the exchange costs more
     assert pays(small, 1200)  # its cache grew past the weights
     assert pays(small, 120, 130, 140, 150)  # a batch: every sequence's cache splits too
-    large = SimpleNamespace(weight_bytes=5_300_000, kv_bytes_per_pos=2048, min_bytes=small.min_bytes)
+    large = SimpleNamespace(weight_bytes=5_300_000, kv_bytes_per_pos=2048, min_bytes=small.min_bytes, max_tokens=16)
     assert pays(large, 0)  # a 1.1B-sized layer always pays
+    # a prompt's chunk: each token's products cost the weights' bytes, so SmolLM2's pay from 2
+    prompt = lambda sa, *pos: SplitAttention.pays(sa, np.array(pos, np.int64), prompt=True)  # noqa: E731
+    assert prompt(small, 0, 1) and not pays(small, 0, 1)
+    tiny = SimpleNamespace(weight_bytes=9_000, kv_bytes_per_pos=256, min_bytes=small.min_bytes, max_tokens=16)
+    assert not prompt(tiny, *range(16))  # a test model's layer: never
+    assert not pays(SimpleNamespace(**{**vars(large), "max_tokens": 7}), *range(8))  # more rows than shared memory holds
