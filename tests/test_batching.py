@@ -176,6 +176,7 @@ def test_the_queue_is_bounded(tokenizer):
 
 def test_engine_failure_fails_every_request_and_later_ones(tokenizer):
     model = FakeModel(tokenizer.vocab_size, fail_at_step=2)
+    model.gate.clear()  # no decode step until both are in: else the first could fail the engine alone
     sched = Scheduler(FakeEngine(model, tokenizer), parallel=2, queue=2).start()
     try:
         qs = []
@@ -183,6 +184,7 @@ def test_engine_failure_fails_every_request_and_later_ones(tokenizer):
             q, put = _collect()
             sched.submit(Request([start], 10, put, SamplingParams(0.0), stop_at_eos=False))
             qs.append(q)
+        model.gate.set()
         for q in qs:
             assert isinstance(_drain(q)[-1], FailedEvent)
         assert "worker 1 died" in sched.error
