@@ -96,7 +96,8 @@ class SparseFfn:
         predictors' rows (workers_predict: every worker with neurons said so in Ready), they
         score their own neurons in parallel instead of the coordinator scoring all of them."""
         own_ok = self.own is None or not self.own.layers or self.own.predicts
-        self.shard_predictors = self.predictors if workers_predict and own_ok else None
+        room = self.max_tokens >= 2  # the pre-norm residual goes in x[1]
+        self.shard_predictors = self.predictors if workers_predict and own_ok and room else None
 
     def set_thresholds(self, per_layer: list[float] | None) -> None:
         """Use these per-layer thresholds from now on (None: dense)."""
