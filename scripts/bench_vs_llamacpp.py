@@ -129,12 +129,16 @@ class OursSide:
         self.modes = list(self.by_name)
 
     def run(self, mode: str, prompt: list[int], tg: int) -> dict:
-        from coordinator.tools.bench import timed_run
+        from coordinator.tools import observe
+        from coordinator.tools.bench import ffn_bytes_per_token, timed_run
 
-        self.by_name[mode].apply(self.eng)
+        m = self.by_name[mode]
+        m.apply(self.eng)
         r = timed_run(self.eng, prompt, tg)
+        # weights a decoded token reads, as the kernels read them (each process its share once)
+        read = observe.coordinator_bytes_per_token(self.eng) + ffn_bytes_per_token(self.eng, m, r.active_fraction)
         return dict(prefill_s=r.prefill_s, decode_s=r.decode_s, ids=r.ids,
-                    active_fraction=r.active_fraction, sync_us=r.sync_us)
+                    active_fraction=r.active_fraction, sync_us=r.sync_us, weight_bytes_read=read)
 
     def close(self):
         self.eng.close()
@@ -367,6 +371,22 @@ def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int,
     return runs
 
 
+def touched_bytes(model: Path) -> int:
+    """Bytes of the tensors one dense decoded token touches, from the file itself: every tensor
+    but the embedding table (one row of it; all of it where it is also the lm_head) and
+    PowerInfer's predictors."""
+    from sparsecore.gguf_file import open_gguf, tensor_nbytes
+
+    ts = {t.name: t for t in open_gguf(model, vocabulary=False).tensors}
+    emb = ts.get("token_embd.weight")
+    total = sum(tensor_nbytes(t) for n, t in ts.items()
+                if n != "token_embd.weight" and not n.endswith(("fc1.weight", "fc2.weight")))
+    if emb is not None:
+        rows = int(emb.shape[1])
+        total += tensor_nbytes(emb) if "output.weight" not in ts else tensor_nbytes(emb) // rows
+    return total
+
+
 def summarize(runs, pp: int, tg: int) -> dict:
     out = {}
     for name, rs in runs.items():
@@ -380,6 +400,8 @@ def summarize(runs, pp: int, tg: int) -> dict:
         out[name]["idle_sides_cores"] = max(r["idle_sides_cores"] for r in rs)
         if "active_fraction" in rs[-1]:
             out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
+        if "weight_bytes_read" in rs[-1]:
+            out[name]["weight_bytes_read"] = statistics.median(r["weight_bytes_read"] for r in rs)
         sync = [u for r in rs for u in r.get("sync_us", [])]
         if sync:
             sync.sort()
@@ -481,6 +503,15 @@ def main():
           "other cores = the worst run's cores used by anything else meanwhile")
     if gb_s is not None:
         print(f"machine read bandwidth ({args.threads} threads, clean process): {gb_s:.1f} GB/s")
+    touched = {"ours": touched_bytes(args.model), "llama.cpp": touched_bytes(llama_model)}
+    for name, r in res.items():
+        side = "llama.cpp" if name == "llama.cpp" else "ours"
+        read = r.get("weight_bytes_read", touched[side])  # llama.cpp: what its file's token touches
+        r["weight_bytes_touched"] = touched[side]
+        extra = (f" = {read / touched[side]:.3f}x the {touched[side] / 1e6:.1f} MB of tensors a dense token touches"
+                 if "weight_bytes_read" in r else " (the tensors a dense token touches)")
+        print(f"{name}: {read / 1e6:.1f} MB of weights read per decoded token{extra}; at its tg "
+              f"{read * r['tg_tok_s'] / 1e9:.1f} GB/s" + (f" of the machine's {gb_s:.1f}" if gb_s else ""))
     result = dict(model=str(args.model), llama_model=str(llama_model),
                   model_bytes=args.model.stat().st_size,
                   threads=args.threads, pp=args.pp, tg=args.tg, reps=args.reps, cpu_workers=args.cpu_workers,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import gguf
 import pytest
 import torch
 
@@ -66,3 +67,28 @@ def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model, tmp_path, no_le
     # without CUDA the coordinator computes a core's share: 1 of 2 with one single-threaded worker,
     # cut on a block of 32 neurons for the native kernels (64 of the tiny model's 160)
     assert out["coordinator_ffn_share"] == (0.0 if torch.cuda.is_available() else pytest.approx(0.5, abs=0.1))
+
+
+def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, no_leaks):
+    """The bytes the engine says a dense decoded token reads (coordinator's matrices + the
+    FFN's, as the kernels read them) equal the bytes of the tensors a token touches, counted
+    from the file's tensor table by scripts/bench_vs_llamacpp.py (issue 14: <= 1.15x)."""
+    import importlib.util
+
+    from coordinator.engine import Engine, EngineOptions
+    from coordinator.tools import observe
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", REPO / "scripts" / "bench_vs_llamacpp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = tiny_model_factory(tensor_type="Q4_0", seed=8)
+    touched = script.touched_bytes(path)
+    r = gguf.GGUFReader(path)
+    by_name = {t.name: int(t.n_bytes) for t in r.tensors}
+    emb = by_name.pop("token_embd.weight")
+    vocab = int(next(t for t in r.tensors if t.name == "token_embd.weight").shape[1])
+    assert touched == sum(by_name.values()) + (emb // vocab if "output.weight" in by_name else emb)
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1, weights="gguf", fast=True)) as eng:
+        read = observe.coordinator_bytes_per_token(eng) + ffn_bytes_per_token(eng, Mode("dense"), 1.0)
+    assert read == touched
