@@ -157,7 +157,7 @@ class Engine:
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
                                    attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   and opts.weights == "gguf" else "")
+                                   else "")
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()

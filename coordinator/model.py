@@ -216,6 +216,7 @@ class Transformer:
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
         self.kv_pool = kv_pool  # shared KV caches (sparsecore/kv_pool.py), or None: private ones
         self.cache = self.new_cache()
+        self.kv_layer_bytes = self.cache.k[0].numel() * self.cache.k.element_size()  # one layer of a cache
         self._rope_tables(store)
         if kv_pool is not None:  # the workers' attention steps read the same tables
             kv_pool.cos[:], kv_pool.sin[:] = self.cos.numpy(), self.sin_signed.numpy()
@@ -363,7 +364,7 @@ class Transformer:
             if in_pool and sa.pays(pos, prompt=True):
                 sa(i, part, sa.begin(pos, np.full(len(part), cache.index, np.int64)))
             else:
-                kv = self.cache.k[0].numel() * self.cache.k.element_size() * i  # layer i in the cache
+                kv = self.kv_layer_bytes * i  # layer i in the cache
                 k0, v0 = cache.k.data_ptr() + kv, cache.v.data_ptr() + kv
                 self.native[i].batch(part, pos, np.full(len(part), k0, np.int64), np.full(len(part), v0, np.int64))
 
@@ -461,14 +462,13 @@ class Transformer:
             pos = np.asarray(positions, dtype=np.int64)
             k0 = np.array([c.k.data_ptr() for c in caches], dtype=np.int64)
             v0 = np.array([c.v.data_ptr() for c in caches], dtype=np.int64)
-            stride = self.cache.k[0].numel() * self.cache.k.element_size()  # bytes of one layer's cache
         split = self._split_for(caches) if native_ok else None  # the heads across the processes
         for i, L in enumerate(self.layers):
             if native_ok and self.native[i] is not None and (L.window is None or max(positions) < L.window):
                 if split is not None:
                     self.split_attn(i, h.numpy(), split)
                 else:  # one native call: the attention weights read once for every sequence
-                    self.native[i].batch(h.numpy(), pos, k0 + i * stride, v0 + i * stride)
+                    self.native[i].batch(h.numpy(), pos, k0 + i * self.kv_layer_bytes, v0 + i * self.kv_layer_bytes)
             else:
                 h = torch.cat([self._attend(i, h[b:b + 1], c) for b, c in enumerate(caches)])
             h = self._ffn(i, h, decode=True).contiguous()

@@ -22,7 +22,6 @@ and the K-quants Q4_K, Q5_K, Q6_K (blocks of 256 values: a K block spans 8 activ
 from __future__ import annotations
 
 import copy
-import ctypes
 import mmap
 
 import numpy as np
@@ -76,11 +75,10 @@ def _unmap_file_pages(a: np.ndarray) -> None:
         base = base.base
     if not isinstance(base, mmap.mmap) or not a.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    page = mmap.PAGESIZE
-    start = _ptr(a) // page * page
-    end = -(-(_ptr(a) + (a.shape[0] - 1) * a.strides[0] + a.shape[1] * a.itemsize) // page) * page
-    ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                              mmap.MADV_DONTNEED)
+    page, origin = mmap.PAGESIZE, _ptr(np.frombuffer(base, np.uint8))  # the mapping starts on a page
+    start = (_ptr(a) - origin) // page * page
+    end = min(len(base), _ptr(a) - origin + (a.shape[0] - 1) * a.strides[0] + a.shape[1] * a.itemsize)
+    base.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -1337,7 +1337,7 @@ static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
     for (int64_t i0 = 0; i0 < n_rows; i0 += block) {
         int64_t i1 = i0 + block < n_rows ? i0 + block : n_rows;
         for (int b0 = 0; b0 < B; b0 += TILE_ROWS_B) {
-            int nt = B - b0 < TILE_ROWS_B || B <= TILE_ROWS_B ? B - b0 : TILE_ROWS_B;
+            int nt = B - b0 < TILE_ROWS_B ? B - b0 : TILE_ROWS_B;
             const xpair *xpt = xp ? xp + b0 * xp_ld_any(n) : NULL;
             for (int64_t i = i0; i < i1; i++) {
                 int64_t r = rows ? rows[i] : start + i;
