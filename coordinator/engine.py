@@ -24,11 +24,13 @@ from sparsecore.kernels import supports
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
+from sparsecore.lockstep import Lockstep
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
 
 from .attention_split import SplitAttention
 from .chat_template import chat_template_from_reader, render_chat
+from .lockstep_decode import LockstepDecode
 from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
@@ -178,12 +180,29 @@ class Engine:
                 self.model.split_attn = SplitAttention(
                     self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,
                     {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats)
+                self.model.lockstep = self._lockstep(store, cfg, attn_heads)
             self.last = RunStats()
             self.sparsity: float | None = None
             self.set_sparsity(opts.sparsity)
         except BaseException:
             self.close()
             raise
+
+    def _lockstep(self, store: TensorStore, cfg, attn_heads: dict[int, tuple[int, int]]) -> LockstepDecode | None:
+        """Whole decode steps in lockstep where the coordinator and every worker with attention
+        heads can each take a part, and those are all the processes with neurons."""
+        own, pool = self.ffn.own, self.pool
+        workers = [s for s in attn_heads if s >= 0]
+        with_neurons = [s for s, w in enumerate(pool.proc_shards) if any(len(n) for n in w.neurons)]
+        by_slot = {w.slot: w for w in pool.workers}
+        if own is None or sorted(workers) != sorted(with_neurons) or not all(
+                s in by_slot and by_slot[s].lockstep for s in workers):
+            return None
+        part = Lockstep.build(pool.buffers, pool.own_slot, self.model.native, attn_heads[-1], own, store, cfg)
+        if part is None:
+            return None
+        return LockstepDecode(pool.bell, pool.buffers, part, np.array(sorted(workers), dtype=np.intp), self.ffn,
+                              self.model.split_attn)
 
     @property
     def predictors(self) -> Predictors | None:

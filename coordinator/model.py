@@ -223,6 +223,7 @@ class Transformer:
         # Decoded tokens' attention split by KV heads across processes (coordinator/
         # attention_split.py), set by the engine once its workers are ready; None: here alone.
         self.split_attn = None
+        self.lockstep = None  # LockstepDecode, set by the engine where every process can take part
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
         self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
@@ -342,6 +343,20 @@ class Transformer:
         pos = np.array([c.pos for c in caches], np.int64)
         return sa.begin(pos, np.array([c.index for c in caches], np.int64)) if sa.pays(pos) else None
 
+    def _lockstep(self, caches: list[KVCache], h: torch.Tensor) -> torch.Tensor | None:
+        """This decode step (h: the caches' tokens' embeddings, (B, hidden)) through every layer
+        in lockstep (coordinator/lockstep_decode.py): the last layer's residuals, or None where
+        it cannot run so (the per-layer path then)."""
+        ls = self.lockstep
+        if ls is None or self.ffn is not ls.ffn or any(c.index is None for c in caches):
+            return None
+        pos = np.array([c.pos for c in caches], np.int64)
+        if not ls.usable(pos):
+            return None
+        h = h.contiguous()
+        ls(h.numpy(), self.split_attn.begin(pos, np.array([c.index for c in caches], np.int64)))
+        return h
+
     def _native_prompt(self, i: int, cache: KVCache, T: int) -> bool:
         """Whether layer i's attention of a T-token prompt runs through the native step: a
         causal chunk is a batch of one sequence's tokens at consecutive positions (attn_part
@@ -427,6 +442,10 @@ class Transformer:
             raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = self.embed(ids)
         eps = self.cfg.rms_eps
+        done = self._lockstep([cache], h) if T == 1 else None
+        if done is not None:
+            cache.pos += 1
+            return self.head(rms_norm(done, self.out_norm, eps))
         split = self._split_for([cache]) if T == 1 else None  # once a step, not per layer
         if T > 1:
             h = h.contiguous()
@@ -456,6 +475,11 @@ class Transformer:
         if len(ids) == 1:
             return self.forward(ids, cache=caches[0])
         h = self.embed(ids).contiguous()
+        done = self._lockstep(caches, h)
+        if done is not None:
+            for c in caches:
+                c.pos += 1
+            return self.head(rms_norm(done, self.out_norm, self.cfg.rms_eps))
         positions = [c.pos for c in caches]
         native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
         if native_ok:  # checked here once per step, not per layer: positions and cache addresses

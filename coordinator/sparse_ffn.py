@@ -42,6 +42,7 @@ class ExchangeStats:
     tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens through that layer
     head_us: list[float] = field(default_factory=list)  # lm_head steps split across processes
     attn_us: list[float] = field(default_factory=list)  # attention steps split across processes
+    lockstep_us: list[float] = field(default_factory=list)  # whole decode steps in lockstep (every layer)
 
     def clear_counts(self) -> None:
         self.active.clear()
@@ -51,7 +52,7 @@ class ExchangeStats:
         """Forget all but the last `keep` timings of each kind: a server decodes for days, and
         these lists grow by one entry per layer and token. (Offline tools measure bounded runs
         by list index and never call this.)"""
-        for timings in (self.round_trip_us, self.overhead_us, self.head_us, self.attn_us):
+        for timings in (self.round_trip_us, self.overhead_us, self.head_us, self.attn_us, self.lockstep_us):
             if len(timings) > 2 * keep:
                 del timings[:-keep]
 

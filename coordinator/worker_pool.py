@@ -56,6 +56,7 @@ class WorkerProc:
     pid: int = 0
     weight_bytes: int = 0
     predicts: bool = False  # scores its own neurons in FLAG_PREDICT steps (Ready.predicts)
+    lockstep: bool = False  # takes part in lockstep decode steps (Ready.lockstep)
 
     @property
     def label(self) -> str:
@@ -201,8 +202,8 @@ class WorkerPool:
                 w.pid = msg.pid
                 self._send(ident, self._assign(slot))
             elif isinstance(msg, Ready):
-                w.n_neurons, w.device, w.weight_bytes, w.predicts = (msg.n_neurons, msg.device, msg.weight_bytes,
-                                                                     msg.predicts)
+                w.n_neurons, w.device, w.weight_bytes, w.predicts, w.lockstep = (
+                    msg.n_neurons, msg.device, msg.weight_bytes, msg.predicts, msg.lockstep)
                 pending_ready.discard(ident)
             elif isinstance(msg, WorkerFailed):
                 raise WorkerError(f"{w.label} failed while loading: {msg.reason}")

@@ -19,12 +19,13 @@ import zmq
 from protocol.addresses import read_secret
 from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import SharedBuffers, attn_layer_of
+from protocol.shm_layout import LOCKSTEP_LAYER, REQ_STEP, SharedBuffers, attn_layer_of
 from sparsecore.attn_shard import AttnShard
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
+from sparsecore.lockstep import Abandoned, Lockstep
 from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 
@@ -51,6 +52,7 @@ class Worker:
         self.pool: KvPool | None = None
         self.buffers: SharedBuffers | None = None
         self.bell: WorkerBell | None = None
+        self.lockstep: Lockstep | None = None  # its part of whole decode steps, where it can take one
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
@@ -74,11 +76,13 @@ class Worker:
         store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
                                    a.fast, a.predictor_path or None)
+        self.buffers = SharedBuffers.attach(a.shm_name)
         if a.attn_heads:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)
             cfg = read_config(a.model_path, store.reader)
             self.attn = AttnShard.load(store, cfg, self.pool, (a.attn_heads[0], a.attn_heads[1]), a.fast)
-        self.buffers = SharedBuffers.attach(a.shm_name)
+            self.lockstep = Lockstep.build(self.buffers, a.slot, self.attn.steps, (self.attn.kv0, self.attn.kv1),
+                                           self.shard, store, cfg)
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.
@@ -87,6 +91,8 @@ class Worker:
                                self.sock, self.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
 
     def takes_part(self, layer: int) -> bool:
+        if layer == LOCKSTEP_LAYER:
+            return self.lockstep is not None
         if attn_layer_of(layer) >= 0:
             return self.attn is not None
         return self.shard.takes_part(layer)
@@ -104,7 +110,7 @@ class Worker:
             self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
             return 1
         self.send(Ready(self.worker_id, self.role, os.getpid(), self.shard.n_neurons, str(self.shard.device),
-                        time.perf_counter() - t0, self.shard.nbytes, self.shard.predicts))
+                        time.perf_counter() - t0, self.shard.nbytes, self.shard.predicts, self.lockstep is not None))
         while True:
             req = self.bell.wait()
             if req is GONE:
@@ -118,16 +124,32 @@ class Worker:
                     return 0
                 continue
             try:
-                if attn_layer_of(req.layer) >= 0:
+                if req.layer == LOCKSTEP_LAYER:
+                    n_active, ns = self.lockstep.serve(req, self.pool, self._abandon_check(req.step))
+                elif attn_layer_of(req.layer) >= 0:
                     n_active, ns = self.attn.serve(self.buffers, self.slot, req)
                 else:
                     n_active, ns = self.shard.serve(self.buffers, self.slot, req)
+            except Abandoned:  # the coordinator moved on (or went): the next wait says what to do
+                self.bell.last_step = req.step
+                continue
             except Exception as e:
-                what = (f"attention of layer {attn_layer_of(req.layer)}" if attn_layer_of(req.layer) >= 0
+                what = ("a lockstep decode step" if req.layer == LOCKSTEP_LAYER else
+                        f"attention of layer {attn_layer_of(req.layer)}" if attn_layer_of(req.layer) >= 0
                         else f"layer {req.layer}")
                 self.send(WorkerFailed(self.worker_id, self.role, f"{what}: {type(e).__name__}: {e}"))
                 return 1
             self.bell.finish(req.step, n_active, ns)
+
+    def _abandon_check(self, step: int):
+        """A lockstep step's check while it waits for the other processes: drop the step when the
+        coordinator posted another, has a message for us (Shutdown) or is gone."""
+        request = self.buffers.request
+
+        def check() -> None:
+            if request[REQ_STEP] != step or self.sock.poll(0) or self.lifeline.gone():
+                raise Abandoned(f"step {step}")
+        return check
 
     def close(self) -> None:
         if self.bell is not None:

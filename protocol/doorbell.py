@@ -263,6 +263,13 @@ class CoordinatorBell:
             self._last_check = now
             self.check()
 
+    def watch(self) -> None:
+        """For waits outside `wait` (a lockstep step's, sparsecore/lockstep.py): raise if a
+        worker reported a failure or died, looking at the processes at most every check_every_s."""
+        if self.socket is not None and self.socket.poll(0):
+            self.check()
+        self._check_every(self.check_every_s)
+
     def wait(self, step: int, part: np.ndarray) -> tuple[int, int]:
         """Wait until every slot in `part` has done `step`: spin, then sleep on the wake pipe.
         Returns (active neuron-token pairs summed over the slots, slowest compute in ns)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 10  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT)
+PROTOCOL_VERSION = 11  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep)
 
 
 class ProtocolError(Exception):
@@ -82,6 +82,7 @@ class Ready:
     load_s: float
     weight_bytes: int = 0  # FFN weights held in memory, in the Assign's weight format
     predicts: bool = False  # it loaded the Assign's predictor for every layer it owns neurons of
+    lockstep: bool = False  # it can take part in lockstep decode steps (sparsecore/lockstep.py)
 
 
 @dataclass

@@ -36,12 +36,17 @@ SHM_PREFIX = "sparseinfer_"
 
 # Doorbell words (int64 indices into SharedBuffers.request and SharedBuffers.slots[slot]).
 REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
+REQ_PARTS = 5  # a lockstep step's participants: one bit per output slot
 SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
+SLOT_PHASE = 4  # a lockstep decode step's progress, written by the slot's process (sparsecore/lockstep.py)
 # A step's flags: dense; CATS thresholds (in shared memory); else a predictor's mask, in shared
 # memory, or with FLAG_PREDICT scored by each process for its own neurons from x[1], the token's
 # residual before ffn_norm (x[0] is the normed input, as always).
 FLAG_DENSE, FLAG_THRESHOLD, FLAG_PREDICT = 1, 2, 4
 HEAD_LAYER = -1  # request[REQ_LAYER] of an lm_head step: logits of the worker's vocabulary rows
+# request[REQ_LAYER] of a lockstep decode step: every layer of T decoded tokens, whose residuals
+# entering layer 0 are in x[:T] and (position, cache) in seq[:T] (sparsecore/lockstep.py)
+LOCKSTEP_LAYER = 1 << 30
 _ATTN0 = -2  # request[REQ_LAYER] of layer i's attention step: _ATTN0 - i (see attn_layer_code)
 SLEEPING = 1  # value of a sleeping word: ring this side's wake pipe (0: it spins)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Where a decoded token's time goes: the whole token, the coordinator alone (every layer's FFN
-replaced by zeros), the lm_head (on one core, and split across processes when it is), and the
-per-layer FFN exchange, each a median over repeated one-token steps (SmolLM2 by default).
+"""Where a decoded token's time goes: the whole token (in lockstep, where the engine uses it, and
+layer by layer), the coordinator alone (every layer's FFN replaced by zeros), the lm_head (on one
+core, and split across processes when it is), and the per-layer FFN exchange, each a median over
+repeated one-token steps (SmolLM2 by default).
 
     PYTHONPATH=. python3 scripts/profile_decode.py [-m MODEL] [-t 2] [--weights f32|f16] [-n 40]
 """
@@ -51,7 +52,13 @@ def main() -> None:
             m.forward(ids)
             return lambda: m.forward([5])
 
+        lockstep = m.lockstep
+        if lockstep is not None:  # every layer in one post (coordinator/lockstep_decode.py)
+            locked = median_ms(steps(eng.ffn), n)
+            locked_layers = np.median(eng.ffn.stats.lockstep_us[-n:]) / 1e3
+            m.lockstep = None  # the rest of the profile: layer by layer, each step timed alone
         full = median_ms(steps(eng.ffn), n)
+        m.lockstep = lockstep
         exchanges = np.array(eng.ffn.stats.round_trip_us[-n * eng.cfg.n_layers:])
         alone = median_ms(steps(zero_ffn), n)
         m.ffn = eng.ffn
@@ -64,6 +71,9 @@ def main() -> None:
         share = observe.worker_layout(eng)["coordinator_ffn_share"]
         print(f"{args.weights}, {args.threads} threads, coordinator FFN share {100 * share:.0f}%, "
               f"medians of {n} one-token steps")
+        if lockstep is not None:
+            print(f"  whole token in lockstep      {locked:7.2f} ms   its layers {locked_layers:.2f} ms "
+                  f"(used; below: layer by layer)")
         print(f"  whole token                  {full:7.2f} ms")
         split = eng.ffn.stats.head_us
         head_note = (f"; split across processes {np.median(split) / 1e3:.2f} ms (used)" if split else "")

@@ -40,20 +40,36 @@ def test_greedy_tokens_match_transformers(engine, case):
         f"first difference at step {next(i for i, (a, b) in enumerate(zip(got, case['generated_ids'])) if a != b)}")
 
 
-def test_greedy_tokens_match_transformers_with_attention_split_across_processes(smollm2_path):
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "per-layer"])
+def test_greedy_tokens_match_transformers_with_attention_split_across_processes(smollm2_path, lockstep):
     """Decoded tokens' attention heads split between the coordinator and the worker (at every
     context length: SmolLM2's short prompts alone would not pay for the extra exchange), and the
-    prompt's too (always split: chunks of up to 16 tokens per exchange)."""
+    prompt's too (always split: chunks of up to 16 tokens per exchange). Decoded tokens go
+    through every layer in lockstep (each process sums the shares itself), or layer by layer
+    through posted steps."""
     with Engine(smollm2_path, EngineOptions(threads=2, cpu_workers=1)) as eng:
         assert eng.model.split_attn is not None
         eng.model.split_attn.min_bytes = (0, 0)
+        if lockstep:
+            assert eng.model.lockstep is not None
+            eng.model.lockstep.min_bytes = 0
+            eng.pool.bell.governor.adaptive = False  # keep spinning on a busy machine: every step in lockstep
+        else:
+            eng.model.lockstep = None
+        st = eng.ffn.stats
         for case in REF["prompts"]:
-            calls = len(eng.ffn.stats.attn_us)
+            calls, steps = len(st.attn_us), len(st.lockstep_us)
             got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
                                     stop_at_eos=False))
             assert got == case["generated_ids"], case["name"]
             chunks = -(-len(case["prompt_ids"]) // MAX_SMALL_BATCH) if len(case["prompt_ids"]) > 1 else 1
-            assert len(eng.ffn.stats.attn_us) - calls == (len(got) - 1 + chunks) * eng.cfg.n_layers
+            decoded = len(got) - 1
+            if lockstep:
+                assert len(st.lockstep_us) - steps == decoded
+                assert len(st.attn_us) - calls == chunks * eng.cfg.n_layers
+            else:
+                assert len(st.lockstep_us) == steps
+                assert len(st.attn_us) - calls == (decoded + chunks) * eng.cfg.n_layers
 
 
 def test_logits_match_transformers(engine):

@@ -103,6 +103,37 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         blocks[:, 8:].view(np.int8).copy()
 
 
+def residual_norm_args(shares: list[np.ndarray]) -> np.ndarray:
+    """The addresses of `shares` ((rows, hidden) float32, contiguous, the same shape) for
+    residual_norm_into, resolved once: the arrays must outlive their use."""
+    if not shares or any(s.dtype != np.float32 or s.shape != shares[0].shape or s.ndim != 2
+                         or not s.flags.c_contiguous for s in shares):
+        raise ValueError("residual shares must be (rows, hidden) float32, contiguous, of one shape")
+    return np.array([_ptr(s) for s in shares], np.int64)
+
+
+def residual_norm_into(h: np.ndarray, shares: np.ndarray, B: int, norm: np.ndarray | None, eps: float,
+                       x: np.ndarray) -> None:
+    """Rows [0, B) of h += the sum of the shares (residual_norm_args), added in their order;
+    then x = RMSNorm(h) * norm, unless norm is None. h, x: (>= B, hidden) float32, contiguous;
+    the shares hold at least B rows of the same width (checked by the callers, once)."""
+    _kernels.residual_norm(_ptr(h), _ptr(shares), len(shares), h.shape[1], B,
+                           0 if norm is None else _ptr(norm), float(eps), _ptr(x))
+
+
+def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | None, eps: float) -> np.ndarray:
+    """Checked form of residual_norm_into for the whole of h (B, hidden), in place; returns x."""
+    B, hidden = h.shape
+    if h.dtype != np.float32 or not h.flags.c_contiguous or any(s.shape != h.shape for s in shares) or (
+            norm is not None and (norm.dtype != np.float32 or norm.shape != (hidden,))):
+        raise ValueError("residual_norm: h and the shares must be (B, hidden) float32, norm (hidden,)")
+    held = [np.ascontiguousarray(s) for s in shares]  # alive while the kernel reads them
+    ptrs = residual_norm_args(held)
+    x = np.empty_like(h)
+    residual_norm_into(h, ptrs, B, norm, eps, x)
+    return x
+
+
 def _check_batch(x: np.ndarray, n: int, what: str) -> int:
     """x must be (B, n) float32, C-contiguous, 1 <= B <= MAX_SMALL_BATCH; returns B."""
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n or not x.flags.c_contiguous \

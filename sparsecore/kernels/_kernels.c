@@ -2040,6 +2040,36 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+/* residual_norm(h, parts, n_parts, n, B, w, eps, x): per row b, h[b] += (parts[0][b] + parts[1][b]
+ * + ...), summed in the order given, then x[b] = rms_norm(h[b]) * w (w == 0: no norm). The
+ * lockstep decode (sparsecore/lockstep.py) runs this in every process on the same shares in
+ * the same order, so each gets the same floats without sending its residual to the others. */
+static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 8 arguments"); return NULL; }
+    float *h = ARG_PTR(0);
+    const float *const *parts = ARG_PTR(1);
+    int n_parts = (int)ARG_LL(2), n = (int)ARG_LL(3), B = (int)ARG_LL(4);
+    const float *w = ARG_PTR(5);
+    float eps = (float)PyFloat_AsDouble(args[6]);
+    float *x = ARG_PTR(7);
+    if (PyErr_Occurred()) return NULL;
+    if (n_parts < 1 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    for (int b = 0; b < B; b++) {
+        float *hb = h + (int64_t)b * n;
+        const int64_t off = (int64_t)b * n;
+        for (int i = 0; i < n; i++) {
+            float acc = parts[0][off + i];
+            for (int p = 1; p < n_parts; p++) acc += parts[p][off + i];
+            hb[i] += acc;
+        }
+        if (w) rms_norm_into(hb, w, eps, n, x + off);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
 }
@@ -2185,6 +2215,7 @@ static PyMethodDef methods[] = {
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
+    {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_isa", py_set_isa, METH_O, "use 'avx512vnni' or 'avx2' (where supported) or 'generic'"},
     {NULL, NULL, 0, NULL}};

@@ -1,0 +1,66 @@
+"""The coordinator's side of a lockstep decode step: one post for every layer of a decoded token
+(or of a small continuous batch), each process running sparsecore/lockstep.py on its own heads
+and neurons and summing the others' shares itself. The per-layer posted steps
+(coordinator/attention_split.py, coordinator/sparse_ffn.py) stay for everything this does not
+cover: prompts, batches beyond the lockstep's rows, a predictor the coordinator scores,
+calibration's observer, and cores shared with other programs (waits here are spins).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from protocol.doorbell import CoordinatorBell
+from protocol.shm_layout import LOCKSTEP_LAYER, REQ_PARTS, SharedBuffers
+from sparsecore.lockstep import Lockstep
+
+from .attention_split import SplitAttention, SplitStep
+from .sparse_ffn import SparseFfn
+
+# In lockstep, splitting a layer's attention costs one more exchange of shares (a spin on a
+# shared word and a sum: 5-10 us), not a posted step; it pays when the attention's work is
+# larger: SmolLM2 (0.55 MB of attention weights a layer) decodes 9 % faster in lockstep than
+# layer by layer with its attention on the coordinator (paired in-process runs, 2-core EPYC).
+MIN_LOCKSTEP_BYTES = 256 << 10
+
+
+class LockstepDecode:
+    """`own`: the coordinator's part (its output slot `own.slot`); `part`: the worker slots that
+    take part (each holds attention heads and neurons of every layer)."""
+
+    def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, own: Lockstep, part: np.ndarray,
+                 ffn: SparseFfn, attn: SplitAttention):
+        self.bell, self.buffers, self.own, self.part, self.ffn, self.attn = bell, buffers, own, part, ffn, attn
+        self.min_bytes = MIN_LOCKSTEP_BYTES
+        self.parts = sum(1 << int(s) for s in (*part, own.slot))
+        self.n_layers = len(own.attn)
+        self.steps = 0  # lockstep steps run (benchmarks and tests)
+
+    def usable(self, pos: np.ndarray) -> bool:
+        """Whether a step of decoded tokens at `pos` (one per sequence) runs in lockstep now."""
+        ffn, bell, n_tokens = self.ffn, self.bell, len(pos)
+        predict = ffn.predictors is not None
+        work = self.attn.weight_bytes + self.attn.kv_bytes_per_pos * int(pos.sum() + n_tokens)
+        return (self.own.fits(n_tokens) and work >= self.min_bytes and bell.spin and not bell.governor.contended and ffn.observer is None
+                and (not predict or (ffn.predictors is ffn.shard_predictors and n_tokens == 1)))
+
+    def __call__(self, h: np.ndarray, split: SplitStep) -> None:
+        """h (B, hidden) float32, contiguous: the residuals entering layer 0 (split.pos, the
+        caches' addresses: SplitAttention.begin), replaced by those leaving the last layer."""
+        t0 = time.perf_counter()
+        B, buf, ffn = len(h), self.buffers, self.ffn
+        predict = ffn.predictors is not None
+        buf.x[:B] = h
+        buf.request[REQ_PARTS] = self.parts  # before post writes the step number
+        posted = self.bell.post(LOCKSTEP_LAYER, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
+                                self.part, predict)
+        n_own = self.own.run(posted.step, self.parts, h, split.pos, split.kp, split.vp, split.layer_bytes,
+                             posted.threshold, posted.predict, self.bell.watch)
+        n_active, _ = self.bell.wait(posted.step, self.part)
+        st = ffn.stats
+        for i in range(self.n_layers):  # the meters read sums over the layers
+            st.tokens[i] = st.tokens.get(i, 0) + B
+        st.active[0] = st.active.get(0, 0) + n_active + n_own
+        st.lockstep_us.append((time.perf_counter() - t0) * 1e6)
+        self.steps += 1

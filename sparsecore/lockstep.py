@@ -1,0 +1,174 @@
+"""`Lockstep`: every layer of a decode step run by each process at once, with no round trip
+through the coordinator between layers.
+
+A layer split across processes is two all-reduces: each process computes its KV heads' share
+of the attention output and its neurons' share of the FFN, and the layer needs the sum. In the
+posted protocol (coordinator/attention_split.py, coordinator/sparse_ffn.py) the coordinator
+sums the shares, adds the residual, normalizes and posts the next step, while every worker
+waits: 30-40 us a layer of Python on the critical path (the 1.1B shape: 0.8 ms of a 19 ms
+token). Here each process keeps its own copy of the residuals and, per phase:
+  1. computes its share into its output slot and raises its phase word;
+  2. waits for every other participant's phase word;
+  3. adds all the shares to its residual and normalizes (_kernels.residual_norm).
+Every process sums the same shares in the same order (ascending slots) with the same kernel,
+so all hold the same floats, and the coordinator's copy is what the rest of the model sees.
+
+Shares alternate between two halves of each slot (phase parity): a process writes phase k+2
+only after it saw every peer reach k+1, and a peer reaches k+1 only after it read phase k, so
+no share is overwritten while it is read. The phase word of slot s is slots[s, SLOT_PHASE] =
+step * PHASE_STRIDE + k (k = 1 .. 2 * layers), increasing across steps; words are written after
+the share they announce (x86-TSO, like every doorbell word: protocol/doorbell.py).
+
+The step is used where every participant spins on a core of its own (the waits here are
+spins); a process whose peer is gone or whose step was replaced stops through `check`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from protocol.doorbell import Request
+from protocol.shm_layout import REQ_PARTS, SLOT_PHASE, SharedBuffers
+
+from .config import ModelConfig
+from .kernels import MAX_SMALL_BATCH, AttentionStep, residual_norm_args, residual_norm_into
+from .kv_pool import KvPool
+from .tensors import TensorStore
+
+PHASE_STRIDE = 1 << 12  # phases per step: 2 per layer, so at most 2047 layers
+CHECK_SPINS = 2048  # a waiting process calls `check` this often (a spin is about 0.1 us)
+YIELD_AFTER_S = 0.002  # a wait this long means a peer lost its core: yield ours between checks
+SLEEP_AFTER_S = 0.05  # and this long, that the peer stopped (Ctrl-C): sleep between checks
+
+
+class Abandoned(Exception):
+    """The step a process was computing is no longer wanted (the coordinator posted another, or
+    stopped); the process drops it. Raised by `check`."""
+
+
+class Lockstep:
+    """One process's part of a lockstep decode step: KV heads [kv0, kv1) of every layer's
+    attention (`attn`), its FFN neurons (`ffn[layer]`, a FileLayer) and the FFN norms, over the
+    output slots `slots` (every participant's, sorted; `slot` is its own)."""
+
+    def __init__(self, buffers: SharedBuffers, slot: int, attn: list[AttentionStep], heads: tuple[int, int],
+                 ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None):
+        n_layers = len(attn)
+        if set(ffn) != set(range(n_layers)) or len(ffn_norms) != n_layers:
+            raise ValueError("a lockstep process needs a share of every layer's attention and FFN")
+        self.buffers, self.slot, self.attn, self.heads, self.ffn = buffers, slot, attn, heads, ffn
+        self.activation, self.eps, self.predict = activation, float(eps), predict or {}
+        self.norms = [np.ascontiguousarray(w, dtype=np.float32) for w in ffn_norms]
+        hidden = buffers.layout.hidden
+        self.half = min(MAX_SMALL_BATCH, buffers.layout.max_tokens // 2)  # rows of one phase parity
+        self.h = np.empty((self.half, hidden), np.float32)  # this process's copy of the residuals
+        self.x = np.empty((self.half, hidden), np.float32)  # the FFN's normed input
+        out = buffers.out
+        self.mine = [out[slot, p * self.half:(p + 1) * self.half] for p in (0, 1)]
+        self.words = buffers.slots
+        self._plans: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+
+    def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
+        """For the participants' slot bitmask: the peers to wait for, and per parity the
+        addresses of every participant's shares in ascending slot order (the summing order)."""
+        plan = self._plans.get(parts)
+        if plan is None:
+            slots = [s for s in range(self.buffers.layout.n_slots) if parts >> s & 1]
+            if self.slot not in slots:
+                raise ValueError(f"a lockstep step of slots {slots} without this process's slot {self.slot}")
+            out, h = self.buffers.out, self.half
+            plan = self._plans[parts] = ([s for s in slots if s != self.slot],
+                                         [residual_norm_args([out[s, p * h:(p + 1) * h] for s in slots]) for p in (0, 1)])
+        return plan
+
+    @classmethod
+    def build(cls, buffers: SharedBuffers, slot: int, attn: list[AttentionStep] | None, heads: tuple[int, int],
+              shard, store: TensorStore, cfg: ModelConfig) -> "Lockstep | None":
+        """A process's part, or None when it cannot take one: it needs native attention heads and
+        neurons of every layer left in the file's blocks (shard: an FfnShard)."""
+        from .shard import FileLayer
+
+        if (not attn or not cfg.plain_llama or cfg.sliding_window is not None or set(shard.layers) != set(range(cfg.n_layers))
+                or not all(isinstance(w, FileLayer) for w in shard.layers.values())
+                or buffers.layout.max_tokens < 2):
+            return None
+        norms = [store.matrix(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
+        return cls(buffers, slot, attn, heads, shard.layers, shard.activation, norms, cfg.rms_eps, shard.predict)
+
+    def fits(self, n_tokens: int) -> bool:
+        return 1 <= n_tokens <= self.half
+
+    def run(self, step: int, parts: int, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray,
+            layer_bytes: int, threshold: bool, predict: bool, check: Callable[[], None]) -> int:
+        """The whole decode step for the B rows of h (B, hidden), the residuals entering layer 0,
+        updated in place to those leaving the last layer, with the processes of bitmask `parts`
+        (one bit per output slot, this one's included). pos, kp, vp: as for
+        AttentionStep.part, for layer 0 (layer i adds i * layer_bytes). `threshold`: CATS
+        thresholds from shared memory; `predict`: each process scores its own neurons (one
+        token). Returns the active neuron-token pairs this process computed."""
+        B = len(h)
+        if not self.fits(B) or (predict and B != 1):
+            raise ValueError(f"a lockstep step of {B} tokens (at most {self.half}; predictors one at a time)")
+        peers, sums = self._plan(parts)
+        mine, hh, x = self.mine, self.h[:B], self.x[:B]
+        hh[:] = h
+        base, n_active, phase = step * PHASE_STRIDE, 0, 0
+        thresholds = self.buffers.thresholds
+        for i, attn in enumerate(self.attn):
+            phase += 1
+            off = i * layer_bytes
+            attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
+            self._exchange(base + phase, peers, sums[phase & 1], B, self.norms[i], check)
+            w = self.ffn[i]
+            active = self.predict[i].mask_for(hh[0]) if predict else None
+            t = float(thresholds[i]) if threshold else None
+            phase += 1
+            if B == 1:
+                n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
+            else:
+                n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
+            self._exchange(base + phase, peers, sums[phase & 1], B, None, check)
+        h[:] = hh
+        return n_active
+
+    def _exchange(self, phase: int, peers: list[int], shares: np.ndarray, B: int, norm: np.ndarray | None,
+                  check: Callable[[], None]) -> None:
+        """Announce this process's share of `phase`, wait for every peer's, add them all to the
+        residuals (and normalize them into self.x with `norm`)."""
+        words = self.words
+        words[self.slot, SLOT_PHASE] = phase  # after the share: peers read it once they see this
+        for s in peers:
+            if words[s, SLOT_PHASE] >= phase:
+                continue
+            n, t0 = 0, 0.0
+            while words[s, SLOT_PHASE] < phase:
+                n += 1
+                if n % CHECK_SPINS == 0:
+                    check()
+                    now = time.perf_counter()
+                    if not t0:
+                        t0 = now
+                    elif now - t0 > SLEEP_AFTER_S:
+                        time.sleep(0.001)
+                    elif now - t0 > YIELD_AFTER_S:
+                        os.sched_yield()
+        residual_norm_into(self.h, shares, B, norm, self.eps, self.x)
+
+
+    def serve(self, req: Request, pool: KvPool, check: Callable[[], None]) -> tuple[int, int]:
+        """A worker's part of the posted lockstep step `req`: the residuals are in x[:T], the
+        (position, cache) of each row in seq[:T], the participants in request[REQ_PARTS].
+        Returns (active neuron-token pairs, ns taken); raises Abandoned through `check`."""
+        t0 = time.perf_counter()
+        buf, B = self.buffers, req.n_tokens
+        if not self.fits(B):
+            raise ValueError(f"a lockstep step of {B} tokens, at most {self.half}")
+        parts = int(buf.request[REQ_PARTS])
+        pos, caches = buf.seq[:B, 0].copy(), buf.seq[:B, 1].copy()
+        kp, vp = pool.addresses(0, caches)
+        n = self.run(req.step, parts, buf.x[:B].copy(), pos, kp, vp, pool.shape.layer_bytes, req.threshold,
+                     req.predict, check)
+        return n, int((time.perf_counter() - t0) * 1e9)

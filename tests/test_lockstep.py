@@ -1,0 +1,200 @@
+"""Lockstep decode steps (sparsecore/lockstep.py, coordinator/lockstep_decode.py): every layer of
+a decoded token in one post, each process summing the others' shares itself. They give what the
+per-layer posted steps give (exact arithmetic: up to summation order), a continuous batch's rows
+bit for bit those of each sequence alone, thresholds and shard predictors as before; a worker
+that dies mid-step ends the wait with its name, and a step the coordinator drops is dropped by
+the worker too."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.worker_pool import WorkerError
+from sparsecore import kernels
+from tests.conftest import REPO
+
+PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46]]
+
+
+def test_residual_norm_sums_the_shares_in_order_then_normalizes():
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((3, 96), dtype=np.float32)
+    shares = [rng.standard_normal((3, 96), dtype=np.float32) * 10 ** k for k in (0, 3, -2)]
+    w = rng.standard_normal(96, dtype=np.float32)
+    want_h = h + ((shares[0] + shares[1]) + shares[2])  # float32, in this order
+    got_h = h.copy()
+    x = kernels.residual_norm(got_h, shares, w, 1e-5)
+    np.testing.assert_array_equal(got_h, want_h)
+    ref = want_h.astype(np.float64)
+    ref = ref / np.sqrt((ref ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(x, ref, rtol=2e-6, atol=2e-6)
+    # the same shares in another order: the same floats only where addition happens to agree
+    again = h.copy()
+    kernels.residual_norm(again, shares, None, 1e-5)
+    np.testing.assert_array_equal(again, want_h)
+    with pytest.raises(ValueError):
+        kernels.residual_norm(h.copy(), [shares[0][:2]], w, 1e-5)
+
+
+def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:
+    eng = Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, kv_caches=8, **kw))
+    m = eng.model
+    if m.split_attn is None or m.lockstep is None:
+        eng.close()
+        raise AssertionError("the tiny model should run in lockstep")
+    m.split_attn.min_bytes = (0, 0)  # tiny layers never pay: split and lock anyway
+    m.lockstep.min_bytes = 0
+    eng.pool.bell.governor.adaptive = False  # a busy test machine must not send steps back to layers
+    if not lockstep:
+        m.lockstep = None
+    return eng
+
+
+def _decode(eng: Engine, prompt: list[int], steps: int = 6) -> tuple[list[int], np.ndarray]:
+    m = eng.model
+    c = m.new_cache()
+    logits = m.forward(prompt, cache=c)[-1].numpy()
+    toks, rows = [], []
+    for _ in range(steps):
+        t = int(np.argmax(logits))
+        toks.append(t)
+        logits = m.forward([t], cache=c)[0].numpy().copy()
+        rows.append(logits)
+    return toks, np.array(rows)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor_type, fast, no_leaks):
+    # K-quant blocks are 256 wide: two KV heads' output columns need a hidden size of 512
+    wide = dict(hidden=512, n_ff=512) if tensor_type == "Q4_K" else {}
+    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2, **wide)
+    with _engine(path, fast, lockstep=False) as layered:
+        want = [_decode(layered, p) for p in PROMPTS]
+        assert not layered.ffn.stats.lockstep_us
+    with _engine(path, fast, lockstep=True) as locked:
+        got = [_decode(locked, p) for p in PROMPTS]
+        assert len(locked.ffn.stats.lockstep_us) == 6 * len(PROMPTS)
+    for (wt, wl), (gt, gl) in zip(want, got):
+        # exact: the same float32 math in another order (the FFN norm in C, not torch); fast:
+        # activations quantized from inputs that differ in their last bits
+        np.testing.assert_allclose(gl, wl, atol=2e-4 if not fast else 2e-2, rtol=0)
+        if not fast:
+            assert gt == wt
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_lockstep_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, fast, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=5, n_heads=4, n_kv_heads=2)
+    with _engine(path, fast, lockstep=True) as eng:
+        m = eng.model
+        alone = []
+        for p in PROMPTS:
+            c = m.new_cache()
+            m.forward(p, cache=c)
+            alone.append([m.forward([t], cache=c)[0].numpy().copy() for t in (60, 61, 62)])
+        n0 = len(eng.ffn.stats.lockstep_us)
+        caches = [m.new_cache() for _ in PROMPTS]
+        for p, c in zip(PROMPTS, caches):
+            m.forward(p, cache=c)
+        for step, t in enumerate((60, 61, 62)):
+            got = m.decode_batch([t] * len(PROMPTS), caches).numpy()
+            for b in range(len(PROMPTS)):
+                np.testing.assert_array_equal(got[b], alone[b][step])
+        assert len(eng.ffn.stats.lockstep_us) - n0 == 3  # each batch step was one lockstep step
+
+
+def test_lockstep_applies_thresholds(tiny_model_factory, no_leaks):
+    """CATS thresholds in lockstep: the same tokens and active fraction as the per-layer steps."""
+    path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
+    results = []
+    for lockstep in (False, True):
+        with _engine(path, False, lockstep=lockstep) as eng:
+            eng.ffn.set_thresholds([0.5] * eng.cfg.n_layers)
+            st = eng.ffn.stats
+            st.clear_counts()
+            toks, rows = _decode(eng, PROMPTS[0], steps=5)
+            dense = sum(st.tokens.values()) * eng.cfg.n_ff
+            results.append((toks, rows, sum(st.active.values()) / dense))
+    (wt, wl, wf), (gt, gl, gf) = results
+    assert 0.05 < gf < 0.95, "the thresholds should switch some neurons off"
+    assert gt == wt and abs(gf - wf) < 0.02
+    np.testing.assert_allclose(gl, wl, atol=2e-4, rtol=0)
+
+
+def test_lockstep_with_predictors_in_the_shards(tmp_path, tiny_model_factory, no_leaks):
+    """A PowerInfer file: each process scores its own neurons inside the lockstep step."""
+    path = tmp_path / "relu.gguf"
+    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
+            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    results = []
+    for lockstep in (False, True):
+        with _engine(path, False, lockstep=lockstep) as eng:
+            assert eng.ffn.shard_predictors is not None
+            toks, rows = _decode(eng, [5, 6, 7], steps=4)
+            results.append((toks, rows, len(eng.ffn.stats.lockstep_us)))
+    (wt, wl, wn), (gt, gl, gn) = results
+    assert wn == 0 and gn == 4
+    assert gt == wt
+    np.testing.assert_allclose(gl, wl, atol=2e-4, rtol=0)
+
+
+def test_a_worker_killed_mid_step_is_named_fast(tiny_model_factory, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=7, n_heads=4, n_kv_heads=2, ctx=4096)
+    with _engine(path, False, lockstep=True) as eng:
+        m = eng.model
+        c = m.new_cache()
+        m.forward([5, 6], cache=c)
+        victim = eng.pool.workers[0].proc.pid
+        threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="died"):
+            for _ in range(3000):
+                m.forward([7], cache=c)
+                c.pos = 2  # stay within the context
+        assert time.monotonic() - t0 < 3.3
+        assert eng.ffn.stats.lockstep_us
+
+
+def test_a_step_the_coordinator_drops_is_dropped_by_the_worker(tiny_model_factory, no_leaks):
+    """Ctrl-C inside a lockstep step (here: an exception in the coordinator's attention of layer
+    1): the worker waits for a share that never comes, until the next step is posted; it drops
+    the old one and the next step's logits are what a fresh run gives."""
+    path = tiny_model_factory(tensor_type="Q4_0", seed=8, n_heads=4, n_kv_heads=2)
+    with _engine(path, False, lockstep=True) as eng:
+        m = eng.model
+        c = m.new_cache()
+        m.forward([5, 6, 7], cache=c)
+        want = m.forward([9], cache=c)[0].numpy().copy()
+        c.pos -= 1
+        step = m.lockstep.own.attn[1]
+        real = step.part
+
+        def interrupted(*a, **k):
+            step.part = real
+            raise KeyboardInterrupt
+
+        step.part = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            m.forward([9], cache=c)
+        time.sleep(0.1)  # the worker is now waiting for layer 1's share from us
+        worker = eng.pool.workers[0].proc
+        watchdog = threading.Timer(20, worker.kill)  # a worker that kept waiting: fail, do not hang
+        watchdog.start()
+        try:
+            got = m.forward([9], cache=c)[0].numpy()
+        finally:
+            watchdog.cancel()
+        np.testing.assert_array_equal(got, want)
+        assert worker.poll() is None
