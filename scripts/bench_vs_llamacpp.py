@@ -166,7 +166,12 @@ def serve(kind: str, cfg: dict) -> None:
         for cmd in ch.commands():
             if cmd["op"] == "quit":
                 break
-            ch.send(ok=True, **side.run(cmd["mode"], cmd["prompt"], cmd["tg"]))
+            try:
+                reply = side.run(cmd["mode"], cmd["prompt"], cmd["tg"])
+            except Exception as e:  # the parent names the side and the error, then stops
+                ch.send(ok=False, error=f"{cmd['mode']}: {type(e).__name__}: {e}")
+                raise
+            ch.send(ok=True, **reply)
     finally:
         side.close()
         ch.send(ok=True, closed=True)

@@ -53,8 +53,10 @@ def ffn_neuron_bytes(engine) -> float:
         from ..placement import neuron_bytes
 
         return neuron_bytes(cfg.hidden, engine.opts.weights)
-    store = engine.store
-    names = [f"blk.0.ffn_{n}.weight" for n in ("gate", "up", "down")]
+    from sparsecore.shard import FileLayer
+
+    store = engine.store  # PowerInfer files hold down transposed (ffn_down_t): its rows are the columns
+    names = ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", FileLayer.down_name(store, 0)]
     return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
 
 
