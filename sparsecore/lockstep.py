@@ -140,8 +140,9 @@ class Lockstep:
         residuals (and normalize them into self.x with `norm`)."""
         words = self.words
         words[self.slot, SLOT_PHASE] = phase  # after the share: peers read it once they see this
+        end = phase - phase % PHASE_STRIDE + PHASE_STRIDE  # the first phase of any later step
         for s in peers:
-            if words[s, SLOT_PHASE] >= phase:
+            if phase <= words[s, SLOT_PHASE] < end:
                 continue
             n, t0 = 0, 0.0
             while words[s, SLOT_PHASE] < phase:
@@ -155,6 +156,8 @@ class Lockstep:
                         time.sleep(0.001)
                     elif now - t0 > YIELD_AFTER_S:
                         os.sched_yield()
+            if words[s, SLOT_PHASE] >= end:  # the peer is in a later step: ours was dropped
+                raise Abandoned(f"phase {phase}")
         residual_norm_into(self.h, shares, B, norm, self.eps, self.x)
 
 
