@@ -858,7 +858,9 @@ VNNI static INLINE __m512 cat_f(__m256 lo, __m256 hi) { return _mm512_insertf32x
  * bits in 5 and 6 instructions instead of 9 each (one token's Q4_0 row was compute-bound: a
  * core read 19 GB/s whether the rows came from DRAM or L3). The two 16-byte runs load into one
  * register, their high nibbles are one shift, and one permutation puts each block's low and
- * high halves side by side; the two scales convert together and spread over their 8 lanes. */
+ * high halves side by side; the two scales convert together and spread over their 8 lanes.
+ * Tiles of more than 4 tokens keep the old form: with these, 8 tokens' gate rows took 1.3
+ * times as long (the permutations' index registers, measured, not understood further). */
 VNNI static INLINE __m512i nibbles2(const uint8_t *p, int stride) {
     __m256i a = _mm256_loadu2_m128i((const __m128i *)(p + stride), (const __m128i *)p);
     __m512i z = _mm512_permutex2var_epi64(_mm512_castsi256_si512(a), _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
@@ -880,9 +882,8 @@ VNNI static INLINE __m256i off128_1(__m256i w) { return _mm256_sub_epi32(_mm256_
 static inline int q4_0_alone(int t, int B) { return t == T_Q4_0 && B == 1; }
 static inline int xp_unsigned(int t, int B) { return t == T_Q8_0 || t == T_Q6_K || (t == T_Q4_0 && B > 1); }
 /* a token's share of the packed buffer, in pairs: np pairs of values, then their 2 np scales;
- * one token's Q4_0 offset terms follow it (np pairs more: xp_size). The scales are spread over
- * their lanes once here, not per row in the steps (two instructions less per block pair). */
-static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return 2 * np; }
+ * one token's Q4_0 offset terms follow it (np pairs more: xp_size) */
+static inline int64_t xp_ld(int nb) { int64_t np = (nb + 1) / 2; return np + (np * 8 + 63) / 64; }
 static inline int64_t xp_size(int nb, int B) { return B * xp_ld(nb) + (B == 1 ? (nb + 1) / 2 : 0); }
 
 /* Per token: np = ceil(nb / 2) pairs of blocks (2i, 2i+1; an odd last block with zeros above),
@@ -893,7 +894,7 @@ VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, x
     int64_t np = (nb + 1) / 2, ld = xp_ld(nb);
     __m512i flip = _mm512_set1_epi8(xp_unsigned(t, B) ? (char)0x80 : 0);
     for (int b = 0; b < B; b++, out += ld) {
-        float *d = (float *)(out + np);  /* per pair 16 lanes: d_2i in the low 8, d_2i+1 in the high 8 */
+        float *d = (float *)(out + np);
         for (int k = 0; k < nb; k += 2) {
             const q8blk *x = xq + b * ldq + k;
             int two = k + 1 < nb;
@@ -903,7 +904,8 @@ VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, x
             if (q4_0_alone(t, B))
                 _mm512_store_si512(out[ld + k / 2].q,
                                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(dpbusd2(_mm512_set1_epi8(1), xv), 3)));
-            _mm512_store_ps(d + 8 * k, cat_f(_mm256_set1_ps(x[0].d), _mm256_set1_ps(two ? x[1].d : 0.f)));
+            d[k] = x[0].d;
+            d[k + 1] = two ? x[1].d : 0.f;
         }
     }
 }
@@ -911,22 +913,26 @@ VNNI static void vnni_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, x
 /* a pair's 64 bytes; its scales d, d[1] in the low / high 8 lanes; the low halves (odd last block) */
 #define XV2(p) _mm512_load_si512((p)->q)
 #define XV1(p) _mm256_load_si256((const __m256i *)(p)->q)
+VNNI static INLINE __m512 xd2(const float *d) {
+    return _mm512_permutexvar_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 1),
+                                 _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)d))));
+}
 
 /* One (block, token) step of each type into the token's accumulator a (an odd last block, low
  * 8 lanes); q: the weights signed, c = off128(q) for x + 128 */
 VNNI static INLINE __m256 q4_0_step(__m256i q, __m256i c, __m256 d, const xpair *x, const float *xd, __m256 a) {
     __m256i s = _mm256_dpbusd_epi32(c, XV1(x), q);  /* sum (q - 8) x (Q8_0: sum q x) */
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_load_ps(xd)), a);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(*xd)), a);
 }
 /* Q4_0: nibbles u unsigned times x signed, plus the token's offset terms o (vnni_pack) */
 VNNI static INLINE __m256 q4_0u_step(__m256i u, __m256 d, const xpair *x, const float *xd, const xpair *o, __m256 a) {
     __m256i s = _mm256_dpbusd_epi32(XV1(o), u, XV1(x));  /* sum (u - 8) x */
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_load_ps(xd)), a);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(*xd)), a);
 }
 VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const xpair *x, const float *xd, __m256 a) {
     __m256i xv = XV1(x);  /* d sum q x + m sum x, per lane */
     __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dpbusd(u, xv)), d, _mm256_mul_ps(m, _mm256_cvtepi32_ps(dpbusd(_mm256_set1_epi8(1), xv))));
-    return _mm256_fmadd_ps(v, _mm256_load_ps(xd), a);
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(*xd), a);
 }
 /* Q8_0 and Q4_0 (their q - 8) have the same step */
 #define q8_0_step q4_0_step
@@ -936,28 +942,28 @@ VNNI static INLINE __m256 q4_1_step(__m256i u, __m256 d, __m256 m, const xpair *
  * steps into an even and an odd accumulator (bit-identical), in fewer instructions. */
 VNNI static INLINE __m512 q4_0_step2(__m512i q, __m512i c, __m512 d, const xpair *x, const float *xd, __m512 a) {
     __m512i s = _mm512_dpbusd_epi32(c, XV2(x), q);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_load_ps(xd)), a);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd2(xd)), a);
 }
 #define q8_0_step2 q4_0_step2
 VNNI static INLINE __m512 q4_0u_step2(__m512i u, __m512 d, const xpair *x, const float *xd, const xpair *o, __m512 a) {
     __m512i s = _mm512_dpbusd_epi32(XV2(o), u, XV2(x));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_load_ps(xd)), a);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd2(xd)), a);
 }
 VNNI static INLINE __m512 q4_1_step2(__m512i u, __m512 d, __m512 m, const xpair *x, const float *xd, __m512 a) {
     __m512i xv = XV2(x);  /* the min times each lane's sum of x */
     __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
-    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), _mm512_load_ps(xd), a);
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dpbusd2(u, xv)), d, mx), xd2(xd), a);
 }
 VNNI static INLINE __m512 k45_step2(__m512i q, __m512 sc, __m512 m, const xpair *x, const float *xd, __m512 a) {
     __m512i xv = XV2(x);
     __m512 mx = _mm512_mul_ps(m, _mm512_cvtepi32_ps(dpbusd2(_mm512_set1_epi8(1), xv)));
-    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), _mm512_load_ps(xd), a);
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dpbusd2(q, xv)), sc, mx), xd2(xd), a);
 }
 /* Q6_K: q - 32 signed; pairs of (x + 128)(q - 32) in int16, less c = 128 (sum of the pair's
  * q - 32) (|.| <= 255 * 32 * 2), then times each half's scale */
 VNNI static INLINE __m512 q6_k_step2(__m512i q, __m512i c, __m512i scv, __m512 d, const xpair *x, const float *xd, __m512 a) {
     __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(XV2(x), q), c);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, _mm512_load_ps(xd)), a);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, scv)), _mm512_mul_ps(d, xd2(xd)), a);
 }
 
 /* Per token one accumulator of 16 lanes: blocks in pairs, the even one in the low 8 lanes, the
@@ -968,7 +974,7 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
     __m512 acc[TILE_V];
     int64_t ld = xp_ld(nb), np = (nb + 1) / 2;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + np + (k) / 2))  /* values, scales */
+#define XP(b, k) (xp + (b) * ld + (k) / 2), ((const float *)(xp + (b) * ld + np) + (k))  /* values, scales */
 #define XO(b, k) (xp + ld + (k) / 2)  /* one token's Q4_0 offset terms */
 #define LOW(b, step) acc[b] = _mm512_insertf32x8(acc[b], step, 0)  /* the low 8 lanes of acc[b] = step */
 #define LO(b) _mm512_castps512_ps256(acc[b])
@@ -977,9 +983,10 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
     case T_Q4_0:
         if (!alone) {  /* c = off128(q) in one: 4096 - 128 (sum of the nibbles u) */
             for (; k + 1 < nb; k += 2, w += 36) {
-                __m512i u = nibbles2(w + 2, 18), q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+                __m512i u = B > 4 ? cat_i(nibbles(w + 2), nibbles(w + 20)) : nibbles2(w + 2, 18);
+                __m512i q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
                 __m512i c = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), u, _mm512_set1_epi8((char)0x80));
-                __m512 d = f16x8x2(w, 18);
+                __m512 d = B > 4 ? cat_f(f16x8(w), f16x8(w + 18)) : f16x8x2(w, 18);
                 for (int b = 0; b < B; b++) acc[b] = q4_0_step2(q, c, d, XP(b, k), acc[b]);
             }
             if (k < nb) {
@@ -1002,8 +1009,9 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
         break;
     case T_Q4_1:
         for (; k + 1 < nb; k += 2, w += 40) {
-            __m512i u = nibbles2(w + 4, 20);
-            __m512 d = f16x8x2(w, 20), m = f16x8x2(w + 2, 20);
+            __m512i u = B > 4 ? cat_i(nibbles(w + 4), nibbles(w + 24)) : nibbles2(w + 4, 20);
+            __m512 d = B > 4 ? cat_f(f16x8(w), f16x8(w + 20)) : f16x8x2(w, 20);
+            __m512 m = B > 4 ? cat_f(f16x8(w + 2), f16x8(w + 22)) : f16x8x2(w + 2, 20);
             for (int b = 0; b < B; b++) acc[b] = q4_1_step2(u, d, m, XP(b, k), acc[b]);
         }
         if (k < nb) {
@@ -1015,7 +1023,7 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
     case T_Q8_0:
         for (; k + 1 < nb; k += 2, w += 68) {
             __m512i q = cat_i(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(w + 36))), c = off128(q);
-            __m512 d = f16x8x2(w, 34);
+            __m512 d = B > 4 ? cat_f(f16x8(w), f16x8(w + 34)) : f16x8x2(w, 34);
             for (int b = 0; b < B; b++) acc[b] = q8_0_step2(q, c, d, XP(b, k), acc[b]);
         }
         if (k < nb) {
