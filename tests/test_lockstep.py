@@ -198,3 +198,38 @@ def test_a_step_the_coordinator_drops_is_dropped_by_the_worker(tiny_model_factor
             watchdog.cancel()
         np.testing.assert_array_equal(got, want)
         assert worker.poll() is None
+
+
+def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
+    """Lockstep._exchange alone, on a real segment: a peer at this phase is summed; a peer
+    already in a later step means this step was dropped; a peer behind is waited for, with
+    `check` called meanwhile (it raises to stop the wait)."""
+    from protocol.shm_layout import SLOT_PHASE, SharedBuffers, ShmLayout
+    from sparsecore.kernels import residual_norm_args
+    from sparsecore.lockstep import PHASE_STRIDE, Abandoned, Lockstep
+
+    buf = SharedBuffers.create(ShmLayout(hidden=32, n_ff=32, max_tokens=4, n_slots=2, n_layers=1))
+    try:
+        part = object.__new__(Lockstep)  # the fields _exchange reads, without a model
+        part.slot, part.words, part.eps = 1, buf.slots, 1e-5
+        part.h, part.x = np.zeros((2, 32), np.float32), np.zeros((2, 32), np.float32)
+        shares = residual_norm_args([buf.out[0, :2], buf.out[1, :2]])
+        phase = 7 * PHASE_STRIDE + 3
+        buf.out[0, 0], buf.out[1, 0] = 1.0, 2.0
+        buf.slots[0, SLOT_PHASE] = phase
+        part._exchange(phase, [0], shares, 1, None, lambda: None)
+        assert (part.h[0] == 3.0).all() and buf.slots[1, SLOT_PHASE] == phase
+        buf.slots[0, SLOT_PHASE] = 8 * PHASE_STRIDE + 1  # the peer went on to the next step
+        with pytest.raises(Abandoned):
+            part._exchange(phase, [0], shares, 1, None, lambda: None)
+        buf.slots[0, SLOT_PHASE] = phase - 1
+        calls = []
+
+        def check():
+            calls.append(1)
+            raise Abandoned("stop")
+        with pytest.raises(Abandoned):
+            part._exchange(phase, [0], shares, 1, None, check)
+        assert calls == [1] and (part.h[0] == 3.0).all()  # nothing summed
+    finally:
+        buf.close()
