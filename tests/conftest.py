@@ -49,6 +49,22 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_pwri(tmp_path_factory, tiny_model_factory) -> Path:
+    """A tiny PowerInfer file (PWRI: ReLU, ffn_down_t, Q4_0 predictors marking about 30 % of
+    the neurons active), written by scripts/make_bench_model.py."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("pwri") / "relu.gguf"
+    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
+            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     path = default_model_path()
     if not path.exists():

@@ -94,26 +94,15 @@ def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, no_lea
     assert read == touched
 
 
-def test_neuron_bytes_of_a_powerinfer_file_count_its_transposed_down(tmp_path, tiny_model_factory, no_leaks):
+def test_neuron_bytes_of_a_powerinfer_file_count_its_transposed_down(tiny_pwri, no_leaks):
     """A PWRI file holds ffn_down_t, not ffn_down: the benchmark's bytes per token read it."""
-    import subprocess
-    import sys
-
     from coordinator.engine import Engine, EngineOptions
     from coordinator.tools import observe
-    from tests.conftest import REPO
-
-    path = tmp_path / "relu.gguf"
-    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
-            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
-                       text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr
     from sparsecore.gguf_file import open_gguf
 
-    sizes = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}  # PWRI magic: our reader
+    sizes = {t.name: int(t.n_bytes) for t in open_gguf(tiny_pwri).tensors}  # PWRI magic: our reader
     assert "blk.0.ffn_down.weight" not in sizes
-    with Engine(path, EngineOptions(threads=2, cpu_workers=1, weights="gguf", fast=True)) as eng:
+    with Engine(tiny_pwri, EngineOptions(threads=2, cpu_workers=1, weights="gguf", fast=True)) as eng:
         want = sum(sizes[f"blk.0.ffn_{n}.weight"] for n in ("gate", "up", "down_t")) / eng.cfg.n_ff
         assert observe.ffn_neuron_bytes(eng) == want
         assert ffn_bytes_per_token(eng, Mode("predictor", predictors=eng.predictors), 0.1) > 0

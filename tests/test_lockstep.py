@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ import pytest
 from coordinator.engine import Engine, EngineOptions
 from coordinator.worker_pool import WorkerError
 from sparsecore import kernels
-from tests.conftest import REPO
+from tests.test_split_attention import _decode  # greedy tokens and each step's logits
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46]]
 
@@ -56,19 +54,6 @@ def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:
     if not lockstep:
         m.lockstep = None
     return eng
-
-
-def _decode(eng: Engine, prompt: list[int], steps: int = 6) -> tuple[list[int], np.ndarray]:
-    m = eng.model
-    c = m.new_cache()
-    logits = m.forward(prompt, cache=c)[-1].numpy()
-    toks, rows = [], []
-    for _ in range(steps):
-        t = int(np.argmax(logits))
-        toks.append(t)
-        logits = m.forward([t], cache=c)[0].numpy().copy()
-        rows.append(logits)
-    return toks, np.array(rows)
 
 
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K", "F16"])
@@ -130,14 +115,9 @@ def test_lockstep_applies_thresholds(tiny_model_factory, no_leaks):
     np.testing.assert_allclose(gl, wl, atol=2e-4, rtol=0)
 
 
-def test_lockstep_with_predictors_in_the_shards(tmp_path, tiny_model_factory, no_leaks):
+def test_lockstep_with_predictors_in_the_shards(tiny_pwri, no_leaks):
     """A PowerInfer file: each process scores its own neurons inside the lockstep step."""
-    path = tmp_path / "relu.gguf"
-    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
-            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
-                       text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr
+    path = tiny_pwri
     results = []
     for lockstep in (False, True):
         with _engine(path, False, lockstep=lockstep) as eng:
