@@ -42,7 +42,8 @@ class LockstepDecode:
         ffn, bell, n_tokens = self.ffn, self.bell, len(pos)
         predict = ffn.predictors is not None
         work = self.attn.weight_bytes + self.attn.kv_bytes_per_pos * int(pos.sum() + n_tokens)
-        return (self.own.fits(n_tokens) and work >= self.min_bytes and bell.spin and not bell.governor.contended and ffn.observer is None
+        spinning = bell.spin and not bell.governor.contended  # its waits are spins (sparsecore/lockstep.py)
+        return (self.own.fits(n_tokens) and work >= self.min_bytes and spinning and ffn.observer is None
                 and (not predict or (ffn.predictors is ffn.shard_predictors and n_tokens == 1)))
 
     def __call__(self, h: np.ndarray, split: SplitStep) -> None:
