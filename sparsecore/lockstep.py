@@ -80,8 +80,8 @@ class Lockstep:
             if self.slot not in slots:
                 raise ValueError(f"a lockstep step of slots {slots} without this process's slot {self.slot}")
             out, h = self.buffers.out, self.half
-            plan = self._plans[parts] = ([s for s in slots if s != self.slot],
-                                         [residual_norm_args([out[s, p * h:(p + 1) * h] for s in slots]) for p in (0, 1)])
+            sums = [residual_norm_args([out[s, p * h:(p + 1) * h] for s in slots]) for p in (0, 1)]
+            plan = self._plans[parts] = ([s for s in slots if s != self.slot], sums)
         return plan
 
     @classmethod
@@ -91,7 +91,8 @@ class Lockstep:
         neurons of every layer left in the file's blocks (shard: an FfnShard)."""
         from .shard import FileLayer
 
-        if (not attn or not cfg.plain_llama or cfg.sliding_window is not None or set(shard.layers) != set(range(cfg.n_layers))
+        if (not attn or not cfg.plain_llama or cfg.sliding_window is not None
+                or set(shard.layers) != set(range(cfg.n_layers))
                 or not all(isinstance(w, FileLayer) for w in shard.layers.values())
                 or buffers.layout.max_tokens < 2):
             return None
