@@ -50,9 +50,9 @@ class Abandoned(Exception):
 
 
 class Lockstep:
-    """One process's part of a lockstep decode step: KV heads [kv0, kv1) of every layer's
-    attention (`attn`), its FFN neurons (`ffn[layer]`, a FileLayer) and the FFN norms, over the
-    output slots `slots` (every participant's, sorted; `slot` is its own)."""
+    """One process's part of a lockstep decode step: KV heads `heads` of every layer's attention
+    (`attn`), its FFN neurons (`ffn[layer]`, a FileLayer) and the FFN norms; `slot` is its
+    output slot. Which slots take part comes with each step (a bitmask: `run`, `serve`)."""
 
     def __init__(self, buffers: SharedBuffers, slot: int, attn: list[AttentionStep], heads: tuple[int, int],
                  ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None):
