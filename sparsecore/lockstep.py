@@ -36,6 +36,7 @@ from protocol.shm_layout import REQ_PARTS, SLOT_PHASE, SharedBuffers
 from .config import ModelConfig
 from .kernels import MAX_SMALL_BATCH, AttentionStep, residual_norm_args, residual_norm_into
 from .kv_pool import KvPool
+from .shard import FileLayer
 from .tensors import TensorStore
 
 PHASE_STRIDE = 1 << 12  # phases per step: 2 per layer, so at most 2047 layers
@@ -89,8 +90,6 @@ class Lockstep:
               shard, store: TensorStore, cfg: ModelConfig) -> "Lockstep | None":
         """A process's part, or None when it cannot take one: it needs native attention heads and
         neurons of every layer left in the file's blocks (shard: an FfnShard)."""
-        from .shard import FileLayer
-
         if (not attn or not cfg.plain_llama or cfg.sliding_window is not None
                 or set(shard.layers) != set(range(cfg.n_layers))
                 or not all(isinstance(w, FileLayer) for w in shard.layers.values())

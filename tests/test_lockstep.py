@@ -140,7 +140,7 @@ def test_a_worker_killed_mid_step_is_named_fast(tiny_model_factory, no_leaks):
         threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="died"):
-            for _ in range(3000):
+            while time.monotonic() - t0 < 10:  # decode until the kill lands (a token takes ~0.1 ms)
                 m.forward([7], cache=c)
                 c.pos = 2  # stay within the context
         assert time.monotonic() - t0 < 3.3
