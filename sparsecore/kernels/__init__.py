@@ -41,6 +41,8 @@ Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # Most tokens the small-batch kernels take at once (_kernels.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.
 MAX_SMALL_BATCH = 16
+X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
+X16_TYPES = (2, 3)  # Q4_0, Q4_1
 
 
 def isa() -> str:
@@ -170,6 +172,38 @@ class FileMatrix:
         self.row_bytes = self.data.shape[1] * self.data.itemsize
 
     col_range = None  # keep_columns: the only columns held, else all of them
+    row_range = None  # keep_rows: the only rows held, else all of them
+    interleaved = False  # interleave: 16 rows side by side in memory of the process's own
+
+    @property
+    def can_interleave(self) -> bool:
+        """Whether interleave() takes this matrix: Q4_0 or Q4_1, where the CPU has AVX-512 VNNI
+        (elsewhere the layout only has the portable loop: correct, and slower than the file's)."""
+        return self.type in X16_TYPES and not self.interleaved and isa() == "avx512vnni"
+
+    def interleave(self) -> "FileMatrix":
+        """This matrix (the columns it holds) with its rows 16 side by side, in memory of its own
+        (_kernels.c interleave: the same bytes, the file's pages then unmapped from this process,
+        as keep_columns does). For fast mode's dense products only: one token's integer dots
+        then cost a third of the vector operations, shared by 16 rows (one vpdpbusd covers 4
+        weights of 16 rows), which is what lets a batch of sequences or a prompt's tiles cost
+        little more than one token. Rows are then taken as ranges starting on a multiple of 16,
+        never one at a time: a shard that picks rows by activity keeps the file's layout."""
+        if self.type not in X16_TYPES:
+            raise ValueError(f"tensor {self.name}: only Q4_0 and Q4_1 rows interleave")
+        held = self.col_range or range(self.cols)
+        nb, gb = len(held) // self.block, 16 * self._block_bytes
+        n_held = len(self.data)  # rows held: all, or row_range's
+        if self.row_range is not None and self.row_range.start % 16:
+            raise ValueError(f"{self.name}: interleaved rows start on a multiple of 16, not {self.row_range.start}")
+        groups = -(-n_held // 16)
+        raw = np.empty(groups * nb * gb + 64, np.uint8)
+        buf = raw[-_ptr(raw) % 64:][:groups * nb * gb]  # 64-byte aligned groups
+        _kernels.interleave(_ptr(self.data), self.stride, self.type, n_held, nb, _ptr(buf))
+        part = copy.copy(self)
+        part.data, part.stride, part.interleaved = buf.reshape(groups, nb * gb), nb * gb, True
+        _unmap_file_pages(self.data)
+        return part
 
     @property
     def args(self) -> tuple[int, int, int]:
@@ -178,11 +212,13 @@ class FileMatrix:
         if held is not None and held[0] is self.data and held[1] == (self.col_range, self.stride):
             return held[2]
         base = _ptr(self.data)
+        if self.row_range is not None:  # likewise a held row keeps its number (a group: 16 rows)
+            base -= self.row_range.start // (16 if self.interleaved else 1) * self.stride
         if self.col_range is not None:
             # Rows start at column col_range.start: the kernels add (col0 / block) * block bytes
             # to the base, so a held column keeps its number and every call site stays the same.
-            base -= self.col_range.start // self.block * self._block_bytes
-        a = (base, self.stride, self.type)
+            base -= self.col_range.start // self.block * self._block_bytes * (16 if self.interleaved else 1)
+        a = (base, self.stride, self.type + (X16 if self.interleaved else 0))
         self._args = (self.data, (self.col_range, self.stride), a)
         return a
 
@@ -208,8 +244,22 @@ class FileMatrix:
         _unmap_file_pages(self.data)
         return part
 
-    def _rows(self, rows):
+    def keep_rows(self, rows: range) -> "FileMatrix":
+        """This matrix holding only rows `rows` (for interleave: a view of the file's, nothing is
+        copied here), addressed by the same row numbers; other rows may not be asked for."""
+        if self.row_range is not None or self.interleaved or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
+            raise ValueError(f"{self.name}: cannot keep rows {rows}")
+        part = copy.copy(self)
+        part.data, part.row_range = self.data[rows.start:rows.stop], rows
+        return part
+
+    def _rows(self, rows, fast: bool = True):
         """(int32 index array or None, start, count) for rows = None (all), a range, or indices."""
+        if self.interleaved and not (fast and (rows is None or isinstance(rows, range) and rows.start % 16 == 0)):
+            raise ValueError(f"{self.name}: interleaved rows take fast-mode products of ranges starting on 16 rows")
+        held = self.row_range
+        if held is not None and not (isinstance(rows, range) and held.start <= rows.start and rows.stop <= held.stop):
+            raise ValueError(f"{self.name}: holds rows {held} only")
         if rows is None:
             return None, 0, self.rows
         if isinstance(rows, range):
@@ -235,7 +285,7 @@ class FileMatrix:
     def matvec(self, x: np.ndarray, rows=None, cols: range | None = None, fast: bool = False,
                out: np.ndarray | None = None, xq: np.ndarray | None = None) -> np.ndarray:
         """y[i] = row_i[cols] . x for the chosen rows: x float32 (len(cols),)."""
-        idx, start, n = self._rows(rows)
+        idx, start, n = self._rows(rows, fast)
         col0, ncol = self._cols(cols)
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         if len(x) != ncol:
@@ -251,7 +301,7 @@ class FileMatrix:
     def prepare(self, rows=None, cols: range | None = None, fast: bool = False, xq: np.ndarray | None = None):
         """matvec with its rows, columns and buffers checked once: a function of x (float32,
         contiguous, len(cols) values) returning y, a buffer it reuses from call to call."""
-        idx, start, n = self._rows(rows)
+        idx, start, n = self._rows(rows, fast)
         col0, ncol = self._cols(cols)
         y = np.empty(n, np.float32)
         xq = q8_scratch(ncol) if xq is None else xq
@@ -271,7 +321,7 @@ class FileMatrix:
                out: np.ndarray | None = None, xq: np.ndarray | None = None) -> np.ndarray:
         """Y[b, i] = row_i[cols] . x[b] for a small batch x (B, len(cols)), B <= MAX_SMALL_BATCH:
         each row is read once for all B tokens; Y[b] equals matvec(x[b]) bit for bit."""
-        idx, start, n = self._rows(rows)
+        idx, start, n = self._rows(rows, fast)
         col0, ncol = self._cols(cols)
         x = np.ascontiguousarray(x, dtype=np.float32)
         B = _check_batch(x[None] if x.ndim == 1 else x, ncol, self.name)
@@ -287,7 +337,7 @@ class FileMatrix:
         """matmul with its rows, columns and buffers checked once (as prepare): a function of
         x (B, len(cols)) float32, contiguous, 1 <= B <= MAX_SMALL_BATCH, returning Y (B, n_rows),
         a view of a buffer it reuses from call to call."""
-        idx, start, n = self._rows(rows)
+        idx, start, n = self._rows(rows, fast)
         col0, ncol = self._cols(cols)
         y = np.empty((MAX_SMALL_BATCH, n), np.float32)
         xq = q8_scratch(ncol, MAX_SMALL_BATCH)

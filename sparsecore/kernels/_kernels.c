@@ -65,6 +65,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
@@ -78,6 +79,12 @@ static int type_bytes(int t) {  /* bytes of one block */
 }
 /* quantized types: fast mode quantizes the activation to q8 blocks */
 static inline int is_quant(int t) { return block_size(t) >= QK; }
+
+/* Interleaved rows (X16): a Q4_0 or Q4_1 matrix repacked in memory of the process's own, 16 rows
+ * side by side, for fast mode's dense products (interleave() below, FileMatrix.interleave). Its
+ * type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
+#define X16 100
+static inline int is_x16(int t) { return t == X16 + T_Q4_0 || t == X16 + T_Q4_1; }
 
 /* ---- K-quant blocks (ggml's layouts), 256 values each ----------------------------------------
  * Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] packed, 128
@@ -1111,6 +1118,68 @@ VNNI static void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb
         default: dots_fast_vnni_tile(t, w, xp, nb, 1, alone, y, ldy);
         }
 }
+
+/* Fast mode on interleaved rows (X16, see interleave): a 512-bit register holds 4 nibble bytes
+ * of each of 16 rows, so per token and block 8 vpdpbusd against x's matching 4 bytes
+ * (broadcast) give 16 rows' integer sums, and one conversion, one scale product and one
+ * accumulation serve all 16 rows. A token then costs about 12 vector operations per 512
+ * weights, against 32 on the file's own layout (4 per block pair of one row): what a batch
+ * cannot share there (the README's Native kernels). Each lane's floats are the portable
+ * x16_rows_c's, in the same order, so a token gets the same result alone or in any batch and
+ * on either path. */
+VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B,
+                                      float *y, int64_t ldy, int nvalid) {
+    __m512 acc[TILE_V];
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1;
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
+        const uint8_t *nib = g + (q41 ? 64 : 32);
+        __m512i lo[4], hi[4];
+        for (int j = 0; j < 4; j++) {
+            __m512i z = _mm512_loadu_si512(nib + 64 * j);
+            lo[j] = _mm512_and_si512(z, m4);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+        }
+        for (int b = 0; b < B; b++) {
+            const q8blk *x = xq + b * ldq + k;
+            __m512i s = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(-8 * x->s);  /* Q4_0: sum (u - 8) x */
+            for (int j = 0; j < 4; j++) s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+            for (int j = 0; j < 4; j++) s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(rd32(x->q + 16 + 4 * j)));
+            __m512 f = _mm512_cvtepi32_ps(s);
+            if (q41)  /* d sum u x + m sum x, times x's scale */
+                acc[b] = _mm512_fmadd_ps(_mm512_fmadd_ps(f, d, _mm512_mul_ps(m, _mm512_set1_ps((float)x->s))),
+                                         _mm512_set1_ps(x->d), acc[b]);
+            else
+                acc[b] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[b]);
+        }
+    }
+    __mmask16 keep = nvalid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
+}
+
+VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+                               int64_t ldq, int B, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
+        int nv = n_rows - r < 16 ? (int)(n_rows - r) : 16;
+        for (int b = 0; b < B; b += TILE_V) {
+            const q8blk *xb = xq + b * ldq;
+            float *yb = y + b * ldy + r;
+            switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
+            case 8: x16_tile_vnni(t, g, nb, xb, ldq, 8, yb, ldy, nv); break;
+            case 7: x16_tile_vnni(t, g, nb, xb, ldq, 7, yb, ldy, nv); break;
+            case 6: x16_tile_vnni(t, g, nb, xb, ldq, 6, yb, ldy, nv); break;
+            case 5: x16_tile_vnni(t, g, nb, xb, ldq, 5, yb, ldy, nv); break;
+            case 4: x16_tile_vnni(t, g, nb, xb, ldq, 4, yb, ldy, nv); break;
+            case 3: x16_tile_vnni(t, g, nb, xb, ldq, 3, yb, ldy, nv); break;
+            case 2: x16_tile_vnni(t, g, nb, xb, ldq, 2, yb, ldy, nv); break;
+            default: x16_tile_vnni(t, g, nb, xb, ldq, 1, yb, ldy, nv);
+            }
+        }
+    }
+}
 #endif
 
 static int use_avx2 = 0;
@@ -1251,6 +1320,66 @@ static float act_fn(int act, float g) {
     return g / (1.f + expf(-g));                            /* silu */
 }
 
+/* ---- interleaved rows (X16) ------------------------------------------------------------------
+ * Layout, per group of 16 rows and block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0, 320
+ * for Q4_1): the 16 rows' f16 scales d, for Q4_1 then their 16 f16 mins, then 256 bytes in 4
+ * runs of 64: run j holds bytes 4j..4j+3 of each row's 16 nibble bytes, row r at 4r. A byte's
+ * low nibble is value 4j + c of its row, its high nibble value 16 + 4j + c (GGUF's order), so
+ * one run masked (and shifted) is 4 values of 16 rows. Groups follow each other `stride` bytes
+ * apart, blocks within a group gb apart; rows past the matrix's last are zeros. The same bytes
+ * as the file's blocks: a token reads no more than it would there. */
+static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, head = q41 ? 64 : 32;
+    for (int64_t g = 0; g < (rows + 15) / 16; g++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * gb;
+            memset(p, 0, gb);
+            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
+                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * tb;
+                memcpy(p + 2 * r, w, 2);
+                if (q41) memcpy(p + 32 + 2 * r, w + 2, 2);
+                for (int j = 0; j < 4; j++) memcpy(p + head + 64 * j + 4 * r, w + (q41 ? 4 : 2) + 4 * j, 4);
+            }
+        }
+}
+
+/* Portable fast-mode products on X16 rows: per row, block and token the integer sum and the
+ * float operations of x16_tile_vnni's lane (fmaf: its fused multiply-adds). */
+static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+                       int64_t ldq, int B, float *y, int64_t ldy) {
+    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, head = q41 ? 64 : 32;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
+        for (int b = 0; b < B; b++)
+            for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
+                float acc = 0.f;
+                const uint8_t *p = g;
+                for (int k = 0; k < nb; k++, p += gb) {
+                    const q8blk *x = xq + b * ldq + k;
+                    int32_t s = q41 ? 0 : -8 * x->s;
+                    for (int j = 0; j < 4; j++)
+                        for (int c = 0; c < 4; c++) {
+                            int v = p[head + 64 * j + 4 * r + c];
+                            s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
+                        }
+                    float d = f16_to_f32(rd16(p + 2 * r));
+                    if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 32 + 2 * r)) * (float)x->s), x->d, acc);
+                    else acc = fmaf((float)s, d * x->d, acc);
+                }
+                y[b * ldy + r0 + r] = acc;
+            }
+}
+
+/* Rows [start, start + n_rows) (start on a group) of an X16 matrix, columns [col0, col0 + n),
+ * for B tokens' q8 blocks (fast mode only: the layout has no float path) */
+static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
+                         int B, float *y, int64_t ldy) {
+    const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / QK) * 16 * type_bytes(m.t - X16);
+#if HAVE_X86
+    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, n / QK, xq, ldq, B, y, ldy); return; }
+#endif
+    x16_rows_c(m.t, g, m.stride, n_rows, n / QK, xq, ldq, B, y, ldy);
+}
+
 /* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
 /* Rows read in part (down's columns of one shard) or out of order break the hardware
  * prefetcher's streams: ask for the row PREFETCH_ROWS ahead, a cache line at a time. */
@@ -1261,6 +1390,7 @@ static inline void prefetch_row(const uint8_t *p, int64_t bytes) {
 
 static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, const q8blk *xq, int fast, float *y) {
+    if (is_x16(m.t)) { x16_products(m, start, n_rows, col0, n, xq, 0, 1, y, 1); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
     const xpair *xp = pack_x(m.t, xq, 0, n, 1, fast);
@@ -1290,6 +1420,41 @@ static int32_t *neuron_list(int64_t n) {
     return list_buf;
 }
 
+static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, const float *x,
+                   int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy);
+
+/* up's products of a dense shard on X16 rows (B n_own floats), per thread, grown on demand */
+static _Thread_local float *up_buf;
+static _Thread_local int64_t up_cap;
+static float *up_scratch(int64_t n) {
+    if (n > up_cap) {
+        free(up_buf);
+        up_buf = malloc(sizeof(float) * (n > 0 ? n : 1));
+        up_cap = up_buf ? n : 0;
+    }
+    return up_buf;
+}
+
+/* A dense shard whose gate and up rows are interleaved (X16: FileLayer.interleave, fast mode,
+ * no threshold, no mask, down not transposed): h[b n_own + i] = act(gate x_b) * (up x_b) for all
+ * B tokens, each product one pass over the groups. xq: the tokens' q8 blocks. Returns 0, -1 (no
+ * memory) or -2 (called for a step these rows cannot take: a caller's error). */
+static int dense_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, int act, int sparse, int down_t,
+                     int fast, const float *x, const q8blk *xq, int B, float *h) {
+    int mode = act & ~ACT_MASK;
+    act &= ACT_MASK;
+    if (sparse || down_t || !fast || own0 % 16 || (mode != ACT_NOGATE && !is_x16(up.t))) return -2;
+    float *u = mode == ACT_NOGATE ? NULL : up_scratch((int64_t)B * n_own);
+    if (mode != ACT_NOGATE && !u) return -1;
+    matmul(gate, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, h, n_own);
+    if (u) matmul(up, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, u, n_own);
+    for (int64_t i = 0; i < (int64_t)B * n_own; i++) {
+        float g = act_fn(act, h[i]);
+        h[i] = !u ? g : g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);
+    }
+    return 0;
+}
+
 static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
                          float threshold, const uint8_t *mask, const float *x, int fast,
                          float *h, q8blk *xq, q8blk *hq, float *y) {
@@ -1301,6 +1466,14 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t n_active = 0, n_live = 0, n_gate = n_own;
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
+    if (is_x16(gate.t)) {  /* dense, on interleaved rows */
+        int e = dense_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f || mask, down_t, fast, x, xq, 1, h);
+        if (e) return e;
+        if (n_own == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
+        quantize_q8(h, (int)n_own, hq);
+        matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
+        return n_own;
+    }
     memset(h, 0, sizeof(float) * n_own);
     /* A predictor's mask: the gate rows to read, listed first, so that the row PREFETCH_ROWS
      * active rows ahead is asked for (at 10 % active, 4 neurons ahead is under one row). */
@@ -1362,6 +1535,7 @@ static inline int64_t xp_ld_any(int n) {
  * its outputs at y + b ldy. Per token the same float operations as matvec. */
 static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy) {
+    if (is_x16(m.t)) { x16_products(m, start, n_rows, col0, n, xq, ldq, B, y, ldy); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
     const xpair *xp = pack_x(m.t, xq, ldq, n, B, fast);
@@ -1405,6 +1579,17 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
     float g[MAXB];
+    if (is_x16(gate.t)) {  /* dense, on interleaved rows */
+        int sparse = mask != NULL;
+        for (int b = 0; thr && b < B; b++) sparse |= thr[b] >= 0.f;
+        int e = dense_x16(gate, up, hidden, own0, n_own, act | mode, sparse, down_t, fast, x, xq, B, h);
+        if (e) return e;
+        for (int b = 0; b < B; b++) counts[b] = n_own;
+        if (n_own == 0) { memset(y, 0, sizeof(float) * hidden * B); return 0; }
+        for (int b = 0; b < B; b++) quantize_q8(h + b * n_own, (int)n_own, hq + b * ldhq);
+        matmul(down, NULL, 0, hidden, own0, (int)n_own, h, n_own, hq, ldhq, B, fast, y, hidden);
+        return (int64_t)B * n_own;
+    }
     const xpair *xp = pack_x(gate.t, xq, ldq, hidden, B, fast);
     for (int b = 0; b < B; b++) counts[b] = 0;
     for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
@@ -1888,6 +2073,24 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
+    if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
+        int q41 = m.t == X16 + T_Q4_1, head = q41 ? 64 : 32, gb = 16 * type_bytes(m.t - X16);
+        for (int64_t i = 0; i < n_rows; i++) {
+            int64_t row = start + i, r = row % 16;
+            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QK) * gb;
+            for (int b = 0; b < n / QK; b++, p += gb) {
+                float d = f16_to_f32(rd16(p + 2 * r)), mn = q41 ? f16_to_f32(rd16(p + 32 + 2 * r)) : 0.f;
+                float *o = out + i * n + b * QK;
+                for (int j = 0; j < 4; j++)
+                    for (int c = 0; c < 4; c++) {
+                        int v = p[head + 64 * j + 4 * r + c];
+                        o[4 * j + c] = q41 ? d * (float)(v & 15) + mn : d * (float)((v & 15) - 8);
+                        o[16 + 4 * j + c] = q41 ? d * (float)(v >> 4) + mn : d * (float)((v >> 4) - 8);
+                    }
+            }
+        }
+        return;
+    }
     for (int64_t i = 0; i < n_rows; i++) {
         const uint8_t *w = row_at(m, rows ? rows[i] : start + i, col0);
         float *o = out + i * n;
@@ -1933,7 +2136,7 @@ static int get_mat(PyObject *const *a, mat *m) {  /* (ptr, stride, type) */
     m->stride = PyLong_AsLongLong(a[1]);
     m->t = (int)PyLong_AsLong(a[2]);
     if (PyErr_Occurred()) return -1;
-    if (!type_bytes(m->t)) { PyErr_Format(PyExc_ValueError, "unsupported tensor type %d", m->t); return -1; }
+    if (!type_bytes(m->t) && !is_x16(m->t)) { PyErr_Format(PyExc_ValueError, "unsupported tensor type %d", m->t); return -1; }
     return 0;
 }
 
@@ -1980,6 +2183,15 @@ static int get_ffn_shard(PyObject *const *args, ffn_shard *f) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+static PyObject *ffn_result(int64_t n) {
+    if (n == -1) return PyErr_NoMemory();
+    if (n == -2) {
+        PyErr_SetString(PyExc_ValueError, "interleaved gate/up rows take dense fast-mode steps only");
+        return NULL;
+    }
+    return PyLong_FromLongLong(n);
+}
+
 /* ffn_token(<shard: 14>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
 static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 22) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 22 arguments"); return NULL; }
@@ -1996,8 +2208,7 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     n_active = ffn_token(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, threshold, f.mask, f.x, fast, h,
                          xq, hq, y);
     Py_END_ALLOW_THREADS
-    if (n_active < 0) return PyErr_NoMemory();
-    return PyLong_FromLongLong(n_active);
+    return ffn_result(n_active);
 }
 
 /* matmul(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
@@ -2046,7 +2257,7 @@ static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t 
     n_active = ffn_batch(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, thr, f.mask, f.x, B, fast, h, any,
                          xq, hq, counts, y);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(n_active);
+    return ffn_result(n_active);
 }
 
 /* dequant(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
@@ -2102,6 +2313,22 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
         }
         if (w) rms_norm_into(hb, w, eps, n, x + off);
     }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
+ * n_blocks blocks of 16 rows (Q4_0 or Q4_1) */
+static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "interleave takes 6 arguments"); return NULL; }
+    const uint8_t *src = ARG_PTR(0);
+    int64_t stride = ARG_LL(1), rows = ARG_LL(3);
+    int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
+    uint8_t *dst = ARG_PTR(5);
+    if (PyErr_Occurred()) return NULL;
+    if (t != T_Q4_0 && t != T_Q4_1) { PyErr_SetString(PyExc_ValueError, "interleave: Q4_0 or Q4_1 only"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    interleave(t, src, stride, rows, nb, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -2250,6 +2477,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
+    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1 rows, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},

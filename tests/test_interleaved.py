@@ -1,0 +1,203 @@
+"""Rows interleaved 16 by 16 (FileMatrix.interleave, _kernels.c X16): fast mode's dense products
+on Q4_0/Q4_1 against float64 products of gguf-py's dequantized blocks and the 8-bit activations
+every fast kernel uses; a token alone equals it in any batch bit for bit, on every ISA level
+(the portable loop is the VNNI kernel's lane, operation for operation); odd row counts, ranges
+starting on any group, held columns, the fused FFN step, and what the layout refuses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from sparsecore import kernels as K
+from tests.ffn_reference import ffn_dense_reference
+from tests.test_kernels import deq, write_tensors
+
+X16_TYPES = [T.Q4_0, T.Q4_1]
+BATCHES = [1, 2, 3, 5, 8, 9, 16]
+
+
+@pytest.fixture(scope="module")
+def mats(tmp_path_factory):
+    """53 rows (three groups and 5 rows) of 160 columns (5 blocks) per type"""
+    rng = np.random.default_rng(40)
+    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES}
+    return write_tensors(tmp_path_factory.mktemp("x16") / "m.gguf", arrays)
+
+
+def q8_values(x: np.ndarray) -> np.ndarray:
+    """x as fast mode's kernels see it: 8-bit blocks of 32 times their scale, float64"""
+    d, _, q = K.quantize_q8(x)
+    return (q.astype(np.float64) * d.astype(np.float64)[:, None]).reshape(-1)
+
+
+def check_product(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
+    """The integer block sums are exact: what is left is float32 rounding of a few products and
+    sums per block (the 8-bit activations are the reference's own inputs)."""
+    want = w @ q8_values(x)
+    scale = np.abs(w).sum(axis=1).max(initial=0) * np.abs(x).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("t", X16_TYPES, ids=lambda t: t.name)
+def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
+    m, w = K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"])
+    p = m.interleave()
+    assert p.interleaved and p.data.nbytes == 4 * 16 * m.row_bytes  # 4 groups, the file's bytes per row
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal(160).astype(np.float32)
+    for rows in (None, range(16, 53), range(0, 5), range(32, 48), range(48, 53), range(16, 16)):
+        sel = w if rows is None else w[rows.start:rows.stop]
+        got = p.matvec(x, rows=rows, fast=True)
+        assert got.shape == (len(sel),)
+        check_product(got, sel, x)
+        # the file's layout computes the same integers; only the float order differs
+        np.testing.assert_allclose(got, m.matvec(x, rows=rows, fast=True), rtol=1e-5, atol=1e-5)
+    for cols in (range(32, 160), range(64, 96)):
+        xc = np.ascontiguousarray(x[cols.start:cols.stop])
+        check_product(p.matvec(xc, cols=cols, rows=range(0, 53), fast=True), w[:, cols.start:cols.stop], xc)
+
+
+@pytest.mark.parametrize("t", X16_TYPES, ids=lambda t: t.name)
+def test_a_token_alone_equals_it_in_any_batch_and_on_every_isa(mats, t):
+    m = K.FileMatrix(mats[f"w.{t.name}"])
+    p = m.interleave()
+    rng = np.random.default_rng(42)
+    default = K.isa()
+    results = {}
+    try:
+        for level in ("generic", "avx2", "avx512vnni"):
+            if K.set_isa(level) != level:
+                continue
+            for B in BATCHES:
+                X = (rng.standard_normal((B, 160)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
+                for rows in (None, range(16, 53)):
+                    got = p.matmul(X, rows=rows, fast=True).copy()
+                    alone = np.stack([p.matvec(X[b], rows=rows, fast=True) for b in range(B)])
+                    np.testing.assert_array_equal(got, alone, err_msg=f"{level} B={B} rows={rows}")
+                    results.setdefault((B, rows), []).append((level, X, got))
+            call = p.prepare_batch(rows=range(16, 53), fast=True)
+            np.testing.assert_array_equal(call(X), p.matmul(X, rows=range(16, 53), fast=True))
+    finally:
+        K.set_isa(default)
+    for (B, rows), runs in results.items():  # the same inputs on each level: the same floats
+        for level, X, got in runs[1:]:
+            np.testing.assert_array_equal(p.matmul(X, rows=rows, fast=True), got, err_msg=f"{level} B={B}")
+
+
+@pytest.mark.parametrize("t", X16_TYPES, ids=lambda t: t.name)
+def test_held_rows_and_columns_interleave_by_their_numbers(mats, isa, t):
+    """keep_rows / keep_columns then interleave: a shard's own gate rows and down columns,
+    asked for by the file's row and column numbers, give the whole matrix's products."""
+    m = K.FileMatrix(mats[f"w.{t.name}"])
+    whole = m.interleave()
+    x = np.random.default_rng(43).standard_normal(160).astype(np.float32)
+    rows = m.keep_rows(range(16, 53)).interleave()
+    np.testing.assert_array_equal(rows.matvec(x, rows=range(16, 53), fast=True),
+                                  whole.matvec(x, rows=range(16, 53), fast=True))
+    np.testing.assert_array_equal(rows.matvec(x, rows=range(32, 40), fast=True),
+                                  whole.matvec(x, rows=range(32, 40), fast=True))
+    cols = m.keep_columns(range(64, 128)).interleave()
+    xc = np.ascontiguousarray(x[64:128])
+    np.testing.assert_array_equal(cols.matvec(xc, cols=range(64, 128), fast=True),
+                                  whole.matvec(xc, cols=range(64, 128), fast=True))
+    np.testing.assert_array_equal(cols.dequantize(rows=range(0, 53), cols=range(64, 128)),
+                                  m.dequantize(cols=range(64, 128)))
+    with pytest.raises(ValueError, match="holds rows"):
+        rows.matvec(x, rows=range(0, 16), fast=True)
+    with pytest.raises(ValueError, match="start on a multiple of 16"):
+        m.keep_rows(range(8, 53)).interleave()
+
+
+@pytest.mark.parametrize("t", X16_TYPES, ids=lambda t: t.name)
+def test_interleaved_dequantize_is_the_files(mats, t):
+    m = K.FileMatrix(mats[f"w.{t.name}"])
+    p = m.interleave()
+    np.testing.assert_array_equal(p.dequantize(rows=range(0, 53)), m.dequantize())
+    np.testing.assert_array_equal(p.dequantize(rows=range(48, 53), cols=range(32, 96)),
+                                  m.dequantize(rows=range(48, 53), cols=range(32, 96)))
+
+
+def test_what_interleaved_rows_refuse(mats):
+    p = K.FileMatrix(mats["w.Q4_0"]).interleave()
+    x = np.zeros(160, np.float32)
+    for bad in ([3, 0], range(5, 20)):  # single rows in any order; a range off a group
+        with pytest.raises(ValueError, match="ranges starting on 16 rows"):
+            p.matvec(x, rows=bad, fast=True)
+    with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
+        p.matvec(x)
+    with pytest.raises(ValueError, match="only Q4_0 and Q4_1"):
+        K.FileMatrix(write_tensors_q8(mats)).interleave()
+
+
+def write_tensors_q8(mats):
+    """a Q8_0 tensor from the same writer (the layout takes Q4_0 and Q4_1 only)"""
+    import tempfile
+    from pathlib import Path
+    d = Path(tempfile.mkdtemp())
+    return write_tensors(d / "q8.gguf", {"w": (np.ones((16, 32)), T.Q8_0)})["w"]
+
+
+# ---- the FFN step on interleaved gate, up and down ---------------------------------------------
+
+HIDDEN, N_FF = 96, 160
+
+
+@pytest.fixture(scope="module", params=X16_TYPES, ids=lambda t: t.name)
+def ffn(request, tmp_path_factory):
+    t = request.param
+    rng = np.random.default_rng(44)
+    shapes = {"gate": (N_FF, HIDDEN), "up": (N_FF, HIDDEN), "down": (HIDDEN, N_FF)}
+    ts = write_tensors(tmp_path_factory.mktemp("xf") / "ffn.gguf",
+                       {n: (rng.standard_normal(s) * 0.3, t) for n, s in shapes.items()})
+    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+
+
+def interleaved_shard(m: dict, own: range) -> tuple:
+    """gate and up rows `own`, down columns `own`, all interleaved (as FileLayer holds them)"""
+    return (m["gate"].keep_rows(own).interleave(), m["up"].keep_rows(own).interleave(),
+            m["down"].keep_columns(own).interleave())
+
+
+@pytest.mark.parametrize("own", [range(0, N_FF), range(32, 96), range(128, 160)], ids=str)
+def test_interleaved_ffn_step_is_the_dense_ffn(ffn, isa, own):
+    """ffn_token on interleaved rows against the float64 FFN of the dequantized blocks (fast
+    mode's tolerance), and ffn_batch equal to it token for token, bit for bit."""
+    m, w = ffn
+    gate, up, down = interleaved_shard(m, own)
+    rng = np.random.default_rng(45)
+    scratch, one = K.FfnScratch(HIDDEN, len(own)), K.FfnScratch(HIDDEN, len(own))
+    owned = torch.zeros(N_FF, dtype=torch.float64)
+    owned[own.start:own.stop] = 1
+    for B in BATCHES:
+        X = (rng.standard_normal((B, HIDDEN)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
+        y, n = K.ffn_batch(gate, up, down, X, own, "silu", scratch, fast=True)
+        assert n == B * len(own)
+        for b in range(B):
+            alone, nb = K.ffn_token(gate, up, down, X[b], own, "silu", one, fast=True)
+            np.testing.assert_array_equal(y[b], alone, err_msg=f"B={B} token {b}")
+            assert nb == len(own)
+            want = ffn_dense_reference(torch.from_numpy(X[b].astype(np.float64))[None], w["gate"], w["up"],
+                                       w["down"], "silu", owned)[0].numpy()
+            assert np.abs(alone - want).max() <= 0.05 * (np.abs(want).max() + 1e-3)
+            # the file's layout: the same integers, another float order
+            file_y, _ = K.ffn_token(m["gate"], m["up"], m["down"], X[b], own, "silu", one, fast=True)
+            np.testing.assert_allclose(alone, file_y, rtol=1e-4, atol=1e-4 * np.abs(file_y).max())
+
+
+def test_interleaved_ffn_refuses_sparse_steps(ffn):
+    """Rows interleaved 16 by 16 cannot be read one neuron at a time: a threshold or a mask is
+    a caller's error, said so, not a wrong answer."""
+    m, _ = ffn
+    own = range(0, N_FF)
+    gate, up, down = interleaved_shard(m, own)
+    scratch = K.FfnScratch(HIDDEN, N_FF)
+    x = np.ones((2, HIDDEN), np.float32)
+    for kw in (dict(threshold=0.1), dict(mask=np.ones(N_FF, np.uint8))):
+        with pytest.raises(ValueError, match="dense fast-mode steps only"):
+            K.ffn_token(gate, up, down, x[0], own, "silu", scratch, fast=True, **kw)
+        with pytest.raises(ValueError, match="dense fast-mode steps only"):
+            K.ffn_batch(gate, up, down, x, own, "silu", scratch, fast=True, **kw)
+    with pytest.raises(ValueError, match="dense fast-mode steps only"):
+        K.ffn_token(gate, up, down, x[0], own, "silu", scratch, fast=False)
