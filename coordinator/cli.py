@@ -143,13 +143,15 @@ def _placement_from_context() -> dict:
     return dict(ctx.meta.get("sparseinfer.placement", {})) if ctx is not None else {}
 
 
-def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2):
+def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2,
+                 interleave=None):
+    """`interleave`: EngineOptions.interleave (False for a command that switches to sparse steps)."""
     from .engine import Engine, EngineOptions
 
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
-                                                       kv_caches=kv_caches,
+                                                       kv_caches=kv_caches, interleave=interleave,
                                                        weights=_weights_from_context(),
                                                        fast=_arith_from_context() == "fast",
                                                        **_placement_from_context()))
@@ -749,7 +751,9 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     from .tools.observe import predictors, worker_layout
     from .tools.profile import DEFAULT_SPARSITY
 
-    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport) as eng:
+    # dense and sparse decoding on one engine: the file's row layout (EngineOptions.interleave)
+    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport,
+                      interleave=False) as eng:
         prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
         modes = [b.Mode("dense")]
         if predictors(eng) is not None:

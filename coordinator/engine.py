@@ -80,6 +80,15 @@ class EngineOptions:
     # (`serve` asks for --parallel + 1). A sequence beyond them gets a private cache, and its
     # attention runs on the coordinator alone.
     kv_caches: int = 2
+    # With `fast`: every process holds its gate and up rows interleaved 16 by 16
+    # (FileMatrix.interleave: a third of the vector work per token, shared by a batch), which
+    # serves dense FFN steps only. None: when the engine starts dense (no `sparsity`, no
+    # predictors); False: never, for tools that switch to sparse steps at run time.
+    interleave: bool | None = None
+
+
+INTERLEAVED_DENSE = ("this engine holds its FFN rows interleaved for dense decoding (EngineOptions.interleave): "
+                     "start it with the sparsity source, or with interleave=False, to decode sparsely")
 
 
 @dataclass
@@ -146,6 +155,11 @@ class Engine:
             raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
         self.chat_template = chat_template_from_reader(reader)
         predictors = self._load_predictors(reader)
+        dense = opts.sparsity is None and predictors is None
+        if opts.interleave and not dense:
+            raise ValueError("interleaved FFN rows serve dense decoding only: not with --sparsity or predictors")
+        # down's rows are interleaved with fast arithmetic whatever this says (every step reads them whole)
+        self.interleaved = bool(opts.fast and opts.weights == "gguf" and dense and opts.interleave is not False)
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
@@ -159,7 +173,7 @@ class Engine:
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
                                    attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   else "")
+                                   else "", interleave=self.interleaved)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -211,6 +225,8 @@ class Engine:
 
     @predictors.setter
     def predictors(self, p: Predictors | None) -> None:
+        if p is not None and self.interleaved:
+            raise ValueError(INTERLEAVED_DENSE)
         self.ffn.predictors = p
 
     def _place(self, store: TensorStore):
@@ -263,6 +279,8 @@ class Engine:
 
     def set_sparsity(self, sparsity: float | None) -> None:
         """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
+        if sparsity is not None and self.interleaved:
+            raise ValueError(INTERLEAVED_DENSE)
         if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         if sparsity is not None:

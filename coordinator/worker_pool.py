@@ -108,7 +108,8 @@ class WorkerPool:
                  startup_timeout_s: float = 120.0, launcher: Launcher | None = None, weights: str = "f32",
                  spin: bool | None = None, cores: int | None = None,
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
-                 attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = ""):
+                 attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
+                 interleave: bool = False):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -116,6 +117,7 @@ class WorkerPool:
         self.threads = threads_per_worker
         self.gpu_device = gpu_device
         self.weights, self.fast = weights, fast
+        self.interleave = interleave  # Assign.interleave
         self.predictor_path = str(predictor_path or "")  # Assign.predictor_path
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
@@ -174,7 +176,8 @@ class WorkerPool:
                       WORKER_SPIN_US if self.spin else 0, self.bell.worker_wakes[slot].path, self.bell.wake.path,
                       list(self.head_rows.get(slot, ())), self.fast, list(self.attn_heads.get(slot, ())),
                       self.kv_pool.fd if self.kv_pool is not None else -1,
-                      list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path)
+                      list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path,
+                      self.interleave)
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""

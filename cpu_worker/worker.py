@@ -75,7 +75,7 @@ class Worker:
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
-                                   a.fast, a.predictor_path or None)
+                                   a.fast, a.predictor_path or None, a.interleave)
         self.buffers = SharedBuffers.attach(a.shm_name)
         if a.attn_heads:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)

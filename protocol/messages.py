@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 11  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep)
+PROTOCOL_VERSION = 12  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave
 
 
 class ProtocolError(Exception):
@@ -69,6 +69,9 @@ class Assign:
     # A predictor file (blk.N.fc1/fc2, thresholds): the worker scores its own neurons in
     # FLAG_PREDICT steps (sparsecore/predictor_rows.py); empty: the coordinator sends masks.
     predictor_path: str = ""
+    # Fast mode: hold this worker's gate and up rows interleaved 16 by 16 for dense steps
+    # (FileMatrix.interleave); the engine decodes densely and never asks for sparse steps.
+    interleave: bool = False
 
 
 @dataclass

@@ -112,17 +112,21 @@ class LlamaCppSide:
 
 class OursSide:
     def __init__(self, model: str, threads: int, n_ctx: int, weights: str, cpu_workers: int,
-                 sparsity: list[float], label: str):
+                 sparsity: list[float], label: str, dense: bool = True):
         sys.path.insert(0, str(REPO))
         from coordinator.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
 
         # "gguf-fast": the file's blocks with 8-bit activations (--weights gguf --arith fast)
         fast = weights == "gguf-fast"
+        # An engine that only decodes densely holds its gate/up rows interleaved (fast mode's
+        # faster layout, EngineOptions.interleave); one that switches to sparse steps keeps the
+        # file's rows: `dense` False, a process of its own for the sparse levels.
         self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads, ctx=n_ctx,
-                                               weights="gguf" if fast else weights, fast=fast))
+                                               weights="gguf" if fast else weights, fast=fast,
+                                               interleave=None if dense and not sparsity else False))
         own = self.eng.predictors  # a PWRI file's own fc1/fc2, else None
-        modes = [Mode("dense")] + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
+        modes = ([Mode("dense")] if dense else []) + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
         if own is not None:
             modes.append(Mode("predictor", predictors=own))
         self.by_name = {f"ours {label}{m.name}": m for m in modes}
@@ -460,9 +464,14 @@ def main():
         if args.only != "llamacpp":
             for w in args.weights:
                 label = "" if args.weights == ["f32"] else f"{w} "
-                children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
-                                                   weights=w, cpu_workers=args.cpu_workers,
-                                                   sparsity=args.sparsity, label=label)))
+                # fast mode: dense decoding in an engine of its own (interleaved rows), the
+                # sparse levels and predictors in another (the file's rows)
+                split = [([], True), (args.sparsity, False)] if w == "gguf-fast" and args.sparsity else \
+                    [(args.sparsity, True)]
+                for levels, dense in split:
+                    children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
+                                                       weights=w, cpu_workers=args.cpu_workers,
+                                                       sparsity=levels, label=label, dense=dense)))
         busy_before = busy_cores()  # everything loaded and idle: should be ~0
         runs = bench(children, prompt, args.tg, args.reps, args.warmup,
                      None if args.max_other_cores < 0 else args.max_other_cores)

@@ -1,5 +1,5 @@
 """Rows interleaved 16 by 16 (FileMatrix.interleave, _kernels.c X16): fast mode's dense products
-on Q4_0/Q4_1 against float64 products of gguf-py's dequantized blocks and the 8-bit activations
+on Q4_0/Q4_1/Q8_0 against float64 products of gguf-py's dequantized blocks and the 8-bit activations
 every fast kernel uses; a token alone equals it in any batch bit for bit, on every ISA level
 (the portable loop is the VNNI kernel's lane, operation for operation); odd row counts, ranges
 starting on any group, held columns, the fused FFN step, and what the layout refuses."""
@@ -14,7 +14,7 @@ from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
 from tests.test_kernels import deq, write_tensors
 
-X16_TYPES = [T.Q4_0, T.Q4_1]
+X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
@@ -22,7 +22,7 @@ BATCHES = [1, 2, 3, 5, 8, 9, 16]
 def mats(tmp_path_factory):
     """53 rows (three groups and 5 rows) of 160 columns (5 blocks) per type"""
     rng = np.random.default_rng(40)
-    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES}
+    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16]}
     return write_tensors(tmp_path_factory.mktemp("x16") / "m.gguf", arrays)
 
 
@@ -45,6 +45,7 @@ def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
     m, w = K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"])
     p = m.interleave()
     assert p.interleaved and p.data.nbytes == 4 * 16 * m.row_bytes  # 4 groups, the file's bytes per row
+    assert p.can_interleave is False and m.can_interleave == (K.isa() == "avx512vnni")
     rng = np.random.default_rng(41)
     x = rng.standard_normal(160).astype(np.float32)
     for rows in (None, range(16, 53), range(0, 5), range(32, 48), range(48, 53), range(16, 16)):
@@ -127,16 +128,8 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_1"):
-        K.FileMatrix(write_tensors_q8(mats)).interleave()
-
-
-def write_tensors_q8(mats):
-    """a Q8_0 tensor from the same writer (the layout takes Q4_0 and Q4_1 only)"""
-    import tempfile
-    from pathlib import Path
-    d = Path(tempfile.mkdtemp())
-    return write_tensors(d / "q8.gguf", {"w": (np.ones((16, 32)), T.Q8_0)})["w"]
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1 and Q8_0"):
+        K.FileMatrix(mats["w.F16"]).interleave()
 
 
 # ---- the FFN step on interleaved gate, up and down ---------------------------------------------
@@ -201,3 +194,37 @@ def test_interleaved_ffn_refuses_sparse_steps(ffn):
             K.ffn_batch(gate, up, down, x, own, "silu", scratch, fast=True, **kw)
     with pytest.raises(ValueError, match="dense fast-mode steps only"):
         K.ffn_token(gate, up, down, x[0], own, "silu", scratch, fast=False)
+
+
+# ---- an engine that decodes densely in fast mode holds its rows interleaved ---------------------
+
+def test_a_dense_fast_engine_interleaves_and_says_no_to_sparse_steps(tiny_model_factory, no_leaks):
+    """Coordinator and worker hold gate, up and down interleaved (the layout is only taken
+    where VNNI is); the logits are the file layout's up to float order, decode and prefill; a
+    sparse step asked of that engine is refused in one clear line, and asking for both is too."""
+    from coordinator.engine import Engine, EngineOptions
+    from sparsecore.shard import FileLayer
+
+    if K.isa() != "avx512vnni":
+        pytest.skip("interleaved rows are used where the CPU has AVX-512 VNNI")
+    path = tiny_model_factory(tensor_type="Q4_0")
+    ids = [5, 17, 33, 80, 120, 7, 9]
+    got = {}
+    for interleave in (None, False):
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True,
+                                        interleave=interleave)) as eng:
+            assert eng.interleaved == (interleave is None)
+            own = [w for w in eng.ffn.own.layers.values() if isinstance(w, FileLayer)]
+            assert own and all(w.down.interleaved for w in own)  # down's, whatever the engine decodes
+            assert all(w.gate.interleaved == w.up.interleaved == (interleave is None) for w in own)
+            eng.reset()
+            prompt = eng.model.forward(ids[:4]).numpy()
+            got[interleave] = np.concatenate([prompt, np.stack([eng.model.forward([t])[-1].numpy() for t in ids[4:]])])
+            if interleave is None:
+                with pytest.raises(ValueError, match="interleaved for dense decoding"):
+                    eng.set_sparsity(0.5)
+    scale = np.abs(got[False]).max()
+    np.testing.assert_allclose(got[None], got[False], rtol=0, atol=1e-3 * scale)
+    with pytest.raises(ValueError, match="dense decoding only"):
+        Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,
+                                   sparsity=0.5))

@@ -42,7 +42,7 @@ Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # dequantize tiles and run a GEMM instead.
 MAX_SMALL_BATCH = 16
 X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
-X16_TYPES = (2, 3)  # Q4_0, Q4_1
+X16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
 def isa() -> str:
@@ -177,7 +177,7 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0 or Q4_1, where the CPU has AVX-512 VNNI
+        """Whether interleave() takes this matrix: Q4_0, Q4_1 or Q8_0, where the CPU has AVX-512 VNNI
         (elsewhere the layout only has the portable loop: correct, and slower than the file's)."""
         return self.type in X16_TYPES and not self.interleaved and isa() == "avx512vnni"
 
@@ -190,7 +190,7 @@ class FileMatrix:
         little more than one token. Rows are then taken as ranges starting on a multiple of 16,
         never one at a time: a shard that picks rows by activity keeps the file's layout."""
         if self.type not in X16_TYPES:
-            raise ValueError(f"tensor {self.name}: only Q4_0 and Q4_1 rows interleave")
+            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1 and Q8_0 rows interleave")
         held = self.col_range or range(self.cols)
         nb, gb = len(held) // self.block, 16 * self._block_bytes
         n_held = len(self.data)  # rows held: all, or row_range's
@@ -495,9 +495,10 @@ class AttentionStep:
         if rope_dim > min(head_dim, 1024) or rope_dim % 2 or n_heads % n_kv:
             raise ValueError("attention: rope dimension or head counts not supported natively")
         self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
-        heads = self.q_rows.reshape(n_heads, head_dim)
-        if not (np.sort(heads, axis=1) == np.arange(n_heads * head_dim).reshape(n_heads, head_dim)).all():
-            raise ValueError("attention: q_rows must order rows within each head only")  # attn_part reads Q in file order
+        for rows, n in ((self.q_rows, n_heads), (self.k_rows, n_kv)):  # attn_part reads Q and K in file order
+            heads = rows.reshape(n, head_dim)
+            if not (np.sort(heads, axis=1) == np.arange(n * head_dim).reshape(n, head_dim)).all():
+                raise ValueError("attention: q_rows and k_rows must order rows within each head only")
         self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
         self.weight_bytes = sum(m.rows * m.row_bytes for m in (q, k, v, o))
         self.hidden, self.max_ctx = hidden, max_ctx
@@ -505,9 +506,10 @@ class AttentionStep:
                                                           n_kv * head_dim, max_ctx, n_heads * head_dim)]
         self.scratch += [q8_scratch(hidden), q8_scratch(n_heads * head_dim)]
         self.cos, self.sin = _ptr(cos), _ptr(sin_signed)
-        self._head = lambda o_args: (*q.args, _ptr(self.q_rows), *k.args, _ptr(self.k_rows), *v.args, *o_args,
-                                     _ptr(norm), float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
-        self.head = self._head(o.args)
+        self._head = lambda q, k, v, o: (*q.args, _ptr(self.q_rows), *k.args, _ptr(self.k_rows), *v.args, *o.args,
+                                         _ptr(norm), float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
+        self.head = self._head(q, k, v, o)
+        self.head_dim, self.group = head_dim, n_heads // n_kv
         self.o_cols_per_kv = n_heads // n_kv * head_dim
         self.part_heads, self.part_head = None, self.head  # keep_output_columns
         self.cache_shape = k_cache.shape
@@ -535,8 +537,18 @@ class AttentionStep:
         of the output matrix in memory of their own (FileMatrix.keep_columns: read in part from
         the file, every row of it would stream whole). Other calls read the file as before."""
         cols = self.o_cols_per_kv
-        self.o_part = self.keep[3].keep_columns(range(kv0 * cols, kv1 * cols))
-        self.part_heads, self.part_head = (kv0, kv1), self._head(self.o_part.args)
+        q, k, v, o = self.keep[:4]
+        self.o_part = o.keep_columns(range(kv0 * cols, kv1 * cols))
+        qkv = q, k, v
+        # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
+        # 16 by 16 (FileMatrix.interleave; attn_part asks for them as ranges, in file order)
+        q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
+        k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
+        if self.fast and self.head_dim % 16 == 0 and all(m.can_interleave for m in (q, k, v, self.o_part)):
+            qkv = tuple(m.keep_rows(r).interleave() for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
+            self.o_part = self.o_part.interleave()
+        self.qkv_part = qkv  # alive as long as the addresses in part_head
+        self.part_heads, self.part_head = (kv0, kv1), self._head(*qkv, self.o_part)
 
     def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, kv0: int, kv1: int,
              out: np.ndarray) -> None:

@@ -80,11 +80,15 @@ static int type_bytes(int t) {  /* bytes of one block */
 /* quantized types: fast mode quantizes the activation to q8 blocks */
 static inline int is_quant(int t) { return block_size(t) >= QK; }
 
-/* Interleaved rows (X16): a Q4_0 or Q4_1 matrix repacked in memory of the process's own, 16 rows
- * side by side, for fast mode's dense products (interleave() below, FileMatrix.interleave). Its
- * type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
+/* Interleaved rows (X16): a Q4_0, Q4_1 or Q8_0 matrix repacked in memory of the process's own, 16
+ * rows side by side, for fast mode's dense products (interleave() below, FileMatrix.interleave).
+ * Its type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
 #define X16 100
-static inline int is_x16(int t) { return t == X16 + T_Q4_0 || t == X16 + T_Q4_1; }
+static inline int is_x16(int t) { return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0; }
+/* bytes before a block's values: the 16 rows' f16 scales (and Q4_1's 16 f16 mins) */
+static inline int x16_head(int t) { return t == T_Q4_1 || t == X16 + T_Q4_1 ? 64 : 32; }
+/* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
+static inline int32_t x16_offset(int t, int32_t sx) { return t == X16 + T_Q4_0 ? -8 * sx : t == X16 + T_Q8_0 ? -128 * sx : 0; }
 
 /* ---- K-quant blocks (ggml's layouts), 256 values each ----------------------------------------
  * Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] packed, 128
@@ -1131,23 +1135,23 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
                                       float *y, int64_t ldy, int nvalid) {
     __m512 acc[TILE_V];
     const __m512i m4 = _mm512_set1_epi8(15);
-    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1;
+    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
-        const uint8_t *nib = g + (q41 ? 64 : 32);
-        __m512i lo[4], hi[4];
-        for (int j = 0; j < 4; j++) {
-            __m512i z = _mm512_loadu_si512(nib + 64 * j);
-            lo[j] = _mm512_and_si512(z, m4);
-            hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+        const uint8_t *v = g + x16_head(t);
+        __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */
+        for (int j = 0; j < (q8 ? 8 : 4); j++) {
+            __m512i z = _mm512_loadu_si512(v + 64 * j);
+            if (q8) { u[j] = z; continue; }
+            u[j] = _mm512_and_si512(z, m4);
+            u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
         }
         for (int b = 0; b < B; b++) {
             const q8blk *x = xq + b * ldq + k;
-            __m512i s = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(-8 * x->s);  /* Q4_0: sum (u - 8) x */
-            for (int j = 0; j < 4; j++) s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
-            for (int j = 0; j < 4; j++) s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(rd32(x->q + 16 + 4 * j)));
+            __m512i s = _mm512_set1_epi32(x16_offset(t, x->s));
+            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
             __m512 f = _mm512_cvtepi32_ps(s);
             if (q41)  /* d sum u x + m sum x, times x's scale */
                 acc[b] = _mm512_fmadd_ps(_mm512_fmadd_ps(f, d, _mm512_mul_ps(m, _mm512_set1_ps((float)x->s))),
@@ -1322,14 +1326,15 @@ static float act_fn(int act, float g) {
 
 /* ---- interleaved rows (X16) ------------------------------------------------------------------
  * Layout, per group of 16 rows and block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0, 320
- * for Q4_1): the 16 rows' f16 scales d, for Q4_1 then their 16 f16 mins, then 256 bytes in 4
- * runs of 64: run j holds bytes 4j..4j+3 of each row's 16 nibble bytes, row r at 4r. A byte's
- * low nibble is value 4j + c of its row, its high nibble value 16 + 4j + c (GGUF's order), so
- * one run masked (and shifted) is 4 values of 16 rows. Groups follow each other `stride` bytes
+ * for Q4_1, 544 for Q8_0): the 16 rows' f16 scales d, for Q4_1 then their 16 f16 mins, then the
+ * values in runs of 64 bytes: run j holds bytes 4j..4j+3 of each row's value bytes, row r at 4r.
+ * Q4: 4 runs of the 16 nibble bytes; a byte's low nibble is value 4j + c of its row, its high
+ * nibble value 16 + 4j + c (GGUF's order), so one run masked (and shifted) is 4 values of 16
+ * rows. Q8_0: 8 runs of the 32 values, each stored as q + 128 (unsigned, for vpdpbusd). Groups follow each other `stride` bytes
  * apart, blocks within a group gb apart; rows past the matrix's last are zeros. The same bytes
  * as the file's blocks: a token reads no more than it would there. */
 static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
-    int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, head = q41 ? 64 : 32;
+    int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, q8 = t == T_Q8_0, head = x16_head(t);
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
             uint8_t *p = dst + (g * nb + k) * gb;
@@ -1338,7 +1343,10 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
                 const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * tb;
                 memcpy(p + 2 * r, w, 2);
                 if (q41) memcpy(p + 32 + 2 * r, w + 2, 2);
-                for (int j = 0; j < 4; j++) memcpy(p + head + 64 * j + 4 * r, w + (q41 ? 4 : 2) + 4 * j, 4);
+                for (int j = 0; j < (q8 ? 8 : 4); j++) memcpy(p + head + 64 * j + 4 * r, w + (q41 ? 4 : 2) + 4 * j, 4);
+                if (q8)  /* signed q as unsigned q + 128 (vpdpbusd's unsigned side) */
+                    for (int j = 0; j < 8; j++)
+                        for (int c = 0; c < 4; c++) p[head + 64 * j + 4 * r + c] ^= 0x80;
             }
         }
 }
@@ -1347,7 +1355,7 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
  * float operations of x16_tile_vnni's lane (fmaf: its fused multiply-adds). */
 static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
                        int64_t ldq, int B, float *y, int64_t ldy) {
-    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, head = q41 ? 64 : 32;
+    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0, head = x16_head(t);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
         for (int b = 0; b < B; b++)
             for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
@@ -1355,11 +1363,12 @@ static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows,
                 const uint8_t *p = g;
                 for (int k = 0; k < nb; k++, p += gb) {
                     const q8blk *x = xq + b * ldq + k;
-                    int32_t s = q41 ? 0 : -8 * x->s;
-                    for (int j = 0; j < 4; j++)
+                    int32_t s = x16_offset(t, x->s);
+                    for (int j = 0; j < (q8 ? 8 : 4); j++)
                         for (int c = 0; c < 4; c++) {
                             int v = p[head + 64 * j + 4 * r + c];
-                            s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
+                            if (q8) s += v * x->q[4 * j + c];
+                            else s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
                         }
                     float d = f16_to_f32(rd16(p + 2 * r));
                     if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 32 + 2 * r)) * (float)x->s), x->d, acc);
@@ -2038,7 +2047,10 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     products(wq, NULL, q0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.out, nq);
     for (int b = 0; b < B; b++)
         for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] = sc.out[b * nq + q_rows[q0 + i] - q0];
-    products(wk, k_rows + k0, 0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.k, nk);
+    /* K's likewise (into v, free until V's products): ranges are what interleaved rows take */
+    products(wk, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    for (int b = 0; b < B; b++)
+        for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] = sc.v[b * nk + k_rows[k0 + i] - k0];
     products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
@@ -2074,14 +2086,16 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
-        int q41 = m.t == X16 + T_Q4_1, head = q41 ? 64 : 32, gb = 16 * type_bytes(m.t - X16);
+        int q41 = m.t == X16 + T_Q4_1, q8 = m.t == X16 + T_Q8_0, head = x16_head(m.t), gb = 16 * type_bytes(m.t - X16);
         for (int64_t i = 0; i < n_rows; i++) {
             int64_t row = start + i, r = row % 16;
             const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QK) * gb;
             for (int b = 0; b < n / QK; b++, p += gb) {
                 float d = f16_to_f32(rd16(p + 2 * r)), mn = q41 ? f16_to_f32(rd16(p + 32 + 2 * r)) : 0.f;
                 float *o = out + i * n + b * QK;
-                for (int j = 0; j < 4; j++)
+                for (int j = 0; j < 8 && q8; j++)
+                    for (int c = 0; c < 4; c++) o[4 * j + c] = d * (float)(p[head + 64 * j + 4 * r + c] - 128);
+                for (int j = 0; j < 4 && !q8; j++)
                     for (int c = 0; c < 4; c++) {
                         int v = p[head + 64 * j + 4 * r + c];
                         o[4 * j + c] = q41 ? d * (float)(v & 15) + mn : d * (float)((v & 15) - 8);
@@ -2318,7 +2332,7 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
- * n_blocks blocks of 16 rows (Q4_0 or Q4_1) */
+ * n_blocks blocks of 16 rows (Q4_0, Q4_1 or Q8_0) */
 static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "interleave takes 6 arguments"); return NULL; }
     const uint8_t *src = ARG_PTR(0);
@@ -2326,7 +2340,10 @@ static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t
     int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1) { PyErr_SetString(PyExc_ValueError, "interleave: Q4_0 or Q4_1 only"); return NULL; }
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0) {
+        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1 or Q8_0 only");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     interleave(t, src, stride, rows, nb, dst);
     Py_END_ALLOW_THREADS
@@ -2477,7 +2494,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
-    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1 rows, 16 side by side"},
+    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1/Q8_0 rows, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
