@@ -80,15 +80,16 @@ class EngineOptions:
     # (`serve` asks for --parallel + 1). A sequence beyond them gets a private cache, and its
     # attention runs on the coordinator alone.
     kv_caches: int = 2
-    # With `fast`: every process holds its gate and up rows interleaved 16 by 16
-    # (FileMatrix.interleave: a third of the vector work per token, shared by a batch), which
-    # serves dense FFN steps only. None: when the engine starts dense (no `sparsity`, no
-    # predictors); False: never, for tools that switch to sparse steps at run time.
+    # With `fast`, processes hold the FFN rows every step reads interleaved 16 by 16
+    # (FileMatrix.interleave: a third of the vector work per token, shared by a batch): down
+    # always, gate unless predictors pick rows, and up too if this says so, which then serves
+    # dense steps only. None: up too when the engine starts dense (no `sparsity`, no
+    # predictors); False: never up, for tools that switch to threshold steps at run time.
     interleave: bool | None = None
 
 
-INTERLEAVED_DENSE = ("this engine holds its FFN rows interleaved for dense decoding (EngineOptions.interleave): "
-                     "start it with the sparsity source, or with interleave=False, to decode sparsely")
+INTERLEAVED_DENSE = ("this engine holds its up rows interleaved for dense decoding (EngineOptions.interleave): "
+                     "start it with --sparsity, or with interleave=False, to decode sparsely")
 
 
 @dataclass
@@ -157,9 +158,12 @@ class Engine:
         predictors = self._load_predictors(reader)
         dense = opts.sparsity is None and predictors is None
         if opts.interleave and not dense:
-            raise ValueError("interleaved FFN rows serve dense decoding only: not with --sparsity or predictors")
-        # down's rows are interleaved with fast arithmetic whatever this says (every step reads them whole)
-        self.interleaved = bool(opts.fast and opts.weights == "gguf" and dense and opts.interleave is not False)
+            raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
+        # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
+        # with fast arithmetic whatever this says (every step reads them whole)
+        self.row_layout = "" if not (opts.fast and opts.weights == "gguf") or predictors is not None else \
+            "gate+up" if dense and opts.interleave is not False else "gate"
+        self.interleaved = self.row_layout == "gate+up"  # dense decoding only
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
@@ -173,7 +177,7 @@ class Engine:
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
                                    attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   else "", interleave=self.interleaved)
+                                   else "", interleave=self.row_layout)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -225,8 +229,9 @@ class Engine:
 
     @predictors.setter
     def predictors(self, p: Predictors | None) -> None:
-        if p is not None and self.interleaved:
-            raise ValueError(INTERLEAVED_DENSE)
+        if p is not None and self.row_layout:
+            raise ValueError("this engine holds its gate rows interleaved, which predictors cannot pick from: "
+                             "start it with the predictors to decode with them")
         self.ffn.predictors = p
 
     def _place(self, store: TensorStore):

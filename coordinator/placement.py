@@ -115,7 +115,10 @@ def split_vocabulary(plan: Plan, n_vocab: int, slot_capacity: int) -> dict[int, 
     own = len(plan.shards) - 1
     slots = [slot for slot, sh in enumerate(plan.shards[:-1]) if any(len(n) for n in sh.neurons)] + [own]
     load = np.array([sum(len(n) for n in plan.shards[slot].neurons) for slot in slots], dtype=np.float64)
-    cuts = np.concatenate([[0], np.round(np.cumsum(load) / load.sum() * n_vocab)]).astype(int)
+    # cuts on multiples of 16 rows: a share then starts on a group of interleaved rows (FileMatrix.interleave)
+    cuts = np.concatenate([[0], np.round(np.cumsum(load) / load.sum() * n_vocab / 16) * 16]).astype(int)
+    cuts = np.minimum(cuts, n_vocab)
+    cuts[-1] = n_vocab
     if len(slots) < 2 or np.diff(cuts)[:-1].max() > slot_capacity:
         return {}
     return {slot: (int(cuts[i]), int(cuts[i + 1])) for i, slot in enumerate(slots)}

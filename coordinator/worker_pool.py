@@ -109,7 +109,7 @@ class WorkerPool:
                  spin: bool | None = None, cores: int | None = None,
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
                  attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
-                 interleave: bool = False):
+                 interleave: str = ""):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()

@@ -69,9 +69,13 @@ class Assign:
     # A predictor file (blk.N.fc1/fc2, thresholds): the worker scores its own neurons in
     # FLAG_PREDICT steps (sparsecore/predictor_rows.py); empty: the coordinator sends masks.
     predictor_path: str = ""
-    # Fast mode: hold this worker's gate and up rows interleaved 16 by 16 for dense steps
-    # (FileMatrix.interleave); the engine decodes densely and never asks for sparse steps.
-    interleave: bool = False
+    # Fast mode: which of this worker's FFN rows to hold interleaved 16 by 16
+    # (FileMatrix.interleave): "" none (the engine picks rows by predictors), "gate" (dense and
+    # threshold steps), "gate+up" (the engine only decodes densely). ROW_LAYOUTS.
+    interleave: str = ""
+
+
+ROW_LAYOUTS = ("", "gate", "gate+up")
 
 
 @dataclass

@@ -95,8 +95,14 @@ class HeadRows:
     def __init__(self, store, name: str, start: int, stop: int, in_file: bool = False, fast: bool = False):
         self.start, self.stop = start, stop
         t = store.info(name)
-        # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel
-        self.file = FileRows(FileMatrix(t), range(start, stop), fast) if in_file and supports(t.tensor_type) else None
+        # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel;
+        # in fast mode interleaved 16 by 16 where they can be (FileMatrix.interleave)
+        self.file = None
+        if in_file and supports(t.tensor_type):
+            m = FileMatrix(t)
+            if fast and m.can_interleave and start % 16 == 0:
+                m = m.keep_rows(range(start, stop)).interleave()
+            self.file = FileRows(m, range(start, stop), fast)
         self.q8 = None if self.file is not None else Q8Head.from_tensor(t, slice(start, stop))
         self.w = None
         if self.file is None and self.q8 is None:

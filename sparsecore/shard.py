@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol.doorbell import Request
+from protocol.messages import ROW_LAYOUTS
 from protocol.shm_layout import HEAD_LAYER, SharedBuffers
 
 from .config import read_config
@@ -116,7 +117,7 @@ class FileLayer:
     each row read once for all tokens, each token's output the one it would get alone)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch,
-                 gate_mode: str = "par", interleave: bool = False):
+                 gate_mode: str = "par", interleave: str = ""):
         p = f"blk.{layer}."
         self.gate_mode = gate_mode  # "none": gate is the up matrix, read once (sparsecore.ffn.GATE_MODES)
         # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
@@ -129,17 +130,18 @@ class FileLayer:
         self.idx = np.arange(own.start, own.stop)
         if not self.down_t:  # a share of the neurons reads a part of every down row: hold that part
             self.down = self.down.keep_columns(own)
-        # Fast mode's dense products on rows interleaved 16 by 16 (FileMatrix.interleave): down's
-        # always (every step reads all its rows); gate's and up's only for a shard that never
-        # picks rows by activity (`interleave`: the engine decodes densely), as their own
-        # 16-aligned range.
+        # Fast mode's products on rows interleaved 16 by 16 (FileMatrix.interleave), each matrix
+        # as its own 16-aligned part: down's always (every step reads all its rows); gate's
+        # where no predictor picks rows (`interleave` "gate": dense and threshold steps read
+        # every gate row); up's too where the engine only decodes densely ("gate+up").
         if fast and not self.down_t and self.down.can_interleave:
             self.down = self.down.interleave()
-            rows = (self.gate,) if gate_mode == "none" else (self.gate, self.up)
-            if interleave and own.start % 16 == 0 and all(m.can_interleave for m in rows):
+            if interleave in ("gate", "gate+up") and own.start % 16 == 0 and self.gate.can_interleave:
                 self.gate = self.gate.keep_rows(own).interleave()
-                self.up = self.gate if gate_mode == "none" else self.up.keep_rows(own).interleave()
-        self.interleaved_rows = self.gate.interleaved
+                if gate_mode == "none":
+                    self.up = self.gate
+                elif interleave == "gate+up" and self.up.can_interleave:
+                    self.up = self.up.keep_rows(own).interleave()
 
     @property
     def tiled_prefill(self) -> bool:
@@ -254,15 +256,17 @@ class FfnShard:
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: "torch.device | str" = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False,
-             predictor_path: str | PathLike | None = None, interleave: bool = False) -> "FfnShard":
+             predictor_path: str | PathLike | None = None, interleave: str = "") -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
         `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
         layers kept in the file's blocks score their own neurons with it (PredictorRows).
         weights "gguf": on the CPU, layers whose neurons are a 32-aligned range of types the
         kernels read stay in the file's blocks (FileLayer); others, and a CUDA device, are
-        converted once (float32 on the CPU, float16 on a GPU). `interleave`: with `fast`, gate and
-        up rows interleaved for dense steps only (FileLayer)."""
+        converted once (float32 on the CPU, float16 on a GPU). `interleave`: with `fast`, which
+        rows are interleaved (protocol.messages.ROW_LAYOUTS, FileLayer)."""
+        if interleave not in ROW_LAYOUTS:
+            raise ValueError(f"interleaved rows {interleave!r}: one of {ROW_LAYOUTS}")
         if store is None:
             store = TensorStore(model_path, open_gguf(model_path))
         cfg = read_config(model_path, store.reader)

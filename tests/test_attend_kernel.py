@@ -55,7 +55,7 @@ class Layer:
         self.wv = rng.standard_normal((n_kv * hd, hidden)).astype(np.float32)
         # rows reordered within each head, as llama.cpp's Q permutation is undone (qk_order)
         self.q_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_heads)]).astype(np.int32)
-        self.k_rows = rng.permutation(n_kv * hd).astype(np.int32)
+        self.k_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_kv)]).astype(np.int32)
         self.norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
         self.cos, self.sin = rope_tables(d)
         self.rng = rng
@@ -141,11 +141,12 @@ def test_a_sequence_attends_the_same_alone_and_in_a_batch(isa, shape):
         assert np.array_equal(k, ka, equal_nan=True) and np.array_equal(v, va, equal_nan=True)
 
 
-def test_query_rows_may_move_within_their_head_only():
-    """attn_part reads Q's rows in the file's order and reorders each head's outputs: an order
-    that moves a row to another head is refused, not computed wrong."""
+@pytest.mark.parametrize("which", ["q_rows", "k_rows"])
+def test_query_and_key_rows_may_move_within_their_head_only(which):
+    """attn_part reads Q's and K's rows in the file's order and reorders each head's outputs: an
+    order that moves a row to another head is refused, not computed wrong."""
     L = Layer(2, 2, 64, 64, seed=3)
     _, kc, vc = L.caches(4)
-    L.q_rows = np.roll(L.q_rows, 1)
+    setattr(L, which, np.roll(getattr(L, which), 1))
     with pytest.raises(ValueError, match="within each head"):
         L.step(kc, vc)

@@ -179,6 +179,44 @@ def test_interleaved_ffn_step_is_the_dense_ffn(ffn, isa, own):
             np.testing.assert_allclose(alone, file_y, rtol=1e-4, atol=1e-4 * np.abs(file_y).max())
 
 
+@pytest.mark.parametrize("own", [range(0, N_FF), range(32, 96)], ids=str)
+def test_threshold_steps_read_interleaved_gate_rows(ffn, isa, own):
+    """Gate interleaved, up in the file's rows (an engine that may decode with thresholds):
+    gate's products decide who is active, then only active neurons' up rows are read. The
+    result is that composition of the separate products (to the last bit of the activation
+    function), bit for bit the same alone and in a batch,
+    with one threshold for all tokens or one each (negative: dense for that token)."""
+    m, _ = ffn
+    gate, _, down = interleaved_shard(m, own)
+    up = m["up"]
+    rng = np.random.default_rng(46)
+    scratch, one = K.FfnScratch(HIDDEN, len(own)), K.FfnScratch(HIDDEN, len(own))
+    silu = lambda v: v / (np.float32(1) + np.exp(-v))
+    for B in (1, 3, 9):
+        X = (rng.standard_normal((B, HIDDEN)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
+        g = np.stack([silu(gate.matvec(x, rows=own, fast=True)) for x in X])
+        per_token = np.quantile(np.abs(g), 0.5, axis=1).astype(np.float32)
+        per_token[::2] = -1
+        for thr in (float(np.median(np.abs(g))), per_token):
+            y, n = K.ffn_batch(gate, up, down, X, own, "silu", scratch, threshold=thr, fast=True)
+            total = 0
+            for b in range(B):
+                t = thr if np.isscalar(thr) else float(thr[b])
+                t = None if t < 0 else t
+                alone, nb = K.ffn_token(gate, up, down, X[b], own, "silu", one, threshold=t, fast=True)
+                np.testing.assert_array_equal(y[b], alone, err_msg=f"B={B} token {b}")
+                act = np.abs(g[b]) > t if t is not None else np.ones(len(own), bool)
+                assert nb == act.sum()
+                total += nb
+                h = np.where(act, g[b], 0).astype(np.float32)
+                rows = np.flatnonzero(act & (h != 0)) + own.start
+                h[rows - own.start] *= up.matvec(X[b], rows=rows, fast=True)
+                want = down.matvec(h, rows=range(0, HIDDEN), cols=own, fast=True)
+                # numpy's silu may differ from the kernel's expf in the last bit
+                np.testing.assert_allclose(alone, want, rtol=0, atol=1e-5 * np.abs(want).max())
+            assert n == total
+
+
 def test_interleaved_ffn_refuses_sparse_steps(ffn):
     """Rows interleaved 16 by 16 cannot be read one neuron at a time: a threshold or a mask is
     a caller's error, said so, not a wrong answer."""
@@ -198,33 +236,59 @@ def test_interleaved_ffn_refuses_sparse_steps(ffn):
 
 # ---- an engine that decodes densely in fast mode holds its rows interleaved ---------------------
 
-def test_a_dense_fast_engine_interleaves_and_says_no_to_sparse_steps(tiny_model_factory, no_leaks):
-    """Coordinator and worker hold gate, up and down interleaved (the layout is only taken
-    where VNNI is); the logits are the file layout's up to float order, decode and prefill; a
-    sparse step asked of that engine is refused in one clear line, and asking for both is too."""
+def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory, tmp_path, no_leaks):
+    """Coordinator and worker hold down interleaved, and gate too (dense and threshold steps
+    read every gate row); up as well where the engine only decodes densely. The logits are
+    the file layout's up to float order, prompt and decoded tokens; threshold steps run on
+    interleaved gate rows and give the file layout's; a sparse step asked of a dense-only
+    engine is refused in one clear line, and so are predictors where gate is interleaved."""
+    import shutil
+
     from coordinator.engine import Engine, EngineOptions
+    from coordinator.model_files import save_thresholds
+    from coordinator.tools import corpus
+    from coordinator.tools.calibrate import calibrate
     from sparsecore.shard import FileLayer
 
     if K.isa() != "avx512vnni":
         pytest.skip("interleaved rows are used where the CPU has AVX-512 VNNI")
-    path = tiny_model_factory(tensor_type="Q4_0")
+    path = tmp_path / "q4_0.gguf"  # its own copy: the thresholds file goes beside it
+    shutil.copy(tiny_model_factory(tensor_type="Q4_0"), path)
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
+        calib = list(range(3, 200))
+        save_thresholds(path, calibrate(eng, corpus.token_chunks(calib, 64, 3), levels=(0.5,)))
     ids = [5, 17, 33, 80, 120, 7, 9]
+
+    def logits(eng):
+        eng.reset()
+        prompt = eng.model.forward(ids[:4]).numpy()
+        return np.concatenate([prompt, np.stack([eng.model.forward([t])[-1].numpy() for t in ids[4:]])])
+
     got = {}
     for interleave in (None, False):
         with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True,
                                         interleave=interleave)) as eng:
             assert eng.interleaved == (interleave is None)
+            assert eng.row_layout == ("gate+up" if interleave is None else "gate")
             own = [w for w in eng.ffn.own.layers.values() if isinstance(w, FileLayer)]
-            assert own and all(w.down.interleaved for w in own)  # down's, whatever the engine decodes
-            assert all(w.gate.interleaved == w.up.interleaved == (interleave is None) for w in own)
-            eng.reset()
-            prompt = eng.model.forward(ids[:4]).numpy()
-            got[interleave] = np.concatenate([prompt, np.stack([eng.model.forward([t])[-1].numpy() for t in ids[4:]])])
+            assert own and all(w.down.interleaved and w.gate.interleaved for w in own)
+            assert all(w.up.interleaved == (interleave is None) for w in own)
+            got[interleave] = logits(eng)
             if interleave is None:
                 with pytest.raises(ValueError, match="interleaved for dense decoding"):
                     eng.set_sparsity(0.5)
+            else:
+                eng.set_sparsity(0.5)
+                got["sparse"] = logits(eng)
+            with pytest.raises(ValueError, match="predictors cannot pick"):
+                eng.predictors = object()
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, sparsity=0.5)) as eng:
+        assert eng.row_layout == "gate"
+        got["sparse again"] = logits(eng)
     scale = np.abs(got[False]).max()
     np.testing.assert_allclose(got[None], got[False], rtol=0, atol=1e-3 * scale)
+    np.testing.assert_array_equal(got["sparse"], got["sparse again"])
+    assert np.abs(got["sparse"] - got[False]).max() > 1e-4 * scale  # the thresholds took effect
     with pytest.raises(ValueError, match="dense decoding only"):
         Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,
                                    sparsity=0.5))

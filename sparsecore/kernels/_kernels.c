@@ -1444,24 +1444,28 @@ static float *up_scratch(int64_t n) {
     return up_buf;
 }
 
-/* A dense shard whose gate and up rows are interleaved (X16: FileLayer.interleave, fast mode,
- * no threshold, no mask, down not transposed): h[b n_own + i] = act(gate x_b) * (up x_b) for all
- * B tokens, each product one pass over the groups. xq: the tokens' q8 blocks. Returns 0, -1 (no
- * memory) or -2 (called for a step these rows cannot take: a caller's error). */
-static int dense_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, int act, int sparse, int down_t,
-                     int fast, const float *x, const q8blk *xq, int B, float *h) {
+/* Interleaved gate rows (X16: FileLayer, fast mode, down not transposed) serve dense and
+ * threshold steps: gate's products for all B tokens in one pass over the groups, into h
+ * (B n_own, raw). With up interleaved too (an engine that only decodes densely), dense steps
+ * only: h = act(gate x) * (up x) in full (returns 1). Returns 0 when the caller goes on with
+ * the raw gate values, -1 (no memory) or -2 (a step these rows cannot take: a caller's error,
+ * a mask, or a threshold with up interleaved). xq: the tokens' q8 blocks. */
+static int gate_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, int act, int sparse, int masked,
+                    int down_t, int fast, const float *x, const q8blk *xq, int B, float *h) {
     int mode = act & ~ACT_MASK;
     act &= ACT_MASK;
-    if (sparse || down_t || !fast || own0 % 16 || (mode != ACT_NOGATE && !is_x16(up.t))) return -2;
-    float *u = mode == ACT_NOGATE ? NULL : up_scratch((int64_t)B * n_own);
-    if (mode != ACT_NOGATE && !u) return -1;
+    int up_x16 = mode != ACT_NOGATE && is_x16(up.t);
+    if (masked || down_t || !fast || own0 % 16 || (up_x16 && sparse)) return -2;
     matmul(gate, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, h, n_own);
-    if (u) matmul(up, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, u, n_own);
+    if (!up_x16) return 0;
+    float *u = up_scratch((int64_t)B * n_own);
+    if (!u) return -1;
+    matmul(up, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, u, n_own);
     for (int64_t i = 0; i < (int64_t)B * n_own; i++) {
         float g = act_fn(act, h[i]);
-        h[i] = !u ? g : g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);
+        h[i] = g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);
     }
-    return 0;
+    return 1;
 }
 
 static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
@@ -1475,15 +1479,28 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t n_active = 0, n_live = 0, n_gate = n_own;
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
-    if (is_x16(gate.t)) {  /* dense, on interleaved rows */
-        int e = dense_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f || mask, down_t, fast, x, xq, 1, h);
-        if (e) return e;
+    int x16 = is_x16(gate.t) ? gate_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f, mask != NULL,
+                                        down_t, fast, x, xq, 1, h) : 0;
+    if (x16 < 0) return x16;
+    if (x16 == 1) {  /* dense, gate and up interleaved: h is complete */
         if (n_own == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
         quantize_q8(h, (int)n_own, hq);
         matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
         return n_own;
     }
-    memset(h, 0, sizeof(float) * n_own);
+    if (is_x16(gate.t)) {  /* h holds gate x: decide who is active as the row loop below does */
+        for (int64_t i = 0; i < n_own; i++) {
+            float g = act_fn(act, h[i]);
+            h[i] = 0.f;
+            if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
+            n_active++;
+            if (g == 0.f) continue;
+            h[i] = g;
+            live[n_live++] = (int32_t)i;
+        }
+        n_gate = 0;  /* the gate pass is done */
+    } else
+        memset(h, 0, sizeof(float) * n_own);
     /* A predictor's mask: the gate rows to read, listed first, so that the row PREFETCH_ROWS
      * active rows ahead is asked for (at 10 % active, 4 neurons ahead is under one row). */
     if (mask) {
@@ -1588,28 +1605,33 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
     float g[MAXB];
-    if (is_x16(gate.t)) {  /* dense, on interleaved rows */
-        int sparse = mask != NULL;
+    int x16 = 0;
+    if (is_x16(gate.t)) {
+        int sparse = 0;
         for (int b = 0; thr && b < B; b++) sparse |= thr[b] >= 0.f;
-        int e = dense_x16(gate, up, hidden, own0, n_own, act | mode, sparse, down_t, fast, x, xq, B, h);
-        if (e) return e;
+        x16 = gate_x16(gate, up, hidden, own0, n_own, act | mode, sparse, mask != NULL, down_t, fast, x, xq, B, h);
+        if (x16 < 0) return x16;
+    }
+    if (x16 == 1) {  /* dense, gate and up interleaved: h is complete */
         for (int b = 0; b < B; b++) counts[b] = n_own;
         if (n_own == 0) { memset(y, 0, sizeof(float) * hidden * B); return 0; }
         for (int b = 0; b < B; b++) quantize_q8(h + b * n_own, (int)n_own, hq + b * ldhq);
         matmul(down, NULL, 0, hidden, own0, (int)n_own, h, n_own, hq, ldhq, B, fast, y, hidden);
         return (int64_t)B * n_own;
     }
-    const xpair *xp = pack_x(gate.t, xq, ldq, hidden, B, fast);
+    const xpair *xp = x16 ? NULL : pack_x(gate.t, xq, ldq, hidden, B, fast);
     for (int b = 0; b < B; b++) counts[b] = 0;
     for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
         int64_t n = own0 + i;
         any[i] = 0;
+        if (is_x16(gate.t))  /* gate_x16 left gate x in h */
+            for (int b = 0; b < B; b++) g[b] = h[b * n_own + i];
         for (int b = 0; b < B; b++) h[b * n_own + i] = 0.f;
         if (mask) {
             if (i + PREFETCH_ROWS < n_own && mask[n + PREFETCH_ROWS]) prefetch_row(row_at(gate, n + PREFETCH_ROWS, 0), gbytes);
             if (!mask[n]) continue;
         }
-        dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
+        if (!is_x16(gate.t)) dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
         for (int b = 0; b < B; b++) {
             float v = act_fn(act, g[b]);
             if (thr && thr[b] >= 0.f && !(fabsf(v) > thr[b])) continue;  /* sparsecore.ffn.is_active */
