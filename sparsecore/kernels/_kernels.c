@@ -1150,9 +1150,12 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
         }
         for (int b = 0; b < B; b++) {
             const q8blk *x = xq + b * ldq + k;
-            __m512i s = _mm512_set1_epi32(x16_offset(t, x->s));
-            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
-            __m512 f = _mm512_cvtepi32_ps(s);
+            __m512i s = _mm512_set1_epi32(x16_offset(t, x->s)), s2 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {  /* two chains: a token alone waits on vpdpbusd's latency */
+                s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+                s2 = _mm512_dpbusd_epi32(s2, u[j + 1], _mm512_set1_epi32(rd32(x->q + 4 * j + 4)));
+            }
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s, s2));
             if (q41)  /* d sum u x + m sum x, times x's scale */
                 acc[b] = _mm512_fmadd_ps(_mm512_fmadd_ps(f, d, _mm512_mul_ps(m, _mm512_set1_ps((float)x->s))),
                                          _mm512_set1_ps(x->d), acc[b]);
@@ -1164,6 +1167,19 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
+/* one tile of B tokens with the type and B constant: each (type, B) its own inlined copy */
+#define X16_TILE_CASES(T)                                                          \
+    switch (nt) {                                                                  \
+    case 8: x16_tile_vnni(T, g, nb, xb, ldq, 8, yb, ldy, nv); break;               \
+    case 7: x16_tile_vnni(T, g, nb, xb, ldq, 7, yb, ldy, nv); break;               \
+    case 6: x16_tile_vnni(T, g, nb, xb, ldq, 6, yb, ldy, nv); break;               \
+    case 5: x16_tile_vnni(T, g, nb, xb, ldq, 5, yb, ldy, nv); break;               \
+    case 4: x16_tile_vnni(T, g, nb, xb, ldq, 4, yb, ldy, nv); break;               \
+    case 3: x16_tile_vnni(T, g, nb, xb, ldq, 3, yb, ldy, nv); break;               \
+    case 2: x16_tile_vnni(T, g, nb, xb, ldq, 2, yb, ldy, nv); break;               \
+    default: x16_tile_vnni(T, g, nb, xb, ldq, 1, yb, ldy, nv);                     \
+    }
+
 VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
                                int64_t ldq, int B, float *y, int64_t ldy) {
     for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
@@ -1171,19 +1187,14 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
         for (int b = 0; b < B; b += TILE_V) {
             const q8blk *xb = xq + b * ldq;
             float *yb = y + b * ldy + r;
-            switch (B - b < TILE_V ? B - b : TILE_V) {  /* constant counts: each case its own inlined copy */
-            case 8: x16_tile_vnni(t, g, nb, xb, ldq, 8, yb, ldy, nv); break;
-            case 7: x16_tile_vnni(t, g, nb, xb, ldq, 7, yb, ldy, nv); break;
-            case 6: x16_tile_vnni(t, g, nb, xb, ldq, 6, yb, ldy, nv); break;
-            case 5: x16_tile_vnni(t, g, nb, xb, ldq, 5, yb, ldy, nv); break;
-            case 4: x16_tile_vnni(t, g, nb, xb, ldq, 4, yb, ldy, nv); break;
-            case 3: x16_tile_vnni(t, g, nb, xb, ldq, 3, yb, ldy, nv); break;
-            case 2: x16_tile_vnni(t, g, nb, xb, ldq, 2, yb, ldy, nv); break;
-            default: x16_tile_vnni(t, g, nb, xb, ldq, 1, yb, ldy, nv);
-            }
+            int nt = B - b < TILE_V ? B - b : TILE_V;
+            if (t == X16 + T_Q4_0) { X16_TILE_CASES(X16 + T_Q4_0) }
+            else if (t == X16 + T_Q4_1) { X16_TILE_CASES(X16 + T_Q4_1) }
+            else { X16_TILE_CASES(X16 + T_Q8_0) }
         }
     }
 }
+#undef X16_TILE_CASES
 #endif
 
 static int use_avx2 = 0;
