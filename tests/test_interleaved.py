@@ -12,18 +12,26 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
-from tests.test_kernels import deq, write_tensors
+from tests.test_kernels import deq, random_kquant, write_tensors
 
-X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K]
 BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
 @pytest.fixture(scope="module")
 def mats(tmp_path_factory):
-    """53 rows (three groups and 5 rows) of 160 columns (5 blocks) per type"""
+    """53 rows (three groups and 5 rows) per type, of 160 columns (5 blocks of 32), or 512 for
+    Q6_K (2 blocks of 256: random valid blocks, gguf-py cannot quantize to it)"""
     rng = np.random.default_rng(40)
-    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16]}
+    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16] if t != T.Q6_K}
+    arrays["w.Q6_K"] = (random_kquant(rng, 53, 512, T.Q6_K), T.Q6_K)
     return write_tensors(tmp_path_factory.mktemp("x16") / "m.gguf", arrays)
+
+
+def col_ranges(m: K.FileMatrix) -> list[range]:
+    """held column ranges on the type's blocks: from the second block on, and one block inside"""
+    b = m.block
+    return [range(b, m.cols), range(2 * b, 3 * b) if m.cols >= 3 * b else range(b, 2 * b)]
 
 
 def q8_values(x: np.ndarray) -> np.ndarray:
@@ -47,7 +55,7 @@ def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
     assert p.interleaved and p.data.nbytes == 4 * 16 * m.row_bytes  # 4 groups, the file's bytes per row
     assert p.can_interleave is False and m.can_interleave == (K.isa() == "avx512vnni")
     rng = np.random.default_rng(41)
-    x = rng.standard_normal(160).astype(np.float32)
+    x = rng.standard_normal(m.cols).astype(np.float32)
     for rows in (None, range(16, 53), range(0, 5), range(32, 48), range(48, 53), range(16, 16)):
         sel = w if rows is None else w[rows.start:rows.stop]
         got = p.matvec(x, rows=rows, fast=True)
@@ -55,7 +63,7 @@ def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
         check_product(got, sel, x)
         # the file's layout computes the same integers; only the float order differs
         np.testing.assert_allclose(got, m.matvec(x, rows=rows, fast=True), rtol=1e-5, atol=1e-5)
-    for cols in (range(32, 160), range(64, 96)):
+    for cols in col_ranges(m):
         xc = np.ascontiguousarray(x[cols.start:cols.stop])
         check_product(p.matvec(xc, cols=cols, rows=range(0, 53), fast=True), w[:, cols.start:cols.stop], xc)
 
@@ -72,7 +80,7 @@ def test_a_token_alone_equals_it_in_any_batch_and_on_every_isa(mats, t):
             if K.set_isa(level) != level:
                 continue
             for B in BATCHES:
-                X = (rng.standard_normal((B, 160)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
+                X = (rng.standard_normal((B, m.cols)) * rng.uniform(0.5, 2, (B, 1))).astype(np.float32)
                 for rows in (None, range(16, 53)):
                     got = p.matmul(X, rows=rows, fast=True).copy()
                     alone = np.stack([p.matvec(X[b], rows=rows, fast=True) for b in range(B)])
@@ -93,18 +101,17 @@ def test_held_rows_and_columns_interleave_by_their_numbers(mats, isa, t):
     asked for by the file's row and column numbers, give the whole matrix's products."""
     m = K.FileMatrix(mats[f"w.{t.name}"])
     whole = m.interleave()
-    x = np.random.default_rng(43).standard_normal(160).astype(np.float32)
+    x = np.random.default_rng(43).standard_normal(m.cols).astype(np.float32)
     rows = m.keep_rows(range(16, 53)).interleave()
     np.testing.assert_array_equal(rows.matvec(x, rows=range(16, 53), fast=True),
                                   whole.matvec(x, rows=range(16, 53), fast=True))
     np.testing.assert_array_equal(rows.matvec(x, rows=range(32, 40), fast=True),
                                   whole.matvec(x, rows=range(32, 40), fast=True))
-    cols = m.keep_columns(range(64, 128)).interleave()
-    xc = np.ascontiguousarray(x[64:128])
-    np.testing.assert_array_equal(cols.matvec(xc, cols=range(64, 128), fast=True),
-                                  whole.matvec(xc, cols=range(64, 128), fast=True))
-    np.testing.assert_array_equal(cols.dequantize(rows=range(0, 53), cols=range(64, 128)),
-                                  m.dequantize(cols=range(64, 128)))
+    held = col_ranges(m)[1]
+    cols = m.keep_columns(held).interleave()
+    xc = np.ascontiguousarray(x[held.start:held.stop])
+    np.testing.assert_array_equal(cols.matvec(xc, cols=held, fast=True), whole.matvec(xc, cols=held, fast=True))
+    np.testing.assert_array_equal(cols.dequantize(rows=range(0, 53), cols=held), m.dequantize(cols=held))
     with pytest.raises(ValueError, match="holds rows"):
         rows.matvec(x, rows=range(0, 16), fast=True)
     with pytest.raises(ValueError, match="start on a multiple of 16"):
@@ -116,8 +123,8 @@ def test_interleaved_dequantize_is_the_files(mats, t):
     m = K.FileMatrix(mats[f"w.{t.name}"])
     p = m.interleave()
     np.testing.assert_array_equal(p.dequantize(rows=range(0, 53)), m.dequantize())
-    np.testing.assert_array_equal(p.dequantize(rows=range(48, 53), cols=range(32, 96)),
-                                  m.dequantize(rows=range(48, 53), cols=range(32, 96)))
+    cols = col_ranges(m)[0]
+    np.testing.assert_array_equal(p.dequantize(rows=range(48, 53), cols=cols), m.dequantize(rows=range(48, 53), cols=cols))
 
 
 def test_what_interleaved_rows_refuse(mats):
@@ -128,7 +135,7 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1 and Q8_0"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q8_0 and Q6_K"):
         K.FileMatrix(mats["w.F16"]).interleave()
 
 
@@ -137,7 +144,7 @@ def test_what_interleaved_rows_refuse(mats):
 HIDDEN, N_FF = 96, 160
 
 
-@pytest.fixture(scope="module", params=X16_TYPES, ids=lambda t: t.name)
+@pytest.fixture(scope="module", params=[T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def ffn(request, tmp_path_factory):
     t = request.param
     rng = np.random.default_rng(44)

@@ -42,7 +42,7 @@ Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # dequantize tiles and run a GEMM instead.
 MAX_SMALL_BATCH = 16
 X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
-X16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+X16_TYPES = (2, 3, 8, 14)  # Q4_0, Q4_1, Q8_0, Q6_K
 
 
 def isa() -> str:
@@ -177,7 +177,7 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1 or Q8_0, where the CPU has AVX-512 VNNI
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0 or Q6_K, where the CPU has AVX-512 VNNI
         (elsewhere the layout only has the portable loop: correct, and slower than the file's)."""
         return self.type in X16_TYPES and not self.interleaved and isa() == "avx512vnni"
 
@@ -190,7 +190,7 @@ class FileMatrix:
         little more than one token. Rows are then taken as ranges starting on a multiple of 16,
         never one at a time: a shard that picks rows by activity keeps the file's layout."""
         if self.type not in X16_TYPES:
-            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1 and Q8_0 rows interleave")
+            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q8_0 and Q6_K rows interleave")
         held = self.col_range or range(self.cols)
         nb, gb = len(held) // self.block, 16 * self._block_bytes
         n_held = len(self.data)  # rows held: all, or row_range's

@@ -84,7 +84,9 @@ static inline int is_quant(int t) { return block_size(t) >= QK; }
  * rows side by side, for fast mode's dense products (interleave() below, FileMatrix.interleave).
  * Its type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
 #define X16 100
-static inline int is_x16(int t) { return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0; }
+static inline int is_x16(int t) {
+    return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0 || t == X16 + T_Q6_K;
+}
 /* bytes before a block's values: the 16 rows' f16 scales (and Q4_1's 16 f16 mins) */
 static inline int x16_head(int t) { return t == T_Q4_1 || t == X16 + T_Q4_1 ? 64 : 32; }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
@@ -1173,6 +1175,51 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
+/* Q6_K on interleaved rows (layout: interleave): per 256-value block the 16 rows' scales
+ * widened once, then per activation block (two 16-value sub-blocks) the 6-bit values of 16 rows
+ * unpacked once for every token: per token 8 vpdpbusd, the sub-blocks' -32 offsets (hs: each
+ * token's sums of x over 16 values) in the accumulators' start, their int8 scales as two
+ * 32-bit products, one conversion and one scaled accumulation. */
+VNNI static INLINE void x16_tile_q6k_vnni(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, const int32_t *hs,
+                                          int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
+    __m512 acc[TILE_V];
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 16 * 210) {
+        for (int o = 0; o < 16 * 210; o += 64) _mm_prefetch((const char *)g + 2 * 16 * 210 + o, _MM_HINT_T0);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        const uint8_t *L = g + 288, *H = g + 288 + 2048;
+        for (int xb = 0; xb < 8; xb++) {  /* activation block xb: sub-blocks 2 xb, 2 xb + 1 */
+            __m512i u[8], sc[2];
+            for (int h = 0; h < 2; h++) {
+                int n = 2 * xb + h;
+                __m512i l0 = _mm512_loadu_si512(L + 64 * (2 * n)), l1 = _mm512_loadu_si512(L + 64 * (2 * n + 1));
+                __m512i hh = _mm512_loadu_si512(H + 64 * n);
+                u[4 * h + 0] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hh, 4), m30));
+                u[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                                               _mm512_and_si512(_mm512_slli_epi16(hh, 2), m30));
+                u[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(hh, m30));
+                u[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                               _mm512_and_si512(_mm512_srli_epi16(hh, 2), m30));
+                sc[h] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * n)));
+            }
+            for (int b = 0; b < B; b++) {
+                const q8blk *x = xq + b * ldq + 8 * k + xb;
+                const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
+                __m512i sa = _mm512_set1_epi32(-32 * hb[0]), sb = _mm512_set1_epi32(-32 * hb[1]);
+                for (int j = 0; j < 4; j++) {
+                    sa = _mm512_dpbusd_epi32(sa, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+                    sb = _mm512_dpbusd_epi32(sb, u[4 + j], _mm512_set1_epi32(rd32(x->q + 16 + 4 * j)));
+                }
+                __m512i si = _mm512_add_epi32(_mm512_mullo_epi32(sa, sc[0]), _mm512_mullo_epi32(sb, sc[1]));
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[b]);
+            }
+        }
+    }
+    __mmask16 keep = nvalid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
+}
+
 /* one tile of B tokens with the type and B constant: each (type, B) its own inlined copy */
 #define X16_TILE_CASES(T)                                                          \
     switch (nt) {                                                                  \
@@ -1186,21 +1233,37 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
     default: x16_tile_vnni(T, g, nb, xb, ldq, 1, yb, ldy, nv);                     \
     }
 
+#define Q6K_TILE_CASES                                                                       \
+    switch (nt) {                                                                            \
+    case 8: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 8, yb, ldy, nv); break;     \
+    case 7: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 7, yb, ldy, nv); break;     \
+    case 6: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 6, yb, ldy, nv); break;     \
+    case 5: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 5, yb, ldy, nv); break;     \
+    case 4: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 4, yb, ldy, nv); break;     \
+    case 3: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 3, yb, ldy, nv); break;     \
+    case 2: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 2, yb, ldy, nv); break;     \
+    default: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 1, yb, ldy, nv);           \
+    }
+
+/* nb: blocks of the type per row (of 32 values, of 256 for Q6_K); hs: Q6_K's sums of x over
+ * each 16 values, ldh per token */
 VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
-                               int64_t ldq, int B, float *y, int64_t ldy) {
+                               int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
     for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
         int nv = n_rows - r < 16 ? (int)(n_rows - r) : 16;
         for (int b = 0; b < B; b += TILE_V) {
             const q8blk *xb = xq + b * ldq;
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_V ? B - b : TILE_V;
-            if (t == X16 + T_Q4_0) { X16_TILE_CASES(X16 + T_Q4_0) }
+            if (t == X16 + T_Q6_K) { Q6K_TILE_CASES }
+            else if (t == X16 + T_Q4_0) { X16_TILE_CASES(X16 + T_Q4_0) }
             else if (t == X16 + T_Q4_1) { X16_TILE_CASES(X16 + T_Q4_1) }
             else { X16_TILE_CASES(X16 + T_Q8_0) }
         }
     }
 }
 #undef X16_TILE_CASES
+#undef Q6K_TILE_CASES
 #endif
 
 static int use_avx2 = 0;
@@ -1350,7 +1413,33 @@ static float act_fn(int act, float g) {
  * rows. Q8_0: 8 runs of the 32 values, each stored as q + 128 (unsigned, for vpdpbusd). Groups follow each other `stride` bytes
  * apart, blocks within a group gb apart; rows past the matrix's last are zeros. The same bytes
  * as the file's blocks: a token reads no more than it would there. */
+static void interleave_q6k(const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    int8_t q[QKK];
+    float scl[16], mn[16];
+    for (int64_t g = 0; g < (rows + 15) / 16; g++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * 16 * 210, *L = p + 288, *H = p + 288 + 2048;
+            memset(p, 0, 16 * 210);
+            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
+                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 210;
+                kunpack(T_Q6_K, w, q, scl, mn);  /* q - 32 in the values' order */
+                memcpy(p + 2 * r, w + 208, 2);
+                for (int j = 0; j < 16; j++) p[32 + 16 * j + r] = w[192 + j];
+                for (int m = 0; m < 32; m++)
+                    for (int c = 0; c < 4; c++)
+                        L[64 * m + 4 * r + c] = (uint8_t)(((q[8 * m + c] + 32) & 15) | (((q[8 * m + 4 + c] + 32) & 15) << 4));
+                for (int n = 0; n < 16; n++)
+                    for (int c = 0; c < 4; c++) {
+                        int v = 0;
+                        for (int t4 = 0; t4 < 4; t4++) v |= (((q[16 * n + 4 * t4 + c] + 32) >> 4) & 3) << (2 * t4);
+                        H[64 * n + 4 * r + c] = (uint8_t)v;
+                    }
+            }
+        }
+}
+
 static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
     int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, q8 = t == T_Q8_0, head = x16_head(t);
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
@@ -1370,8 +1459,41 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
 
 /* Portable fast-mode products on X16 rows: per row, block and token the integer sum and the
  * float operations of x16_tile_vnni's lane (fmaf: its fused multiply-adds). */
+/* The unsigned 6-bit value i of row r in a Q6_K X16 block p (interleave_q6k's layout) */
+static inline int q6k_x16_value(const uint8_t *p, int r, int i) {
+    int quad = i / 4, c = i % 4, m = quad / 2, n = i / 16;
+    int lo = (p[288 + 64 * m + 4 * r + c] >> (4 * (quad & 1))) & 15;
+    int hi = (p[288 + 2048 + 64 * n + 4 * r + c] >> (2 * (quad % 4))) & 3;
+    return lo | (hi << 4);
+}
+
 static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
-                       int64_t ldq, int B, float *y, int64_t ldy) {
+                       int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
+    if (t == X16 + T_Q6_K) {  /* x16_tile_q6k_vnni's lane, operation for operation */
+        for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
+            for (int b = 0; b < B; b++)
+                for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
+                    float acc = 0.f;
+                    const uint8_t *p = g;
+                    for (int k = 0; k < nb; k++, p += 16 * 210) {
+                        float d = f16_to_f32(rd16(p + 2 * r));
+                        for (int xb = 0; xb < 8; xb++) {
+                            const q8blk *x = xq + b * ldq + 8 * k + xb;
+                            const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
+                            int32_t sab[2];
+                            for (int h = 0; h < 2; h++) {
+                                sab[h] = -32 * hb[h];
+                                for (int i = 0; i < 16; i++)
+                                    sab[h] += q6k_x16_value(p, r, 32 * xb + 16 * h + i) * x->q[16 * h + i];
+                            }
+                            int32_t si = sab[0] * (int8_t)p[32 + 16 * (2 * xb) + r] + sab[1] * (int8_t)p[32 + 16 * (2 * xb + 1) + r];
+                            acc = fmaf((float)si, d * x->d, acc);
+                        }
+                    }
+                    y[b * ldy + r0 + r] = acc;
+                }
+        return;
+    }
     int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0, head = x16_head(t);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
         for (int b = 0; b < B; b++)
@@ -1397,13 +1519,34 @@ static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows,
 
 /* Rows [start, start + n_rows) (start on a group) of an X16 matrix, columns [col0, col0 + n),
  * for B tokens' q8 blocks (fast mode only: the layout has no float path) */
+static _Thread_local int32_t *hs_buf;
+static _Thread_local int64_t hs_cap;
 static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
                          int B, float *y, int64_t ldy) {
-    const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / QK) * 16 * type_bytes(m.t - X16);
+    int bs = block_size(m.t - X16), nb = n / bs;
+    const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * 16 * type_bytes(m.t - X16);
+    int64_t ldh = 2 * (n / QK);
+    if (m.t == X16 + T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
+        if ((int64_t)B * ldh > hs_cap) {
+            free(hs_buf);
+            hs_buf = malloc(sizeof(int32_t) * B * ldh);
+            hs_cap = hs_buf ? (int64_t)B * ldh : 0;
+        }
+        if (!hs_buf) {  /* out of memory for a few KB: zeros rather than garbage */
+            for (int b = 0; b < B; b++) memset(y + b * ldy, 0, sizeof(float) * n_rows);
+            return;
+        }
+        for (int b = 0; b < B; b++)
+            for (int64_t i = 0; i < ldh; i++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 16; j++) sum += xq[b * ldq + i / 2].q[16 * (i % 2) + j];
+                hs_buf[b * ldh + i] = sum;
+            }
+    }
 #if HAVE_X86
-    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, n / QK, xq, ldq, B, y, ldy); return; }
+    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs_buf, ldh, B, y, ldy); return; }
 #endif
-    x16_rows_c(m.t, g, m.stride, n_rows, n / QK, xq, ldq, B, y, ldy);
+    x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs_buf, ldh, B, y, ldy);
 }
 
 /* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
@@ -2124,6 +2267,19 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
+    if (m.t == X16 + T_Q6_K) {
+        for (int64_t i = 0; i < n_rows; i++) {
+            int64_t row = start + i;
+            int r = (int)(row % 16);
+            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QKK) * 16 * 210;
+            for (int k = 0; k < n / QKK; k++, p += 16 * 210) {
+                float d = f16_to_f32(rd16(p + 2 * r));
+                for (int v = 0; v < QKK; v++)  /* as kunpack: (d sc) (q - 32) */
+                    out[i * n + k * QKK + v] = d * (float)(int8_t)p[32 + 16 * (v / 16) + r] * (float)(q6k_x16_value(p, r, v) - 32);
+            }
+        }
+        return;
+    }
     if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
         int q41 = m.t == X16 + T_Q4_1, q8 = m.t == X16 + T_Q8_0, head = x16_head(m.t), gb = 16 * type_bytes(m.t - X16);
         for (int64_t i = 0; i < n_rows; i++) {
@@ -2379,8 +2535,8 @@ static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t
     int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0) {
-        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1 or Q8_0 only");
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && t != T_Q6_K) {
+        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1, Q8_0 or Q6_K only");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
