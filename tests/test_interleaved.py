@@ -14,17 +14,18 @@ from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
 from tests.test_kernels import deq, random_kquant, write_tensors
 
-X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K]
+X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+KTYPES = (T.Q4_K, T.Q6_K)
 BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
 @pytest.fixture(scope="module")
 def mats(tmp_path_factory):
     """53 rows (three groups and 5 rows) per type, of 160 columns (5 blocks of 32), or 512 for
-    Q6_K (2 blocks of 256: random valid blocks, gguf-py cannot quantize to it)"""
+    the K-quants (2 blocks of 256: random valid blocks, gguf-py cannot quantize to them)"""
     rng = np.random.default_rng(40)
-    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16] if t != T.Q6_K}
-    arrays["w.Q6_K"] = (random_kquant(rng, 53, 512, T.Q6_K), T.Q6_K)
+    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16] if t not in KTYPES}
+    arrays.update({f"w.{t.name}": (random_kquant(rng, 53, 512, t), t) for t in KTYPES})
     return write_tensors(tmp_path_factory.mktemp("x16") / "m.gguf", arrays)
 
 
@@ -52,7 +53,8 @@ def check_product(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
 def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
     m, w = K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"])
     p = m.interleave()
-    assert p.interleaved and p.data.nbytes == 4 * 16 * m.row_bytes  # 4 groups, the file's bytes per row
+    extra = 64 * (m.cols // 256) if t == T.Q4_K else 0  # its scales and mins a byte each, per group block
+    assert p.interleaved and p.data.nbytes == 4 * (16 * m.row_bytes + extra)  # 4 groups of the file's bytes
     assert p.can_interleave is False and m.can_interleave == (K.isa() == "avx512vnni")
     rng = np.random.default_rng(41)
     x = rng.standard_normal(m.cols).astype(np.float32)
@@ -135,7 +137,7 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q8_0 and Q6_K"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"):
         K.FileMatrix(mats["w.F16"]).interleave()
 
 
@@ -243,7 +245,8 @@ def test_interleaved_ffn_refuses_sparse_steps(ffn):
 
 # ---- an engine that decodes densely in fast mode holds its rows interleaved ---------------------
 
-def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory, tmp_path, no_leaks):
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K"])
+def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory, tmp_path, tensor_type, no_leaks):
     """Coordinator and worker hold down interleaved, and gate too (dense and threshold steps
     read every gate row); up as well where the engine only decodes densely. The logits are
     the file layout's up to float order, prompt and decoded tokens; threshold steps run on
@@ -259,8 +262,8 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
 
     if K.isa() != "avx512vnni":
         pytest.skip("interleaved rows are used where the CPU has AVX-512 VNNI")
-    path = tmp_path / "q4_0.gguf"  # its own copy: the thresholds file goes beside it
-    shutil.copy(tiny_model_factory(tensor_type="Q4_0"), path)
+    path = tmp_path / "m.gguf"  # its own copy: the thresholds file goes beside it
+    shutil.copy(tiny_model_factory(tensor_type=tensor_type), path)
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
         calib = list(range(3, 200))
         save_thresholds(path, calibrate(eng, corpus.token_chunks(calib, 64, 3), levels=(0.5,)))

@@ -42,7 +42,7 @@ Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # dequantize tiles and run a GEMM instead.
 MAX_SMALL_BATCH = 16
 X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
-X16_TYPES = (2, 3, 8, 14)  # Q4_0, Q4_1, Q8_0, Q6_K
+X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 
 
 def isa() -> str:
@@ -177,7 +177,7 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0 or Q6_K, where the CPU has AVX-512 VNNI
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, where the CPU has AVX-512 VNNI
         (elsewhere the layout only has the portable loop: correct, and slower than the file's)."""
         return self.type in X16_TYPES and not self.interleaved and isa() == "avx512vnni"
 
@@ -190,9 +190,9 @@ class FileMatrix:
         little more than one token. Rows are then taken as ranges starting on a multiple of 16,
         never one at a time: a shard that picks rows by activity keeps the file's layout."""
         if self.type not in X16_TYPES:
-            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q8_0 and Q6_K rows interleave")
+            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows interleave")
         held = self.col_range or range(self.cols)
-        nb, gb = len(held) // self.block, 16 * self._block_bytes
+        nb, gb = len(held) // self.block, self._x16_block_bytes
         n_held = len(self.data)  # rows held: all, or row_range's
         if self.row_range is not None and self.row_range.start % 16:
             raise ValueError(f"{self.name}: interleaved rows start on a multiple of 16, not {self.row_range.start}")
@@ -217,10 +217,16 @@ class FileMatrix:
         if self.col_range is not None:
             # Rows start at column col_range.start: the kernels add (col0 / block) * block bytes
             # to the base, so a held column keeps its number and every call site stays the same.
-            base -= self.col_range.start // self.block * self._block_bytes * (16 if self.interleaved else 1)
+            base -= self.col_range.start // self.block * (self._x16_block_bytes if self.interleaved else self._block_bytes)
         a = (base, self.stride, self.type + (X16 if self.interleaved else 0))
         self._args = (self.data, (self.col_range, self.stride), a)
         return a
+
+    @property
+    def _x16_block_bytes(self) -> int:
+        """Bytes of 16 rows' block once interleaved: 16 of the file's, and Q4_K's scales and mins
+        a byte each (_kernels.c x16_block_bytes)."""
+        return 2368 if self.type == 12 else 16 * self._block_bytes
 
     @property
     def _block_bytes(self) -> int:

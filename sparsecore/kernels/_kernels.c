@@ -85,8 +85,11 @@ static inline int is_quant(int t) { return block_size(t) >= QK; }
  * Its type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
 #define X16 100
 static inline int is_x16(int t) {
-    return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0 || t == X16 + T_Q6_K;
+    return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0 || t == X16 + T_Q6_K || t == X16 + T_Q4_K;
 }
+/* bytes of an X16 (group, block): 16 of the file's blocks, and Q4_K's scales and mins unpacked
+ * to a byte each (16 rows x 8 sub-blocks x 2 bytes, against 16 x 12 packed: 2.8 % more) */
+static inline int x16_block_bytes(int t) { return t == X16 + T_Q4_K ? 2368 : 16 * type_bytes(t - X16); }
 /* bytes before a block's values: the 16 rows' f16 scales (and Q4_1's 16 f16 mins) */
 static inline int x16_head(int t) { return t == T_Q4_1 || t == X16 + T_Q4_1 ? 64 : 32; }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
@@ -1220,6 +1223,50 @@ VNNI static INLINE void x16_tile_q6k_vnni(const uint8_t *g, int nb, const q8blk 
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
+/* Q4_K on interleaved rows (layout: interleave_q4k): per sub-block of 32 values (one
+ * activation block) the 16 rows' d sc and dmin m as float vectors, shared by every token; per
+ * token 8 vpdpbusd and the Q4_1-like float steps: (d sc) sum q x - (dmin m) sum x, times x's
+ * scale. */
+VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                          int64_t ldy, int nvalid) {
+    __m512 acc[TILE_V];
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 2368) {
+        for (int o = 0; o < 2368; o += 64) _mm_prefetch((const char *)g + 2 * 2368 + o, _MM_HINT_T0);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
+        for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+            __m512i u[2][8];
+            for (int j = 0; j < 8; j++) {
+                __m512i z = _mm512_loadu_si512(g + 320 + 512 * p + 64 * j);
+                u[0][j] = _mm512_and_si512(z, m4);
+                u[1][j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            }
+            for (int h = 0; h < 2; h++) {
+                int sb = 2 * p + h;
+                __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_loadu_si128((const __m128i *)(g + 64 + 16 * sb)))));
+                __m512 dmm = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(g + 192 + 16 * sb)))));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + 8 * k + sb;
+                    __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+                    for (int j = 0; j < 8; j += 2) {
+                        s = _mm512_dpbusd_epi32(s, u[h][j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+                        s2 = _mm512_dpbusd_epi32(s2, u[h][j + 1], _mm512_set1_epi32(rd32(x->q + 4 * j + 4)));
+                    }
+                    __m512 v = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s, s2)), dsc,
+                                               _mm512_mul_ps(dmm, _mm512_set1_ps((float)x->s)));
+                    acc[b] = _mm512_fmadd_ps(v, _mm512_set1_ps(x->d), acc[b]);
+                }
+            }
+        }
+    }
+    __mmask16 keep = nvalid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
+}
+
 /* one tile of B tokens with the type and B constant: each (type, B) its own inlined copy */
 #define X16_TILE_CASES(T)                                                          \
     switch (nt) {                                                                  \
@@ -1245,6 +1292,18 @@ VNNI static INLINE void x16_tile_q6k_vnni(const uint8_t *g, int nb, const q8blk 
     default: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 1, yb, ldy, nv);           \
     }
 
+#define Q4K_TILE_CASES                                                          \
+    switch (nt) {                                                               \
+    case 8: x16_tile_q4k_vnni(g, nb, xb, ldq, 8, yb, ldy, nv); break;           \
+    case 7: x16_tile_q4k_vnni(g, nb, xb, ldq, 7, yb, ldy, nv); break;           \
+    case 6: x16_tile_q4k_vnni(g, nb, xb, ldq, 6, yb, ldy, nv); break;           \
+    case 5: x16_tile_q4k_vnni(g, nb, xb, ldq, 5, yb, ldy, nv); break;           \
+    case 4: x16_tile_q4k_vnni(g, nb, xb, ldq, 4, yb, ldy, nv); break;           \
+    case 3: x16_tile_q4k_vnni(g, nb, xb, ldq, 3, yb, ldy, nv); break;           \
+    case 2: x16_tile_q4k_vnni(g, nb, xb, ldq, 2, yb, ldy, nv); break;           \
+    default: x16_tile_q4k_vnni(g, nb, xb, ldq, 1, yb, ldy, nv);                 \
+    }
+
 /* nb: blocks of the type per row (of 32 values, of 256 for Q6_K); hs: Q6_K's sums of x over
  * each 16 values, ldh per token */
 VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
@@ -1256,6 +1315,7 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_V ? B - b : TILE_V;
             if (t == X16 + T_Q6_K) { Q6K_TILE_CASES }
+            else if (t == X16 + T_Q4_K) { Q4K_TILE_CASES }
             else if (t == X16 + T_Q4_0) { X16_TILE_CASES(X16 + T_Q4_0) }
             else if (t == X16 + T_Q4_1) { X16_TILE_CASES(X16 + T_Q4_1) }
             else { X16_TILE_CASES(X16 + T_Q8_0) }
@@ -1264,6 +1324,7 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 }
 #undef X16_TILE_CASES
 #undef Q6K_TILE_CASES
+#undef Q4K_TILE_CASES
 #endif
 
 static int use_avx2 = 0;
@@ -1438,8 +1499,34 @@ static void interleave_q6k(const uint8_t *src, int64_t stride, int64_t rows, int
         }
 }
 
+/* Q4_K (2368 bytes a group's block): the 16 rows' d, then dmin (f16), then per sub-block j the
+ * rows' 6-bit scales (64 + 16 j + r) and mins (192 + 16 j + r) a byte each, then the values:
+ * for the sub-block pair p, 8 runs of 64 bytes (320 + 512 p + 64 j): bytes 32 p + 4 j .. + 3 of
+ * each row's qs, whose low nibbles are sub-block 2p's values 4j.. and high ones 2p + 1's. */
+static void interleave_q4k(const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    for (int64_t g = 0; g < (rows + 15) / 16; g++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * 2368;
+            memset(p, 0, 2368);
+            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
+                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 144;
+                memcpy(p + 2 * r, w, 2);
+                memcpy(p + 32 + 2 * r, w + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc, m;
+                    kscale_min(w + 4, j, &sc, &m);
+                    p[64 + 16 * j + r] = (uint8_t)sc;
+                    p[192 + 16 * j + r] = (uint8_t)m;
+                }
+                for (int pp = 0; pp < 4; pp++)
+                    for (int j = 0; j < 8; j++) memcpy(p + 320 + 512 * pp + 64 * j + 4 * r, w + 16 + 32 * pp + 4 * j, 4);
+            }
+        }
+}
+
 static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
     if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
+    if (t == T_Q4_K) { interleave_q4k(src, stride, rows, nb, dst); return; }
     int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, q8 = t == T_Q8_0, head = x16_head(t);
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
@@ -1469,6 +1556,28 @@ static inline int q6k_x16_value(const uint8_t *p, int r, int i) {
 
 static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
                        int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
+    if (t == X16 + T_Q4_K) {  /* x16_tile_q4k_vnni's lane, operation for operation */
+        for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
+            for (int b = 0; b < B; b++)
+                for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
+                    float acc = 0.f;
+                    const uint8_t *p = g;
+                    for (int k = 0; k < nb; k++, p += 2368) {
+                        float d = f16_to_f32(rd16(p + 2 * r)), dm = f16_to_f32(rd16(p + 32 + 2 * r));
+                        for (int sb = 0; sb < 8; sb++) {
+                            const q8blk *x = xq + b * ldq + 8 * k + sb;
+                            int32_t sum = 0;
+                            for (int j = 0; j < 8; j++)
+                                for (int c = 0; c < 4; c++)
+                                    sum += ((p[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15) * x->q[4 * j + c];
+                            float dsc = d * (float)p[64 + 16 * sb + r], dmm = dm * (float)p[192 + 16 * sb + r];
+                            acc = fmaf(fmaf((float)sum, dsc, -(dmm * (float)x->s)), x->d, acc);
+                        }
+                    }
+                    y[b * ldy + r0 + r] = acc;
+                }
+        return;
+    }
     if (t == X16 + T_Q6_K) {  /* x16_tile_q6k_vnni's lane, operation for operation */
         for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
             for (int b = 0; b < B; b++)
@@ -1524,7 +1633,7 @@ static _Thread_local int64_t hs_cap;
 static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
                          int B, float *y, int64_t ldy) {
     int bs = block_size(m.t - X16), nb = n / bs;
-    const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * 16 * type_bytes(m.t - X16);
+    const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * x16_block_bytes(m.t);
     int64_t ldh = 2 * (n / QK);
     if (m.t == X16 + T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
         if ((int64_t)B * ldh > hs_cap) {
@@ -2267,6 +2376,22 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
+    if (m.t == X16 + T_Q4_K) {
+        for (int64_t i = 0; i < n_rows; i++) {
+            int64_t row = start + i;
+            int r = (int)(row % 16);
+            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QKK) * 2368;
+            for (int k = 0; k < n / QKK; k++, p += 2368) {
+                float d = f16_to_f32(rd16(p + 2 * r)), dm = f16_to_f32(rd16(p + 32 + 2 * r));
+                for (int v = 0; v < QKK; v++) {  /* as kunpack: (d sc) q - dmin m */
+                    int sb = v / 32, j = (v % 32) / 4, c = v % 4;
+                    int q = (p[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15;
+                    out[i * n + k * QKK + v] = d * (float)p[64 + 16 * sb + r] * (float)q - dm * (float)p[192 + 16 * sb + r];
+                }
+            }
+        }
+        return;
+    }
     if (m.t == X16 + T_Q6_K) {
         for (int64_t i = 0; i < n_rows; i++) {
             int64_t row = start + i;
@@ -2535,8 +2660,8 @@ static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t
     int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && t != T_Q6_K) {
-        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1, Q8_0 or Q6_K only");
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && t != T_Q6_K && t != T_Q4_K) {
+        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K only");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
