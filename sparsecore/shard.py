@@ -136,12 +136,13 @@ class FileLayer:
         # every gate row); up's too where the engine only decodes densely ("gate+up").
         if fast and not self.down_t and self.down.can_interleave:
             self.down = self.down.interleave()
-            if interleave in ("gate", "gate+up") and own.start % 16 == 0 and self.gate.can_interleave:
-                self.gate = self.gate.keep_rows(own).interleave()
-                if gate_mode == "none":
-                    self.up = self.gate
-                elif interleave == "gate+up" and self.up.can_interleave:
-                    self.up = self.up.keep_rows(own).interleave()
+        if fast and not self.down_t and interleave in ("gate", "gate+up") and own.start % 16 == 0 \
+                and self.gate.can_interleave:
+            self.gate = self.gate.keep_rows(own).interleave()
+            if gate_mode == "none":
+                self.up = self.gate
+            elif interleave == "gate+up" and self.up.can_interleave:
+                self.up = self.up.keep_rows(own).interleave()
 
     @property
     def tiled_prefill(self) -> bool:

@@ -65,6 +65,17 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* A per-thread scratch buffer of at least `bytes`, grown on demand and kept (calls release the
+ * GIL: every thread its own); NULL if it cannot grow. */
+static void *grown(void **buf, int64_t *cap, int64_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = malloc(bytes > 0 ? bytes : 1);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
 static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
@@ -1628,20 +1639,17 @@ static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows,
 
 /* Rows [start, start + n_rows) (start on a group) of an X16 matrix, columns [col0, col0 + n),
  * for B tokens' q8 blocks (fast mode only: the layout has no float path) */
-static _Thread_local int32_t *hs_buf;
+static _Thread_local void *hs_buf;
 static _Thread_local int64_t hs_cap;
 static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
                          int B, float *y, int64_t ldy) {
     int bs = block_size(m.t - X16), nb = n / bs;
     const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * x16_block_bytes(m.t);
     int64_t ldh = 2 * (n / QK);
+    int32_t *hs = NULL;
     if (m.t == X16 + T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
-        if ((int64_t)B * ldh > hs_cap) {
-            free(hs_buf);
-            hs_buf = malloc(sizeof(int32_t) * B * ldh);
-            hs_cap = hs_buf ? (int64_t)B * ldh : 0;
-        }
-        if (!hs_buf) {  /* out of memory for a few KB: zeros rather than garbage */
+        hs = grown(&hs_buf, &hs_cap, sizeof(int32_t) * B * ldh);
+        if (!hs) {  /* out of memory for a few KB: zeros rather than garbage */
             for (int b = 0; b < B; b++) memset(y + b * ldy, 0, sizeof(float) * n_rows);
             return;
         }
@@ -1649,13 +1657,13 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
             for (int64_t i = 0; i < ldh; i++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 16; j++) sum += xq[b * ldq + i / 2].q[16 * (i % 2) + j];
-                hs_buf[b * ldh + i] = sum;
+                hs[b * ldh + i] = sum;
             }
     }
 #if HAVE_X86
-    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs_buf, ldh, B, y, ldy); return; }
+    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
 #endif
-    x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs_buf, ldh, B, y, ldy);
+    x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy);
 }
 
 /* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
@@ -1687,31 +1695,17 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
  * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
  * Returns the number of active neurons. */
 /* Owned neurons to visit, as offsets into the shard, per thread (grown on demand) */
-static _Thread_local int32_t *list_buf;
+static _Thread_local void *list_buf;
 static _Thread_local int64_t list_cap;
-static int32_t *neuron_list(int64_t n) {
-    if (n > list_cap) {
-        free(list_buf);
-        list_buf = malloc(sizeof(int32_t) * (n > 0 ? n : 1));
-        list_cap = list_buf ? n : 0;
-    }
-    return list_buf;
-}
+static int32_t *neuron_list(int64_t n) { return grown(&list_buf, &list_cap, sizeof(int32_t) * n); }
 
 static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, const float *x,
                    int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy);
 
 /* up's products of a dense shard on X16 rows (B n_own floats), per thread, grown on demand */
-static _Thread_local float *up_buf;
+static _Thread_local void *up_buf;
 static _Thread_local int64_t up_cap;
-static float *up_scratch(int64_t n) {
-    if (n > up_cap) {
-        free(up_buf);
-        up_buf = malloc(sizeof(float) * (n > 0 ? n : 1));
-        up_cap = up_buf ? n : 0;
-    }
-    return up_buf;
-}
+static float *up_scratch(int64_t n) { return grown(&up_buf, &up_cap, sizeof(float) * n); }
 
 /* Interleaved gate rows (X16: FileLayer, fast mode, down not transposed) serve dense and
  * threshold steps: gate's products for all B tokens in one pass over the groups, into h
