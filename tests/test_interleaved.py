@@ -129,8 +129,23 @@ def test_interleaved_dequantize_is_the_files(mats, t):
     np.testing.assert_array_equal(p.dequantize(rows=range(48, 53), cols=cols), m.dequantize(rows=range(48, 53), cols=cols))
 
 
+def test_interleaved_memory_is_never_unmapped_as_a_files(tmp_path):
+    """A large interleaved copy lives in anonymous huge-page memory, which MADV_DONTNEED would
+    zero: what unmaps a file's pages leaves it alone, and its values stay."""
+    big = np.random.default_rng(47).standard_normal((4096, 512))
+    p = K.FileMatrix(write_tensors(tmp_path / "big.gguf", {"w": (big, T.Q8_0)})["w"]).interleave()
+    assert p.data.nbytes >= 1 << 21
+    before = p.data.copy()
+    K._unmap_file_pages(p.data)
+    np.testing.assert_array_equal(p.data, before)
+
+
 def test_what_interleaved_rows_refuse(mats):
     p = K.FileMatrix(mats["w.Q4_0"]).interleave()
+    with pytest.raises(ValueError, match="already interleaved"):
+        p.interleave()
+    with pytest.raises(ValueError, match="before interleaving"):
+        p.keep_columns(range(32, 64))
     x = np.zeros(160, np.float32)
     for bad in ([3, 0], range(5, 20)):  # single rows in any order; a range off a group
         with pytest.raises(ValueError, match="ranges starting on 16 rows"):
