@@ -1278,42 +1278,24 @@ VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk 
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
-/* one tile of B tokens with the type and B constant: each (type, B) its own inlined copy */
-#define X16_TILE_CASES(T)                                                          \
-    switch (nt) {                                                                  \
-    case 8: x16_tile_vnni(T, g, nb, xb, ldq, 8, yb, ldy, nv); break;               \
-    case 7: x16_tile_vnni(T, g, nb, xb, ldq, 7, yb, ldy, nv); break;               \
-    case 6: x16_tile_vnni(T, g, nb, xb, ldq, 6, yb, ldy, nv); break;               \
-    case 5: x16_tile_vnni(T, g, nb, xb, ldq, 5, yb, ldy, nv); break;               \
-    case 4: x16_tile_vnni(T, g, nb, xb, ldq, 4, yb, ldy, nv); break;               \
-    case 3: x16_tile_vnni(T, g, nb, xb, ldq, 3, yb, ldy, nv); break;               \
-    case 2: x16_tile_vnni(T, g, nb, xb, ldq, 2, yb, ldy, nv); break;               \
-    default: x16_tile_vnni(T, g, nb, xb, ldq, 1, yb, ldy, nv);                     \
+/* one tile of nt tokens with the type and the count constant: each (type, count) its own
+ * inlined copy; CALL(n) is the tile function's call for n tokens */
+#define BY_TILE(CALL)                                                                   \
+    switch (nt) {                                                                       \
+    case 8: CALL(8); break;                                                             \
+    case 7: CALL(7); break;                                                             \
+    case 6: CALL(6); break;                                                             \
+    case 5: CALL(5); break;                                                             \
+    case 4: CALL(4); break;                                                             \
+    case 3: CALL(3); break;                                                             \
+    case 2: CALL(2); break;                                                             \
+    default: CALL(1);                                                                   \
     }
-
-#define Q6K_TILE_CASES                                                                       \
-    switch (nt) {                                                                            \
-    case 8: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 8, yb, ldy, nv); break;     \
-    case 7: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 7, yb, ldy, nv); break;     \
-    case 6: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 6, yb, ldy, nv); break;     \
-    case 5: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 5, yb, ldy, nv); break;     \
-    case 4: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 4, yb, ldy, nv); break;     \
-    case 3: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 3, yb, ldy, nv); break;     \
-    case 2: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 2, yb, ldy, nv); break;     \
-    default: x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, 1, yb, ldy, nv);           \
-    }
-
-#define Q4K_TILE_CASES                                                          \
-    switch (nt) {                                                               \
-    case 8: x16_tile_q4k_vnni(g, nb, xb, ldq, 8, yb, ldy, nv); break;           \
-    case 7: x16_tile_q4k_vnni(g, nb, xb, ldq, 7, yb, ldy, nv); break;           \
-    case 6: x16_tile_q4k_vnni(g, nb, xb, ldq, 6, yb, ldy, nv); break;           \
-    case 5: x16_tile_q4k_vnni(g, nb, xb, ldq, 5, yb, ldy, nv); break;           \
-    case 4: x16_tile_q4k_vnni(g, nb, xb, ldq, 4, yb, ldy, nv); break;           \
-    case 3: x16_tile_q4k_vnni(g, nb, xb, ldq, 3, yb, ldy, nv); break;           \
-    case 2: x16_tile_q4k_vnni(g, nb, xb, ldq, 2, yb, ldy, nv); break;           \
-    default: x16_tile_q4k_vnni(g, nb, xb, ldq, 1, yb, ldy, nv);                 \
-    }
+#define Q4_0_TILE(n) x16_tile_vnni(X16 + T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE(n) x16_tile_vnni(X16 + T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE(n) x16_tile_vnni(X16 + T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_K_TILE(n) x16_tile_q4k_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q6_K_TILE(n) x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
 /* nb: blocks of the type per row (of 32 values, of 256 for Q6_K); hs: Q6_K's sums of x over
  * each 16 values, ldh per token */
@@ -1325,17 +1307,20 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             const q8blk *xb = xq + b * ldq;
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_V ? B - b : TILE_V;
-            if (t == X16 + T_Q6_K) { Q6K_TILE_CASES }
-            else if (t == X16 + T_Q4_K) { Q4K_TILE_CASES }
-            else if (t == X16 + T_Q4_0) { X16_TILE_CASES(X16 + T_Q4_0) }
-            else if (t == X16 + T_Q4_1) { X16_TILE_CASES(X16 + T_Q4_1) }
-            else { X16_TILE_CASES(X16 + T_Q8_0) }
+            if (t == X16 + T_Q6_K) BY_TILE(Q6_K_TILE)
+            else if (t == X16 + T_Q4_K) BY_TILE(Q4_K_TILE)
+            else if (t == X16 + T_Q4_0) BY_TILE(Q4_0_TILE)
+            else if (t == X16 + T_Q4_1) BY_TILE(Q4_1_TILE)
+            else BY_TILE(Q8_0_TILE)
         }
     }
 }
-#undef X16_TILE_CASES
-#undef Q6K_TILE_CASES
-#undef Q4K_TILE_CASES
+#undef BY_TILE
+#undef Q4_0_TILE
+#undef Q4_1_TILE
+#undef Q8_0_TILE
+#undef Q4_K_TILE
+#undef Q6_K_TILE
 #endif
 
 static int use_avx2 = 0;
@@ -1555,8 +1540,6 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
         }
 }
 
-/* Portable fast-mode products on X16 rows: per row, block and token the integer sum and the
- * float operations of x16_tile_vnni's lane (fmaf: its fused multiply-adds). */
 /* The unsigned 6-bit value i of row r in a Q6_K X16 block p (interleave_q6k's layout) */
 static inline int q6k_x16_value(const uint8_t *p, int r, int i) {
     int quad = i / 4, c = i % 4, m = quad / 2, n = i / 16;
@@ -1565,76 +1548,67 @@ static inline int q6k_x16_value(const uint8_t *p, int r, int i) {
     return lo | (hi << 4);
 }
 
-static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
-                       int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
-    if (t == X16 + T_Q4_K) {  /* x16_tile_q4k_vnni's lane, operation for operation */
-        for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
-            for (int b = 0; b < B; b++)
-                for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
-                    float acc = 0.f;
-                    const uint8_t *p = g;
-                    for (int k = 0; k < nb; k++, p += 2368) {
-                        float d = f16_to_f32(rd16(p + 2 * r)), dm = f16_to_f32(rd16(p + 32 + 2 * r));
-                        for (int sb = 0; sb < 8; sb++) {
-                            const q8blk *x = xq + b * ldq + 8 * k + sb;
-                            int32_t sum = 0;
-                            for (int j = 0; j < 8; j++)
-                                for (int c = 0; c < 4; c++)
-                                    sum += ((p[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15) * x->q[4 * j + c];
-                            float dsc = d * (float)p[64 + 16 * sb + r], dmm = dm * (float)p[192 + 16 * sb + r];
-                            acc = fmaf(fmaf((float)sum, dsc, -(dmm * (float)x->s)), x->d, acc);
-                        }
-                    }
-                    y[b * ldy + r0 + r] = acc;
-                }
-        return;
+/* Row r of the group at g (nb blocks) dotted with one token (its q8 blocks x; Q6_K: hs, its sums
+ * over each 16 values): the VNNI tiles' lane for that row, operation for operation (fmaf: their
+ * fused multiply-adds), so both paths give the same floats. */
+static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq, const int32_t *hs) {
+    float acc = 0.f;
+    if (t == X16 + T_Q4_K) {
+        for (int k = 0; k < nb; k++, g += 2368) {
+            float d = f16_to_f32(rd16(g + 2 * r)), dm = f16_to_f32(rd16(g + 32 + 2 * r));
+            for (int sb = 0; sb < 8; sb++) {
+                const q8blk *x = xq + 8 * k + sb;
+                int32_t sum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int c = 0; c < 4; c++)
+                        sum += ((g[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15) * x->q[4 * j + c];
+                float dsc = d * (float)g[64 + 16 * sb + r], dmm = dm * (float)g[192 + 16 * sb + r];
+                acc = fmaf(fmaf((float)sum, dsc, -(dmm * (float)x->s)), x->d, acc);
+            }
+        }
+        return acc;
     }
-    if (t == X16 + T_Q6_K) {  /* x16_tile_q6k_vnni's lane, operation for operation */
-        for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
-            for (int b = 0; b < B; b++)
-                for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
-                    float acc = 0.f;
-                    const uint8_t *p = g;
-                    for (int k = 0; k < nb; k++, p += 16 * 210) {
-                        float d = f16_to_f32(rd16(p + 2 * r));
-                        for (int xb = 0; xb < 8; xb++) {
-                            const q8blk *x = xq + b * ldq + 8 * k + xb;
-                            const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
-                            int32_t sab[2];
-                            for (int h = 0; h < 2; h++) {
-                                sab[h] = -32 * hb[h];
-                                for (int i = 0; i < 16; i++)
-                                    sab[h] += q6k_x16_value(p, r, 32 * xb + 16 * h + i) * x->q[16 * h + i];
-                            }
-                            int32_t si = sab[0] * (int8_t)p[32 + 16 * (2 * xb) + r] + sab[1] * (int8_t)p[32 + 16 * (2 * xb + 1) + r];
-                            acc = fmaf((float)si, d * x->d, acc);
-                        }
-                    }
-                    y[b * ldy + r0 + r] = acc;
+    if (t == X16 + T_Q6_K) {
+        for (int k = 0; k < nb; k++, g += 16 * 210) {
+            float d = f16_to_f32(rd16(g + 2 * r));
+            for (int xb = 0; xb < 8; xb++) {
+                const q8blk *x = xq + 8 * k + xb;
+                const int32_t *hb = hs + 2 * (8 * k + xb);
+                int32_t sab[2];
+                for (int h = 0; h < 2; h++) {
+                    sab[h] = -32 * hb[h];
+                    for (int i = 0; i < 16; i++) sab[h] += q6k_x16_value(g, r, 32 * xb + 16 * h + i) * x->q[16 * h + i];
                 }
-        return;
+                int32_t si = sab[0] * (int8_t)g[32 + 16 * (2 * xb) + r] + sab[1] * (int8_t)g[32 + 16 * (2 * xb + 1) + r];
+                acc = fmaf((float)si, d * x->d, acc);
+            }
+        }
+        return acc;
     }
     int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0, head = x16_head(t);
+    for (int k = 0; k < nb; k++, g += gb) {
+        const q8blk *x = xq + k;
+        int32_t s = x16_offset(t, x->s);
+        for (int j = 0; j < (q8 ? 8 : 4); j++)
+            for (int c = 0; c < 4; c++) {
+                int v = g[head + 64 * j + 4 * r + c];
+                if (q8) s += v * x->q[4 * j + c];
+                else s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
+            }
+        float d = f16_to_f32(rd16(g + 2 * r));
+        if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(g + 32 + 2 * r)) * (float)x->s), x->d, acc);
+        else acc = fmaf((float)s, d * x->d, acc);
+    }
+    return acc;
+}
+
+/* Portable fast-mode products on X16 rows (every ISA level below VNNI) */
+static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+                       int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16, g += gstride)
         for (int b = 0; b < B; b++)
-            for (int r = 0; r < 16 && r0 + r < n_rows; r++) {
-                float acc = 0.f;
-                const uint8_t *p = g;
-                for (int k = 0; k < nb; k++, p += gb) {
-                    const q8blk *x = xq + b * ldq + k;
-                    int32_t s = x16_offset(t, x->s);
-                    for (int j = 0; j < (q8 ? 8 : 4); j++)
-                        for (int c = 0; c < 4; c++) {
-                            int v = p[head + 64 * j + 4 * r + c];
-                            if (q8) s += v * x->q[4 * j + c];
-                            else s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
-                        }
-                    float d = f16_to_f32(rd16(p + 2 * r));
-                    if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 32 + 2 * r)) * (float)x->s), x->d, acc);
-                    else acc = fmaf((float)s, d * x->d, acc);
-                }
-                y[b * ldy + r0 + r] = acc;
-            }
+            for (int r = 0; r < 16 && r0 + r < n_rows; r++)
+                y[b * ldy + r0 + r] = x16_lane_c(t, g, nb, r, xq + b * ldq, hs ? hs + b * ldh : NULL);
 }
 
 /* Rows [start, start + n_rows) (start on a group) of an X16 matrix, columns [col0, col0 + n),
