@@ -20,7 +20,7 @@ from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
-from sparsecore.kernels import supports
+from sparsecore.kernels import isa, supports
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
@@ -160,8 +160,11 @@ class Engine:
         if opts.interleave and not dense:
             raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
-        # with fast arithmetic whatever this says (every step reads them whole)
-        self.row_layout = "" if not (opts.fast and opts.weights == "gguf") or predictors is not None else \
+        # with fast arithmetic whatever this says (every step reads them whole). The layout is
+        # only taken where the CPU has AVX-512 VNNI (FileMatrix.can_interleave): elsewhere
+        # nothing is interleaved, and nothing refused.
+        vnni = isa() == "avx512vnni"
+        self.row_layout = "" if not (opts.fast and opts.weights == "gguf" and vnni) or predictors is not None else \
             "gate+up" if dense and opts.interleave is not False else "gate"
         self.interleaved = self.row_layout == "gate+up"  # dense decoding only
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
