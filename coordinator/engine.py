@@ -20,7 +20,7 @@ from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
 from sparsecore.gguf_file import check_supported_types, open_gguf
-from sparsecore.kernels import isa, supports
+from sparsecore.kernels import interleaving, supports
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
@@ -86,10 +86,6 @@ class EngineOptions:
     # dense steps only. None: up too when the engine starts dense (no `sparsity`, no
     # predictors); False: never up, for tools that switch to threshold steps at run time.
     interleave: bool | None = None
-
-
-INTERLEAVED_DENSE = ("this engine holds its up rows interleaved for dense decoding (EngineOptions.interleave): "
-                     "start it with --sparsity, or with interleave=False, to decode sparsely")
 
 
 @dataclass
@@ -160,13 +156,10 @@ class Engine:
         if opts.interleave and not dense:
             raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
-        # with fast arithmetic whatever this says (every step reads them whole). The layout is
-        # only taken where the CPU has AVX-512 VNNI (FileMatrix.can_interleave): elsewhere
-        # nothing is interleaved, and nothing refused.
-        vnni = isa() == "avx512vnni"
-        self.row_layout = "" if not (opts.fast and opts.weights == "gguf" and vnni) or predictors is not None else \
-            "gate+up" if dense and opts.interleave is not False else "gate"
-        self.interleaved = self.row_layout == "gate+up"  # dense decoding only
+        # with fast arithmetic whatever this says (every step reads them whole). Where the CPU
+        # takes no interleaved layout (kernels.interleaving) nothing is, and nothing refused.
+        self.row_layout = "" if not (opts.fast and opts.weights == "gguf" and interleaving()) or \
+            predictors is not None else "gate+up" if dense and opts.interleave is not False else "gate"
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
@@ -237,6 +230,11 @@ class Engine:
                              "start it with the predictors to decode with them")
         self.ffn.predictors = p
 
+    @property
+    def interleaved(self) -> bool:
+        """Up's rows are interleaved too: the engine decodes densely only (row_layout)."""
+        return self.row_layout == "gate+up"
+
     def _place(self, store: TensorStore):
         """(plan, where it came from, lm_head rows per slot, threads per worker, total threads)."""
         opts, cfg = self.opts, self.cfg
@@ -288,7 +286,8 @@ class Engine:
     def set_sparsity(self, sparsity: float | None) -> None:
         """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
         if sparsity is not None and self.interleaved:
-            raise ValueError(INTERLEAVED_DENSE)
+            raise ValueError("this engine holds its up rows interleaved for dense decoding (EngineOptions.interleave): "
+                             "start it with --sparsity, or with interleave=False, to decode sparsely")
         if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         if sparsity is not None:

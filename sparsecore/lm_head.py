@@ -100,9 +100,7 @@ class HeadRows:
         self.file = None
         if in_file and supports(t.tensor_type):
             m = FileMatrix(t)
-            if fast and m.can_interleave and start % 16 == 0:
-                m = m.keep_rows(range(start, stop)).interleave()
-            self.file = FileRows(m, range(start, stop), fast)
+            self.file = FileRows(m.for_fast_products(range(start, stop)) if fast else m, range(start, stop), fast)
         self.q8 = None if self.file is not None else Q8Head.from_tensor(t, slice(start, stop))
         self.w = None
         if self.file is None and self.q8 is None:

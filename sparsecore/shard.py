@@ -134,15 +134,14 @@ class FileLayer:
         # as its own 16-aligned part: down's always (every step reads all its rows); gate's
         # where no predictor picks rows (`interleave` "gate": dense and threshold steps read
         # every gate row); up's too where the engine only decodes densely ("gate+up").
-        if fast and not self.down_t and self.down.can_interleave:
-            self.down = self.down.interleave()
-        if fast and not self.down_t and interleave in ("gate", "gate+up") and own.start % 16 == 0 \
-                and self.gate.can_interleave:
-            self.gate = self.gate.keep_rows(own).interleave()
+        if fast and not self.down_t:
+            self.down = self.down.for_fast_products()
+            if interleave in ("gate", "gate+up"):
+                self.gate = self.gate.for_fast_products(own)
             if gate_mode == "none":
                 self.up = self.gate
-            elif interleave == "gate+up" and self.up.can_interleave:
-                self.up = self.up.keep_rows(own).interleave()
+            elif interleave == "gate+up" and self.gate.interleaved:  # up's rows alone cannot be: ffn_token
+                self.up = self.up.for_fast_products(own)
 
     @property
     def tiled_prefill(self) -> bool:

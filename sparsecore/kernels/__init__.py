@@ -45,6 +45,12 @@ X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleav
 X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 
 
+def interleaving() -> bool:
+    """Whether fast mode holds rows interleaved (FileMatrix.interleave) on this CPU: where it has
+    AVX-512 VNNI; elsewhere the layout has only the portable loop, slower than the file's rows."""
+    return isa() == "avx512vnni"
+
+
 def isa() -> str:
     """The instruction set the kernels use on this CPU: "avx512vnni" (fast mode's integer dots
     with AVX-512 VNNI, AVX2 for the rest), "avx2" or "generic"; import picks the best one."""
@@ -198,9 +204,17 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, where the CPU has AVX-512 VNNI
-        (elsewhere the layout only has the portable loop: correct, and slower than the file's)."""
-        return self.type in X16_TYPES and not self.interleaved and isa() == "avx512vnni"
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, where the CPU
+        has AVX-512 VNNI (interleaving())."""
+        return self.type in X16_TYPES and not self.interleaved and interleaving()
+
+    def for_fast_products(self, rows: range | None = None) -> "FileMatrix":
+        """The matrix to run fast-mode products of `rows` (a range; None: all) on: those rows
+        interleaved where they can be (can_interleave, the range starting on 16 rows), else
+        this matrix as it is. One rule for every caller (FFN, attention, lm_head)."""
+        if not self.can_interleave or (rows is not None and rows.start % 16):
+            return self
+        return (self if rows is None else self.keep_rows(rows)).interleave()
 
     def interleave(self) -> "FileMatrix":
         """This matrix (the columns it holds) with its rows 16 side by side, in memory of its own
@@ -283,8 +297,9 @@ class FileMatrix:
         part.data, part.row_range = self.data[rows.start:rows.stop], rows
         return part
 
-    def _rows(self, rows, fast: bool = True):
-        """(int32 index array or None, start, count) for rows = None (all), a range, or indices."""
+    def _rows(self, rows, fast: bool):
+        """(int32 index array or None, start, count) for rows = None (all), a range, or indices;
+        `fast`: for fast-mode products or dequantize, the two that interleaved rows take."""
         if self.interleaved and not (fast and (rows is None or isinstance(rows, range) and rows.start % 16 == 0)):
             raise ValueError(f"{self.name}: interleaved rows take fast-mode products of ranges starting on 16 rows")
         held = self.row_range
@@ -384,7 +399,7 @@ class FileMatrix:
 
     def dequantize(self, rows=None, cols: range | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The chosen rows and columns as float32 (n_rows, n_cols)."""
-        idx, start, n = self._rows(rows)
+        idx, start, n = self._rows(rows, fast=True)
         col0, ncol = self._cols(cols)
         o = np.empty((n, ncol), np.float32) if out is None else out
         if o.dtype != np.float32 or not o.flags.c_contiguous or o.size < n * ncol:
@@ -571,12 +586,12 @@ class AttentionStep:
         self.o_part = o.keep_columns(range(kv0 * cols, kv1 * cols))
         qkv = q, k, v
         # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
-        # 16 by 16 (FileMatrix.interleave; attn_part asks for them as ranges, in file order)
-        q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
-        k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
-        if self.fast and self.head_dim % 16 == 0 and all(m.can_interleave for m in (q, k, v, self.o_part)):
-            qkv = tuple(m.keep_rows(r).interleave() for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
-            self.o_part = self.o_part.interleave()
+        # 16 by 16 where they can be (attn_part asks for them as ranges, in file order)
+        if self.fast:
+            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
+            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
+            qkv = tuple(m.for_fast_products(r) for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
+            self.o_part = self.o_part.for_fast_products()
         self.qkv_part = qkv  # alive as long as the addresses in part_head
         self.part_heads, self.part_head = (kv0, kv1), self._head(*qkv, self.o_part)
 

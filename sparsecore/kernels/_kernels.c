@@ -1540,12 +1540,22 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
         }
 }
 
-/* The unsigned 6-bit value i of row r in a Q6_K X16 block p (interleave_q6k's layout) */
-static inline int q6k_x16_value(const uint8_t *p, int r, int i) {
-    int quad = i / 4, c = i % 4, m = quad / 2, n = i / 16;
-    int lo = (p[288 + 64 * m + 4 * r + c] >> (4 * (quad & 1))) & 15;
-    int hi = (p[288 + 2048 + 64 * n + 4 * r + c] >> (2 * (quad % 4))) & 3;
-    return lo | (hi << 4);
+/* The stored unsigned value i of row r in an X16 block p (interleave's layouts): Q4_0, Q4_1 and
+ * Q4_K a nibble, Q8_0 q + 128, Q6_K 6 bits */
+static inline int x16_value(int t, const uint8_t *p, int r, int i) {
+    if (t == X16 + T_Q6_K) {
+        int quad = i / 4, c = i % 4;
+        int lo = (p[288 + 64 * (quad / 2) + 4 * r + c] >> (4 * (quad & 1))) & 15;
+        int hi = (p[288 + 2048 + 64 * (i / 16) + 4 * r + c] >> (2 * (quad % 4))) & 3;
+        return lo | (hi << 4);
+    }
+    if (t == X16 + T_Q4_K) {
+        int sb = i / 32, l = i % 32;
+        return (p[320 + 512 * (sb / 2) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (sb & 1))) & 15;
+    }
+    if (t == X16 + T_Q8_0) return p[32 + 64 * (i / 4) + 4 * r + i % 4];
+    int l = i % 16;
+    return (p[x16_head(t) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
 }
 
 /* Row r of the group at g (nb blocks) dotted with one token (its q8 blocks x; Q6_K: hs, its sums
@@ -1559,9 +1569,7 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
             for (int sb = 0; sb < 8; sb++) {
                 const q8blk *x = xq + 8 * k + sb;
                 int32_t sum = 0;
-                for (int j = 0; j < 8; j++)
-                    for (int c = 0; c < 4; c++)
-                        sum += ((g[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15) * x->q[4 * j + c];
+                for (int l = 0; l < QK; l++) sum += x16_value(t, g, r, 32 * sb + l) * x->q[l];
                 float dsc = d * (float)g[64 + 16 * sb + r], dmm = dm * (float)g[192 + 16 * sb + r];
                 acc = fmaf(fmaf((float)sum, dsc, -(dmm * (float)x->s)), x->d, acc);
             }
@@ -1577,7 +1585,7 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
                 int32_t sab[2];
                 for (int h = 0; h < 2; h++) {
                     sab[h] = -32 * hb[h];
-                    for (int i = 0; i < 16; i++) sab[h] += q6k_x16_value(g, r, 32 * xb + 16 * h + i) * x->q[16 * h + i];
+                    for (int i = 0; i < 16; i++) sab[h] += x16_value(t, g, r, 32 * xb + 16 * h + i) * x->q[16 * h + i];
                 }
                 int32_t si = sab[0] * (int8_t)g[32 + 16 * (2 * xb) + r] + sab[1] * (int8_t)g[32 + 16 * (2 * xb + 1) + r];
                 acc = fmaf((float)si, d * x->d, acc);
@@ -1585,16 +1593,11 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
         }
         return acc;
     }
-    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0, head = x16_head(t);
+    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1;
     for (int k = 0; k < nb; k++, g += gb) {
         const q8blk *x = xq + k;
         int32_t s = x16_offset(t, x->s);
-        for (int j = 0; j < (q8 ? 8 : 4); j++)
-            for (int c = 0; c < 4; c++) {
-                int v = g[head + 64 * j + 4 * r + c];
-                if (q8) s += v * x->q[4 * j + c];
-                else s += (v & 15) * x->q[4 * j + c] + (v >> 4) * x->q[16 + 4 * j + c];
-            }
+        for (int i = 0; i < QK; i++) s += x16_value(t, g, r, i) * x->q[i];
         float d = f16_to_f32(rd16(g + 2 * r));
         if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(g + 32 + 2 * r)) * (float)x->s), x->d, acc);
         else acc = fmaf((float)s, d * x->d, acc);
@@ -1725,19 +1728,8 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
         return n_own;
     }
-    if (is_x16(gate.t)) {  /* h holds gate x: decide who is active as the row loop below does */
-        for (int64_t i = 0; i < n_own; i++) {
-            float g = act_fn(act, h[i]);
-            h[i] = 0.f;
-            if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
-            n_active++;
-            if (g == 0.f) continue;
-            h[i] = g;
-            live[n_live++] = (int32_t)i;
-        }
-        n_gate = 0;  /* the gate pass is done */
-    } else
-        memset(h, 0, sizeof(float) * n_own);
+    int x16_gate = is_x16(gate.t);  /* then h holds gate x already (gate_x16; no mask there) */
+    if (!x16_gate) memset(h, 0, sizeof(float) * n_own);
     /* A predictor's mask: the gate rows to read, listed first, so that the row PREFETCH_ROWS
      * active rows ahead is asked for (at 10 % active, 4 neurons ahead is under one row). */
     if (mask) {
@@ -1748,11 +1740,18 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     /* Passes over the rows in order: gate (deciding who is active), then up and down for the
      * neurons whose act(gate x) is not 0 (`live`, compacted in place: an active neuron whose
      * activation is 0 contributes 0 either way and needs no up or down row). */
-    const xpair *xp = pack_x(gate.t, xq, 0, hidden, 1, fast);
+    const xpair *xp = x16_gate ? NULL : pack_x(gate.t, xq, 0, hidden, 1, fast);
     for (int64_t j = 0; j < n_gate; j++) {
         int64_t i = mask ? live[j] : j;
-        if (mask && j + PREFETCH_ROWS < n_gate) prefetch_row(row_at(gate, own0 + live[j + PREFETCH_ROWS], 0), gbytes);
-        float g = act_fn(act, dot_any(gate.t, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast));
+        float raw;
+        if (x16_gate) {
+            raw = h[i];
+            h[i] = 0.f;
+        } else {
+            if (mask && j + PREFETCH_ROWS < n_gate) prefetch_row(row_at(gate, own0 + live[j + PREFETCH_ROWS], 0), gbytes);
+            raw = dot_any(gate.t, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast);
+        }
+        float g = act_fn(act, raw);
         if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
         n_active++;
         if (g == 0.f) continue;
@@ -1856,7 +1855,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
         matmul(down, NULL, 0, hidden, own0, (int)n_own, h, n_own, hq, ldhq, B, fast, y, hidden);
         return (int64_t)B * n_own;
     }
-    const xpair *xp = x16 ? NULL : pack_x(gate.t, xq, ldq, hidden, B, fast);
+    const xpair *xp = is_x16(gate.t) ? NULL : pack_x(gate.t, xq, ldq, hidden, B, fast);  /* x16: gate x is in h */
     for (int b = 0; b < B; b++) counts[b] = 0;
     for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
         int64_t n = own0 + i;
@@ -2344,51 +2343,28 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
-    if (m.t == X16 + T_Q4_K) {
-        for (int64_t i = 0; i < n_rows; i++) {
-            int64_t row = start + i;
-            int r = (int)(row % 16);
-            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QKK) * 2368;
-            for (int k = 0; k < n / QKK; k++, p += 2368) {
-                float d = f16_to_f32(rd16(p + 2 * r)), dm = f16_to_f32(rd16(p + 32 + 2 * r));
-                for (int v = 0; v < QKK; v++) {  /* as kunpack: (d sc) q - dmin m */
-                    int sb = v / 32, j = (v % 32) / 4, c = v % 4;
-                    int q = (p[320 + 512 * (sb / 2) + 64 * j + 4 * r + c] >> (4 * (sb & 1))) & 15;
-                    out[i * n + k * QKK + v] = d * (float)p[64 + 16 * sb + r] * (float)q - dm * (float)p[192 + 16 * sb + r];
-                }
-            }
-        }
-        return;
-    }
-    if (m.t == X16 + T_Q6_K) {
-        for (int64_t i = 0; i < n_rows; i++) {
-            int64_t row = start + i;
-            int r = (int)(row % 16);
-            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QKK) * 16 * 210;
-            for (int k = 0; k < n / QKK; k++, p += 16 * 210) {
-                float d = f16_to_f32(rd16(p + 2 * r));
-                for (int v = 0; v < QKK; v++)  /* as kunpack: (d sc) (q - 32) */
-                    out[i * n + k * QKK + v] = d * (float)(int8_t)p[32 + 16 * (v / 16) + r] * (float)(q6k_x16_value(p, r, v) - 32);
-            }
-        }
-        return;
-    }
     if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
-        int q41 = m.t == X16 + T_Q4_1, q8 = m.t == X16 + T_Q8_0, head = x16_head(m.t), gb = 16 * type_bytes(m.t - X16);
+        int t = m.t, bs = block_size(t - X16), gb = x16_block_bytes(t);
         for (int64_t i = 0; i < n_rows; i++) {
-            int64_t row = start + i, r = row % 16;
-            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / QK) * gb;
-            for (int b = 0; b < n / QK; b++, p += gb) {
-                float d = f16_to_f32(rd16(p + 2 * r)), mn = q41 ? f16_to_f32(rd16(p + 32 + 2 * r)) : 0.f;
-                float *o = out + i * n + b * QK;
-                for (int j = 0; j < 8 && q8; j++)
-                    for (int c = 0; c < 4; c++) o[4 * j + c] = d * (float)(p[head + 64 * j + 4 * r + c] - 128);
-                for (int j = 0; j < 4 && !q8; j++)
-                    for (int c = 0; c < 4; c++) {
-                        int v = p[head + 64 * j + 4 * r + c];
-                        o[4 * j + c] = q41 ? d * (float)(v & 15) + mn : d * (float)((v & 15) - 8);
-                        o[16 + 4 * j + c] = q41 ? d * (float)(v >> 4) + mn : d * (float)((v >> 4) - 8);
+            int64_t row = start + i;
+            int r = (int)(row % 16);
+            const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / bs) * gb;
+            for (int k = 0; k < n / bs; k++, p += gb) {
+                float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == X16 + T_Q4_1 || t == X16 + T_Q4_K ? f16_to_f32(rd16(p + 32 + 2 * r)) : 0.f;
+                float *o = out + i * n + k * bs;
+                for (int v = 0; v < bs; v++) {  /* the file's values, as the file's rows give them */
+                    int q = x16_value(t, p, r, v);
+                    switch (t - X16) {
+                    case T_Q4_0: o[v] = d * (float)(q - 8); break;
+                    case T_Q4_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
+                    case T_Q8_0: o[v] = d * (float)(q - 128); break;
+                    case T_Q4_K:  /* as kunpack: (d sc) q - dmin m */
+                        o[v] = d * (float)p[64 + 16 * (v / 32) + r] * (float)q - d2 * (float)p[192 + 16 * (v / 32) + r];
+                        break;
+                    default:  /* Q6_K, as kunpack: (d sc) (q - 32) */
+                        o[v] = d * (float)(int8_t)p[32 + 16 * (v / 16) + r] * (float)(q - 32);
                     }
+                }
             }
         }
         return;
