@@ -138,10 +138,17 @@ class FileLayer:
             self.down = self.down.for_fast_products()
             if interleave in ("gate", "gate+up"):
                 self.gate = self.gate.for_fast_products(own)
+            if gate_mode != "none" and interleave == "gate+up" and self.gate.interleaved:
+                self.up = self.up.for_fast_products(own)  # up's rows alone cannot be: ffn_token
+        # Rows the step picks one by one (threshold steps' up rows, predictors' gate and up rows,
+        # PowerInfer files' too) with their blocks interleaved instead (FileMatrix.for_row_products).
+        if fast:
+            if not self.gate.interleaved:
+                self.gate = self.gate.for_row_products(own)
             if gate_mode == "none":
                 self.up = self.gate
-            elif interleave == "gate+up" and self.gate.interleaved:  # up's rows alone cannot be: ffn_token
-                self.up = self.up.for_fast_products(own)
+            elif not self.up.interleaved:
+                self.up = self.up.for_row_products(own)
 
     @property
     def tiled_prefill(self) -> bool:

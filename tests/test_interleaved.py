@@ -298,6 +298,8 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
             own = [w for w in eng.ffn.own.layers.values() if isinstance(w, FileLayer)]
             assert own and all(w.down.interleaved and w.gate.interleaved for w in own)
             assert all(w.up.interleaved == (interleave is None) for w in own)
+            # up's rows, picked by threshold steps, with their blocks interleaved where the type has that layout
+            assert all(w.up.blocked == (interleave is False and tensor_type == "Q4_0") for w in own)
             got[interleave] = logits(eng)
             if interleave is None:
                 with pytest.raises(ValueError, match="interleaved for dense decoding"):

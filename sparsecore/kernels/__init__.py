@@ -43,6 +43,8 @@ Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 MAX_SMALL_BATCH = 16
 X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
 X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+R16 = 200  # added to a type id: each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
+R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
 def interleaving() -> bool:
@@ -201,6 +203,7 @@ class FileMatrix:
     col_range = None  # keep_columns: the only columns held, else all of them
     row_range = None  # keep_rows: the only rows held, else all of them
     interleaved = False  # interleave: 16 rows side by side in memory of the process's own
+    blocked = False  # interleave_blocks: each row's blocks 16 side by side, the same
 
     @property
     def can_interleave(self) -> bool:
@@ -241,6 +244,33 @@ class FileMatrix:
         _unmap_file_pages(self.data)
         return part
 
+    def for_row_products(self, rows: range | None = None) -> "FileMatrix":
+        """The matrix to run fast-mode products of rows picked one by one on (rows: the range a
+        shard may pick from; None: all): those rows with their blocks interleaved where they can
+        be (interleave_blocks: Q4_0, Q4_1 or Q8_0, the CPU with AVX-512 VNNI), else this matrix
+        as it is."""
+        if self.type not in R16_TYPES or self.interleaved or self.blocked or self.col_range is not None \
+                or not interleaving():
+            return self
+        return (self if rows is None else self.keep_rows(rows)).interleave_blocks()
+
+    def interleave_blocks(self) -> "FileMatrix":
+        """This matrix with each row's blocks 16 side by side (_kernels.c R16): every row keeps
+        its place and its bytes, every 16 of its blocks laid out as `interleave` lays out 16
+        rows' block (its last nb % 16 blocks as a run of that many). For fast mode's products of rows a shard picks by activity (threshold
+        steps' up rows, predictors' gate and up rows), which one by one cannot share the work
+        of 16 rows: here a row's 16 blocks share it instead (1.1B shape, one core, a quarter of
+        a layer's up rows picked at random: see the README's Native kernels)."""
+        if self.type not in R16_TYPES or self.interleaved or self.blocked or self.col_range is not None:
+            raise ValueError(f"tensor {self.name}: only whole rows of Q4_0, Q4_1 or Q8_0 interleave their blocks")
+        buf = _anonymous(len(self.data) * self.row_bytes)
+        _kernels.interleave_blocks(_ptr(self.data), self.stride, self.type, len(self.data), self.cols // self.block,
+                                   _ptr(buf))
+        part = copy.copy(self)
+        part.data, part.stride, part.blocked = buf.reshape(len(self.data), self.row_bytes), self.row_bytes, True
+        _unmap_file_pages(self.data)
+        return part
+
     @property
     def args(self) -> tuple[int, int, int]:
         """(base address, row stride, type) for the kernels; worked out once for the data held."""
@@ -254,7 +284,7 @@ class FileMatrix:
             # Rows start at column col_range.start: the kernels add (col0 / block) * block bytes
             # to the base, so a held column keeps its number and every call site stays the same.
             base -= self.col_range.start // self.block * (self._x16_block_bytes if self.interleaved else self._block_bytes)
-        a = (base, self.stride, self.type + (X16 if self.interleaved else 0))
+        a = (base, self.stride, self.type + (X16 if self.interleaved else R16 if self.blocked else 0))
         self._args = (self.data, (self.col_range, self.stride), a)
         return a
 
@@ -276,7 +306,7 @@ class FileMatrix:
         1.1B shape, one core: half of the output matrix's columns took 115 us, all of them 121;
         half of down's 195 us, all 315). The file's pages are then unmapped from this process,
         so it holds the part once, not the part and the whole."""
-        if self.interleaved:
+        if self.interleaved or self.blocked:
             raise ValueError(f"{self.name}: keep columns before interleaving, not after")
         col0, n = self._cols(cols)
         if n == self.cols:
@@ -291,7 +321,7 @@ class FileMatrix:
     def keep_rows(self, rows: range) -> "FileMatrix":
         """This matrix holding only rows `rows` (for interleave: a view of the file's, nothing is
         copied here), addressed by the same row numbers; other rows may not be asked for."""
-        if self.row_range is not None or self.interleaved or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
+        if self.row_range is not None or self.interleaved or self.blocked or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
             raise ValueError(f"{self.name}: cannot keep rows {rows}")
         part = copy.copy(self)
         part.data, part.row_range = self.data[rows.start:rows.stop], rows
@@ -302,18 +332,24 @@ class FileMatrix:
         `fast`: for fast-mode products or dequantize, the two that interleaved rows take."""
         if self.interleaved and not (fast and (rows is None or isinstance(rows, range) and rows.start % 16 == 0)):
             raise ValueError(f"{self.name}: interleaved rows take fast-mode products of ranges starting on 16 rows")
-        held = self.row_range
-        if held is not None and not (isinstance(rows, range) and held.start <= rows.start and rows.stop <= held.stop):
-            raise ValueError(f"{self.name}: holds rows {held} only")
+        if self.blocked and not fast:
+            raise ValueError(f"{self.name}: rows with interleaved blocks take fast-mode products only")
+        held = self.row_range or range(self.rows)
         if rows is None:
+            if self.row_range is not None:
+                raise ValueError(f"{self.name}: holds rows {held} only")
             return None, 0, self.rows
         if isinstance(rows, range):
             if rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
                 raise ValueError(f"{self.name}: row range {rows} outside 0..{self.rows}")
+            if not held.start <= rows.start <= rows.stop <= held.stop:
+                raise ValueError(f"{self.name}: holds rows {held} only")
             return None, rows.start, len(rows)
         idx = np.ascontiguousarray(rows, dtype=np.int32)
         if len(idx) and (idx.min() < 0 or idx.max() >= self.rows):
             raise ValueError(f"{self.name}: row index outside 0..{self.rows - 1}")
+        if len(idx) and (idx.min() < held.start or idx.max() >= held.stop):
+            raise ValueError(f"{self.name}: holds rows {held} only")
         return idx, 0, len(idx)
 
     def _cols(self, cols) -> tuple[int, int]:

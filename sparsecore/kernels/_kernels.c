@@ -78,9 +78,22 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
 }
 static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* Rows whose blocks are interleaved 16 by 16 within the row (R16): a Q4_0, Q4_1 or Q8_0 matrix
+ * repacked in memory of the process's own for fast mode's products of rows picked one by one
+ * (FileMatrix.interleave_blocks). Each row keeps its place and its bytes (row_at works); every
+ * 16 consecutive blocks of it (512 values) are laid out as X16 lays out 16 rows' block, the
+ * block standing for the row. Type id R16 + the file's type; a row's size and block are the
+ * file type's. */
+#define R16 200
+static inline int is_r16(int t) { return t == R16 + T_Q4_0 || t == R16 + T_Q4_1 || t == R16 + T_Q8_0; }
+
 static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
-static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
+static int block_size(int t) {
+    if (is_r16(t)) t -= R16;
+    return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK;
+}
 static int type_bytes(int t) {  /* bytes of one block */
+    if (is_r16(t)) t -= R16;
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
@@ -101,7 +114,16 @@ static inline int is_x16(int t) {
 /* bytes of an X16 (group, block): 16 of the file's blocks, and Q4_K's scales and mins unpacked
  * to a byte each (16 rows x 8 sub-blocks x 2 bytes, against 16 x 12 packed: 2.8 % more) */
 static inline int x16_block_bytes(int t) { return t == X16 + T_Q4_K ? 2368 : 16 * type_bytes(t - X16); }
-/* bytes before a block's values: the 16 rows' f16 scales (and Q4_1's 16 f16 mins) */
+/* A run of L lanes (interleave_run: X16's 16 rows' block, or R16's blocks of a row): bytes
+ * before its values, its L f16 scales (and Q4_1's L f16 mins); t the file's type */
+static inline int run_head(int t, int L) { return (t == T_Q4_1 ? 4 : 2) * L; }
+/* the stored unsigned value i of lane r in a run of L lanes: Q4 a nibble, Q8_0 q + 128 */
+static inline int run_value(int t, const uint8_t *p, int L, int r, int i) {
+    int h = run_head(t, L);
+    if (t == T_Q8_0) return p[h + 4 * L * (i / 4) + 4 * r + i % 4];
+    int l = i % 16;
+    return (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
+}
 static inline int x16_head(int t) { return t == T_Q4_1 || t == X16 + T_Q4_1 ? 64 : 32; }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
 static inline int32_t x16_offset(int t, int32_t sx) { return t == X16 + T_Q4_0 ? -8 * sx : t == X16 + T_Q8_0 ? -128 * sx : 0; }
@@ -1321,6 +1343,81 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef Q8_0_TILE
 #undef Q4_K_TILE
 #undef Q6_K_TILE
+
+/* Fast mode on R16 rows (rows picked by activity: threshold steps' up rows, predictors' gate and
+ * up rows). On the file's layout a row's block pair costs about 16 vector operations (the
+ * nibbles and two scales put in place per pair, one accumulation per 64 values); here 16 blocks
+ * (512 values) cost about 27: 8 vpdpbusd against x's values packed to match (r16_pack), and one
+ * conversion, one scale product and one accumulation for all 16 blocks. */
+/* per token and run of 16 blocks (a row's last run: lanes past its blocks zero): 8 runs of x's
+ * values (run j, lane k: values 4j..4j+3 of block k), then per block the offset of its integer
+ * sum (Q4_1: the float sum of x), then x's scales */
+static inline int64_t r16_ld(int nb) { return 10 * (int64_t)((nb + 15) / 16); }
+static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
+    int xt = t - R16 + X16, q41 = t == R16 + T_Q4_1;
+    memset(out, 0, sizeof(xpair) * B * r16_ld(nb));
+    for (int b = 0; b < B; b++, out += r16_ld(nb))
+        for (int c = 0; c < nb; c += 16) {
+            xpair *o = out + 10 * (c / 16);
+            const q8blk *x = xq + b * ldq + c;
+            for (int k = 0; k < 16 && c + k < nb; k++) {
+                for (int j = 0; j < 8; j++) memcpy(o[j].q + 4 * k, x[k].q + 4 * j, 4);
+                int32_t off = x16_offset(xt, x[k].s);
+                float sum = (float)x[k].s;
+                memcpy(o[8].q + 4 * k, q41 ? (const void *)&sum : (const void *)&off, 4);
+                memcpy(o[9].q + 4 * k, &x[k].d, 4);
+            }
+        }
+}
+
+/* the 16 lanes' sum in hsum8's order after adding the high 8 lanes to the low (r16_dot_c) */
+VNNI static INLINE float hsum16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+/* One run of L blocks of an R16 row (at w) times x's matching pack entries, into acc; lanes
+ * past L load zeros (their scales too), so they add 0 */
+VNNI static INLINE __m512 r16_run(const int t, const uint8_t *w, const int L, const xpair *x, __m512 acc) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0, h = run_head(t - R16, L);
+    const __mmask64 mv = L == 16 ? ~0ULL : (1ULL << (4 * L)) - 1;
+    const __mmask16 ms = (__mmask16)((1u << L) - 1);
+    /* two chains: a row waits on vpdpbusd's latency, not its throughput */
+    __m512i s0 = q41 ? _mm512_setzero_si512() : _mm512_load_si512(x[8].q), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < (q8 ? 8 : 4); j++) {
+        __m512i z = L == 16 ? _mm512_loadu_si512(w + h + 64 * j) : _mm512_maskz_loadu_epi8(mv, w + h + 4 * L * j);
+        if (q8) {
+            if (j % 2) s1 = _mm512_dpbusd_epi32(s1, z, _mm512_load_si512(x[j].q));
+            else s0 = _mm512_dpbusd_epi32(s0, z, _mm512_load_si512(x[j].q));
+            continue;
+        }
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(z, m4), _mm512_load_si512(x[j].q));
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4), _mm512_load_si512(x[4 + j].q));
+    }
+    __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), xd = _mm512_load_ps((const float *)x[9].q);
+    __m512 d = _mm512_cvtph_ps(L == 16 ? _mm256_loadu_si256((const __m256i *)w) : _mm256_maskz_loadu_epi16(ms, w));
+    if (q41) {
+        const uint8_t *mp = w + 2 * L;
+        __m512 m = _mm512_cvtph_ps(L == 16 ? _mm256_loadu_si256((const __m256i *)mp) : _mm256_maskz_loadu_epi16(ms, mp));
+        return _mm512_fmadd_ps(_mm512_fmadd_ps(f, d, _mm512_mul_ps(m, _mm512_load_ps((const float *)x[8].q))), xd, acc);
+    }
+    return _mm512_fmadd_ps(f, _mm512_mul_ps(d, xd), acc);
+}
+
+/* one R16 row (nb blocks) times one token packed by r16_pack, into acc: its full runs, then
+ * its last run of nb % 16 blocks */
+VNNI static INLINE __m512 r16_row(const int t, const uint8_t *w, int nb, const xpair *x, __m512 acc) {
+    const int gb = 16 * type_bytes(t);
+    int c = 0;
+    for (; c + 16 <= nb; c += 16, w += gb, x += 10) acc = r16_run(t, w, 16, x, acc);
+    return c < nb ? r16_run(t, w, nb - c, x, acc) : acc;
+}
+
+VNNI static float r16_dot_vnni(int t, const uint8_t *w, const xpair *x, int nb) {
+    __m512 z = _mm512_setzero_ps();
+    return hsum16(t == R16 + T_Q4_0 ? r16_row(R16 + T_Q4_0, w, nb, x, z)
+                  : t == R16 + T_Q4_1 ? r16_row(R16 + T_Q4_1, w, nb, x, z) : r16_row(R16 + T_Q8_0, w, nb, x, z));
+}
 #endif
 
 static int use_avx2 = 0;
@@ -1388,7 +1485,7 @@ static _Thread_local int64_t xp_cap;
 static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
 #if HAVE_X86
     int nb = n / QK;
-    int64_t need = xp_size(nb, B);
+    int64_t need = is_r16(t) ? B * r16_ld(nb) : xp_size(nb, B);
     if (!(fast && use_vnni && is_quant(t)) || need == 0) return NULL;
     if (need > xp_cap) {
         free(xp_buf);
@@ -1396,7 +1493,8 @@ static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, in
         xp_cap = xp_buf ? need : 0;
         if (!xp_buf) return NULL;
     }
-    vnni_pack(t, xq, ldq, nb, B, xp_buf);
+    if (is_r16(t)) r16_pack(t, xq, ldq, nb, B, xp_buf);
+    else vnni_pack(t, xq, ldq, nb, B, xp_buf);
     return xp_buf;
 #else
     return NULL;
@@ -1405,7 +1503,14 @@ static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, in
 
 /* fast mode for quantized types; float types have no integer path and use x itself. xp: xq
  * packed by pack_x, or NULL */
+static float r16_dot_c(int t, const uint8_t *w, const q8blk *xq, int nb);
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
+    if (is_r16(t)) {  /* fast mode only (FileMatrix._rows) */
+#if HAVE_X86
+        if (xp) return r16_dot_vnni(t, w, xp, n / QK);
+#endif
+        return r16_dot_c(t, w, xq, n / QK);
+    }
     if (fast && is_quant(t)) {
 #if HAVE_X86
         if (xp) return dot_fast_vnni(t, w, xp, n / QK);
@@ -1420,6 +1525,15 @@ static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk
  * portable path calls the one-token dot per token while the row is in L1. */
 static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq,
                      const xpair *xp, int n, int fast, int B, int alone, float *y, int64_t ldy) {
+    if (is_r16(t)) {  /* the row stays in L1 across the tokens */
+        for (int b = 0; b < B; b++) {
+#if HAVE_X86
+            if (xp) { y[b * ldy] = r16_dot_vnni(t, w, xp + b * r16_ld(n / QK), n / QK); continue; }
+#endif
+            y[b * ldy] = r16_dot_c(t, w, xq + b * ldq, n / QK);
+        }
+        return;
+    }
     if (fast && is_quant(t)) {
 #if HAVE_X86
         if (xp) { dots_fast_vnni(t, w, xp, n / QK, B, alone, y, ldy); return; }
@@ -1444,6 +1558,11 @@ typedef struct {  /* one matrix of the file: rows of `stride` bytes, values in t
 
 static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
     return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);
+}
+/* m with row r0 as its row 0 (a shard's rows by their offsets in it) */
+static inline mat shifted(mat m, int64_t r0) {
+    m.base += r0 * m.stride;
+    return m;
 }
 
 /* The act argument of ffn_token/ffn_batch: the activation in its low 4 bits, how gate and up
@@ -1520,24 +1639,44 @@ static void interleave_q4k(const uint8_t *src, int64_t stride, int64_t rows, int
         }
 }
 
+/* A run of L lanes of Q4_0, Q4_1 or Q8_0 blocks at p (L x the block's bytes): the n blocks at w,
+ * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales, for Q4_1
+ * then their mins, then the values, run j holding bytes 4j..4j+3 of each lane's value bytes */
+static void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L, uint8_t *p) {
+    int q41 = t == T_Q4_1, q8 = t == T_Q8_0, h = run_head(t, L);
+    for (int r = 0; r < n; r++, w += stride) {
+        memcpy(p + 2 * r, w, 2);
+        if (q41) memcpy(p + 2 * L + 2 * r, w + 2, 2);
+        for (int j = 0; j < (q8 ? 8 : 4); j++) {
+            uint8_t *o = p + h + 4 * L * j + 4 * r;
+            memcpy(o, w + (q41 ? 4 : 2) + 4 * j, 4);
+            if (q8)  /* signed q as unsigned q + 128 (vpdpbusd's unsigned side) */
+                for (int c = 0; c < 4; c++) o[c] ^= 0x80;
+        }
+    }
+}
+
 static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
     if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
     if (t == T_Q4_K) { interleave_q4k(src, stride, rows, nb, dst); return; }
-    int tb = type_bytes(t), gb = 16 * tb, q41 = t == T_Q4_1, q8 = t == T_Q8_0, head = x16_head(t);
+    int tb = type_bytes(t), gb = 16 * tb;
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
             uint8_t *p = dst + (g * nb + k) * gb;
             memset(p, 0, gb);
-            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
-                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * tb;
-                memcpy(p + 2 * r, w, 2);
-                if (q41) memcpy(p + 32 + 2 * r, w + 2, 2);
-                for (int j = 0; j < (q8 ? 8 : 4); j++) memcpy(p + head + 64 * j + 4 * r, w + (q41 ? 4 : 2) + 4 * j, 4);
-                if (q8)  /* signed q as unsigned q + 128 (vpdpbusd's unsigned side) */
-                    for (int j = 0; j < 8; j++)
-                        for (int c = 0; c < 4; c++) p[head + 64 * j + 4 * r + c] ^= 0x80;
-            }
+            int n = rows - g * 16 < 16 ? (int)(rows - g * 16) : 16;
+            interleave_run(t, src + g * 16 * stride + (int64_t)k * tb, stride, n, 16, p);
         }
+}
+
+/* R16 (FileMatrix.interleave_blocks): each row's blocks in runs of 16, a row's last run of
+ * fewer (nb % 16) as a run of that many lanes; rows stay `nb` blocks' bytes apart in dst */
+static void interleave_blocks(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    int tb = type_bytes(t);
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < nb; c += 16)
+            interleave_run(t, src + r * stride + (int64_t)c * tb, tb, nb - c < 16 ? nb - c : 16,
+                           nb - c < 16 ? nb - c : 16, dst + (r * nb + c) * tb);
 }
 
 /* The stored unsigned value i of row r in an X16 block p (interleave's layouts): Q4_0, Q4_1 and
@@ -1553,9 +1692,17 @@ static inline int x16_value(int t, const uint8_t *p, int r, int i) {
         int sb = i / 32, l = i % 32;
         return (p[320 + 512 * (sb / 2) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (sb & 1))) & 15;
     }
-    if (t == X16 + T_Q8_0) return p[32 + 64 * (i / 4) + 4 * r + i % 4];
-    int l = i % 16;
-    return (p[x16_head(t) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
+    return run_value(t - X16, p, 16, r, i);
+}
+
+/* One block (at p) of row r of an X16 Q4_0, Q4_1 or Q8_0 group times one token's q8 block x,
+ * added to acc: the VNNI tile's lane, operation for operation (fmaf: its fused multiply-adds) */
+static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8blk *x, float acc) {
+    int32_t s = x16_offset(t, x->s);
+    for (int i = 0; i < QK; i++) s += run_value(t - X16, p, L, r, i) * x->q[i];
+    float d = f16_to_f32(rd16(p + 2 * r));
+    if (t == X16 + T_Q4_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
+    return fmaf((float)s, d * x->d, acc);
 }
 
 /* Row r of the group at g (nb blocks) dotted with one token (its q8 blocks x; Q6_K: hs, its sums
@@ -1593,16 +1740,24 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
         }
         return acc;
     }
-    int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1;
-    for (int k = 0; k < nb; k++, g += gb) {
-        const q8blk *x = xq + k;
-        int32_t s = x16_offset(t, x->s);
-        for (int i = 0; i < QK; i++) s += x16_value(t, g, r, i) * x->q[i];
-        float d = f16_to_f32(rd16(g + 2 * r));
-        if (q41) acc = fmaf(fmaf((float)s, d, f16_to_f32(rd16(g + 32 + 2 * r)) * (float)x->s), x->d, acc);
-        else acc = fmaf((float)s, d * x->d, acc);
-    }
+    int gb = 16 * type_bytes(t - X16);
+    for (int k = 0; k < nb; k++, g += gb) acc = x16_block_c(t, g, 16, r, xq + k, acc);
     return acc;
+}
+
+/* One row of an R16 matrix (nb blocks) dotted with one token's q8 blocks:
+ * lane k of the VNNI kernel (r16_dot_vnni) accumulates blocks k, k + 16, ... as X16's lane
+ * for its row does, then the 16 lanes are summed as hsum16 sums them: the same floats. */
+static float r16_dot_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    int xt = t - R16 + X16, gb = 16 * type_bytes(t);
+    float acc[16] = {0};
+    for (int c = 0; c < nb; c += 16, w += gb) {
+        int L = nb - c < 16 ? nb - c : 16;  /* the last run's missing lanes add zeros, as r16_run's */
+        for (int k = 0; k < 16; k++) acc[k] = k < L ? x16_block_c(xt, w, L, k, xq + c + k, acc[k]) : acc[k] + 0.f;
+    }
+    for (int k = 0; k < 8; k++) acc[k] += acc[k + 8];
+    for (int k = 0; k < 4; k++) acc[k] += acc[k + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
 }
 
 /* Portable fast-mode products on X16 rows (every ISA level below VNNI) */
@@ -1651,12 +1806,66 @@ static inline void prefetch_row(const uint8_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 0);
 }
 
+#if HAVE_X86
+#define R16_AHEAD 128
+VNNI static INLINE void r16_rows_t(const int t, mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x,
+                                   int nb, float *y) {
+    const int64_t gb = 16 * type_bytes(t);
+    const int nc = (nb + 15) / 16;
+    /* A cursor runs R16_AHEAD runs ahead over the (row, run) sequence the loop reads, asking
+     * for each into L2 (prefetcht1): rows picked at random, 1.1 KB each, came at 9-11 GB/s on
+     * one core with no prefetch or prefetches into L1 (too few misses in flight), 21-23 GB/s
+     * with these (the 1.1B shape's up rows, DRAM, half of them: 212 us, all of X16's 237). */
+    int64_t pi = 0;
+    int pc = 0;
+#define R16_FETCH()                                                                          \
+    if (pi < n) {                                                                            \
+        const char *pp = (const char *)row_at(m, rows ? rows[pi] : start + pi, 0) + pc * gb; \
+        for (int o = 0; o < gb; o += 64) _mm_prefetch(pp + o, _MM_HINT_T1);                  \
+        if (++pc == nc) { pc = 0; pi++; }                                                    \
+    }
+    for (int k = 0; k < R16_AHEAD; k++) R16_FETCH()
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2) {  /* two rows at a time: their chains interleave */
+        const uint8_t *w0 = row_at(m, rows ? rows[i] : start + i, 0), *w1 = row_at(m, rows ? rows[i + 1] : start + i + 1, 0);
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int c = 0;
+        for (; c + 16 <= nb; c += 16) {
+            R16_FETCH()
+            R16_FETCH()
+            a0 = r16_run(t, w0 + c / 16 * gb, 16, x + 10 * (c / 16), a0);
+            a1 = r16_run(t, w1 + c / 16 * gb, 16, x + 10 * (c / 16), a1);
+        }
+        if (c < nb) {
+            R16_FETCH()
+            R16_FETCH()
+            a0 = r16_run(t, w0 + c / 16 * gb, nb - c, x + 10 * (c / 16), a0);
+            a1 = r16_run(t, w1 + c / 16 * gb, nb - c, x + 10 * (c / 16), a1);
+        }
+        y[i] = hsum16(a0);
+        y[i + 1] = hsum16(a1);
+    }
+#undef R16_FETCH
+    if (i < n) y[i] = hsum16(r16_row(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x, _mm512_setzero_ps()));
+}
+/* y[i] = row (rows[i], else start + i) . x for i < n (x: one token packed by r16_pack). One
+ * row at a time through dot_any, a row cost some 60 ns in L2 (4 runs of 16 blocks). */
+VNNI static void r16_rows_vnni(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
+    if (m.t == R16 + T_Q4_0) r16_rows_t(R16 + T_Q4_0, m, rows, start, n, x, nb, y);
+    else if (m.t == R16 + T_Q4_1) r16_rows_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
+    else r16_rows_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
+}
+#endif
+
 static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, const q8blk *xq, int fast, float *y) {
     if (is_x16(m.t)) { x16_products(m, start, n_rows, col0, n, xq, 0, 1, y, 1); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
     const xpair *xp = pack_x(m.t, xq, 0, n, 1, fast);
+#if HAVE_X86
+    if (is_r16(m.t) && xp && col0 == 0) { r16_rows_vnni(m, rows, start, n_rows, xp, n / QK, y); return; }
+#endif
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t r = rows ? rows[i] : start + i;
         if (partial && i + PREFETCH_ROWS < n_rows)
@@ -1741,12 +1950,21 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
      * neurons whose act(gate x) is not 0 (`live`, compacted in place: an active neuron whose
      * activation is 0 contributes 0 either way and needs no up or down row). */
     const xpair *xp = x16_gate ? NULL : pack_x(gate.t, xq, 0, hidden, 1, fast);
+    float *picked = NULL;  /* R16 rows' products, all in one call (r16_rows_vnni), then used in turn */
+#if HAVE_X86
+    if (is_r16(gate.t) && xp) {
+        if (!(picked = up_scratch(n_gate))) return -1;
+        r16_rows_vnni(shifted(gate, own0), mask ? live : NULL, 0, n_gate, xp, hidden / QK, picked);
+    }
+#endif
     for (int64_t j = 0; j < n_gate; j++) {
         int64_t i = mask ? live[j] : j;
         float raw;
         if (x16_gate) {
             raw = h[i];
             h[i] = 0.f;
+        } else if (picked) {
+            raw = picked[j];
         } else {
             if (mask && j + PREFETCH_ROWS < n_gate) prefetch_row(row_at(gate, own0 + live[j + PREFETCH_ROWS], 0), gbytes);
             raw = dot_any(gate.t, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast);
@@ -1759,10 +1977,21 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         live[n_live++] = (int32_t)i;  /* n_live <= j: the gate list is read ahead of this */
     }
     if (mode != ACT_NOGATE) xp = pack_x(up.t, xq, 0, hidden, 1, fast);  /* up's type may be another */
+    picked = NULL;
+#if HAVE_X86
+    if (mode != ACT_NOGATE && is_r16(up.t) && xp) {
+        if (!(picked = up_scratch(n_live))) return -1;
+        r16_rows_vnni(shifted(up, own0), live, 0, n_live, xp, hidden / QK, picked);
+    }
+#endif
     for (int64_t j = 0; j < n_live && mode != ACT_NOGATE; j++) {
         int64_t i = live[j];
-        if (j + PREFETCH_ROWS < n_live) prefetch_row(row_at(up, own0 + live[j + PREFETCH_ROWS], 0), ubytes);
-        float u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
+        float u;
+        if (picked) u = picked[j];
+        else {
+            if (j + PREFETCH_ROWS < n_live) prefetch_row(row_at(up, own0 + live[j + PREFETCH_ROWS], 0), ubytes);
+            u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
+        }
         h[i] *= mode == ACT_SYM ? act_fn(act, u) : u;
     }
     if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
@@ -1783,11 +2012,11 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
 
 #define TILE_ROWS_B 8      /* tokens per pass over a block of rows (TILE_V of the VNNI kernel) */
 #define MATMUL_ROW_BLOCK 256 /* rows per block: read again per tile of tokens from L2 (256 rows of the 1.1B shape: 0.3 MB) */
-static inline int64_t xp_ld_any(int n) {
+static inline int64_t xp_ld_any(int t, int n) {  /* one token's share of pack_x's buffer */
 #if HAVE_X86
-    return xp_ld(n / QK);
+    return is_r16(t) ? r16_ld(n / QK) : xp_ld(n / QK);
 #else
-    (void)n;
+    (void)t, (void)n;
     return 0;
 #endif
 }
@@ -1810,7 +2039,7 @@ static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
         int64_t i1 = i0 + block < n_rows ? i0 + block : n_rows;
         for (int b0 = 0; b0 < B; b0 += TILE_ROWS_B) {
             int nt = B - b0 < TILE_ROWS_B ? B - b0 : TILE_ROWS_B;
-            const xpair *xpt = xp ? xp + b0 * xp_ld_any(n) : NULL;
+            const xpair *xpt = xp ? xp + b0 * xp_ld_any(m.t, n) : NULL;
             for (int64_t i = i0; i < i1; i++) {
                 int64_t r = rows ? rows[i] : start + i;
                 if (partial && i + PREFETCH_ROWS < n_rows && b0 == 0)
@@ -2342,30 +2571,41 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
 }
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
+/* The file's values of row r's block in the X16 (group, block) at p, as the file's rows give them */
+static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {  /* L: lanes of p's run (16 but R16's tails) */
+    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == X16 + T_Q4_1 || t == X16 + T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
+    for (int v = 0; v < block_size(t - X16); v++) {
+        int q = is_kquant(t - X16) ? x16_value(t, p, r, v) : run_value(t - X16, p, L, r, v);
+        switch (t - X16) {
+        case T_Q4_0: o[v] = d * (float)(q - 8); break;
+        case T_Q4_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
+        case T_Q8_0: o[v] = d * (float)(q - 128); break;
+        case T_Q4_K:  /* as kunpack: (d sc) q - dmin m */
+            o[v] = d * (float)p[64 + 16 * (v / 32) + r] * (float)q - d2 * (float)p[192 + 16 * (v / 32) + r];
+            break;
+        default:  /* Q6_K, as kunpack: (d sc) (q - 32) */
+            o[v] = d * (float)(int8_t)p[32 + 16 * (v / 16) + r] * (float)(q - 32);
+        }
+    }
+}
+
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
         int t = m.t, bs = block_size(t - X16), gb = x16_block_bytes(t);
         for (int64_t i = 0; i < n_rows; i++) {
             int64_t row = start + i;
-            int r = (int)(row % 16);
             const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / bs) * gb;
-            for (int k = 0; k < n / bs; k++, p += gb) {
-                float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == X16 + T_Q4_1 || t == X16 + T_Q4_K ? f16_to_f32(rd16(p + 32 + 2 * r)) : 0.f;
-                float *o = out + i * n + k * bs;
-                for (int v = 0; v < bs; v++) {  /* the file's values, as the file's rows give them */
-                    int q = x16_value(t, p, r, v);
-                    switch (t - X16) {
-                    case T_Q4_0: o[v] = d * (float)(q - 8); break;
-                    case T_Q4_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
-                    case T_Q8_0: o[v] = d * (float)(q - 128); break;
-                    case T_Q4_K:  /* as kunpack: (d sc) q - dmin m */
-                        o[v] = d * (float)p[64 + 16 * (v / 32) + r] * (float)q - d2 * (float)p[192 + 16 * (v / 32) + r];
-                        break;
-                    default:  /* Q6_K, as kunpack: (d sc) (q - 32) */
-                        o[v] = d * (float)(int8_t)p[32 + 16 * (v / 16) + r] * (float)(q - 32);
-                    }
-                }
-            }
+            for (int k = 0; k < n / bs; k++, p += gb) x16_dequant_block(t, p, 16, (int)(row % 16), out + i * n + k * bs);
+        }
+        return;
+    }
+    if (is_r16(m.t)) {  /* block k of a row: lane k % 16 of its run k / 16 (whole rows: col0 0) */
+        int gb = 16 * type_bytes(m.t), nb = n / QK;
+        for (int64_t i = 0; i < n_rows; i++) {
+            const uint8_t *w = row_at(m, rows ? rows[i] : start + i, 0);
+            for (int k = 0; k < nb; k++)
+                x16_dequant_block(m.t - R16 + X16, w + (k / 16) * gb, nb - k / 16 * 16 < 16 ? nb - k / 16 * 16 : 16, k % 16,
+                                  out + i * n + k * QK);
         }
         return;
     }
@@ -2614,6 +2854,24 @@ static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* interleave_blocks(src, stride, type, rows, nb, dst) */
+static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "interleave_blocks takes 6 arguments"); return NULL; }
+    const uint8_t *src = ARG_PTR(0);
+    int64_t stride = ARG_LL(1), rows = ARG_LL(3);
+    int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
+    uint8_t *dst = ARG_PTR(5);
+    if (PyErr_Occurred()) return NULL;
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0) {
+        PyErr_SetString(PyExc_ValueError, "interleave_blocks: Q4_0, Q4_1 or Q8_0 only");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    interleave_blocks(t, src, stride, rows, nb, dst);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
 }
@@ -2759,6 +3017,7 @@ static PyMethodDef methods[] = {
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1/Q8_0 rows, 16 side by side"},
+    {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
