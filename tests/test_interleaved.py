@@ -319,3 +319,29 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
     with pytest.raises(ValueError, match="dense decoding only"):
         Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,
                                    sparsity=0.5))
+
+
+# ---- a shard's predictor rows, read whole, interleaved -------------------------------------------
+
+@pytest.mark.parametrize("own", [range(0, 100), range(5, 100), range(40, 77)], ids=str)
+def test_shard_predictor_rows_interleave_and_score_their_own_neurons(tmp_path, own):
+    """fc1 whole and fc2 from the group holding own.start: the mask is set within [own] only,
+    and matches the file layout's scores except where a score is within rounding of the
+    threshold."""
+    from sparsecore.predictor_rows import PredictorRows
+
+    rng = np.random.default_rng(48)
+    ts = write_tensors(tmp_path / "p.gguf", {"fc1": (rng.standard_normal((64, 96)), T.Q4_0),
+                                             "fc2": (rng.standard_normal((100, 64)), T.Q8_0)})
+    fc1, fc2 = K.FileMatrix(ts["fc1"]), K.FileMatrix(ts["fc2"])
+    rows = PredictorRows(fc1, fc2, own, 0.5, fast=True)
+    x = rng.standard_normal(96).astype(np.float32)
+    scores = fc2.matvec(np.maximum(fc1.matvec(x, fast=True), 0), fast=True)
+    mask = rows.mask_for(x).copy()
+    assert not mask[:own.start].any() and not mask[own.stop:].any()
+    want = scores[own.start:own.stop] > 0.5
+    clear = np.abs(scores[own.start:own.stop] - 0.5) > 1e-3 * np.abs(scores).max()
+    assert 0 < want.sum() < len(own)
+    np.testing.assert_array_equal(mask[own.start:own.stop][clear], want[clear])
+    if K.interleaving():
+        assert rows._skip == own.start % 16
