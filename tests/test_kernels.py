@@ -317,6 +317,31 @@ def test_ffn_token_down_transposed(ffn, isa, fast, which):
         assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale
 
 
+def test_fast_down_transposed_rows_of_odd_block_counts(tmp_path, isa):
+    """Fast mode's down_t axpy (512-bit on VNNI CPUs: block pairs, then an odd last block)
+    against float64, for 1, 2 and 3 blocks per row, alone and in a batch."""
+    rng = np.random.default_rng(22)
+    for hidden in (32, 64, 96):
+        shapes = {"gate": (48, hidden), "up": (48, hidden), "down_t": (48, hidden)}
+        ts = write_tensors(tmp_path / f"d{hidden}.gguf", {n: (rng.standard_normal(s) * 0.3, T.Q4_0)
+                                                          for n, s in shapes.items()})
+        m = {n: K.FileMatrix(ts[n]) for n in ts}
+        w = {n: torch.from_numpy(deq(ts[n])) for n in ts}
+        own, mask = range(0, 48), (rng.random(48) < 0.5).astype(np.uint8)
+        scratch = K.FfnScratch(hidden, 48)
+        X = rng.standard_normal((3, hidden)).astype(np.float32)
+        y, _ = K.ffn_batch(m["gate"], m["up"], m["down_t"], X, own, "relu", scratch, mask=mask, fast=True,
+                           down_t=True)
+        for b in range(3):
+            alone, n = K.ffn_token(m["gate"], m["up"], m["down_t"], X[b], own, "relu", scratch, mask=mask,
+                                   fast=True, down_t=True)
+            np.testing.assert_array_equal(y[b], alone)
+            want = ffn_dense_reference(torch.from_numpy(X[b].astype(np.float64))[None], w["gate"], w["up"],
+                                       w["down_t"].T, "relu", torch.from_numpy(mask.astype(np.float64)))[0].numpy()
+            assert n == mask.sum()
+            assert np.abs(alone - want).max() <= 0.05 * (np.abs(want).max() + 1e-3)
+
+
 # ---- small batches (continuous batching): the batch kernels against stacked one-token calls ----
 # They promise the one-token kernel's float operations in its order, per token: equality is exact.
 
