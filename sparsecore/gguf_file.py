@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import sys
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
+from gguf.gguf_reader import ReaderField
 
 from .errors import ModelFileError
 from .gguf_check import check_layout, skip_metadata_value
@@ -42,6 +44,52 @@ VOCABULARY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "
                              "tokenizer.ggml.merges"})
 
 
+# Arrays longer than this are decoded when read (_LazyArray), not when the header is parsed:
+# gguf-py makes a numpy view per element (two per string), 0.55 s for a 49152-token
+# vocabulary's four arrays, paid before anything else can start (time to first token).
+LAZY_ARRAY = 256
+_NUMERIC = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+            GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
+            GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+            GGUFValueType.BOOL: "?"}
+
+
+class _LazyArray(ReaderField):
+    """A long array of strings or numbers, as gguf-py's field but with no parts: contents()
+    decodes it from the file's bytes on the first call (UTF-8, strict, as gguf-py's), then
+    keeps the list; `data` has an entry per element, as there."""
+
+    def contents(self, index_or_slice: int | slice = slice(None)):
+        values = self.__dict__.get("_values")
+        if values is None:
+            buf, pos, endian = self._where
+            n, sub = len(self.data), self.types[-1]
+            if sub == GGUFValueType.STRING:
+                values = []
+                for _ in range(n):
+                    (k,) = struct.unpack_from(endian + "Q", buf, pos)
+                    values.append(bytes(buf[pos + 8:pos + 8 + k]).decode("utf-8"))
+                    pos += 8 + k
+            else:
+                values = list(struct.unpack_from(f"{endian}{n}{_NUMERIC[sub]}", buf, pos))
+            self._values = values
+        return values[index_or_slice]
+
+
+def _lazy_array(buf, key_offset: int, name: str, pos: int, endian: str) -> tuple[_LazyArray | None, int]:
+    """At `pos`, a value's type: a long array of strings or numbers becomes a _LazyArray
+    (with the offset after it), anything else (None, pos) for gguf-py to parse."""
+    (vtype,) = struct.unpack_from(endian + "I", buf, pos)
+    if vtype != GGUFValueType.ARRAY:
+        return None, pos
+    sub, n = struct.unpack_from(endian + "IQ", buf, pos + 4)
+    if n <= LAZY_ARRAY or (sub != GGUFValueType.STRING and sub not in _NUMERIC):
+        return None, pos
+    field = _LazyArray(key_offset, name, [], range(n), [GGUFValueType.ARRAY, GGUFValueType(sub)])
+    field._where = (buf, pos + 16, endian)
+    return field, pos + 16
+
+
 class _CheckedReader(GGUFReader):
     """Checks that every tensor lies inside the file before gguf-py builds views of it (it
     would fail with a reshape error that says nothing about truncation).
@@ -64,16 +112,22 @@ class _CheckedReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _build_fields(self, offs, count):
-        if not self.skip_keys:
-            return super()._build_fields(offs, count)
         endian = "<" if (self.byte_order == "I") == (sys.byteorder == "little") else ">"
+        plain = self.data.view(np.ndarray)
         for _ in range(count):
             klen, kdata = self._get_str(offs)
             key = bytes(kdata).decode("utf-8", "replace")
+            value = offs + 8 + len(kdata)
             if key in self.skip_keys:
-                offs = skip_metadata_value(self.source, self.data, offs + 8 + len(kdata), endian, key)
-            else:
+                offs = skip_metadata_value(self.source, self.data, value, endian, key)
+                continue
+            lazy, _ = _lazy_array(plain, offs, key, value, endian)
+            if lazy is None:
                 offs = super()._build_fields(offs, 1)
+                continue
+            # check_layout bounded every count and length in the header before this parse
+            offs = skip_metadata_value(self.source, self.data, value, endian, key)
+            self._push_field(lazy, skip_sum=True)
         return offs
 
     def _build_tensors(self, start_offs, fields):

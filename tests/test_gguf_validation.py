@@ -243,3 +243,38 @@ def test_a_header_without_the_vocabulary_reads_the_rest_alike(valid, tmp_path):
     assert len(tokens.data) > 0
     with pytest.raises(ModelFileError, match="bad.gguf"):
         open_gguf(bad, vocabulary=False)
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_long_arrays_decode_when_read_as_gguf_py_decodes_them(tmp_path, endian):
+    """Arrays longer than LAZY_ARRAY (a vocabulary) are decoded on first read, not while the
+    header is parsed: the same values as gguf-py's own reader, element and slice access alike,
+    and a string that is not UTF-8 refused there too."""
+    from sparsecore.gguf_file import LAZY_ARRAY, _LazyArray
+
+    n = LAZY_ARRAY + 45
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    strings = [f"tok{i}" if i % 7 else f"ünï {i} ✓" for i in range(n)]
+    w.add_array("t.strings", strings)
+    w.add_array("t.floats", [i / 3 for i in range(n)])
+    w.add_key_value("t.ints", list(range(-5, n - 5)), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    w.add_array("t.short", [1.5, 2.5])
+    w.add_array("t.bytes", [bytes([0xFF, 0xFE])] * n)  # not UTF-8
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    for key in ("t.strings", "t.floats", "t.ints", "t.short"):
+        a, b = ours.fields[key], theirs.fields[key]
+        assert isinstance(a, _LazyArray) == (key != "t.short"), key
+        assert a.types == b.types and len(a.data) == len(b.data), key
+        assert a.contents() == pytest.approx(b.contents()), key
+        assert a.contents(1) == pytest.approx(b.contents(1))
+        assert a.contents(slice(1, 9)) == pytest.approx(b.contents(slice(1, 9)))
+    assert ours.fields["t.strings"].contents()[:8] == strings[:8]
+    with pytest.raises(UnicodeDecodeError):
+        theirs.fields["t.bytes"].contents()
+    with pytest.raises(UnicodeDecodeError):
+        ours.fields["t.bytes"].contents()
