@@ -119,8 +119,16 @@ class _Walker:
                 if count * 8 > left:
                     _fail(self.path, f"metadata {key}: array of {count} strings does not fit in the "
                                      f"{left} bytes left in the file")
-                for _ in range(count):  # bounded: each string takes at least its 8-byte length
-                    self.skip_string(f"metadata {key} element")
+                # bounded: each string takes at least its 8-byte length. A vocabulary is most
+                # of a header (98k strings in SmolLM2's): the loop runs on locals, and a string
+                # that does not fit is skipped by skip_string, whose error names it.
+                buf, pos, size, length = self.buf, self.pos, self.size, struct.Struct(self.e + "Q").unpack_from
+                for _ in range(count):
+                    if pos + 8 > size or pos + 8 + length(buf, pos)[0] > size:
+                        self.pos = pos
+                        self.skip_string(f"metadata {key} element")  # raises
+                    pos += 8 + length(buf, pos)[0]
+                self.pos = pos
             else:
                 _fail(self.path, f"metadata {key}: unsupported array element type {itype}")
             return None

@@ -167,7 +167,8 @@ _KEEP = 2
 
 def open_gguf(path: str | os.PathLike, vocabulary: bool = True) -> GGUFReader:
     """Return a GGUFReader for `path`, or raise ModelFileError saying what is wrong.
-    vocabulary=False: without the VOCABULARY_KEYS fields (a process that tokenizes nothing)."""
+    vocabulary=False: without the VOCABULARY_KEYS fields (a process that tokenizes nothing),
+    unless this process parsed the whole header already, which then serves."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
@@ -177,6 +178,8 @@ def open_gguf(path: str | os.PathLike, vocabulary: bool = True) -> GGUFReader:
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, vocabulary)
     if key in _OPENED:
         return _OPENED[key]
+    if not vocabulary and key[:-1] + (True,) in _OPENED:  # the whole header serves too
+        return _OPENED[key[:-1] + (True,)]
     reader = _open(path, vocabulary)
     _OPENED[key] = reader
     while len(_OPENED) > _KEEP:

@@ -223,8 +223,15 @@ def test_cli_tokenizer_error_one_line(valid, tmp_path):
 def test_a_header_without_the_vocabulary_reads_the_rest_alike(valid, tmp_path):
     """open_gguf(vocabulary=False), as workers open the model: the vocabulary arrays are stepped
     over, every other field and every tensor reads as in the full header; a vocabulary array
-    cut short is still refused with the file's name."""
-    full, lean = open_gguf(valid), open_gguf(valid, vocabulary=False)
+    cut short is still refused with the file's name. Once the whole header is parsed, it
+    serves a process's second open without the vocabulary too (the coordinator's own shard)."""
+    from sparsecore import gguf_file
+
+    gguf_file._OPENED.clear()
+    lean, full = open_gguf(valid, vocabulary=False), open_gguf(valid)
+    assert open_gguf(valid, vocabulary=False) is lean
+    gguf_file._OPENED.clear()
+    assert open_gguf(valid) is not full and open_gguf(valid, vocabulary=False) is open_gguf(valid)
     assert "tokenizer.ggml.tokens" in full.fields and "tokenizer.ggml.tokens" not in lean.fields
     kept = [k for k in full.fields if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                                                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges")]
