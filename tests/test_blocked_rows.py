@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
-from tests.test_interleaved import check_product
+from tests.test_interleaved import check_product, ffn_file
 from tests.test_kernels import deq, write_tensors
 
 R16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
@@ -121,12 +121,7 @@ HIDDEN, N_FF = 32 * 22, 160  # a run of 16 blocks and a run of 6
 
 @pytest.fixture(scope="module", params=R16_TYPES, ids=lambda t: t.name)
 def ffn(request, tmp_path_factory):
-    t = request.param
-    rng = np.random.default_rng(64)
-    shapes = {"gate": (N_FF, HIDDEN), "up": (N_FF, HIDDEN), "down": (HIDDEN, N_FF)}
-    ts = write_tensors(tmp_path_factory.mktemp("rf") / "ffn.gguf",
-                       {n: (rng.standard_normal(s) * 0.2, t) for n, s in shapes.items()})
-    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    return ffn_file(tmp_path_factory.mktemp("rf"), request.param, HIDDEN, N_FF, 64, 0.2)
 
 
 def silu(v):

@@ -161,14 +161,18 @@ def test_what_interleaved_rows_refuse(mats):
 HIDDEN, N_FF = 96, 160
 
 
+def ffn_file(folder, t, hidden: int, n_ff: int, seed: int, scale: float) -> tuple[dict, dict]:
+    """gate, up and down of type t with random weights: FileMatrix each, and their dequantized
+    values (float64 tensors)"""
+    rng = np.random.default_rng(seed)
+    shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff)}
+    ts = write_tensors(folder / "ffn.gguf", {n: (rng.standard_normal(s) * scale, t) for n, s in shapes.items()})
+    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+
+
 @pytest.fixture(scope="module", params=[T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def ffn(request, tmp_path_factory):
-    t = request.param
-    rng = np.random.default_rng(44)
-    shapes = {"gate": (N_FF, HIDDEN), "up": (N_FF, HIDDEN), "down": (HIDDEN, N_FF)}
-    ts = write_tensors(tmp_path_factory.mktemp("xf") / "ffn.gguf",
-                       {n: (rng.standard_normal(s) * 0.3, t) for n, s in shapes.items()})
-    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    return ffn_file(tmp_path_factory.mktemp("xf"), request.param, HIDDEN, N_FF, 44, 0.3)
 
 
 def interleaved_shard(m: dict, own: range) -> tuple:

@@ -2896,41 +2896,28 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
- * n_blocks blocks of 16 rows (Q4_0, Q4_1 or Q8_0) */
-static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "interleave takes 6 arguments"); return NULL; }
+ * n_blocks blocks of 16 rows (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K); interleave_blocks, the same
+ * arguments: dst holds the rows, each row's blocks in runs of 16 (Q4_0, Q4_1 or Q8_0) */
+static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
+    const char *name = blocks ? "interleave_blocks" : "interleave";
+    if (nargs != 6) { PyErr_Format(PyExc_TypeError, "%s takes 6 arguments", name); return NULL; }
     const uint8_t *src = ARG_PTR(0);
     int64_t stride = ARG_LL(1), rows = ARG_LL(3);
     int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && t != T_Q6_K && t != T_Q4_K) {
-        PyErr_SetString(PyExc_ValueError, "interleave: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K only");
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && (blocks || (t != T_Q6_K && t != T_Q4_K))) {
+        PyErr_Format(PyExc_ValueError, "%s: %s only", name, blocks ? "Q4_0, Q4_1 or Q8_0" : "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    interleave(t, src, stride, rows, nb, dst);
+    if (blocks) interleave_blocks(t, src, stride, rows, nb, dst);
+    else interleave(t, src, stride, rows, nb, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
-
-/* interleave_blocks(src, stride, type, rows, nb, dst) */
-static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "interleave_blocks takes 6 arguments"); return NULL; }
-    const uint8_t *src = ARG_PTR(0);
-    int64_t stride = ARG_LL(1), rows = ARG_LL(3);
-    int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
-    uint8_t *dst = ARG_PTR(5);
-    if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0) {
-        PyErr_SetString(PyExc_ValueError, "interleave_blocks: Q4_0, Q4_1 or Q8_0 only");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    interleave_blocks(t, src, stride, rows, nb, dst);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
+static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 0); }
+static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 1); }
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
