@@ -143,6 +143,8 @@ class FileLayer:
         # Rows the step picks one by one (threshold steps' up rows, predictors' gate and up rows,
         # PowerInfer files' too) with their blocks interleaved instead (FileMatrix.for_row_products).
         if fast:
+            if self.down_t:  # PowerInfer's down rows stay as they are (an axpy each), held like the rest
+                self.down = self.down.keep_rows(own).held_copy()
             if not self.gate.interleaved:
                 self.gate = self.gate.for_row_products(own)
             if gate_mode == "none":

@@ -186,3 +186,47 @@ def test_predictor_steps_on_blocked_gate_and_up_rows(ffn, isa, own):
             np.testing.assert_allclose(alone, file_y, rtol=0, atol=1e-4 * (np.abs(file_y).max() + 1e-6))
             if nb == 0:
                 assert not alone.any()
+
+
+def test_held_copy_is_the_files_rows_in_memory_of_its_own(mats):
+    """FileMatrix.held_copy: the same products and values, in memory the file's page cache
+    cannot drop; interleaved rows are not copied as they are."""
+    m = K.FileMatrix(mats["w.Q4_0.1216"])
+    part = m.keep_rows(range(4, 30))
+    held = part.held_copy()
+    assert not np.shares_memory(held.data, m.data)
+    x = np.random.default_rng(67).standard_normal(m.cols).astype(np.float32)
+    rows = np.array([29, 4, 11], np.int32)
+    for fast in (False, True):
+        np.testing.assert_array_equal(held.matvec(x, rows=rows, fast=fast), m.matvec(x, rows=rows, fast=fast))
+    np.testing.assert_array_equal(held.dequantize(rows=range(4, 30)), m.dequantize(rows=range(4, 30)))
+    with pytest.raises(ValueError, match="copied as they are"):
+        m.interleave_blocks().held_copy()
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
+def test_a_fast_powerinfer_engine_holds_every_row_it_reads(tmp_path, tensor_type, no_leaks):
+    """Fast mode on a PowerInfer file: every process holds its gate and up rows with their
+    blocks interleaved (where the CPU has VNNI) and its ffn_down_t rows copied as they are, none
+    of them the file's pages; its logits stay within fast mode's tolerance of exact mode's."""
+    from coordinator.engine import Engine, EngineOptions
+    from sparsecore.shard import FileLayer
+    from tests.fixtures.tiny_powerinfer import write_tiny_powerinfer
+
+    path = write_tiny_powerinfer(tmp_path / "tiny.powerinfer.gguf", tensor_type=tensor_type, rank=32)
+    ids = [5, 17, 33, 80, 120, 7]
+    got = {}
+    for fast in (False, True):
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=fast)) as eng:
+            assert eng.predictors is not None
+            own = [w for w in eng.ffn.own.layers.values() if isinstance(w, FileLayer)]
+            assert own and all(w.down_t for w in own)
+            file_down = [K.FileMatrix(eng.store.info(FileLayer.down_name(eng.store, i))) for i in range(len(own))]
+            for w, f in zip(own, file_down):
+                assert np.shares_memory(w.down.data, f.data) != fast
+                assert w.gate.blocked == w.up.blocked == (fast and K.interleaving())
+            eng.reset()
+            got[fast] = np.concatenate([eng.model.forward(ids[:3]).numpy(),
+                                        np.stack([eng.model.forward([t])[-1].numpy() for t in ids[3:]])])
+    scale = np.abs(got[False]).max()
+    assert np.abs(got[True] - got[False]).max() <= 0.05 * scale

@@ -318,6 +318,21 @@ class FileMatrix:
         _unmap_file_pages(self.data)
         return part
 
+    def held_copy(self) -> "FileMatrix":
+        """This matrix (the rows it holds, whole) copied as it is into memory of the process's own,
+        the file's pages then unmapped from this process (as keep_columns does): rows a step
+        reads in place would otherwise fault back in mid-token whenever the page cache has
+        dropped them (a VM holding 7 GB of page cache, after other files were read: a 3B
+        PowerInfer file's decode 1.95x llama.cpp's instead of 2.54x)."""
+        if self.interleaved or self.blocked or self.col_range is not None or self.stride != self.row_bytes:
+            raise ValueError(f"{self.name}: only whole rows in the file's layout are copied as they are")
+        buf = _anonymous(len(self.data) * self.row_bytes)
+        buf[:] = np.ascontiguousarray(self.data).view(np.uint8).reshape(-1)
+        part = copy.copy(self)
+        part.data = buf.reshape(len(self.data), self.row_bytes)
+        _unmap_file_pages(self.data)
+        return part
+
     def keep_rows(self, rows: range) -> "FileMatrix":
         """This matrix holding only rows `rows` (for interleave: a view of the file's, nothing is
         copied here), addressed by the same row numbers; other rows may not be asked for."""
