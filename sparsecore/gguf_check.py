@@ -124,10 +124,11 @@ class _Walker:
                 # that does not fit is skipped by skip_string, whose error names it.
                 buf, pos, size, length = self.buf, self.pos, self.size, struct.Struct(self.e + "Q").unpack_from
                 for _ in range(count):
-                    if pos + 8 > size or pos + 8 + length(buf, pos)[0] > size:
+                    end = pos + 8 + length(buf, pos)[0] if pos + 8 <= size else size + 1
+                    if end > size:
                         self.pos = pos
                         self.skip_string(f"metadata {key} element")  # raises
-                    pos += 8 + length(buf, pos)[0]
+                    pos = end
                 self.pos = pos
             else:
                 _fail(self.path, f"metadata {key}: unsupported array element type {itype}")

@@ -49,10 +49,9 @@ class PredictorRows:
         # Fast mode reads both whole (fc2: from the group of 16 rows holding own.start on)
         # interleaved where it can (FileMatrix.for_fast_products): on the 1.1B ReLU shape they
         # are a fifth of a token's bytes, and one-row products read them at half the speed.
-        start = own.start // 16 * 16 if fast else own.start
-        fc1 = fc1.for_fast_products() if fast else fc1
-        fc2 = fc2.for_fast_products(range(start, own.stop)) if fast else fc2
-        start = start if fc2.interleaved else own.start
+        if fast:
+            fc1, fc2 = fc1.for_fast_products(), fc2.for_fast_products(range(own.start // 16 * 16, own.stop))
+        start = fc2.row_range.start if fc2.interleaved else own.start
         self._fc1 = fc1.prepare(fast=fast)
         self._fc2 = fc2.prepare(rows=range(start, own.stop), fast=fast)
         self._skip = own.start - start  # scores of rows before own.start: not ours

@@ -133,24 +133,23 @@ class FileLayer:
         # Fast mode's products on rows interleaved 16 by 16 (FileMatrix.interleave), each matrix
         # as its own 16-aligned part: down's always (every step reads all its rows); gate's
         # where no predictor picks rows (`interleave` "gate": dense and threshold steps read
-        # every gate row); up's too where the engine only decodes densely ("gate+up").
-        if fast and not self.down_t:
-            self.down = self.down.for_fast_products()
-            if interleave in ("gate", "gate+up"):
-                self.gate = self.gate.for_fast_products(own)
-            if gate_mode != "none" and interleave == "gate+up" and self.gate.interleaved:
-                self.up = self.up.for_fast_products(own)  # up's rows alone cannot be: ffn_token
-        # Rows the step picks one by one (threshold steps' up rows, predictors' gate and up rows,
-        # PowerInfer files' too) with their blocks interleaved instead (FileMatrix.for_row_products).
+        # every gate row); up's too where the engine only decodes densely ("gate+up"). Rows the
+        # step picks one by one (threshold steps' up rows, predictors' gate and up rows,
+        # PowerInfer files' too) have their blocks interleaved instead (for_row_products), and
+        # PowerInfer's down rows (an axpy each) are held as they are (held_copy).
         if fast:
-            if self.down_t:  # PowerInfer's down rows stay as they are (an axpy each), held like the rest
+            if self.down_t:
                 self.down = self.down.keep_rows(own).held_copy()
+            else:
+                self.down = self.down.for_fast_products()
+                if interleave in ("gate", "gate+up"):
+                    self.gate = self.gate.for_fast_products(own)
+                if gate_mode != "none" and interleave == "gate+up" and self.gate.interleaved:
+                    self.up = self.up.for_fast_products(own)  # up's rows alone cannot be: ffn_token
             if not self.gate.interleaved:
                 self.gate = self.gate.for_row_products(own)
-            if gate_mode == "none":
-                self.up = self.gate
-            elif not self.up.interleaved:
-                self.up = self.up.for_row_products(own)
+            self.up = self.gate if gate_mode == "none" else self.up if self.up.interleaved else \
+                self.up.for_row_products(own)
 
     @property
     def tiled_prefill(self) -> bool:

@@ -244,24 +244,29 @@ class FileMatrix:
         _unmap_file_pages(self.data)
         return part
 
+    @property
+    def can_interleave_blocks(self) -> bool:
+        """Whether interleave_blocks() takes this matrix: whole rows of Q4_0, Q4_1 or Q8_0 in the
+        file's layout."""
+        return self.type in R16_TYPES and not (self.interleaved or self.blocked) and self.col_range is None
+
     def for_row_products(self, rows: range | None = None) -> "FileMatrix":
         """The matrix to run fast-mode products of rows picked one by one on (rows: the range a
         shard may pick from; None: all): those rows with their blocks interleaved where they can
         be (interleave_blocks: Q4_0, Q4_1 or Q8_0, the CPU with AVX-512 VNNI), else this matrix
         as it is."""
-        if self.type not in R16_TYPES or self.interleaved or self.blocked or self.col_range is not None \
-                or not interleaving():
+        if not (self.can_interleave_blocks and interleaving()):
             return self
         return (self if rows is None else self.keep_rows(rows)).interleave_blocks()
 
     def interleave_blocks(self) -> "FileMatrix":
         """This matrix with each row's blocks 16 side by side (_kernels.c R16): every row keeps
         its place and its bytes, every 16 of its blocks laid out as `interleave` lays out 16
-        rows' block (its last nb % 16 blocks as a run of that many). For fast mode's products of rows a shard picks by activity (threshold
-        steps' up rows, predictors' gate and up rows), which one by one cannot share the work
-        of 16 rows: here a row's 16 blocks share it instead (1.1B shape, one core, a quarter of
+        rows' block (its last nb % 16 blocks as a run of that many). For fast mode's products of
+        rows a shard picks by activity (threshold steps' up rows, predictors' gate and up rows),
+        which one by one cannot share the work of 16 rows: here a row's 16 blocks share it instead (1.1B shape, one core, a quarter of
         a layer's up rows picked at random: see the README's Native kernels)."""
-        if self.type not in R16_TYPES or self.interleaved or self.blocked or self.col_range is not None:
+        if not self.can_interleave_blocks:
             raise ValueError(f"tensor {self.name}: only whole rows of Q4_0, Q4_1 or Q8_0 interleave their blocks")
         buf = _anonymous(len(self.data) * self.row_bytes)
         _kernels.interleave_blocks(_ptr(self.data), self.stride, self.type, len(self.data), self.cols // self.block,

@@ -124,7 +124,6 @@ static inline int run_value(int t, const uint8_t *p, int L, int r, int i) {
     int l = i % 16;
     return (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
 }
-static inline int x16_head(int t) { return t == T_Q4_1 || t == X16 + T_Q4_1 ? 64 : 32; }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
 static inline int32_t x16_offset(int t, int32_t sx) { return t == X16 + T_Q4_0 ? -8 * sx : t == X16 + T_Q8_0 ? -128 * sx : 0; }
 /* Q6_K's X16 block (16 rows x 256 values, 3360 bytes): the rows' f16 d, then per activation
@@ -1193,24 +1192,30 @@ VNNI static void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb
  * shape in lockstep: 4 tokens 33-36 -> 27-30 ms a step, 8 tokens 61-65 -> 42-46 ms; one
  * token unchanged). */
 #define X16_AHEAD 8
+/* The value bytes of a run of L lanes at v (interleave_run's layout; L < 16, an R16 row's last
+ * run: masked loads, lanes past L zero) as unsigned values: u[i] holds values 4i..4i+3 of
+ * every lane (Q4: low nibbles in u[0..3], high ones in u[4..7]). X16's tiles and R16's runs. */
+VNNI static INLINE void run_values(int q8, const uint8_t *v, int L, __m512i *u) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __mmask64 mv = L == 16 ? ~0ULL : (1ULL << (4 * L)) - 1;
+    for (int j = 0; j < (q8 ? 8 : 4); j++) {
+        __m512i z = L == 16 ? _mm512_loadu_si512(v + 64 * j) : _mm512_maskz_loadu_epi8(mv, v + 4 * L * j);
+        if (q8) { u[j] = z; continue; }
+        u[j] = _mm512_and_si512(z, m4);
+        u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+    }
+}
 VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B,
                                       float *y, int64_t ldy, int nvalid) {
     __m512 acc[TILE_V];
-    const __m512i m4 = _mm512_set1_epi8(15);
     const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
-        const uint8_t *v = g + x16_head(t);
         __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */
-        for (int j = 0; j < (q8 ? 8 : 4); j++) {
-            __m512i z = _mm512_loadu_si512(v + 64 * j);
-            if (q8) { u[j] = z; continue; }
-            u[j] = _mm512_and_si512(z, m4);
-            u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-        }
+        run_values(q8, g + run_head(t - X16, 16), 16, u);
         for (int b = 0; b < B; b++) {
             const q8blk *x = xq + b * ldq + k;
             __m512i s = _mm512_set1_epi32(x16_offset(t, x->s)), s2 = _mm512_setzero_si512();
@@ -1373,10 +1378,10 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 static inline int64_t r16_ld(int nb) { return 10 * (int64_t)((nb + 15) / 16); }
 static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
     int xt = t - R16 + X16, q41 = t == R16 + T_Q4_1;
-    memset(out, 0, sizeof(xpair) * B * r16_ld(nb));
     for (int b = 0; b < B; b++, out += r16_ld(nb))
         for (int c = 0; c < nb; c += 16) {
             xpair *o = out + 10 * (c / 16);
+            if (nb - c < 16) memset(o, 0, sizeof(xpair) * 10);  /* a short last run: its missing lanes add 0 */
             const q8blk *x = xq + b * ldq + c;
             for (int k = 0; k < 16 && c + k < nb; k++) {
                 for (int j = 0; j < 8; j++) memcpy(o[j].q + 4 * k, x[k].q + 4 * j, 4);
@@ -1396,21 +1401,15 @@ VNNI static INLINE float hsum16(__m512 v) {
 /* One run of L blocks of an R16 row (at w) times x's matching pack entries, into acc; lanes
  * past L load zeros (their scales too), so they add 0 */
 VNNI static INLINE __m512 r16_run(const int t, const uint8_t *w, const int L, const xpair *x, __m512 acc) {
-    const __m512i m4 = _mm512_set1_epi8(15);
-    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0, h = run_head(t - R16, L);
-    const __mmask64 mv = L == 16 ? ~0ULL : (1ULL << (4 * L)) - 1;
+    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0;
     const __mmask16 ms = (__mmask16)((1u << L) - 1);
+    __m512i u[8];
+    run_values(q8, w + run_head(t - R16, L), L, u);
     /* two chains: a row waits on vpdpbusd's latency, not its throughput */
     __m512i s0 = q41 ? _mm512_setzero_si512() : _mm512_load_si512(x[8].q), s1 = _mm512_setzero_si512();
-    for (int j = 0; j < (q8 ? 8 : 4); j++) {
-        __m512i z = L == 16 ? _mm512_loadu_si512(w + h + 64 * j) : _mm512_maskz_loadu_epi8(mv, w + h + 4 * L * j);
-        if (q8) {
-            if (j % 2) s1 = _mm512_dpbusd_epi32(s1, z, _mm512_load_si512(x[j].q));
-            else s0 = _mm512_dpbusd_epi32(s0, z, _mm512_load_si512(x[j].q));
-            continue;
-        }
-        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(z, m4), _mm512_load_si512(x[j].q));
-        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4), _mm512_load_si512(x[4 + j].q));
+    for (int j = 0; j < 4; j++) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_load_si512(x[j].q));
+        s1 = _mm512_dpbusd_epi32(s1, u[4 + j], _mm512_load_si512(x[4 + j].q));
     }
     __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), xd = _mm512_load_ps((const float *)x[9].q);
     __m512 d = _mm512_cvtph_ps(L == 16 ? _mm256_loadu_si256((const __m256i *)w) : _mm256_maskz_loadu_epi16(ms, w));
@@ -1728,9 +1727,10 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
 static void interleave_blocks(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
     int tb = type_bytes(t);
     for (int64_t r = 0; r < rows; r++)
-        for (int c = 0; c < nb; c += 16)
-            interleave_run(t, src + r * stride + (int64_t)c * tb, tb, nb - c < 16 ? nb - c : 16,
-                           nb - c < 16 ? nb - c : 16, dst + (r * nb + c) * tb);
+        for (int c = 0; c < nb; c += 16) {
+            int L = nb - c < 16 ? nb - c : 16;
+            interleave_run(t, src + r * stride + (int64_t)c * tb, tb, L, L, dst + (r * nb + c) * tb);
+        }
 }
 
 /* The stored unsigned value i of row r in an X16 block p (interleave's layouts): Q4_0, Q4_1 and
@@ -1908,8 +1908,9 @@ VNNI static INLINE void r16_rows_t(const int t, mat m, const int32_t *rows, int6
 #undef R16_FETCH
     if (i < n) y[i] = hsum16(r16_row(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x, _mm512_setzero_ps()));
 }
-/* y[i] = row (rows[i], else start + i) . x for i < n (x: one token packed by r16_pack). One
- * row at a time through dot_any, a row cost some 60 ns in L2 (4 runs of 16 blocks). */
+/* y[i] = row (rows[i], else start + i) . x for i < n (x: one token packed by r16_pack): every
+ * picked row of a step in one call (called a row at a time through dot_any, with no cursor
+ * and no pairs, a 4-run row cost some 60 ns in L2; 37 ns here) */
 VNNI static void r16_rows_vnni(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
     if (m.t == R16 + T_Q4_0) r16_rows_t(R16 + T_Q4_0, m, rows, start, n, x, nb, y);
     else if (m.t == R16 + T_Q4_1) r16_rows_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
@@ -2036,7 +2037,8 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         h[i] = g;
         live[n_live++] = (int32_t)i;  /* n_live <= j: the gate list is read ahead of this */
     }
-    if (mode != ACT_NOGATE) xp = pack_x(up.t, xq, 0, hidden, 1, fast);  /* up's type may be another */
+    /* up's pack: the gate's where up has gate's type (the same bytes), else its own */
+    if (mode != ACT_NOGATE && !(xp && up.t == gate.t)) xp = pack_x(up.t, xq, 0, hidden, 1, fast);
     picked = NULL;
 #if HAVE_X86
     if (mode != ACT_NOGATE && is_r16(up.t) && xp) {
@@ -2165,7 +2167,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
             if (v != 0.f) any[i] = 1;
         }
     }
-    if (mode != ACT_NOGATE) xp = pack_x(up.t, xq, ldq, hidden, B, fast);
+    if (mode != ACT_NOGATE && !(xp && up.t == gate.t)) xp = pack_x(up.t, xq, ldq, hidden, B, fast);  /* as ffn_token */
     for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {  /* up, for neurons some token needs */
         if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
@@ -2630,7 +2632,6 @@ static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
                vcs, max_ctx, fast, sc, h);
 }
 
-/* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 /* The file's values of row r's block in the X16 (group, block) at p, as the file's rows give them */
 static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {  /* L: lanes of p's run (16 but R16's tails) */
     float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == X16 + T_Q4_1 || t == X16 + T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
@@ -2649,6 +2650,7 @@ static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {
     }
 }
 
+/* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     if (is_x16(m.t)) {  /* rows is NULL: X16 matrices take ranges on groups only */
         int t = m.t, bs = block_size(t - X16), gb = x16_block_bytes(t);
