@@ -18,6 +18,7 @@ from sparsecore.attn_shard import attention_step, qk_order
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
+from sparsecore.kernels import rms_norm as native_rms_norm
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
@@ -41,6 +42,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if bias is not None:
         return F.layer_norm(x, weight.shape, weight, bias, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def ffn_input_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The FFN's RMSNorm, in the native kernel lockstep steps normalize with (double sums):
+    a decoded token's FFN input, and so its 8-bit activations, are then the same floats
+    whether its layers are posted one by one or run in lockstep (torch's float sums differ in
+    the last bits, and a quantized activation can round the other way)."""
+    if getattr(weight, "ln_bias", None) is not None or x.device.type != "cpu" or x.dtype != torch.float32 \
+            or weight.dtype != torch.float32:
+        return rms_norm(x, weight, eps)
+    rows = x.reshape(-1, x.shape[-1]).numpy()
+    return torch.from_numpy(native_rms_norm(rows, weight.numpy(), eps)).reshape(x.shape)
 
 
 def norm_weight(store: TensorStore, name: str) -> torch.Tensor:
@@ -408,7 +421,7 @@ class Transformer:
         L, eps = self.layers[i], self.cfg.rms_eps
         if L.parallel:
             return self._ffn_parallel(i, h, decode)
-        f = self.ffn(i, rms_norm(h, L.ffn_norm, eps), h, decode=decode)
+        f = self.ffn(i, ffn_input_norm(h, L.ffn_norm, eps), h, decode=decode)
         return h + (f if L.post_ffn_norm is None else rms_norm(f, L.post_ffn_norm, eps))
 
     # Falcon: attention and FFN in parallel, both on the layer's input h (its output is
@@ -429,7 +442,7 @@ class Transformer:
         a = (parts[0] if len(parts) == 1 else torch.cat(parts))[-h.shape[0]:]  # the latest rows: this step's
         if a.shape != h.shape:
             raise RuntimeError(f"layer {i}: the FFN of {h.shape[0]} rows has attention outputs for {a.shape[0]}")
-        f = self.ffn(i, rms_norm(h, self.layers[i].ffn_norm, self.cfg.rms_eps), h, decode=decode)
+        f = self.ffn(i, ffn_input_norm(h, self.layers[i].ffn_norm, self.cfg.rms_eps), h, decode=decode)
         return h + (f + a)  # transformers' order: (mlp + attention) + residual
 
     @torch.inference_mode()

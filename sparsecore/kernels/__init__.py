@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import mmap
+import os
 
 import numpy as np
 
@@ -64,6 +65,12 @@ def set_isa(name: str) -> str:
     next one down); returns what is in use. Fast mode's results differ between ISA levels within
     rounding; on one level a token's result is the same alone and in any batch."""
     return _kernels.set_isa(name)
+
+
+# SPARSEINFER_ISA=generic|avx2|avx512vnni caps the level in every process of a run (workers
+# inherit it): to measure or test a lower level on a better CPU, as a user of that CPU gets it.
+if os.environ.get("SPARSEINFER_ISA"):
+    set_isa(os.environ["SPARSEINFER_ISA"])
 
 
 def supports(tensor_type: int) -> bool:
@@ -157,6 +164,18 @@ def residual_norm_into(h: np.ndarray, shares: np.ndarray, B: int, norm: np.ndarr
     the shares hold at least B rows of the same width (checked by the callers, once)."""
     _kernels.residual_norm(_ptr(h), _ptr(shares), len(shares), h.shape[1], B,
                            0 if norm is None else _ptr(norm), float(eps), _ptr(x))
+
+
+def rms_norm(h: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm(h) * norm for each row of h (B, hidden) float32: the kernel residual_norm_into
+    normalizes with, so that a layer's FFN input is the same floats on every decode path."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    if h.ndim != 2 or norm.dtype != np.float32 or norm.shape != (h.shape[1],) or not norm.flags.c_contiguous:
+        raise ValueError("rms_norm: h must be (B, hidden) float32, norm (hidden,) float32")
+    x = np.empty_like(h)
+    if len(h):
+        _kernels.residual_norm(_ptr(h), 0, 0, h.shape[1], len(h), _ptr(norm), float(eps), _ptr(x))
+    return x
 
 
 def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | None, eps: float) -> np.ndarray:

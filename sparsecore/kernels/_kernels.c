@@ -2881,12 +2881,12 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
     float eps = (float)PyFloat_AsDouble(args[6]);
     float *x = ARG_PTR(7);
     if (PyErr_Occurred()) return NULL;
-    if (n_parts < 1 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
+    if (n_parts < 0 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
     for (int b = 0; b < B; b++) {
         float *hb = h + (int64_t)b * n;
         const int64_t off = (int64_t)b * n;
-        for (int i = 0; i < n; i++) {
+        for (int i = 0; i < n && n_parts > 0; i++) {  /* no parts: the norm alone (kernels.rms_norm) */
             float acc = parts[0][off + i];
             for (int p = 1; p < n_parts; p++) acc += parts[p][off + i];
             hb[i] += acc;
