@@ -224,7 +224,7 @@ def test_a_fast_powerinfer_engine_holds_every_row_it_reads(tmp_path, tensor_type
             file_down = [K.FileMatrix(eng.store.info(FileLayer.down_name(eng.store, i))) for i in range(len(own))]
             for w, f in zip(own, file_down):
                 assert np.shares_memory(w.down.data, f.data) != fast
-                assert w.gate.blocked == w.up.blocked == (fast and K.interleaving())
+                assert w.gate.blocked == w.up.blocked == (fast and K.blocked_rows())
             eng.reset()
             got[fast] = np.concatenate([eng.model.forward(ids[:3]).numpy(),
                                         np.stack([eng.model.forward([t])[-1].numpy() for t in ids[3:]])])

@@ -55,7 +55,7 @@ def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
     p = m.interleave()
     extra = 64 * (m.cols // 256) if t == T.Q4_K else 0  # its scales and mins a byte each, per group block
     assert p.interleaved and p.data.nbytes == 4 * (16 * m.row_bytes + extra)  # 4 groups of the file's bytes
-    assert p.can_interleave is False and m.can_interleave == (K.isa() == "avx512vnni")
+    assert p.can_interleave is False and m.can_interleave == K.interleaving(t)
     rng = np.random.default_rng(41)
     x = rng.standard_normal(m.cols).astype(np.float32)
     for rows in (None, range(16, 53), range(0, 5), range(32, 48), range(48, 53), range(16, 16)):
@@ -279,8 +279,8 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
     from coordinator.tools.calibrate import calibrate
     from sparsecore.shard import FileLayer
 
-    if K.isa() != "avx512vnni":
-        pytest.skip("interleaved rows are used where the CPU has AVX-512 VNNI")
+    if not K.interleaving():
+        pytest.skip("this CPU has no SIMD level with interleaved tiles (AVX2 or AVX-512 VNNI)")
     path = tmp_path / "m.gguf"  # its own copy: the thresholds file goes beside it
     shutil.copy(tiny_model_factory(tensor_type=tensor_type), path)
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
@@ -303,7 +303,7 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
             assert own and all(w.down.interleaved and w.gate.interleaved for w in own)
             assert all(w.up.interleaved == (interleave is None) for w in own)
             # up's rows, picked by threshold steps, with their blocks interleaved where the type has that layout
-            assert all(w.up.blocked == (interleave is False and tensor_type == "Q4_0") for w in own)
+            assert all(w.up.blocked == (interleave is False and tensor_type == "Q4_0" and K.blocked_rows()) for w in own)
             got[interleave] = logits(eng)
             if interleave is None:
                 with pytest.raises(ValueError, match="interleaved for dense decoding"):
@@ -317,7 +317,10 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
         assert eng.row_layout == "gate"
         got["sparse again"] = logits(eng)
     scale = np.abs(got[False]).max()
-    np.testing.assert_allclose(got[None], got[False], rtol=0, atol=1e-3 * scale)
+    # the layouts sum a row's blocks in other orders: h differs in its last bits, and where one of
+    # its 8-bit values rounds the other way, down's product moves by about one quantization step
+    # (on AVX2 the tiny Q4_0 model's first token: 0.005 of 1.8); a wrong row moves far more
+    np.testing.assert_allclose(got[None], got[False], rtol=0, atol=2e-2 * scale)
     np.testing.assert_array_equal(got["sparse"], got["sparse again"])
     assert np.abs(got["sparse"] - got[False]).max() > 1e-4 * scale  # the thresholds took effect
     with pytest.raises(ValueError, match="dense decoding only"):

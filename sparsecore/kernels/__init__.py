@@ -48,9 +48,24 @@ R16 = 200  # added to a type id: each row's blocks interleaved 16 by 16 (FileMat
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
-def interleaving() -> bool:
-    """Whether fast mode holds rows interleaved (FileMatrix.interleave) on this CPU: where it has
-    AVX-512 VNNI; elsewhere the layout has only the portable loop, slower than the file's rows."""
+# Types whose rows interleave 16 by 16 (FileMatrix.interleave) at each ISA level: where the
+# level's tiles beat the file's rows, measured on the 1.1B shape's gate rows from DRAM, one token
+# and 4 (AVX2 on a Zen 4 forced to that level: Q4_0 0.49x / 0.42x the file layout's time, Q4_1
+# 0.52x / 0.48x, Q8_0 1.05x / 0.85x, Q4_K 0.77x / 0.47x; Q6_K 1.19x / 1.25x stays in the file's
+# rows: its 6-bit unpacking is the same work in either layout, docs/kernels.md)
+X16_BY_ISA = {"avx2": (2, 3, 8, 12), "avx512vnni": X16_TYPES}
+
+
+def interleaving(tensor_type: int | None = None) -> bool:
+    """Whether fast mode holds rows interleaved 16 by 16 (FileMatrix.interleave) at this ISA
+    level: any type (None) or `tensor_type`'s. The portable loop is slower than the file's rows."""
+    kinds = X16_BY_ISA.get(isa(), ())
+    return bool(kinds) if tensor_type is None else int(tensor_type) in kinds
+
+
+def blocked_rows() -> bool:
+    """Whether rows picked by activity hold their blocks interleaved (FileMatrix.interleave_blocks,
+    R16) at this ISA level: AVX-512 VNNI only, the one level with a SIMD kernel for them."""
     return isa() == "avx512vnni"
 
 
@@ -226,9 +241,9 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, where the CPU
-        has AVX-512 VNNI (interleaving())."""
-        return self.type in X16_TYPES and not self.interleaved and interleaving()
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, at an ISA level
+        with interleaved tiles (interleaving())."""
+        return self.type in X16_TYPES and not self.interleaved and interleaving(self.type)
 
     def for_fast_products(self, rows: range | None = None) -> "FileMatrix":
         """The matrix to run fast-mode products of `rows` (a range; None: all) on: those rows
@@ -274,7 +289,7 @@ class FileMatrix:
         shard may pick from; None: all): those rows with their blocks interleaved where they can
         be (interleave_blocks: Q4_0, Q4_1 or Q8_0, the CPU with AVX-512 VNNI), else this matrix
         as it is."""
-        if not (self.can_interleave_blocks and interleaving()):
+        if not (self.can_interleave_blocks and blocked_rows()):
             return self
         return (self if rows is None else self.keep_rows(rows)).interleave_blocks()
 

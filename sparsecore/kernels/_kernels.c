@@ -1461,6 +1461,8 @@ VNNI static float r16_dot_vnni(int t, const uint8_t *w, const xpair *x, int nb) 
     return hsum16(t == R16 + T_Q4_0 ? r16_row(R16 + T_Q4_0, w, nb, x, z)
                   : t == R16 + T_Q4_1 ? r16_row(R16 + T_Q4_1, w, nb, x, z) : r16_row(R16 + T_Q8_0, w, nb, x, z));
 }
+
+#include "x16_avx2.c"
 #endif
 
 static int use_avx2 = 0;
@@ -1848,6 +1850,7 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
     }
 #if HAVE_X86
     if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
+    if (use_avx2) { x16_rows_avx2(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
 #endif
     x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy);
 }

@@ -1,0 +1,231 @@
+/* Fast mode on interleaved rows (X16, see interleave in _kernels.c) with AVX2: the VNNI tiles'
+ * lanes on 256-bit registers, for CPUs without AVX-512 (AMD Zen 2/3, Intel 12th-14th gen).
+ * Included by _kernels.c inside its x86 block: one compilation unit, so the tiles inline.
+ *
+ * A group's value run j (64 bytes: 4 value bytes of each of 16 rows) is two registers: rows
+ * 0-7 and rows 8-15 ("halves"). Without vpdpbusd, a lane's integer sum comes from maddubs
+ * (unsigned weight byte times signed x byte, pairs summed in int16) and madd (int16 pairs
+ * summed in int32). The int16 sums cannot overflow: a Q4 nibble pair is at most 2 * 15 * 127,
+ * so a whole block's 8 maddubs add in int16 (30480) before one madd; Q6_K's pairs (2 * 63 * 127)
+ * add two at a time; Q8_0's signed bytes go through the sign trick (|q| unsigned, x with q's
+ * sign: 2 * 128 * 127), one madd each. The integer sums are exact, so every lane's floats are
+ * x16_lane_c's and the VNNI tile's, operation for operation: a token gets the same result on
+ * AVX2 as on AVX-512 VNNI and the portable path, alone or in any batch. */
+
+#define TILE_A 4 /* tokens per tile: 2 halves x 4 accumulators and a half's 8 value registers */
+
+/* sum over the 8 runs of one half: maddubs of each run's unsigned values with x's 4 bytes
+ * (broadcast), added in int16, then the int16 pairs in int32 */
+AVX2 static INLINE __m256i a2_sum_u4(const __m256i *u, const int8_t *xq) {
+    __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(rd32(xq)));
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(rd32(xq + 4 * j))));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+/* Q8_0: q signed (stored q + 128); aq = |q| (unsigned), q itself for the sign */
+AVX2 static INLINE __m256i a2_sum_q8(const __m256i *aq, const __m256i *q, const int8_t *xq) {
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(rd32(xq + 4 * j)), q[j]);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aq[j], xs), _mm256_set1_epi16(1)));
+    }
+    return s;
+}
+/* the 8 lanes of acc (rows r0..r0+7) into y, the first nvalid - r0 of them */
+AVX2 static INLINE void a2_store(float *y, __m256 acc, int n) {
+    if (n >= 8) { _mm256_storeu_ps(y, acc); return; }
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    for (int i = 0; i < n; i++) y[i] = t[i];
+}
+
+/* Q4_0, Q4_1, Q8_0: per block and half, the values unpacked once for every token */
+AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                      int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0;
+    const int hd = run_head(t - X16, 16);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+            __m256 m = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h))) : d;
+            const uint8_t *v = g + hd + 32 * h;
+            __m256i si[TILE_A];  /* each token's integer sums of the 8 rows */
+            if (q8) {
+                __m256i u[8], q[8];
+                for (int j = 0; j < 8; j++) {
+                    q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(v + 64 * j)), _mm256_set1_epi8((char)0x80));
+                    u[j] = _mm256_abs_epi8(q[j]);
+                }
+                for (int b = 0; b < B; b++) si[b] = a2_sum_q8(u, q, xq[b * ldq + k].q);
+            } else {  /* unpacked once for every token (loading a run per token measured slower) */
+                __m256i u[8];
+                for (int j = 0; j < 4; j++) {
+                    __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
+                    u[j] = _mm256_and_si256(z, m4);
+                    u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+                }
+                for (int b = 0; b < B; b++)
+                    si[b] = _mm256_add_epi32(a2_sum_u4(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+            }
+            for (int b = 0; b < B; b++) {
+                const q8blk *x = xq + b * ldq + k;
+                __m256 f = _mm256_cvtepi32_ps(si[b]);
+                if (q41)  /* d sum u x + m sum x, times x's scale */
+                    acc[h][b] = _mm256_fmadd_ps(_mm256_fmadd_ps(f, d, _mm256_mul_ps(m, _mm256_set1_ps((float)x->s))),
+                                                _mm256_set1_ps(x->d), acc[h][b]);
+                else
+                    acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[h][b]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        a2_store(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
+/* Q4_K (layout: interleave_q4k): per sub-block pair p and half, each of the pair's 8 value runs
+ * loaded once (its low nibbles sub-block 2p, high ones 2p + 1), both sub-blocks' sums built
+ * token by token in int16; then per sub-block, in order, the rows' d sc and dmin m as floats
+ * and the Q4_1-like float steps (the VNNI tile's order: sub-block 0, 1, .., 7 per token) */
+AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                          int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 2368) {
+        for (int o = 0; o < 2368; o += 64) _mm_prefetch((const char *)g + 2 * 2368 + o, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+            __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *v = g + Q4K_V(p) + 32 * h;
+                const q8blk *x0 = xq + 8 * k + 2 * p;  /* token b's: x0 + b ldq (sub-block 2p), + 1 (2p + 1) */
+                __m256i s[2][TILE_A];
+                for (int j = 0; j < 8; j++) {
+                    __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
+                    __m256i lo = _mm256_and_si256(z, m4), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+                    for (int b = 0; b < B; b++) {
+                        const q8blk *x = x0 + b * ldq;
+                        __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(x[0].q + 4 * j)));
+                        __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(x[1].q + 4 * j)));
+                        s[0][b] = j ? _mm256_add_epi16(s[0][b], pl) : pl;
+                        s[1][b] = j ? _mm256_add_epi16(s[1][b], ph) : ph;
+                    }
+                }
+                for (int e = 0; e < 2; e++) {
+                    int sb = 2 * p + e;
+                    __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                      _mm_loadl_epi64((const __m128i *)(g + Q4K_SC(sb) + 8 * h)))));
+                    __m256 dmm = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                       _mm_loadl_epi64((const __m128i *)(g + Q4K_MN(sb) + 8 * h)))));
+                    for (int b = 0; b < B; b++) {
+                        const q8blk *x = x0 + b * ldq + e;
+                        __m256i si = _mm256_madd_epi16(s[e][b], _mm256_set1_epi16(1));
+                        __m256 v2 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(si), dsc, _mm256_mul_ps(dmm, _mm256_set1_ps((float)x->s)));
+                        acc[h][b] = _mm256_fmadd_ps(v2, _mm256_set1_ps(x->d), acc[h][b]);
+                    }
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        a2_store(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
+/* Q6_K (layout: interleave_q6k): per activation block and half, the two 16-value sub-blocks'
+ * 6-bit values of 8 rows unpacked once for every token; per token two sums (maddubs pairs in
+ * int16, then int32), the -32 offsets (hs), the int8 scales as 32-bit products */
+AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, const int32_t *hs,
+                                          int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 16 * 210) {
+        for (int o = 0; o < 16 * 210; o += 64) _mm_prefetch((const char *)g + 2 * 16 * 210 + o, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+            for (int xb = 0; xb < 8; xb++) {
+                __m256i u[8], sc[2];
+                for (int e = 0; e < 2; e++) {  /* sub-block n = 2 xb + e: values 16 e .. 16 e + 15 of x */
+                    int n = 2 * xb + e;
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(g + Q6_L(2 * n) + 32 * h));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(g + Q6_L(2 * n + 1) + 32 * h));
+                    __m256i hh = _mm256_loadu_si256((const __m256i *)(g + Q6_H(n) + 32 * h));
+                    u[4 * e + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30));
+                    u[4 * e + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                   _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30));
+                    u[4 * e + 2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hh, m30));
+                    u[4 * e + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                   _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
+                    sc[e] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + Q6_SC(n) + 8 * h)));
+                }
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + 8 * k + xb;
+                    const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
+                    __m256i s[2];
+                    for (int e = 0; e < 2; e++) {
+                        const int8_t *xe = x->q + 16 * e;
+                        __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * e], _mm256_set1_epi32(rd32(xe))),
+                                                       _mm256_maddubs_epi16(u[4 * e + 1], _mm256_set1_epi32(rd32(xe + 4))));
+                        __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * e + 2], _mm256_set1_epi32(rd32(xe + 8))),
+                                                       _mm256_maddubs_epi16(u[4 * e + 3], _mm256_set1_epi32(rd32(xe + 12))));
+                        s[e] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p01, one), _mm256_madd_epi16(p23, one)),
+                                                _mm256_set1_epi32(-32 * hb[e]));
+                    }
+                    __m256i si = _mm256_add_epi32(_mm256_mullo_epi32(s[0], sc[0]), _mm256_mullo_epi32(s[1], sc[1]));
+                    acc[h][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[h][b]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        a2_store(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
+#define BY_TILE_A(CALL)       \
+    switch (nt) {             \
+    case 4: CALL(4); break;   \
+    case 3: CALL(3); break;   \
+    case 2: CALL(2); break;   \
+    default: CALL(1);         \
+    }
+#define Q4_0_TILE_A(n) x16_tile_avx2(X16 + T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE_A(n) x16_tile_avx2(X16 + T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE_A(n) x16_tile_avx2(X16 + T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_K_TILE_A(n) x16_tile_q4k_avx2(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q6_K_TILE_A(n) x16_tile_q6k_avx2(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+
+/* x16_rows_vnni's contract on AVX2 */
+AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+                               int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
+        int nv = n_rows - r < 16 ? (int)(n_rows - r) : 16;
+        for (int b = 0; b < B; b += TILE_A) {
+            const q8blk *xb = xq + b * ldq;
+            float *yb = y + b * ldy + r;
+            int nt = B - b < TILE_A ? B - b : TILE_A;
+            if (t == X16 + T_Q6_K) BY_TILE_A(Q6_K_TILE_A)
+            else if (t == X16 + T_Q4_K) BY_TILE_A(Q4_K_TILE_A)
+            else if (t == X16 + T_Q4_0) BY_TILE_A(Q4_0_TILE_A)
+            else if (t == X16 + T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
+            else BY_TILE_A(Q8_0_TILE_A)
+        }
+    }
+}
+#undef BY_TILE_A
+#undef Q4_0_TILE_A
+#undef Q4_1_TILE_A
+#undef Q8_0_TILE_A
+#undef Q4_K_TILE_A
+#undef Q6_K_TILE_A
