@@ -58,13 +58,15 @@ class EngineOptions:
     disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
     predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
     # How processes keep weights in memory: "gguf" (the default: the file's own blocks through
-    # the native kernels, no float copy; exact arithmetic unless `fast`), "f32" (float32 copies,
+    # the native kernels, no float copy; fast arithmetic unless `fast` is False), "f32" (float32 copies,
     # torch ops), "int8" (per-row scales, a quarter of the bytes) or "f16" (half the bytes, for
     # the coordinator's attention matrices too; float16 products for one-token steps).
     weights: str = "gguf"
     # With weights "gguf": activations quantized to 8 bits per block of 32 (llama.cpp's
-    # arithmetic) instead of float32 times the dequantized blocks (exact, the oracle's).
-    fast: bool = False
+    # arithmetic; the default, as `--arith fast`) or, False, float32 times the dequantized
+    # blocks (exact: transformers' tokens, what the reference tests compare). Other weight
+    # formats ignore it.
+    fast: bool = True
     # Per-layer exchange: spin on shared-memory doorbells (True), messages only (False), or
     # spin when the coordinator and every computing worker have a core each (None).
     spin: bool | None = None

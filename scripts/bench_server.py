@@ -2,7 +2,7 @@
 """Throughput of the HTTP server under concurrent streams, against llama.cpp's llama-server.
 
     python scripts/bench_server.py [-m MODEL.gguf] [--streams 1,2,4,8] [--tokens 64] [--rounds 2]
-                                   [--llama-server PATH] [--arith exact|fast]
+                                   [--llama-server PATH] [--arith fast|exact]
 
 Both servers run in their own processes, started from this script's environment minus every
 threading variable (neither inherits a policy meant for the other), with the same threads and
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--ctx", type=int, default=512, help="context per slot")
-    ap.add_argument("--arith", choices=["exact", "fast"], default="exact")
+    ap.add_argument("--arith", choices=["exact", "fast"], default="fast", help="ours: sparseinfer serve --arith")
     ap.add_argument("--llama-server", default=str(DEFAULT_LLAMA_SERVER),
                     help="llama.cpp's llama-server binary ('none': ours only)")
     ap.add_argument("--json", action="store_true")

@@ -24,7 +24,7 @@ the file's own predictors if it has any (PowerInfer PWRI files). llama.cpp canno
 files: give it the dense file of the same shape with --llama-model.
 
 Usage: python scripts/bench_vs_llamacpp.py [--model M] [--threads 2] [--pp 128] [--tg 64]
-           [--reps 3] [--sparsity 0.2 0.5] [--weights f32 f16] [--llama-model M2] [--json out]
+           [--reps 3] [--sparsity 0.2 0.5] [--weights gguf-fast gguf f32] [--llama-model M2] [--json out]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (light: no torch)
 
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_WEIGHTS = "gguf-fast"  # what `sparseinfer` runs by default (--weights gguf --arith fast)
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "VECLIB_")
 REPLY = "@@bench "  # prefix of a child's protocol lines on its private stdout
 
@@ -117,7 +118,8 @@ class OursSide:
         from coordinator.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
 
-        # "gguf-fast": the file's blocks with 8-bit activations (--weights gguf --arith fast)
+        # "gguf-fast": the file's blocks with 8-bit activations (the engine's default, --weights gguf
+        # --arith fast); "gguf": the same blocks with exact arithmetic (--arith exact)
         fast = weights == "gguf-fast"
         # An engine that only decodes densely holds its gate/up rows interleaved (fast mode's
         # faster layout, EngineOptions.interleave); one that switches to sparse steps keeps the
@@ -432,8 +434,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
                     help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
-    ap.add_argument("--weights", nargs="+", default=["f32"], choices=[*WEIGHT_FORMATS, "gguf-fast"],
-                    help="our workers' weight formats, one engine process each (f32: exact; f16: half the bytes)")
+    ap.add_argument("--weights", nargs="+", default=[DEFAULT_WEIGHTS], choices=[*WEIGHT_FORMATS, "gguf-fast"],
+                    help="our weight formats, one engine process each (gguf-fast: the engine's default, the "
+                         "file's blocks with 8-bit activations; gguf: exact arithmetic; f32: float32 copies; "
+                         "f16: half the bytes)")
     ap.add_argument("--only", choices=["llamacpp", "ours"], help="benchmark one side only")
     ap.add_argument("--max-other-cores", type=float, default=0.25,
                     help="redo a timed run (up to 3 times) if other work used more cores than this "
@@ -463,7 +467,7 @@ def main():
                                                    n_ctx=n_ctx, n_batch=max(args.pp, 512))))
         if args.only != "llamacpp":
             for w in args.weights:
-                label = "" if args.weights == ["f32"] else f"{w} "
+                label = "" if args.weights == [DEFAULT_WEIGHTS] else f"{w} "
                 # fast mode: dense decoding in an engine of its own (interleaved rows), the
                 # sparse levels and predictors in another (the file's rows)
                 split = [([], True), (args.sparsity, False)] if w == "gguf-fast" and args.sparsity else \

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--weights", default="f32")
-    ap.add_argument("--arith", default="exact", choices=["exact", "fast"])
+    ap.add_argument("--arith", default="fast", choices=["exact", "fast"], help="with --weights gguf")
     ap.add_argument("-n", type=int, default=40, help="one-token steps per measurement")
     args = ap.parse_args()
     with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads, weights=args.weights,

@@ -6,7 +6,8 @@ it, from seeded weights; scripts/make_arch_reference.py loaded those same weight
 transformers model class of the architecture and committed its greedy ids and logits
 (tests/fixtures/arch_reference*.json/npz). Ids must match exactly; logits within LOGITS_ATOL
 (measured: at most 8e-6 with logits up to about 10; the FFN is summed across processes in
-another order than transformers sums it).
+another order than transformers sums it). Exact arithmetic throughout (fast=False; the engine's
+default is llama.cpp's 8-bit activations).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _reference_logits(arch: str) -> np.ndarray:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_and_logits_match_transformers(arch_models, arch, weights, no_leaks):
     cases = REF["archs"][arch]
-    with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2, weights=weights)) as eng:
+    with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2, weights=weights, fast=False)) as eng:
         for case in cases:
             got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
                                     stop_at_eos=False))
@@ -67,7 +68,7 @@ def test_the_sliding_window_is_what_makes_the_match(arch_models, arch, no_leaks)
     really checks the window (and, for gemma3, the global layer that keeps attending to all)."""
     case = REF["archs"][arch][0]
     seq = case["prompt_ids"] + case["generated_ids"]
-    with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2)) as eng:
+    with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         window = eng.cfg.sliding_window
         assert window is not None and window < len(seq)
         for L in eng.model.layers:
@@ -114,7 +115,7 @@ def calibrated(arch_models):
     out = {}
     for arch in ("gemma3", "phi3"):
         path = arch_models[arch]
-        with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
             ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
             table = calibrate(eng, corpus.token_chunks(ids, 64, 4), levels=(0.5,))
         save_thresholds(path, table)
@@ -132,7 +133,8 @@ def test_sparsity_runs_and_hits_its_level(calibrated, arch, no_leaks):
     ids = REF["archs"][arch][0]["prompt_ids"]
     tokens = {}
     for weights in ("gguf", "f32"):
-        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights)) as eng:
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights,
+                                        fast=False)) as eng:
             text = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
             r = perplexity(eng, corpus.token_chunks(text, 64, 4))
             assert r["active_fraction"] == pytest.approx(0.5, abs=0.03)

@@ -28,7 +28,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied, weights, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, tied_embeddings=tied)
     ref = ReferenceLlama(path)
-    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, weights=weights)) as eng:
+    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, weights=weights, fast=False)) as eng:
         ids = eng.tokenizer.encode(PROMPT)
         want = ref.greedy(ids, 12)
         got = list(eng.generate(ids, 12, SamplingParams(temperature=0.0), stop_at_eos=False))
@@ -71,7 +71,7 @@ def test_spinning_and_sleeping_give_the_same_tokens(tiny_model, no_leaks, monkey
     ids = [5, 17, 33, 80, 120]
     want = ref.greedy(ids, 16)
     for spin in (True, False):
-        with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, spin=spin)) as eng:
+        with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2, spin=spin, fast=False)) as eng:
             assert eng.pool.spin is spin
             got = list(eng.generate(ids, 16, SamplingParams(temperature=0.0), stop_at_eos=False))
             exchanges, wakeups = len(eng.ffn.stats.round_trip_us), eng.pool.bell.wakeups
@@ -159,7 +159,7 @@ def test_native_attention_step_equals_the_torch_path(tiny_model_factory, tensor_
     the torch path's decode logits, and is really used (the model holds one per layer)."""
     path = tiny_model_factory(tensor_type=tensor_type)
     ids = [5, 17, 33, 80, 120, 7, 9, 44]
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False)) as eng:
         m = eng.model
         assert all(step is not None for step in m.native)
         got = []

@@ -28,7 +28,7 @@ def engine():
     path = model_path("gemma3-270m")
     if not path.exists():
         pytest.skip(f"Gemma 3 270M not present at {path}; run `sparseinfer pull gemma3-270m`")
-    with Engine(path, EngineOptions(threads=2)) as eng:
+    with Engine(path, EngineOptions(threads=2, fast=False)) as eng:  # exact: transformers' arithmetic
         yield eng
 
 

@@ -6,7 +6,7 @@ The tiny files (tests/fixtures/tiny_arch.py, POWERINFER) are written as PowerInf
 write them; scripts/make_arch_reference.py committed transformers' greedy ids and logits for the
 same weights, dense and "predicted" (the prompt dense, every later position with the neurons the
 file's own fc1/fc2 pick). Dense runs use --predictor none. Ids must match exactly, logits within
-LOGITS_ATOL (as tests/test_architectures.py).
+LOGITS_ATOL (as tests/test_architectures.py); exact arithmetic throughout (fast=False).
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def test_files_read_as_powerinfer_writes_them(models):
 @pytest.mark.parametrize("arch", POWERINFER)
 def test_dense_matches_transformers(models, arch, weights, no_leaks):
     cases = REF["archs"][arch]
-    with Engine(models[arch], EngineOptions(cpu_workers=1, threads=2, weights=weights, predictor="none")) as eng:
+    with Engine(models[arch], EngineOptions(cpu_workers=1, threads=2, weights=weights, predictor="none",
+                                            fast=False)) as eng:
         assert eng.predictors is None
         for case in cases:
             got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
@@ -81,7 +82,7 @@ def test_the_files_predictors_decode_as_transformers_with_their_masks(models, ar
     as transformers with the same masks, each step's logits within LOGITS_ATOL, and a sizeable
     share of the neurons really skipped (bamboo: the gate's; falcon: up's, having no gate)."""
     cases = REF["archs"][arch + ".predicted"]
-    with Engine(models[arch], EngineOptions(cpu_workers=2, threads=2, weights=weights)) as eng:
+    with Engine(models[arch], EngineOptions(cpu_workers=2, threads=2, weights=weights, fast=False)) as eng:
         assert eng.predictors is not None
         n_ff = eng.cfg.n_ff
         for case in cases:
@@ -108,14 +109,15 @@ def test_falcon_gateless_sparsity_calibrates_and_runs(models, no_leaks):
     """Thresholds on a gate-less FFN read |gelu(up x)|: the calibrated level is hit, and the
     native kernels (ACT_NOGATE) and the torch path decode the same sparse tokens."""
     path = models["falcon40b"]
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
         save_thresholds(path, calibrate(eng, corpus.token_chunks(ids, 64, 4), levels=(0.5,)))
     assert all(t > 0 for t in load_thresholds(path, 0.5))
     prompt = REF["archs"]["falcon40b"][0]["prompt_ids"]
     tokens = {}
     for weights in ("gguf", "f32"):
-        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights)) as eng:
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights,
+                                        fast=False)) as eng:
             text = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
             assert perplexity(eng, corpus.token_chunks(text, 64, 4))["active_fraction"] == pytest.approx(0.5, abs=0.03)
             tokens[weights] = list(eng.generate(prompt, 12, SamplingParams(0.0), stop_at_eos=False))
@@ -126,7 +128,7 @@ def test_train_predictor_on_falcon(models, no_leaks):
     """train-predictor's pieces on a ReLU falcon: targets relu(up x) > 0 from the layer's input
     (what PowerInfer's falcon predictor reads), and trained predictors reach the asked recall."""
     path = models["relufalcon"]
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2, predictor="none")) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, predictor="none", fast=False)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:30000])
         train = pt.collect(eng, corpus.token_chunks(ids, 96, 12), None)
         hid = eng.tokenizer.encode(corpus.load(None, "heldout")[:12000])
@@ -148,7 +150,7 @@ def test_profile_and_budget_placement_on_bamboo(models, tmp_path, no_leaks):
     """profile (ReLU: relu(gate x) > 0) and a VRAM-budget plan on bamboo; the placed model
     decodes the dense tokens of transformers."""
     path = models["bamboo"]
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2, predictor="none")) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, predictor="none", fast=False)) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:12000])
         prof = collect(eng, corpus.token_chunks(ids, 48, 4))
     assert prof.n_layers == 2 and all(f.shape == (128,) for f in prof.freqs)
@@ -159,7 +161,7 @@ def test_profile_and_budget_placement_on_bamboo(models, tmp_path, no_leaks):
     budget_gb = 60 * 3 * 64 * 4 / (1 << 30)  # 60 float32 neurons (gate, up, down rows)
     try:
         with Engine(path, EngineOptions(cpu_workers=2, threads=2, vram_budget_gb=budget_gb, weights="f32",
-                                        predictor="none")) as eng:
+                                        predictor="none", fast=False)) as eng:
             got = list(eng.generate(case["prompt_ids"], 16, SamplingParams(0.0), stop_at_eos=False))
             gpu = eng.plan.shards[0].neurons
         assert sum(len(g) for g in gpu) == 60 and gpuidx_path(path).exists()

@@ -82,7 +82,7 @@ def test_sparse_decoding_matches_oracle_with_same_thresholds(calibrated, coordin
     thr = load_thresholds(path, 0.5)
     ref = ReferenceLlama(path)
     with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5,
-                                    coordinator_share=coordinator_share)) as eng:
+                                    coordinator_share=coordinator_share, fast=False)) as eng:
         assert (eng.pool.own_slot is not None) == (coordinator_share > 0)
         ids = eng.tokenizer.encode("the quick brown fox")
         got = list(eng.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False))
