@@ -8,7 +8,8 @@ cycling so that every read comes from memory, not the caches) to a temporary GGU
 for each fraction of rows picked at random (sorted, as a step lists them) prints the best of
 `--reps` per-matrix times: the file's layout, rows with their blocks interleaved (R16), and
 X16 (16 rows side by side) reading every row. One core; run two at once to see two processes
-share the memory system. Needs a CPU with AVX-512 VNNI for the interleaved layouts.
+share the memory system. Needs AVX2 or AVX-512 VNNI for the interleaved layouts; `--isa avx2`
+runs the kernels at that level on a better CPU (the level is printed with the table).
 """
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ def main() -> None:
     ap.add_argument("--matrices", type=int, default=30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0])
+    ap.add_argument("--isa", choices=["avx2", "avx512vnni"], help="kernel level (default: the best this CPU has)")
     a = ap.parse_args()
-    if not K.interleaving():
-        raise SystemExit(f"this CPU runs the kernels at {K.isa()}: the interleaved layouts need avx512vnni")
+    if a.isa and K.set_isa(a.isa) != a.isa:
+        raise SystemExit(f"this CPU cannot run the kernels at {a.isa}")
+    if not (K.interleaving() and K.blocked_rows()):
+        raise SystemExit(f"this CPU runs the kernels at {K.isa()}: the interleaved layouts need avx2 or avx512vnni")
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.gguf"
@@ -53,7 +57,7 @@ def main() -> None:
                    "X16, every row": [K.FileMatrix(t).interleave() for t in tensors]}
         x = rng.standard_normal(a.cols).astype(np.float32)
         out = np.empty(a.rows, np.float32)
-        print(f"{a.matrices} Q4_0 matrices of {a.rows} x {a.cols}, us per matrix, best of {a.reps}")
+        print(f"{a.matrices} Q4_0 matrices of {a.rows} x {a.cols}, us per matrix, best of {a.reps}, kernels at {K.isa()}")
         print("| rows picked | " + " | ".join(layouts) + " |")
         print("|---" * (len(layouts) + 1) + "|")
         for frac in a.fractions:

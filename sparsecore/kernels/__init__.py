@@ -65,8 +65,8 @@ def interleaving(tensor_type: int | None = None) -> bool:
 
 def blocked_rows() -> bool:
     """Whether rows picked by activity hold their blocks interleaved (FileMatrix.interleave_blocks,
-    R16) at this ISA level: AVX-512 VNNI only, the one level with a SIMD kernel for them."""
-    return isa() == "avx512vnni"
+    R16) at this ISA level: with AVX2 or AVX-512 VNNI, whose kernels for them beat the file's rows."""
+    return isa() in ("avx2", "avx512vnni")
 
 
 def isa() -> str:

@@ -1462,7 +1462,6 @@ VNNI static float r16_dot_vnni(int t, const uint8_t *w, const xpair *x, int nb) 
                   : t == R16 + T_Q4_1 ? r16_row(R16 + T_Q4_1, w, nb, x, z) : r16_row(R16 + T_Q8_0, w, nb, x, z));
 }
 
-#include "x16_avx2.c"
 #endif
 
 static int use_avx2 = 0;
@@ -1541,7 +1540,8 @@ static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, in
 #if HAVE_X86
     int nb = n / QK;
     int64_t need = is_r16(t) ? B * r16_ld(nb) : xp_size(nb, B);
-    if (!(fast && use_vnni && is_quant(t)) || need == 0) return NULL;
+    /* AVX2 packs for R16 rows only (its other products read xq) */
+    if (!(fast && is_quant(t) && (use_vnni || (use_avx2 && is_r16(t)))) || need == 0) return NULL;
     if (need > xp_cap) {
         free(xp_buf);
         xp_buf = aligned_alloc(64, need * sizeof(xpair));
@@ -1559,10 +1559,17 @@ static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, in
 /* fast mode for quantized types; float types have no integer path and use x itself. xp: xq
  * packed by pack_x, or NULL */
 static float r16_dot_c(int t, const uint8_t *w, const q8blk *xq, int nb);
+#if HAVE_X86
+AVX2 static float r16_dot_avx2(int t, const uint8_t *w, const xpair *x, int nb);
+/* one R16 row times one token packed by pack_x, at the level in use */
+static inline float r16_dot(int t, const uint8_t *w, const xpair *x, int nb) {
+    return use_vnni ? r16_dot_vnni(t, w, x, nb) : r16_dot_avx2(t, w, x, nb);
+}
+#endif
 static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
     if (is_r16(t)) {  /* fast mode only (FileMatrix._rows) */
 #if HAVE_X86
-        if (xp) return r16_dot_vnni(t, w, xp, n / QK);
+        if (xp) return r16_dot(t, w, xp, n / QK);
 #endif
         return r16_dot_c(t, w, xq, n / QK);
     }
@@ -1583,7 +1590,7 @@ static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const
     if (is_r16(t)) {  /* the row stays in L1 across the tokens */
         for (int b = 0; b < B; b++) {
 #if HAVE_X86
-            if (xp) { y[b * ldy] = r16_dot_vnni(t, w, xp + b * r16_ld(n / QK), n / QK); continue; }
+            if (xp) { y[b * ldy] = r16_dot(t, w, xp + b * r16_ld(n / QK), n / QK); continue; }
 #endif
             y[b * ldy] = r16_dot_c(t, w, xq + b * ldq, n / QK);
         }
@@ -1829,6 +1836,10 @@ static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows,
  * for B tokens' q8 blocks (fast mode only: the layout has no float path) */
 static _Thread_local void *hs_buf;
 static _Thread_local int64_t hs_cap;
+#if HAVE_X86
+AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+                               int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy);
+#endif
 static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
                          int B, float *y, int64_t ldy) {
     int bs = block_size(m.t - X16), nb = n / bs;
@@ -1870,45 +1881,54 @@ static inline void prefetch_row_l2(const uint8_t *p, int64_t bytes) {
 }
 
 #if HAVE_X86
+/* A cursor runs R16_AHEAD runs ahead over the (row, run) sequence an R16 loop reads, asking for
+ * each into L2 (prefetcht1): rows picked at random, 1.1 KB each, came at 9-11 GB/s on one core
+ * with no prefetch or prefetches into L1 (too few misses in flight), 21-23 GB/s with these (the
+ * 1.1B shape's up rows, DRAM, half of them: 212 us, all of X16's 237). The loop fetches one run
+ * ahead per run it reads. */
 #define R16_AHEAD 128
+typedef struct {
+    mat m;
+    const int32_t *rows;  /* the rows picked, or NULL: start, start + 1, .. */
+    int64_t start, n, i, gb;
+    int c, nc;  /* the next run to fetch: run c of the cursor's row i, of nc a row */
+} r16_cursor;
+static inline void r16_fetch(r16_cursor *k) {
+    if (k->i >= k->n) return;
+    const char *p = (const char *)row_at(k->m, k->rows ? k->rows[k->i] : k->start + k->i, 0) + k->c * k->gb;
+    for (int o = 0; o < k->gb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+    if (++k->c == k->nc) { k->c = 0; k->i++; }
+}
+static inline r16_cursor r16_cursor_at(mat m, const int32_t *rows, int64_t start, int64_t n, int nb) {
+    r16_cursor k = {m, rows, start, n, 0, 16 * (int64_t)type_bytes(m.t), 0, (nb + 15) / 16};
+    for (int j = 0; j < R16_AHEAD; j++) r16_fetch(&k);
+    return k;
+}
+
 VNNI static INLINE void r16_rows_t(const int t, mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x,
                                    int nb, float *y) {
     const int64_t gb = 16 * type_bytes(t);
-    const int nc = (nb + 15) / 16;
-    /* A cursor runs R16_AHEAD runs ahead over the (row, run) sequence the loop reads, asking
-     * for each into L2 (prefetcht1): rows picked at random, 1.1 KB each, came at 9-11 GB/s on
-     * one core with no prefetch or prefetches into L1 (too few misses in flight), 21-23 GB/s
-     * with these (the 1.1B shape's up rows, DRAM, half of them: 212 us, all of X16's 237). */
-    int64_t pi = 0;
-    int pc = 0;
-#define R16_FETCH()                                                                          \
-    if (pi < n) {                                                                            \
-        const char *pp = (const char *)row_at(m, rows ? rows[pi] : start + pi, 0) + pc * gb; \
-        for (int o = 0; o < gb; o += 64) _mm_prefetch(pp + o, _MM_HINT_T1);                  \
-        if (++pc == nc) { pc = 0; pi++; }                                                    \
-    }
-    for (int k = 0; k < R16_AHEAD; k++) R16_FETCH()
+    r16_cursor cur = r16_cursor_at(m, rows, start, n, nb);
     int64_t i = 0;
     for (; i + 1 < n; i += 2) {  /* two rows at a time: their chains interleave */
         const uint8_t *w0 = row_at(m, rows ? rows[i] : start + i, 0), *w1 = row_at(m, rows ? rows[i + 1] : start + i + 1, 0);
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         int c = 0;
         for (; c + 16 <= nb; c += 16) {
-            R16_FETCH()
-            R16_FETCH()
+            r16_fetch(&cur);
+            r16_fetch(&cur);
             a0 = r16_run(t, w0 + c / 16 * gb, 16, x + 10 * (c / 16), a0);
             a1 = r16_run(t, w1 + c / 16 * gb, 16, x + 10 * (c / 16), a1);
         }
         if (c < nb) {
-            R16_FETCH()
-            R16_FETCH()
+            r16_fetch(&cur);
+            r16_fetch(&cur);
             a0 = r16_run(t, w0 + c / 16 * gb, nb - c, x + 10 * (c / 16), a0);
             a1 = r16_run(t, w1 + c / 16 * gb, nb - c, x + 10 * (c / 16), a1);
         }
         y[i] = hsum16(a0);
         y[i + 1] = hsum16(a1);
     }
-#undef R16_FETCH
     if (i < n) y[i] = hsum16(r16_row(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x, _mm512_setzero_ps()));
 }
 /* y[i] = row (rows[i], else start + i) . x for i < n (x: one token packed by r16_pack): every
@@ -1919,6 +1939,15 @@ VNNI static void r16_rows_vnni(mat m, const int32_t *rows, int64_t start, int64_
     else if (m.t == R16 + T_Q4_1) r16_rows_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
     else r16_rows_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
 }
+
+/* the interleaved layouts' AVX2 kernels (X16 tiles, R16 rows) */
+#include "interleaved_avx2.c"
+
+/* every picked R16 row of a step in one call, at the level in use (x: r16_pack's, pack_x) */
+static void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
+    if (use_vnni) r16_rows_vnni(m, rows, start, n, x, nb, y);
+    else r16_rows_avx2(m, rows, start, n, x, nb, y);
+}
 #endif
 
 static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
@@ -1928,7 +1957,7 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
     const xpair *xp = pack_x(m.t, xq, 0, n, 1, fast);
 #if HAVE_X86
-    if (is_r16(m.t) && xp && col0 == 0) { r16_rows_vnni(m, rows, start, n_rows, xp, n / QK, y); return; }
+    if (is_r16(m.t) && xp && col0 == 0) { r16_rows(m, rows, start, n_rows, xp, n / QK, y); return; }
 #endif
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t r = rows ? rows[i] : start + i;
@@ -2014,11 +2043,11 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
      * neurons whose act(gate x) is not 0 (`live`, compacted in place: an active neuron whose
      * activation is 0 contributes 0 either way and needs no up or down row). */
     const xpair *xp = x16_gate ? NULL : pack_x(gate.t, xq, 0, hidden, 1, fast);
-    float *picked = NULL;  /* R16 rows' products, all in one call (r16_rows_vnni), then used in turn */
+    float *picked = NULL;  /* R16 rows' products, all in one call (r16_rows), then used in turn */
 #if HAVE_X86
     if (is_r16(gate.t) && xp) {
         if (!(picked = up_scratch(n_gate))) return -1;
-        r16_rows_vnni(shifted(gate, own0), mask ? live : NULL, 0, n_gate, xp, hidden / QK, picked);
+        r16_rows(shifted(gate, own0), mask ? live : NULL, 0, n_gate, xp, hidden / QK, picked);
     }
 #endif
     for (int64_t j = 0; j < n_gate; j++) {
@@ -2046,7 +2075,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
 #if HAVE_X86
     if (mode != ACT_NOGATE && is_r16(up.t) && xp) {
         if (!(picked = up_scratch(n_live))) return -1;
-        r16_rows_vnni(shifted(up, own0), live, 0, n_live, xp, hidden / QK, picked);
+        r16_rows(shifted(up, own0), live, 0, n_live, xp, hidden / QK, picked);
     }
 #endif
     for (int64_t j = 0; j < n_live && mode != ACT_NOGATE; j++) {

@@ -229,3 +229,87 @@ AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef Q8_0_TILE_A
 #undef Q4_K_TILE_A
 #undef Q6_K_TILE_A
+
+/* ---- rows picked by activity with their blocks interleaved (R16) -------------------------------
+ * r16_run's lanes (the VNNI kernel's, and r16_dot_c's) on two halves of 8 blocks: per half 8
+ * maddubs against x's packed values (r16_pack), added in int16, one madd, the offsets, one
+ * conversion and one scaled accumulation for 8 blocks. A row's short last run (L < 16 blocks) is
+ * read through masked loads, its scales from a zero-padded copy: lanes past L add 0, as there. */
+AVX2 static INLINE void r16_run_avx2(const int t, const uint8_t *w, const int L, const xpair *x, __m256 *acc) {
+    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0, hd = run_head(t - R16, L);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    uint16_t pad[32];
+    const uint8_t *dp = w;  /* the run's f16 scales (lanes 0..15), then Q4_1's mins */
+    if (L < 16) {
+        memset(pad, 0, sizeof pad);
+        memcpy(pad, w, 2 * L);
+        if (q41) memcpy(pad + 16, w + 2 * L, 2 * L);
+        dp = (const uint8_t *)pad;
+    }
+    for (int h = 0; h < 2; h++) {
+        const int n = L - 8 * h;
+        const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const uint8_t *v = w + hd + 32 * h;
+#define RUN(j) (L == 16 ? _mm256_loadu_si256((const __m256i *)(v + 64 * (j))) : _mm256_maskload_epi32((const int *)(v + 4 * L * (j)), lm))
+#define XR(j) _mm256_load_si256((const __m256i *)(x[j].q + 32 * h))
+        __m256i s;
+        if (q8) {
+            s = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i q = _mm256_xor_si256(RUN(j), _mm256_set1_epi8((char)0x80));
+                __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(XR(j), q));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+            }
+        } else {
+            __m256i s16 = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256i z = RUN(j);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(z, m4), XR(j)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z, 4), m4), XR(4 + j)));
+            }
+            s = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+            if (!q41) s = _mm256_add_epi32(s, XR(8));
+        }
+#undef RUN
+#undef XR
+        __m256 f = _mm256_cvtepi32_ps(s), xd = _mm256_load_ps((const float *)(x[9].q + 32 * h));
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 16 * h)));
+        if (q41) {
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + 32 + 16 * h)));
+            __m256 sum = _mm256_load_ps((const float *)(x[8].q + 32 * h));
+            acc[h] = _mm256_fmadd_ps(_mm256_fmadd_ps(f, d, _mm256_mul_ps(m, sum)), xd, acc[h]);
+        } else {
+            acc[h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, xd), acc[h]);
+        }
+    }
+}
+
+/* one R16 row (nb blocks) times one token packed by r16_pack: hsum16's order (r16_dot_c) */
+AVX2 static INLINE float r16_row_avx2(const int t, const uint8_t *w, int nb, const xpair *x) {
+    const int gb = 16 * type_bytes(t);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int c = 0;
+    for (; c + 16 <= nb; c += 16, w += gb, x += 10) r16_run_avx2(t, w, 16, x, acc);
+    if (c < nb) r16_run_avx2(t, w, nb - c, x, acc);
+    return hsum8(_mm256_add_ps(acc[0], acc[1]));
+}
+
+AVX2 static float r16_dot_avx2(int t, const uint8_t *w, const xpair *x, int nb) {
+    return t == R16 + T_Q4_0 ? r16_row_avx2(R16 + T_Q4_0, w, nb, x)
+           : t == R16 + T_Q4_1 ? r16_row_avx2(R16 + T_Q4_1, w, nb, x) : r16_row_avx2(R16 + T_Q8_0, w, nb, x);
+}
+
+/* y[i] = row (rows[i], else start + i) . x for i < n: r16_rows_vnni's contract, its L2 cursor */
+AVX2 static INLINE void r16_rows_avx2_t(const int t, mat m, const int32_t *rows, int64_t start, int64_t n,
+                                        const xpair *x, int nb, float *y) {
+    r16_cursor cur = r16_cursor_at(m, rows, start, n, nb);
+    for (int64_t i = 0; i < n; i++) {
+        for (int c = 0; c < cur.nc; c++) r16_fetch(&cur);
+        y[i] = r16_row_avx2(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x);
+    }
+}
+AVX2 static void r16_rows_avx2(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
+    if (m.t == R16 + T_Q4_0) r16_rows_avx2_t(R16 + T_Q4_0, m, rows, start, n, x, nb, y);
+    else if (m.t == R16 + T_Q4_1) r16_rows_avx2_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
+    else r16_rows_avx2_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
+}
