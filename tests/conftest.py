@@ -1,7 +1,10 @@
 """Shared fixtures: tiny synthetic GGUF models, the SmolLM2 file, and leak checks."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,18 +16,76 @@ from tests.fixtures.tiny_gguf import write_tiny_llama
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(params=["generic", "avx2", "avx512vnni"])
+ISA_LEVELS = ("generic", "avx2", "avx512vnni")  # the native kernels' instruction-set levels, lowest first
+_RUNNABLE_ISAS: list[str] | None = None
+
+
+def runnable_isas() -> list[str]:
+    """The ISA_LEVELS this CPU runs, probed once: set_isa(name) returns the level it actually
+    got (the next one down where the CPU lacks `name`). The default is restored after."""
+    global _RUNNABLE_ISAS
+    if _RUNNABLE_ISAS is None:
+        from sparsecore import kernels as K
+
+        default = K.isa()  # what import picked: the best this CPU has (or SPARSEINFER_ISA's cap)
+        try:
+            _RUNNABLE_ISAS = [level for level in ISA_LEVELS if K.set_isa(level) == level]
+        finally:
+            K.set_isa(default)
+    return _RUNNABLE_ISAS
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking `isa` runs once per level this CPU has, computed at collection: a level the
+    CPU lacks is not collected at all (no skip). Ids are the level names. Only tests that use
+    `isa` load the native kernels here."""
+    if "isa" in metafunc.fixturenames:
+        levels = runnable_isas()
+        metafunc.parametrize("isa", levels, ids=levels, indirect=True)
+
+
+@pytest.fixture
 def isa(request):
-    """Each instruction-set level of the native kernels this CPU runs, the default restored after
-    (AVX-512 VNNI: fast mode's integer dots; a level the CPU lacks is skipped)."""
+    """Each instruction-set level of the native kernels this CPU runs (pytest_generate_tests),
+    the default restored after (AVX-512 VNNI: fast mode's integer dots)."""
     from sparsecore import kernels as K
 
-    default = K.isa()  # what import picked: the best this CPU has
-    if K.set_isa(request.param) != request.param:
+    default = K.isa()
+    got = K.set_isa(request.param)
+    try:
+        assert got == request.param, f"asked for {request.param}, the kernels run {got}"
+        yield request.param
+    finally:
         K.set_isa(default)
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    K.set_isa(default)
+
+
+# No test asserts how long something took (CI machines are noisy and shared): a test bounds
+# the work itself (a step count, a call count) and at most catches a hang with this, far above
+# any honest run of what it guards (those take milliseconds to a few seconds).
+HANG_S = 60.0
+
+
+@contextlib.contextmanager
+def hang_guard(what: str, seconds: float = HANG_S, on_hang=None):
+    """Fail the test if the body still runs after `seconds`: a hang catcher, never a measure of
+    speed. SIGALRM, so only in the main thread (where pytest runs a test); elsewhere the body
+    runs unguarded. `on_hang()` runs first (e.g. to kill what the body waits for)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def alarm(*_):
+        if on_hang is not None:
+            on_hang()
+        pytest.fail(f"{what}: still running after {seconds:g} s, so it hangs", pytrace=False)
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,18 @@
-"""Hostile chat templates (they come from model files): every one ends quickly with one
-ChatTemplateError line "chat template: ...", and the renderer leaves no process behind."""
+"""Hostile chat templates (they come from model files): every one is stopped by one of the
+renderer's limits (deadline, memory, output size, template size, sandbox) with one
+ChatTemplateError line "chat template: ..." saying which, and the renderer leaves no process
+behind. No test times a render: the limits bound the work, a hang guard catches a limit that
+no longer stops anything."""
 from __future__ import annotations
 
 import os
-import time
+import signal
 
 import pytest
 
 from coordinator import chat_template as ct
 from coordinator.chat_template import ChatTemplateError, render_chat
-from tests.conftest import children_of
+from tests.conftest import HANG_S, children_of, hang_guard
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -40,18 +43,28 @@ def fast_limits(monkeypatch):
     monkeypatch.setattr(ct, "RENDER_SECONDS", 2.0)
 
 
+def _kill_renderers(spare: set[int]):
+    def kill():
+        for pid in set(children_of(os.getpid())) - spare:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return kill
+
+
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_template(name):
+    """The needle says which limit stopped it. Far above RENDER_SECONDS (2 s here), the hang
+    guard only catches a render no limit stops (it kills the renderer, then fails)."""
     template, needle = HOSTILE[name]
     kids_before = set(children_of(os.getpid()))
-    t0 = time.monotonic()
-    with pytest.raises(ChatTemplateError) as e:
-        render_chat(template, MSGS)
-    took = time.monotonic() - t0
+    with hang_guard(f"rendering {name}", HANG_S, on_hang=_kill_renderers(kids_before)):
+        with pytest.raises(ChatTemplateError) as e:
+            render_chat(template, MSGS)
     msg = str(e.value)
     assert msg.startswith("chat template: ") and "\n" not in msg, msg
     assert needle in msg, msg
-    assert took < 4.0, f"{took:.1f}s"
     assert set(children_of(os.getpid())) <= kids_before  # the renderer was reaped or killed
 
 
@@ -66,8 +79,49 @@ def test_normal_templates_still_render():
     assert render_chat("{{ messages[0].content }}", [{"role": "user", "content": big}]) == big
 
 
-def test_render_is_quick():
-    t0 = time.monotonic()
-    for _ in range(20):
-        render_chat(None, MSGS)
-    assert (time.monotonic() - t0) / 20 < 0.1
+class _TooManySteps(BaseException):
+    """Raised by a template's own callback past its step budget: not an Exception, so neither
+    jinja nor the renderer turns it into a ChatTemplateError."""
+
+
+def test_a_render_costs_one_fork_and_its_output_is_capped_in_steps(monkeypatch):
+    """The work of a render is bounded by counts, not timed: (1) each render forks exactly one
+    renderer and leaves no process behind; (2) a template over MAX_TEMPLATE_CHARS is refused
+    before any fork; (3) generation stops at the output cap: a template that would call back
+    10**10 times, each call 100 characters, is stopped after MAX_OUTPUT_CHARS // 100 + 1 calls
+    (counted in-process by the callback, which also stops a runaway render at 10x that)."""
+    forks = []
+    real_fork = os.fork
+
+    def counting_fork():
+        forks.append(1)
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", counting_fork)
+    kids_before = set(children_of(os.getpid()))
+    want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert [render_chat(None, MSGS) for _ in range(20)] == [want] * 20
+    assert len(forks) == 20
+    assert set(children_of(os.getpid())) <= kids_before
+
+    forks.clear()
+    with pytest.raises(ChatTemplateError, match="more than the limit"):
+        render_chat("x" * (ct.MAX_TEMPLATE_CHARS + 1), MSGS)
+    assert not forks
+
+    piece, calls = "y" * 100, []
+    cap_calls = ct.MAX_OUTPUT_CHARS // len(piece) + 1
+
+    def tick():
+        calls.append(1)
+        if len(calls) > 10 * cap_calls:
+            raise _TooManySteps
+        return piece
+
+    endless = "{% for a in range(100000) %}{% for b in range(100000) %}{{ tick() }}{% endfor %}{% endfor %}"
+    try:
+        with pytest.raises(ChatTemplateError, match="output exceeds"):
+            ct._render_limited(endless, dict(messages=MSGS, tick=tick))
+    except _TooManySteps:
+        pytest.fail(f"the output cap did not stop generation after {len(calls)} pieces")
+    assert len(calls) == cap_calls

@@ -1,7 +1,7 @@
 """The CLI refuses what it can before the model loads: one line `error: ...` naming the option,
 exit 1 (click's own parse errors, such as `-n abc`, keep click's usage code 2, also in one line),
-no traceback, within seconds, and without starting the engine (torch is never imported, so no
-worker process can have been started). Also: --seed -1 means random, --ctx beyond the model's
+no traceback, and without starting the engine (torch is never imported, so no worker process
+can have been started: that, not a clock, bounds the work a refusal does). Also: --seed -1 means random, --ctx beyond the model's
 trained context is capped with a note, and Ctrl-C works when SIGINT was ignored at start."""
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, children_of
+from tests.conftest import HANG_S, REPO, children_of
 
 CORES = len(os.sched_getaffinity(0))
-FAIL_FAST_S = 5.0  # generous: these runs take about 0.5 s; loading an engine takes several
 # Runs the CLI as `python -m coordinator` does, then says on stdout whether torch was imported:
 # the engine (and with it every worker process) needs torch, so "no" means nothing was started.
 WRAP = ("import runpy, sys\n"
@@ -32,21 +31,19 @@ def _env() -> dict:
     return env
 
 
-def _cli(args: list, timeout: float = 60):
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", WRAP, *args], capture_output=True, cwd=REPO, env=_env(),
-                       timeout=timeout)
-    return r, time.monotonic() - t0
+def _cli(args: list, timeout: float = HANG_S):
+    """The timeout only catches a hang: a refusal takes about 0.5 s."""
+    return subprocess.run([sys.executable, "-c", WRAP, *args], capture_output=True, cwd=REPO, env=_env(),
+                          timeout=timeout)
 
 
 def _assert_refused(args, needle: str, code: int = 1) -> None:
-    r, took = _cli(args)
+    r = _cli(args)
     err, out = r.stderr.decode(errors="replace"), r.stdout.decode(errors="replace")
     lines = err.strip().splitlines()
     assert r.returncode == code, err
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
     assert "[torch imported: False]" in out, "the engine started before the option was refused"
-    assert took < FAIL_FAST_S, f"took {took:.1f}s to refuse {args}"
 
 
 BAD_GENERATE = [
@@ -134,7 +131,7 @@ def test_prompt_client_refuses_before_connecting(args, needle):
 
 
 def test_ctx_beyond_the_trained_context_is_capped_with_a_note(tiny_model):
-    r, _ = _cli(["generate", "-m", str(tiny_model), "-p", "hello", "-n", "3", "--ctx", "100000", "--no-stats"],
+    r = _cli(["generate", "-m", str(tiny_model), "-p", "hello", "-n", "3", "--ctx", "100000", "--no-stats"],
                 timeout=180)
     err = r.stderr.decode()
     assert r.returncode == 0, err
@@ -142,7 +139,7 @@ def test_ctx_beyond_the_trained_context_is_capped_with_a_note(tiny_model):
 
 
 def test_seed_minus_one_means_random(tiny_model):
-    r, _ = _cli(["generate", "-m", str(tiny_model), "-p", "hello", "-n", "3", "--temperature", "0.8",
+    r = _cli(["generate", "-m", str(tiny_model), "-p", "hello", "-n", "3", "--temperature", "0.8",
                  "--seed", "-1", "--no-stats"], timeout=180)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().startswith("hello")
@@ -174,7 +171,7 @@ def test_ctrl_c_works_when_started_with_sigint_ignored(tiny_model_factory):
             p.wait()
     assert rc == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S  # they are gone at once; this only catches one that stays
     while any(os.path.exists(f"/proc/{w}") for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}")], "a worker outlived the interrupted run"

@@ -1,7 +1,7 @@
 """Faults end to end, with real processes on the tiny synthetic model.
 
-- a bad model file gives one "error: <path>: <reason>" line, exit code 1, no traceback, fast;
-- a worker killed mid-generation is named by the coordinator, which exits within ~2 s;
+- a bad model file gives one "error: <path>: <reason>" line, exit code 1, no traceback;
+- a worker killed mid-generation is named by the coordinator, which exits;
 - Ctrl-C (SIGINT to the process group) and SIGTERM stop a run cleanly (exit code 130), also
   while the workers are still starting;
 - a normal run, and a coordinator killed with SIGKILL (mid-generation, or while its workers
@@ -15,6 +15,9 @@ id is its pid): all its descendants, even re-parented orphans, are found by that
 checked without racing other runs on the machine. Leaked shared memory is checked by name for
 segments the coordinator mapped, and otherwise as "new since the start and mapped by nobody"
 (a segment of some other live run is always mapped by its coordinator).
+
+No test asserts how long anything took: every wait here ends as soon as what it waits for
+happens, and its limit (HANG_S, tests/conftest.py) only turns a hang into a failure.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import pytest
 from coordinator.engine import Engine, EngineOptions
 from coordinator.worker_pool import WorkerError
 from protocol.shm_layout import SHM_PREFIX
-from tests.conftest import shm_segments
+from tests.conftest import HANG_S, shm_segments
 from tests.fixtures.tiny_gguf import write_garbage_files
 
 MOCK_WORKER = Path(__file__).resolve().parent / "mock_worker.py"
@@ -44,7 +47,7 @@ PROMPT = "hi"
 WORKERS = ["--cpu-workers", "1", "--gpu-share", "0.3"]
 LONG = [*WORKERS, "-n", "2000", "--ignore-eos", "--ctx", "4096"]  # runs far longer than any test waits
 START_TIMEOUT_S = 90  # until the first generated text; generous for a loaded 2-core machine
-EXIT_TIMEOUT_S = 30  # any wait for an exit: a hang fails the test instead of CI
+EXIT_TIMEOUT_S = HANG_S  # any wait for an exit (honest ones: a few seconds): a hang fails the test instead of CI
 
 
 # --------------------------------------------------------------------------- /proc helpers
@@ -197,7 +200,7 @@ class Generate:
     def leftovers(self) -> list[str]:
         return [f"{p}: {_cmdline(p)}" for p in _session_members(self.pid) if p != self.pid]
 
-    def assert_clean(self, timeout: float = 3.0) -> None:
+    def assert_clean(self, timeout: float = HANG_S) -> None:
         """No process of the run, none of its segments, no private runtime dir."""
         assert _wait_for(lambda: not self.leftovers(), timeout), f"processes left behind: {self.leftovers()}"
         assert _wait_for(lambda: not (self.segments & shm_segments()), timeout), \
@@ -247,7 +250,7 @@ PARALLEL_BAD_RUNS = 4  # each one imports torch: more at once only makes each sl
 @pytest.fixture(scope="module")
 def bad_file_runs(tmp_path_factory):
     """Run `generate` on every bad file, a few at a time; key -> (path, stdout, stderr, exit code,
-    seconds, processes left, runtime dirs left)."""
+    whether it hung (still running after EXIT_TIMEOUT_S: killed), processes left, runtime dirs left)."""
     d = tmp_path_factory.mktemp("garbage")
     files = {k: Path(v) for k, v in write_garbage_files(d).items() if k in BAD_FILES}  # not random_bytes: as not_gguf
     files["missing"] = d / "does-not-exist.gguf"
@@ -263,12 +266,12 @@ def bad_file_runs(tmp_path_factory):
             time.sleep(0.05)
             for key, run in list(running.items()):
                 rc = run.proc.poll()
-                elapsed = time.monotonic() - run.t0
-                if rc is None and elapsed > EXIT_TIMEOUT_S:
+                hung = rc is None and time.monotonic() - run.t0 > EXIT_TIMEOUT_S
+                if hung:
                     run.proc.kill()
                     rc = run.proc.wait()
                 if rc is not None:
-                    done[key] = (files[key], run.stdout, run.stderr, rc, elapsed, run.leftovers(),
+                    done[key] = (files[key], run.stdout, run.stderr, rc, hung, run.leftovers(),
                                  sorted(p.name for p in run.tmp.iterdir()))
                     del running[key]
                     run.__exit__(None, None, None)
@@ -281,7 +284,8 @@ def bad_file_runs(tmp_path_factory):
 @pytest.mark.parametrize("key", sorted(BAD_FILES))
 def test_bad_model_file_gives_one_clear_error_line(bad_file_runs, key):
     done, shm_before = bad_file_runs
-    path, out, err, rc, elapsed, leftovers, runtime_dirs = done[key]
+    path, out, err, rc, hung, leftovers, runtime_dirs = done[key]
+    assert not hung, f"still running {EXIT_TIMEOUT_S:g}s after it started on {key}: killed"
     assert "Traceback" not in out + err, f"traceback for {key}:\n{err}"
     assert rc == 1, f"exit code {rc} for {key}; stderr:\n{err}"
     lines = err.strip().splitlines()
@@ -290,7 +294,6 @@ def test_bad_model_file_gives_one_clear_error_line(bad_file_runs, key):
     assert line.startswith("error:"), line
     assert str(path) in line, f"the message does not name the file {path}: {line}"
     assert re.search(BAD_FILES[key], line), f"the message does not say /{BAD_FILES[key]}/: {line}"
-    assert elapsed < 30, f"took {elapsed:.1f}s to refuse {key}"
     assert not leftovers, f"processes left behind: {leftovers}"
     assert not runtime_dirs, f"private runtime dir left behind: {runtime_dirs}"
     assert not _leaked_segments(shm_before)
@@ -314,8 +317,7 @@ def test_worker_killed_mid_generation_is_reported_fast(long_model, role):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), f"not one error line:\n{err}"
         assert f"{role} worker {worker_id} (pid {victim}) died: killed by signal 9" in lines[0], lines[0]
-        print(f"coordinator exited {took:.2f}s after {role} worker {worker_id} was killed")
-        assert took < 3.0, f"the coordinator took {took:.1f}s to exit after its worker was killed"
+        print(f"coordinator exited {took:.2f}s after {role} worker {worker_id} was killed")  # shown, not judged
         run.assert_clean()
     assert not _leaked_segments(shm_before)
 
@@ -337,15 +339,15 @@ def test_interrupt_stops_cleanly(long_model, how):
         _no_traceback(run)
         assert rc == 130, f"exit code {rc}; stderr:\n{run.stderr}"
         assert "interrupted" in run.stderr
-        print(f"stopped {took:.2f}s after {how}")
-        assert took < 5.0, f"took {took:.1f}s to stop after {how}"
+        print(f"stopped {took:.2f}s after {how}")  # shown, not judged
         run.assert_clean()
     assert not _leaked_segments(shm_before)
 
 
 def test_ctrl_c_while_workers_start(long_model):
     """Ctrl-C while the workers still import torch (before they ignore SIGINT): no worker
-    traceback on the terminal, and no 2 s wait for workers that cannot be told to stop yet."""
+    traceback on the terminal, and it stops (that it terminates such workers at once instead of
+    waiting 2 s for them: test_worker_pool_mock.py::test_close_before_hello_terminates_at_once)."""
     with Generate(long_model, *LONG) as run:
         run.wait_workers()
         os.killpg(run.pid, signal.SIGINT)
@@ -355,8 +357,7 @@ def test_ctrl_c_while_workers_start(long_model):
         _no_traceback(run)
         assert rc == 130, f"exit code {rc}; stderr:\n{run.stderr}"
         assert run.stderr.strip() == "interrupted", run.stderr
-        print(f"stopped {took:.2f}s after Ctrl-C during startup")
-        assert took < 5.0, f"took {took:.1f}s to stop"
+        print(f"stopped {took:.2f}s after Ctrl-C during startup")  # shown, not judged
         run.assert_clean()
 
 
@@ -388,13 +389,13 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
         run.wait()
         t_kill = time.monotonic()
         # Workers: PR_SET_PDEATHSIG (and their parent check) end them.
-        assert _wait_for(lambda: not any(_alive(p) for p in worker_pids), 2.5), \
-            f"workers still alive 2.5 s after the coordinator died: {[p for p in worker_pids if _alive(p)]}"
+        assert _wait_for(lambda: not any(_alive(p) for p in worker_pids), HANG_S), \
+            f"workers still alive {HANG_S:g} s after the coordinator died: {[p for p in worker_pids if _alive(p)]}"
         print(f"workers gone {time.monotonic() - t_kill:.2f}s after the coordinator's SIGKILL")
-        assert _wait_for(lambda: not run.leftovers(), 3.0), f"left behind: {run.leftovers()}"
+        assert _wait_for(lambda: not run.leftovers(), HANG_S), f"left behind: {run.leftovers()}"
         # The segment: the coordinator's multiprocessing resource tracker unlinks it when the
         # coordinator's end of its pipe closes.
-        assert _wait_for(lambda: not (run.segments & shm_segments()), 3.0), \
+        assert _wait_for(lambda: not (run.segments & shm_segments()), HANG_S), \
             f"shared memory left behind by a SIGKILLed coordinator: {sorted(run.segments & shm_segments())}"
         # The pool removed the run dir (socket, wake pipes) and the segment's name once every
         # worker was ready: nobody is left to remove them after a kill -9.
@@ -411,7 +412,7 @@ def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
         for pid in members:
             os.kill(pid, signal.SIGKILL)
         run.wait()
-        assert _wait_for(lambda: not run.leftovers(), 3.0), f"left behind: {run.leftovers()}"
+        assert _wait_for(lambda: not run.leftovers(), HANG_S), f"left behind: {run.leftovers()}"
         assert not (run.segments & shm_segments()), f"shared memory left behind: {sorted(run.segments)}"
         left = sorted(p.name for p in run.tmp.iterdir())
         assert not left, f"private runtime dir left in {run.tmp}: {left}"
@@ -427,16 +428,16 @@ def test_sigkill_of_the_whole_tree_while_workers_start_leaves_nothing(long_model
         assert segments and any(run.tmp.iterdir())  # names exist: start-up is not over
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
-        assert _wait_for(lambda: not (segments & shm_segments()) and not any(run.tmp.iterdir()), 5.0), \
+        assert _wait_for(lambda: not (segments & shm_segments()) and not any(run.tmp.iterdir()), HANG_S), \
             f"left behind: {sorted(segments & shm_segments())}, {sorted(p.name for p in run.tmp.iterdir())}"
-        assert _wait_for(lambda: not run.leftovers(), 20.0, 0.2), f"left behind: {run.leftovers()}"
+        assert _wait_for(lambda: not run.leftovers(), HANG_S, 0.2), f"left behind: {run.leftovers()}"
 
 
 def test_the_reaper_leaves_with_the_run(tiny_model):
     with Generate(tiny_model, *WORKERS, "-n", "2") as run:
         run.wait()
     marker = str(tiny_model)
-    assert _wait_for(lambda: not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout, 3.0), \
+    assert _wait_for(lambda: not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout, HANG_S), \
         "a process of the run (its reaper?) outlived a normal exit"
 
 
@@ -449,8 +450,8 @@ def test_coordinator_sigkill_while_workers_start(long_model):
         os.kill(run.pid, signal.SIGKILL)
         run.wait()
         # They finish importing torch first (seconds on a loaded machine), then exit at once.
-        assert _wait_for(lambda: not run.leftovers(), 20.0, 0.2), \
-            f"orphaned workers still alive 20 s after the coordinator died: {run.leftovers()}"
+        assert _wait_for(lambda: not run.leftovers(), HANG_S, 0.2), \
+            f"orphaned workers still alive {HANG_S:g} s after the coordinator died: {run.leftovers()}"
         assert not any(_alive(p) for p in worker_pids)
         assert segments and not (segments & shm_segments()), f"shared memory left behind: {segments}"
 
@@ -489,16 +490,15 @@ def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
             argv = [sys.executable, str(MOCK_WORKER), "--role", shard.role]
         return [*argv, "--endpoint", endpoint, "--worker-id", str(shard.worker_id)]
 
-    t0 = time.monotonic()
+    # bounded by the engine's own startup timeout, whose "timed out" error the callers' checks refuse
     with pytest.raises(WorkerError) as ei:
         Engine(model, EngineOptions(cpu_workers=1, threads=2), launcher=launcher)
-    assert time.monotonic() - t0 < 60
     assert endpoints and len(set(endpoints)) == 1
     return str(ei.value), endpoints[0]
 
 
 def _assert_engine_cleaned_up(endpoint: str, shm_before: set[str]) -> None:
-    assert _wait_for(lambda: not _procs_mentioning(endpoint), 3.0), \
+    assert _wait_for(lambda: not _procs_mentioning(endpoint), HANG_S), \
         f"worker processes left behind: {_procs_mentioning(endpoint)}"
     if endpoint.startswith("ipc://"):
         run_dir = Path(endpoint.removeprefix("ipc://")).parent
