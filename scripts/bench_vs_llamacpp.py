@@ -252,12 +252,12 @@ def tree_memory(pid: int) -> dict:
 class Child:
     """A benchmarked process, driven over its stdin/stdout."""
 
-    def __init__(self, kind: str, cfg: dict, timeout_s: float = 900):
+    def __init__(self, kind: str, cfg: dict, timeout_s: float = 900, env: dict | None = None):
         self.kind = kind
         self.t_spawn = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", kind,
                                       json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=clean_env(), text=True, cwd=str(REPO))
+                                     env={**clean_env(), **(env or {})}, text=True, cwd=str(REPO))
         hello = self._read()
         self.load_s = time.perf_counter() - self.t_spawn
         self.hello = hello
@@ -421,6 +421,29 @@ def summarize(runs, pp: int, tg: int) -> dict:
     return out
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
+def level_envs(isa: str | None, only: str | None) -> tuple[dict, dict, str]:
+    """The environments that put each side at `isa` (None: this CPU's best), and a line naming
+    the CPU and the levels both sides ran at."""
+    if isa is None:
+        import sparsecore.kernels as K  # noqa: E402  (after BASE_ENV: children start clean)
+        return {}, {}, f"CPU {cpu_name()}: both sides at this CPU's best level (our kernels: {K.isa()})"
+    build = REPO / ".bench" / f"llama-cpp-{isa}"
+    if only != "ours" and not (build / "llama_cpp").is_dir():
+        raise SystemExit(f"{build} has no llama.cpp build: run scripts/setup-bench --isa {isa}")
+    ours = {"SPARSEINFER_ISA": "avx2"}  # avx-vnni: our AVX2 kernels (no AVX-VNNI level of ours yet)
+    path = os.pathsep.join(p for p in (str(build), BASE_ENV.get("PYTHONPATH", "")) if p)
+    return ours, {"PYTHONPATH": path}, (f"CPU {cpu_name()}: both sides capped at {isa} (ours SPARSEINFER_ISA="
+                                        f"{ours['SPARSEINFER_ISA']}, llama.cpp built by setup-bench --isa {isa})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -443,6 +466,9 @@ def main():
                     help="redo a timed run (up to 3 times) if other work used more cores than this "
                          "meanwhile (negative: never)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the read bandwidth measurement")
+    ap.add_argument("--isa", choices=["avx2", "avx-vnni"],
+                    help="both sides at this x86 level: ours capped there, llama.cpp from .bench/llama-cpp-ISA "
+                         "(scripts/setup-bench --isa ISA)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -457,6 +483,7 @@ def main():
                 ap.error(f"{llama_model} is a PowerInfer (PWRI) file llama.cpp cannot load: "
                          "pass the dense file of the same shape with --llama-model")
 
+    ours_env, llama_env, level = level_envs(args.isa, args.only)
     prompt = prompt_ids(args.model, args.pp)
     n_ctx = args.pp + args.tg + 16
     children: list[Child] = []
@@ -464,7 +491,7 @@ def main():
         # Loaded one at a time, so no load is slowed down by another.
         if args.only != "ours":
             children.append(Child("llamacpp", dict(model=str(llama_model), threads=args.threads,
-                                                   n_ctx=n_ctx, n_batch=max(args.pp, 512))))
+                                                   n_ctx=n_ctx, n_batch=max(args.pp, 512)), env=llama_env))
         if args.only != "llamacpp":
             for w in args.weights:
                 label = "" if args.weights == [DEFAULT_WEIGHTS] else f"{w} "
@@ -475,7 +502,8 @@ def main():
                 for levels, dense in split:
                     children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
                                                        weights=w, cpu_workers=args.cpu_workers,
-                                                       sparsity=levels, label=label, dense=dense)))
+                                                       sparsity=levels, label=label, dense=dense),
+                                          env=ours_env))
         busy_before = busy_cores()  # everything loaded and idle: should be ~0
         runs = bench(children, prompt, args.tg, args.reps, args.warmup,
                      None if args.max_other_cores < 0 else args.max_other_cores)
@@ -495,6 +523,7 @@ def main():
     busy = [None if b is None else round(b, 2) for b in (busy_before, busy_after)]
     print(f"model {args.model} ({args.model.stat().st_size / 1e9:.3f} GB)"
           + (f"; llama.cpp runs {llama_model}" if llama_model != args.model else ""))
+    print(level)
     print(f"threads={args.threads} pp={args.pp} tg={args.tg} reps={args.reps} (medians), each side in a "
           f"clean process of its own; cores busy with other work before/after: {busy}")
     spare = (os.cpu_count() or 1) - args.threads
@@ -533,7 +562,7 @@ def main():
     result = dict(model=str(args.model), llama_model=str(llama_model),
                   model_bytes=args.model.stat().st_size,
                   threads=args.threads, pp=args.pp, tg=args.tg, reps=args.reps, cpu_workers=args.cpu_workers,
-                  weights=args.weights, busy_cores_other=busy, cpu_count=os.cpu_count(),
+                  weights=args.weights, isa=args.isa, level=level, busy_cores_other=busy, cpu_count=os.cpu_count(),
                   read_bandwidth_gb_s=gb_s, results=res)
     if "llama.cpp" in res:
         base = res["llama.cpp"]
