@@ -1,4 +1,5 @@
-"""Builds the native kernels (sparsecore/kernels/_kernels.c) when pip installs the project.
+"""Builds the native kernels (sparsecore/kernels/_kernels.c and the parts it includes) when pip
+installs the project.
 
 Portable flags only: the AVX2 code paths carry their own target attributes and are chosen at
 run time by CPU detection, so one build runs on any x86-64 machine (and the C fallback
@@ -7,6 +8,9 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("sparsecore.kernels._kernels", ["sparsecore/kernels/_kernels.c"],
-                             depends=sorted(str(p) for p in Path("sparsecore/kernels").glob("*.c")),
+# _kernels.c #includes the other parts of the folder (one compilation unit): every one of them a
+# dependency, so that editing any part rebuilds the extension
+PARTS = sorted(str(p) for pattern in ("*.c", "*.h") for p in Path("sparsecore/kernels").glob(pattern))
+
+setup(ext_modules=[Extension("sparsecore.kernels._kernels", ["sparsecore/kernels/_kernels.c"], depends=PARTS,
                              extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-function"])])

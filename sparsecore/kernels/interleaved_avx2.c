@@ -1,6 +1,8 @@
-/* Fast mode on interleaved rows (X16, see interleave in _kernels.c) with AVX2: the VNNI tiles'
- * lanes on 256-bit registers, for CPUs without AVX-512 (AMD Zen 2/3, Intel 12th-14th gen).
- * Included by _kernels.c inside its x86 block: one compilation unit, so the tiles inline.
+/* _kernels.c, part: the repacked layouts with AVX2: X16's tiles and R16's runs and rows.
+ *
+ * Fast mode on interleaved rows (X16, see interleave in interleaved_generic.c) with AVX2: the
+ * VNNI tiles' lanes on 256-bit registers, for CPUs without AVX-512 (AMD Zen 2/3, Intel
+ * 12th-14th gen).
  *
  * A group's value run j (64 bytes: 4 value bytes of each of 16 rows) is two registers: rows
  * 0-7 and rows 8-15 ("halves"). Without vpdpbusd, a lane's integer sum comes from maddubs
@@ -12,6 +14,7 @@
  * x16_lane_c's and the VNNI tile's, operation for operation: a token gets the same result on
  * AVX2 as on AVX-512 VNNI and the portable path, alone or in any batch. */
 
+#if HAVE_X86
 #define TILE_A 4 /* tokens per tile: 2 halves x 4 accumulators and a half's 8 value registers */
 
 /* sum over the 8 runs of one half: maddubs of each run's unsigned values with x's 4 bytes
@@ -230,7 +233,7 @@ AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef Q4_K_TILE_A
 #undef Q6_K_TILE_A
 
-/* ---- rows picked by activity with their blocks interleaved (R16) -------------------------------
+/* ---- R16: rows picked by activity with their blocks interleaved -------------------------------
  * r16_run's lanes (the VNNI kernel's, and r16_dot_c's) on two halves of 8 blocks: per half 8
  * maddubs against x's packed values (r16_pack), added in int16, one madd, the offsets, one
  * conversion and one scaled accumulation for 8 blocks. A row's short last run (L < 16 blocks) is
@@ -313,3 +316,4 @@ AVX2 static void r16_rows_avx2(mat m, const int32_t *rows, int64_t start, int64_
     else if (m.t == R16 + T_Q4_1) r16_rows_avx2_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
     else r16_rows_avx2_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
 }
+#endif

@@ -1,0 +1,122 @@
+/* _kernels.c, part: one layer's attention block (attn_token, attn_batch, attn_part): RMSNorm (also
+ * residual_norm's), the products, RoPE, the KV cache and attention at the level in use. */
+
+/* One decoded token's attention block for one layer, in place on the residual h (hidden):
+ *   x = rmsnorm(h) * norm_w;  q, k, v = Wq x, Wk x, Wv x (Q and K rows in un-permuted order)
+ *   rotate-half RoPE on q and k at `pos` (cos, and sin with the first half negated, as the
+ *   Python model's tables hold them); k, v into the layer's cache at pos;
+ *   per query head: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] (query head i reads KV head
+ *   i / (n_heads / n_kv)); h += Wo (heads side by side).
+ * The same arithmetic as coordinator/model.py's torch path in float32, in one call instead of
+ * some twenty small torch operations (each 3-10 us, most of a small model's token). */
+typedef struct {
+    float *x, *q, *k, *v, *att, *out;
+    q8blk *xq, *oq;
+} attn_scratch;
+
+/* x = RMSNorm(h) * w (the double sum keeps long rows exact enough to match torch's) */
+static void rms_norm_into(const float *h, const float *w, float eps, int n, float *x) {
+    double ss = 0.0;
+#if HAVE_X86
+    if (use_avx2) ss = sum_squares_avx2(h, n);
+    else
+#endif
+    for (int i = 0; i < n; i++) ss += (double)h[i] * h[i];
+    float r = 1.f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) x[i] = h[i] * r * w[i];
+}
+
+/* One sequence at position pos: rope on q and k, k and v into the cache, then per query head
+ * softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] into out (query head i reads KV head i / group).
+ * n_heads, n_kv may be a slice of the model's heads, with kc and vc at its first KV head. */
+static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int hd, int d, const float *cos_r,
+                   const float *sin_r, int pos, float *kc, float *vc, int max_ctx, float *att, float *out) {
+    rope(q, n_heads, hd, d, cos_r, sin_r);
+    rope(k, n_kv, hd, d, cos_r, sin_r);
+    for (int j = 0; j < n_kv; j++) {
+        memcpy(kc + ((int64_t)j * max_ctx + pos) * hd, k + j * hd, sizeof(float) * hd);
+        memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, v + j * hd, sizeof(float) * hd);
+    }
+    float scale = 1.f / sqrtf((float)hd);
+    int group = n_heads / n_kv;
+    for (int j = 0; j < n_kv; j++) {
+        const float *K = kc + (int64_t)j * max_ctx * hd, *V = vc + (int64_t)j * max_ctx * hd;
+        float *qj = q + (int64_t)j * group * hd, *oj = out + (int64_t)j * group * hd;
+#if HAVE_X86
+        if (use_avx2 && hd % 8 == 0) {
+            for (int h = 0; h < group; h += MAXG) {
+                int g = group - h < MAXG ? group - h : MAXG;
+                if (use_vnni && hd % 16 == 0) attend_heads_avx512(qj + h * hd, g, K, V, pos + 1, hd, scale, oj + h * hd);
+                else attend_heads_avx2(qj + h * hd, g, K, V, pos + 1, hd, scale, oj + h * hd);
+            }
+            continue;
+        }
+#endif
+        attend_heads_c(qj, group, K, V, pos + 1, hd, scale, att, oj);
+    }
+}
+
+/* The attention of KV heads [kv0, kv1) (and their query heads) for B sequences decoded together
+ * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
+ * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
+ * attention per sequence, then those heads' columns of the output product: `part` (B rows of
+ * hidden) gets their share of the attention output. The shares of disjoint head ranges summed
+ * are the whole attention (what lets processes split a layer's heads: coordinator/
+ * attention_split.py). Per sequence the same float operations whatever B, so a sequence decodes
+ * the same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d); kcs[b],
+ * vcs[b]: the layer's caches of sequence b at KV head 0. Scratch: x (B hidden), q and out
+ * (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32 blocks), oq (B n_heads
+ * hd/32 blocks). kv1 - kv0 heads' columns of wo must start on a block of wo's type. */
+static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                      const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                      const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
+                      float *const *vcs, int max_ctx, int fast, attn_scratch sc, const float *h, int kv0, int kv1,
+                      float *part) {
+    int group = n_heads / n_kv, lq = (kv1 - kv0) * group, lk = kv1 - kv0;
+    int64_t nq = (int64_t)lq * hd, nk = (int64_t)lk * hd, q0 = (int64_t)kv0 * group * hd, k0 = (int64_t)kv0 * hd;
+    int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK, head_off = (int64_t)kv0 * max_ctx * hd;
+    for (int b = 0; b < B; b++) {
+        float *xb = sc.x + (int64_t)b * hidden;
+        rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
+        if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
+    }
+    /* Q's rows in the file's order (one stream: rows visited out of order cost 15 % more), into
+     * out for now, then reordered per head (q_rows permutes rows within each head only) */
+    products(wq, NULL, q0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.out, nq);
+    for (int b = 0; b < B; b++)
+        for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] = sc.out[b * nq + q_rows[q0 + i] - q0];
+    /* K's likewise (into v, free until V's products): ranges are what interleaved rows take */
+    products(wk, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    for (int b = 0; b < B; b++)
+        for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] = sc.v[b * nk + k_rows[k0 + i] - k0];
+    products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    for (int b = 0; b < B; b++) {
+        int p0 = (int)pos[b];
+        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,
+               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, sc.att, sc.out + b * nq);
+        if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
+    }
+    products(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
+}
+
+/* attn_token for B sequences: every head's share (attn_part) added to the residual h in place. */
+static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
+                       float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
+    float *part = sc.x;  /* x: free once the products have read it (attn_part's last matmul reads out) */
+    attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos, kcs,
+              vcs, max_ctx, fast, sc, h, 0, n_kv, part);
+    for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += part[i];
+}
+
+/* One sequence's decoded token: attn_batch of one row (one token's products go through matvec) */
+static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
+                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
+                       const float *cos_t, const float *sin_t, int pos, float *kc, float *vc, int max_ctx,
+                       int fast, attn_scratch sc, float *h) {
+    int64_t p = pos;
+    float *kcs[1] = {kc}, *vcs[1] = {vc};
+    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, 1, &p, kcs,
+               vcs, max_ctx, fast, sc, h);
+}

@@ -1,0 +1,132 @@
+/* _kernels.c, part: what every other part builds on. The platform and the instruction sets'
+ * target attributes (each function carries its level's; the level flags use_avx2 and use_vnni
+ * pick one at run time), the GGML type ids and their block sizes, f16/bf16 conversion,
+ * unaligned reads, the per-thread scratch buffers' growth, fast mode's 8-bit activation
+ * blocks, and `mat`: one matrix as the kernels address it. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+/* AVX-512 with VNNI (vpdpbusd, EVEX): fast mode's integer dots (blocks_avx512.c) */
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#else
+#define HAVE_X86 0
+#endif
+/* inlined whatever the compiler's budget: tiles with a constant count keep their accumulators
+ * in registers (blocks_avx2.c) */
+#define INLINE inline __attribute__((always_inline))
+
+/* GGML type ids (gguf.GGMLQuantizationType) */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+#define QK 32
+#define QKK 256  /* values per block of the K-quants */
+#define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
+
+/* ---- scalar helpers ------------------------------------------------------------------------ */
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* A per-thread scratch buffer of at least `bytes`, grown on demand and kept (calls release the
+ * GIL: every thread its own); NULL if it cannot grow. */
+static void *grown(void **buf, int64_t *cap, int64_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = malloc(bytes > 0 ? bytes : 1);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
+
+/* ---- types, layouts and block sizes --------------------------------------------------------- */
+
+/* Rows whose blocks are interleaved 16 by 16 within the row (R16): a Q4_0, Q4_1 or Q8_0 matrix
+ * repacked in memory of the process's own for fast mode's products of rows picked one by one
+ * (FileMatrix.interleave_blocks). Each row keeps its place and its bytes (row_at works); every
+ * 16 consecutive blocks of it (512 values) are laid out as X16 lays out 16 rows' block, the
+ * block standing for the row. Type id R16 + the file's type; a row's size and block are the
+ * file type's. */
+#define R16 200
+static inline int is_r16(int t) { return t == R16 + T_Q4_0 || t == R16 + T_Q4_1 || t == R16 + T_Q8_0; }
+
+static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static int block_size(int t) {
+    if (is_r16(t)) t -= R16;
+    return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK;
+}
+static int type_bytes(int t) {  /* bytes of one block */
+    if (is_r16(t)) t -= R16;
+    switch (t) {
+    case T_F32: return 4; case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+/* quantized types: fast mode quantizes the activation to q8 blocks */
+static inline int is_quant(int t) { return block_size(t) >= QK; }
+
+/* Interleaved rows (X16): a Q4_0, Q4_1 or Q8_0 matrix repacked in memory of the process's own, 16
+ * rows side by side, for fast mode's dense products (interleave in interleaved_generic.c, FileMatrix.interleave).
+ * Its type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
+#define X16 100
+static inline int is_x16(int t) {
+    return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0 || t == X16 + T_Q6_K || t == X16 + T_Q4_K;
+}
+
+/* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
+ * the sum of the int8 values (Q4_0's -8 offset and Q4_1's min need it). */
+typedef struct { float d; int32_t s; int8_t q[QK]; } q8blk;
+
+/* Fast mode with VNNI: a token's q8 blocks 2i and 2i+1 as its steps read them (vnni_pack) */
+typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
+
+/* ---- a matrix and the level in use ---------------------------------------------------------- */
+
+typedef struct {  /* one matrix of the file: rows of `stride` bytes, values in type `t` */
+    const uint8_t *base;
+    int64_t stride;
+    int t;
+} mat;
+
+static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
+    return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);
+}
+/* m with row r0 as its row 0 (a shard's rows by their offsets in it) */
+static inline mat shifted(mat m, int64_t r0) {
+    m.base += r0 * m.stride;
+    return m;
+}
+
+static int use_avx2 = 0;
+static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */

@@ -1,0 +1,593 @@
+/* _kernels.c, part: the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
+ * and axpy, the same for several tokens per row, and the activations' quantization. */
+
+/* ---- dot products, AVX2 -------------------------------------------------------------------- */
+#if HAVE_X86
+/* f16_to_f32 in one instruction (F16C: exact, as the portable conversion; the axpy and dot
+ * loops of one-row products converted a scale per block, some 20 instructions each) */
+AVX2 static inline float f16c_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 unsigned nibbles of a Q4 block as 32 bytes: low nibbles first, then high (GGUF order) */
+AVX2 static inline __m256i nibbles(const uint8_t *qs) {
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+/* sum of 8 int8 lanes times floats: 32 bytes b (int8) . 32 floats x, as a vector of 8 partials */
+AVX2 static inline __m256 i8x32_dot_f(__m256i b, const float *x, __m256 acc, __m256 scale) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16), p);
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), p);
+    return _mm256_fmadd_ps(p, scale, acc);
+}
+
+/* the same with one scale for the first 16 bytes and another for the last 16 (Q6_K) */
+AVX2 static inline __m256 i8x32_dot_f2(__m256i b, const float *x, __m256 acc, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+    __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16));
+    q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), q);
+    return _mm256_fmadd_ps(q, s_hi, _mm256_fmadd_ps(p, s_lo, acc));
+}
+
+/* A K block's 256 values as 8 vectors of 32 unsigned bytes, one per 32 consecutive values:
+ * Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before its -32). */
+AVX2 static inline void kq_unpack(int t, const uint8_t *w, __m256i q[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(3);
+    if (t == T_Q6_K) {
+        for (int h = 0; h < 2; h++) {  /* half h: ql[64h..+64] (two vectors), qh[32h..+32] */
+            __m256i a = _mm256_loadu_si256((const __m256i *)(w + 64 * h)), b = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            /* high bits: 2 per value, to bits 4..5 (mask per byte first: the 16-bit shifts cross bytes) */
+            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        }
+        return;
+    }
+    const uint8_t *qs = w + (t == T_Q5_K ? 48 : 16);
+    __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {  /* 32 bytes of qs: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        q[2 * k] = _mm256_and_si256(v, m4);
+        q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (t == T_Q5_K) {  /* bit j of qh is sub-block j's fifth bit: shift qh down one bit per sub-block */
+            q[2 * k] = _mm256_or_si256(q[2 * k], _mm256_slli_epi16(_mm256_and_si256(hb, m1), 4));
+            q[2 * k + 1] = _mm256_or_si256(q[2 * k + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), m1), 4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+    }
+}
+
+/* Q4_K/Q5_K: each sub-block's scale d sc[j] and min dmin m[j], in vectors: the 12 scale bytes as three little-endian words
+ * s0, s1, s2 give the 6-bit scales 0..3 as s0's bytes & 63 and 4..7 as s2's low nibbles with
+ * s0's top two bits above them; the mins likewise from s1 and s2's high nibbles. Scalar, the
+ * unpacking and 16 conversions cost about as much as a super-block's products (one token's
+ * Q4_K rows ran at 8 GB/s on a core with VNNI, Q4_0's at 22). scl: the scales d sc[j] in lanes
+ * 0..7; mn: the mins dmin m[j]. */
+AVX2 static inline void k45_scales_vec(const uint8_t *w, __m256 *scl, __m256 *mn) {
+    uint32_t s0, s1, s2;
+    memcpy(&s0, w + 4, 4), memcpy(&s1, w + 8, 4), memcpy(&s2, w + 12, 4);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    uint32_t sc_hi = (s2 & m4) | (((s0 >> 6) & m2) << 4), mn_hi = ((s2 >> 4) & m4) | (((s1 >> 6) & m2) << 4);
+    __m128i sc8 = _mm_set_epi32(0, 0, (int)sc_hi, (int)(s0 & m6)), mn8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)(s1 & m6));
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(w))), dmin = _mm256_set1_ps(_cvtsh_ss(rd16(w + 2)));
+    *scl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+    *mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)));
+}
+AVX2 static inline void k45_scales_avx2(const uint8_t *w, float *scl, float *mn) {
+    __m256 a, b;
+    k45_scales_vec(w, &a, &b);
+    _mm256_storeu_ps(scl, a);
+    _mm256_storeu_ps(mn, b);
+}
+
+AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int nb = n / QK;
+    switch (t) {
+    case T_F32: {
+        const float *f = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), acc);
+        float r = hsum8(acc);
+        for (; i < n; i++) r += f[i] * x[i];
+        return r;
+    }
+    case T_F16: {
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
+        float r = hsum8(acc);
+        for (; i < n; i++) r += f16c_f32(rd16(w + 2 * i)) * x[i];
+        return r;
+    }
+    case T_Q4_0: {
+        const __m256i eight = _mm256_set1_epi8(8);
+        for (int b = 0; b < nb; b++, w += 18, x += QK)
+            acc = i8x32_dot_f(_mm256_sub_epi8(nibbles(w + 2), eight), x, acc, _mm256_set1_ps(f16c_f32(rd16(w))));
+        return hsum8(acc);
+    }
+    case T_Q4_1: {
+        __m256 accm = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++, w += 20, x += QK) {
+            acc = i8x32_dot_f(nibbles(w + 4), x, acc, _mm256_set1_ps(f16c_f32(rd16(w))));
+            __m256 sx = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                      _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+            accm = _mm256_fmadd_ps(sx, _mm256_set1_ps(f16c_f32(rd16(w + 2))), accm);
+        }
+        return hsum8(_mm256_add_ps(acc, accm));
+    }
+    case T_Q8_0:
+        for (int b = 0; b < nb; b++, w += 34, x += QK)
+            acc = i8x32_dot_f(_mm256_loadu_si256((const __m256i *)(w + 2)), x, acc, _mm256_set1_ps(f16c_f32(rd16(w))));
+        return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {
+        __m256 accm = _mm256_setzero_ps();
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales_avx2(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK) {  /* scale . (q . x) - min . sum(x), per sub-block of 32 */
+                acc = i8x32_dot_f(q[j], x, acc, _mm256_set1_ps(scl[j]));
+                __m256 sx = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                          _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+                accm = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[j]), accm);
+            }
+        }
+        return hsum8(_mm256_sub_ps(acc, accm));
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16c_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, x += QK)  /* two sub-blocks of 16, values q - 32 */
+                acc = i8x32_dot_f2(_mm256_sub_epi8(q[j], c32), x, acc, _mm256_set1_ps(d * (float)sc[2 * j]),
+                                   _mm256_set1_ps(d * (float)sc[2 * j + 1]));
+        }
+        return hsum8(acc);
+    }
+    default:
+        return dot_exact_c(t, w, x, n);
+    }
+}
+
+/* unsigned bytes u (0..127 or 0..15) times signed bytes s, summed to 8 int32 lanes */
+AVX2 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.f;  /* per-block offset terms (Q4_0's -8, Q4_1's min), summed in scalar */
+    switch (t) {
+    case T_Q4_0:
+        for (int b = 0; b < nb; b++, w += 18, xq++) {
+            float dd = f16c_f32(rd16(w)) * xq->d;
+            __m256i s = dot_u8s8(nibbles(w + 2), _mm256_loadu_si256((const __m256i *)xq->q));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc);
+            extra -= 8.f * dd * (float)xq->s;
+        }
+        return hsum8(acc) + extra;
+    case T_Q4_1:
+        for (int b = 0; b < nb; b++, w += 20, xq++) {
+            __m256i s = dot_u8s8(nibbles(w + 4), _mm256_loadu_si256((const __m256i *)xq->q));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16c_f32(rd16(w)) * xq->d), acc);
+            extra += f16c_f32(rd16(w + 2)) * xq->d * (float)xq->s;
+        }
+        return hsum8(acc) + extra;
+    case T_Q8_0:
+        for (int b = 0; b < nb; b++, w += 34, xq++) {
+            __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2)), xv = _mm256_loadu_si256((const __m256i *)xq->q);
+            /* |w| times x with w's sign: the unsigned-by-signed product maddubs takes */
+            __m256i s = dot_u8s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f16c_f32(rd16(w)) * xq->d), acc);
+        }
+        return hsum8(acc);
+    case T_Q4_K: case T_Q5_K: {  /* sub-block j of 32 is q8 block j of the 8 a K block spans */
+        float scl[8], mn[8];
+        __m256i q[8];
+        __m256 acc2 = _mm256_setzero_ps();
+        for (int b = 0; b < nb / 8; b++, w += type_bytes(t)) {
+            k45_scales_avx2(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2, xq += 2) {
+                __m256i s0 = dot_u8s8(q[j], _mm256_loadu_si256((const __m256i *)xq[0].q));
+                __m256i s1 = dot_u8s8(q[j + 1], _mm256_loadu_si256((const __m256i *)xq[1].q));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xq[0].d), acc);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xq[1].d), acc2);
+                extra -= mn[j] * xq[0].d * (float)xq[0].s + mn[j + 1] * xq[1].d * (float)xq[1].s;
+            }
+        }
+        return hsum8(_mm256_add_ps(acc, acc2)) + extra;
+    }
+    case T_Q6_K: {  /* q8 block j holds sub-blocks 2j (its first 16 values) and 2j+1 */
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < nb / 8; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16c_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, xq++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)xq->q);
+                /* pairs of q x - 32 x in int16 (|.| <= 63 * 127 * 2), then times each half's scale */
+                __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xv), _mm256_maddubs_epi16(c32, xv));
+                __m256i s = _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xq->d), acc);
+            }
+        }
+        return hsum8(acc);
+    }
+    default:
+        return dot_fast_c(t, w, xq, nb);
+    }
+}
+
+/* y (32 floats) += scale * b (32 int8) + bias */
+AVX2 static inline void i8x32_axpy(__m256i b, float *y, __m256 scale, __m256 bias) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_ps(y + 8 * k, _mm256_add_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), scale, bias),
+                                                  _mm256_loadu_ps(y + 8 * k)));
+}
+
+/* y (32 floats) += s_lo * b[0..16) , s_hi * b[16..32) (int8) */
+AVX2 static inline void i8x32_axpy2(__m256i b, float *y, __m256 s_lo, __m256 s_hi) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_ps(y + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), k < 2 ? s_lo : s_hi, _mm256_loadu_ps(y + 8 * k)));
+}
+
+AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
+    const __m256 zero = _mm256_setzero_ps();
+    switch (t) {
+    case T_Q4_0:
+        for (int b = 0; b < n / QK; b++, w += 18, y += QK)
+            i8x32_axpy(_mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)), y, _mm256_set1_ps(a * f16c_f32(rd16(w))), zero);
+        return;
+    case T_Q4_1:
+        for (int b = 0; b < n / QK; b++, w += 20, y += QK)
+            i8x32_axpy(nibbles(w + 4), y, _mm256_set1_ps(a * f16c_f32(rd16(w))), _mm256_set1_ps(a * f16c_f32(rd16(w + 2))));
+        return;
+    case T_Q8_0:
+        for (int b = 0; b < n / QK; b++, w += 34, y += QK)
+            i8x32_axpy(_mm256_loadu_si256((const __m256i *)(w + 2)), y, _mm256_set1_ps(a * f16c_f32(rd16(w))), zero);
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            k45_scales_avx2(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy(q[j], y, _mm256_set1_ps(a * scl[j]), _mm256_set1_ps(-a * mn[j]));
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int b = 0; b < n / QKK; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float ad = a * f16c_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy2(_mm256_sub_epi8(q[j], c32), y, _mm256_set1_ps(ad * (float)sc[2 * j]), _mm256_set1_ps(ad * (float)sc[2 * j + 1]));
+        }
+        return;
+    }
+    case T_F32: {
+        const float *f = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_set1_ps(a), _mm256_loadu_ps(y + i)));
+        for (; i < n; i++) y[i] += a * f[i];
+        return;
+    }
+    default:
+        axpy_c(t, w, a, y, n);
+    }
+}
+
+/* ---- several tokens per row (continuous batching), AVX2 ------------------------------------
+ * A row's block is loaded and unpacked once (to int8 lanes, and to floats in exact mode) and
+ * then used for each of the B tokens. Per token the float operations are the one-token
+ * kernel's above, in the same order: a token's result does not depend on its batch. x: token b
+ * at x + b ldx (exact) or xq + b ldq (fast); y: token b's dot at y[b ldy]. */
+
+/* 32 int8 values as 4 vectors of 8 floats (exact conversions, so hoisting them changes nothing) */
+AVX2 static inline void i8x32_to_f(__m256i b, __m256 f[4]) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* i8x32_dot_f and i8x32_dot_f2 on values already converted */
+AVX2 static inline __m256 f32x32_dot(const __m256 f[4], const float *x, __m256 acc, __m256 scale) {
+    __m256 p = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), p);
+    p = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), p);
+    p = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), p);
+    return _mm256_fmadd_ps(p, scale, acc);
+}
+
+AVX2 static inline __m256 f32x32_dot2(const __m256 f[4], const float *x, __m256 acc, __m256 s_lo, __m256 s_hi) {
+    __m256 p = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), p);
+    __m256 q = _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16));
+    q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), q);
+    return _mm256_fmadd_ps(q, s_hi, _mm256_fmadd_ps(p, s_lo, acc));
+}
+
+AVX2 static inline __m256 sum32(const float *x) {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                         _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+}
+
+/* Tokens go through in tiles of up to TILE: inlined with a constant count, a tile's
+ * accumulators stay in registers (with a run-time count they lived on the stack, a store and a
+ * load in every accumulation); the row is decoded once per tile, from L1 after the first. */
+#define TILE 4
+
+AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], accm[TILE], f[4];
+    for (int b = 0; b < B; b++) acc[b] = accm[b] = _mm256_setzero_ps();
+    int nb = n / QK;
+    switch (t) {
+    case T_F32: {
+        const float *fw = (const float *)w;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 wv = _mm256_loadu_ps(fw + i);
+            for (int b = 0; b < B; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
+        }
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + b * ldx;
+            float r = hsum8(acc[b]);
+            for (int k = i; k < n; k++) r += fw[k] * xb[k];
+            y[b * ldy] = r;
+        }
+        return;
+    }
+    case T_F16: {
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+            for (int b = 0; b < B; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
+        }
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + b * ldx;
+            float r = hsum8(acc[b]);
+            for (int k = i; k < n; k++) r += f16c_f32(rd16(w + 2 * k)) * xb[k];
+            y[b * ldy] = r;
+        }
+        return;
+    }
+    case T_Q4_0: case T_Q8_0: {
+        const __m256i eight = _mm256_set1_epi8(8);
+        int bytes = type_bytes(t);
+        for (int k = 0; k < nb; k++, w += bytes) {
+            i8x32_to_f(t == T_Q4_0 ? _mm256_sub_epi8(nibbles(w + 2), eight) : _mm256_loadu_si256((const __m256i *)(w + 2)), f);
+            __m256 sc = _mm256_set1_ps(f16c_f32(rd16(w)));
+            for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QK, acc[b], sc);
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    case T_Q4_1:
+        for (int k = 0; k < nb; k++, w += 20) {
+            i8x32_to_f(nibbles(w + 4), f);
+            __m256 sc = _mm256_set1_ps(f16c_f32(rd16(w))), mn = _mm256_set1_ps(f16c_f32(rd16(w + 2)));
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + b * ldx + k * QK;
+                acc[b] = f32x32_dot(f, xb, acc[b], sc);
+                accm[b] = _mm256_fmadd_ps(sum32(xb), mn, accm[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], accm[b]));
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int k = 0; k < n / QKK; k++, w += type_bytes(t)) {
+            k45_scales_avx2(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(q[j], f);
+                __m256 sc = _mm256_set1_ps(scl[j]), m = _mm256_set1_ps(mn[j]);
+                for (int b = 0; b < B; b++) {
+                    const float *xb = x + b * ldx + k * QKK + j * QK;
+                    acc[b] = f32x32_dot(f, xb, acc[b], sc);
+                    accm[b] = _mm256_fmadd_ps(sum32(xb), m, accm[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_sub_ps(acc[b], accm[b]));
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int k = 0; k < n / QKK; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16c_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(_mm256_sub_epi8(q[j], c32), f);
+                __m256 s_lo = _mm256_set1_ps(d * (float)sc[2 * j]), s_hi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
+                for (int b = 0; b < B; b++) acc[b] = f32x32_dot2(f, x + b * ldx + k * QKK + j * QK, acc[b], s_lo, s_hi);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
+    }
+}
+
+AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE], acc2[TILE];
+    float extra[TILE];  /* as dot_fast_avx2: per-block offset terms summed in scalar */
+    for (int b = 0; b < B; b++) { acc[b] = acc2[b] = _mm256_setzero_ps(); extra[b] = 0.f; }
+    switch (t) {
+    case T_Q4_0:
+        for (int k = 0; k < nb; k++, w += 18) {
+            __m256i u = nibbles(w + 2);
+            float d = f16c_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                float dd = d * xb->d;
+                __m256i s = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc[b]);
+                extra[b] -= 8.f * dd * (float)xb->s;
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
+        return;
+    case T_Q4_1:
+        for (int k = 0; k < nb; k++, w += 20) {
+            __m256i u = nibbles(w + 4);
+            float d = f16c_f32(rd16(w)), m = f16c_f32(rd16(w + 2));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+                extra[b] += m * xb->d * (float)xb->s;
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
+        return;
+    case T_Q8_0:
+        for (int k = 0; k < nb; k++, w += 34) {
+            __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2)), wa = _mm256_sign_epi8(wq, wq);
+            float d = f16c_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(wa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), wq));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        float scl[8], mn[8];
+        __m256i q[8];
+        for (int k = 0; k < nb / 8; k++, w += type_bytes(t)) {
+            k45_scales_avx2(w, scl, mn);
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j += 2)
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i s0 = dot_u8s8(q[j], _mm256_loadu_si256((const __m256i *)xb[0].q));
+                    __m256i s1 = dot_u8s8(q[j + 1], _mm256_loadu_si256((const __m256i *)xb[1].q));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xb[0].d), acc[b]);
+                    acc2[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xb[1].d), acc2[b]);
+                    extra[b] -= mn[j] * xb[0].d * (float)xb[0].s + mn[j + 1] * xb[1].d * (float)xb[1].s;
+                }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], acc2[b])) + extra[b];
+        return;
+    }
+    case T_Q6_K: {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        __m256i q[8];
+        for (int k = 0; k < nb / 8; k++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16c_f32(rd16(w + 208));
+            kq_unpack(t, w, q);
+            for (int j = 0; j < 8; j++) {
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);
+                    __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], xv), _mm256_maddubs_epi16(c32, xv));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)), _mm256_set1_ps(d * xb->d), acc[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    default:
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, nb);
+    }
+}
+
+AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, x += TILE * ldx, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
+        case 4: dots_exact_tile(t, w, x, ldx, n, 4, y, ldy); break;
+        case 3: dots_exact_tile(t, w, x, ldx, n, 3, y, ldy); break;
+        case 2: dots_exact_tile(t, w, x, ldx, n, 2, y, ldy); break;
+        default: dots_exact_tile(t, w, x, ldx, n, 1, y, ldy);
+        }
+}
+
+AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+    for (int b = 0; b < B; b += TILE, xq += TILE * ldq, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {
+        case 4: dots_fast_tile(t, w, xq, ldq, nb, 4, y, ldy); break;
+        case 3: dots_fast_tile(t, w, xq, ldq, nb, 3, y, ldy); break;
+        case 2: dots_fast_tile(t, w, xq, ldq, nb, 2, y, ldy); break;
+        default: dots_fast_tile(t, w, xq, ldq, nb, 1, y, ldy);
+        }
+}
+
+/* ---- the activations' quantization, AVX2 ------------------------------------------------------ */
+
+/* quantize_q8 eight floats at a time, the same values: |x| max is exact, d and 1 / d are the
+ * same scalar operations, x * id the same product, and the conversion rounds to nearest even
+ * as lrintf does in the default rounding mode. */
+AVX2 static void quantize_q8_avx2(const float *x, int n, q8blk *out) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) v[u] = _mm256_loadu_ps(xb + 8 * u), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[u]));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int u = 0; u < 4; u++) q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], vid));
+        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        /* int32 -> int8 in order: packs interleave the 128-bit lanes, the permute undoes it */
+        __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)out[b].q, p8);
+        out[b].d = d;
+        out[b].s = _mm_cvtsi128_si32(s4);
+    }
+}
+#endif

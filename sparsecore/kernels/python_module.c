@@ -1,0 +1,376 @@
+/* _kernels.c, part: the Python module: the entry points' argument parsing, the method table, the
+ * instruction-set level (set_isa) and the module's init. */
+
+/* ---- Python entry points: pointers travel as integers, checked by the Python side ------------ */
+
+static int get_mat(PyObject *const *a, mat *m) {  /* (ptr, stride, type) */
+    m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
+    m->stride = PyLong_AsLongLong(a[1]);
+    m->t = (int)PyLong_AsLong(a[2]);
+    if (PyErr_Occurred()) return -1;
+    if (!type_bytes(m->t) && !is_x16(m->t)) { PyErr_Format(PyExc_ValueError, "unsupported tensor type %d", m->t); return -1; }
+    return 0;
+}
+
+#define ARG_PTR(i) PyLong_AsVoidPtr(args[i])
+#define ARG_LL(i) PyLong_AsLongLong(args[i])
+
+/* matvec(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
+static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) { PyErr_SetString(PyExc_TypeError, "matvec takes 12 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    const float *x = ARG_PTR(8);
+    int fast = (int)ARG_LL(9);
+    q8blk *xq = ARG_PTR(10);
+    float *y = ARG_PTR(11);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (fast && is_quant(m.t)) quantize_q8(x, n, xq);
+    matvec(m, rows, start, n_rows, col0, n, x, xq, fast, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* The shard's arguments ffn_token and ffn_batch share: gate(3), up(3), down(3), down_t, hidden,
+ * own0, n_own, act at args[0..13]; mask_ptr|0 and x_ptr at args[15], args[16]. */
+typedef struct {
+    mat g, u, d;
+    int down_t, hidden, act;
+    int64_t own0, n_own;
+    const uint8_t *mask;
+    const float *x;
+} ffn_shard;
+
+static int get_ffn_shard(PyObject *const *args, ffn_shard *f) {
+    if (get_mat(args, &f->g) || get_mat(args + 3, &f->u) || get_mat(args + 6, &f->d)) return -1;
+    f->down_t = (int)ARG_LL(9), f->hidden = (int)ARG_LL(10);
+    f->own0 = ARG_LL(11), f->n_own = ARG_LL(12);
+    f->act = (int)ARG_LL(13);
+    f->mask = ARG_PTR(15);
+    f->x = ARG_PTR(16);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *ffn_result(int64_t n) {
+    if (n == -1) return PyErr_NoMemory();
+    if (n == -2) {
+        PyErr_SetString(PyExc_ValueError, "interleaved gate/up rows take dense fast-mode steps only");
+        return NULL;
+    }
+    return PyLong_FromLongLong(n);
+}
+
+/* ffn_token(<shard: 14>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 22) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 22 arguments"); return NULL; }
+    ffn_shard f;
+    if (get_ffn_shard(args, &f)) return NULL;
+    float threshold = (float)PyFloat_AsDouble(args[14]);
+    int fast = (int)ARG_LL(17);
+    float *h = ARG_PTR(18);
+    q8blk *xq = ARG_PTR(19), *hq = ARG_PTR(20);
+    float *y = ARG_PTR(21);
+    if (PyErr_Occurred()) return NULL;
+    int64_t n_active;
+    Py_BEGIN_ALLOW_THREADS
+    n_active = ffn_token(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, threshold, f.mask, f.x, fast, h,
+                         xq, hq, y);
+    Py_END_ALLOW_THREADS
+    return ffn_result(n_active);
+}
+
+/* matmul(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
+ * xq: room for B (n/32 rounded up) q8 blocks */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 15) { PyErr_SetString(PyExc_TypeError, "matmul takes 15 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    const float *x = ARG_PTR(8);
+    int64_t ldx = ARG_LL(9);
+    int B = (int)ARG_LL(10), fast = (int)ARG_LL(11);
+    q8blk *xq = ARG_PTR(12);
+    float *y = ARG_PTR(13);
+    int64_t ldy = ARG_LL(14);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "matmul: %d tokens, at most %d", B, MAXB); return NULL; }
+    int64_t ldq = (n + QK - 1) / QK;
+    Py_BEGIN_ALLOW_THREADS
+    if (fast && is_quant(m.t))
+        for (int b = 0; b < B; b++) quantize_q8(x + b * ldx, n, xq + b * ldq);
+    matmul(m, rows, start, n_rows, col0, n, x, ldx, xq, ldq, B, fast, y, ldy);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ffn_batch(<shard: 14>, thr_ptr|0, mask_ptr|0, x_ptr, B, fast, h_ptr, any_ptr, xq_ptr, hq_ptr,
+ *           counts_ptr, y_ptr) -> active (neuron, token) pairs */
+static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 25 arguments"); return NULL; }
+    ffn_shard f;
+    if (get_ffn_shard(args, &f)) return NULL;
+    const float *thr = ARG_PTR(14);
+    int B = (int)ARG_LL(17), fast = (int)ARG_LL(18);
+    float *h = ARG_PTR(19);
+    uint8_t *any = ARG_PTR(20);
+    q8blk *xq = ARG_PTR(21), *hq = ARG_PTR(22);
+    int64_t *counts = ARG_PTR(23);
+    float *y = ARG_PTR(24);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "ffn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
+    int64_t n_active;
+    Py_BEGIN_ALLOW_THREADS
+    n_active = ffn_batch(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, thr, f.mask, f.x, B, fast, h, any,
+                         xq, hq, counts, y);
+    Py_END_ALLOW_THREADS
+    return ffn_result(n_active);
+}
+
+/* dequant(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
+static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "dequant takes 9 arguments"); return NULL; }
+    mat m;
+    if (get_mat(args, &m)) return NULL;
+    const int32_t *rows = ARG_PTR(3);
+    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
+    int n = (int)ARG_LL(7);
+    float *out = ARG_PTR(8);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    dequant_rows(m, rows, start, n_rows, col0, n, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* quantize_q8(x_ptr, n, out_ptr): fast mode's 8-bit activation blocks, for the tests */
+static PyObject *py_quantize_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "quantize_q8 takes 3 arguments"); return NULL; }
+    const float *x = ARG_PTR(0);
+    int n = (int)ARG_LL(1);
+    q8blk *out = ARG_PTR(2);
+    if (PyErr_Occurred()) return NULL;
+    quantize_q8(x, n, out);
+    Py_RETURN_NONE;
+}
+
+/* residual_norm(h, parts, n_parts, n, B, w, eps, x): per row b, h[b] += (parts[0][b] + parts[1][b]
+ * + ...), summed in the order given, then x[b] = rms_norm(h[b]) * w (w == 0: no norm). The
+ * lockstep decode (sparsecore/lockstep.py) runs this in every process on the same shares in
+ * the same order, so each gets the same floats without sending its residual to the others. */
+static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 8 arguments"); return NULL; }
+    float *h = ARG_PTR(0);
+    const float *const *parts = ARG_PTR(1);
+    int n_parts = (int)ARG_LL(2), n = (int)ARG_LL(3), B = (int)ARG_LL(4);
+    const float *w = ARG_PTR(5);
+    float eps = (float)PyFloat_AsDouble(args[6]);
+    float *x = ARG_PTR(7);
+    if (PyErr_Occurred()) return NULL;
+    if (n_parts < 0 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    for (int b = 0; b < B; b++) {
+        float *hb = h + (int64_t)b * n;
+        const int64_t off = (int64_t)b * n;
+        for (int i = 0; i < n && n_parts > 0; i++) {  /* no parts: the norm alone (kernels.rms_norm) */
+            float acc = parts[0][off + i];
+            for (int p = 1; p < n_parts; p++) acc += parts[p][off + i];
+            hb[i] += acc;
+        }
+        if (w) rms_norm_into(hb, w, eps, n, x + off);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
+ * n_blocks blocks of 16 rows (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K); interleave_blocks, the same
+ * arguments: dst holds the rows, each row's blocks in runs of 16 (Q4_0, Q4_1 or Q8_0) */
+static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
+    const char *name = blocks ? "interleave_blocks" : "interleave";
+    if (nargs != 6) { PyErr_Format(PyExc_TypeError, "%s takes 6 arguments", name); return NULL; }
+    const uint8_t *src = ARG_PTR(0);
+    int64_t stride = ARG_LL(1), rows = ARG_LL(3);
+    int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
+    uint8_t *dst = ARG_PTR(5);
+    if (PyErr_Occurred()) return NULL;
+    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && (blocks || (t != T_Q6_K && t != T_Q4_K))) {
+        PyErr_Format(PyExc_ValueError, "%s: %s only", name, blocks ? "Q4_0, Q4_1 or Q8_0" : "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (blocks) interleave_blocks(t, src, stride, rows, nb, dst);
+    else interleave(t, src, stride, rows, nb, dst);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 0); }
+static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 1); }
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
+}
+
+#if HAVE_X86
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+static int cpu_vnni(void) {  /* everything the VNNI target attribute enables */
+    return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+/* "avx512vnni" (fast mode's integer dots with VNNI, AVX2 elsewhere), "avx2" or "generic" (the
+ * portable path), each where the CPU has it, else the next one down */
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+#if HAVE_X86
+    use_vnni = strcmp(s, "avx512vnni") == 0 && cpu_vnni();
+    use_avx2 = (use_vnni || strcmp(s, "avx2") == 0 || strcmp(s, "avx512vnni") == 0) && cpu_avx2();
+#endif
+    return py_isa(self, NULL);
+}
+
+/* The attention layer's arguments attn_token and attn_batch share, args[0..22]:
+ * q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_ptr, sin_ptr */
+typedef struct {
+    mat wq, wk, wv, wo;
+    const int32_t *q_rows, *k_rows;
+    const float *norm_w, *cos_r, *sin_r;
+    float eps;
+    int hidden, n_heads, n_kv, hd, d;
+} attn_layer;
+
+static int get_attn_layer(PyObject *const *args, attn_layer *L) {
+    if (get_mat(args, &L->wq) || get_mat(args + 4, &L->wk) || get_mat(args + 8, &L->wv) || get_mat(args + 11, &L->wo))
+        return -1;
+    L->q_rows = ARG_PTR(3), L->k_rows = ARG_PTR(7);
+    L->norm_w = ARG_PTR(14);
+    L->eps = (float)PyFloat_AsDouble(args[15]);
+    L->hidden = (int)ARG_LL(16), L->n_heads = (int)ARG_LL(17), L->n_kv = (int)ARG_LL(18);
+    L->hd = (int)ARG_LL(19), L->d = (int)ARG_LL(20);
+    L->cos_r = ARG_PTR(21), L->sin_r = ARG_PTR(22);
+    if (PyErr_Occurred()) return -1;
+    if (L->d > 1024 || L->d > L->hd || L->n_kv <= 0 || L->n_heads % L->n_kv) {
+        PyErr_SetString(PyExc_ValueError, "attention: bad head or rope arguments");
+        return -1;
+    }
+    return 0;
+}
+
+/* attn_token(<attn layer: 23>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
+ *            x, q, k, v, att, out, xq, oq, h): 37 arguments; cos/sin: the whole tables */
+static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 37) { PyErr_SetString(PyExc_TypeError, "attn_token takes 37 arguments"); return NULL; }
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
+    int pos = (int)ARG_LL(23);
+    float *kc = ARG_PTR(24), *vc = ARG_PTR(25);
+    int max_ctx = (int)ARG_LL(26), fast = (int)ARG_LL(27);
+    attn_scratch sc = {ARG_PTR(28), ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35)};
+    float *h = ARG_PTR(36);
+    if (PyErr_Occurred()) return NULL;
+    if (pos < 0 || pos >= max_ctx) { PyErr_SetString(PyExc_ValueError, "attn_token: position outside the cache"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    attn_token(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+               L.cos_r, L.sin_r, pos, kc, vc, max_ctx, fast, sc, h);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* attn_batch(<attn layer: 23, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
+ *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 38 arguments */
+static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 38) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 38 arguments"); return NULL; }
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
+    int B = (int)ARG_LL(23);
+    const int64_t *pos = ARG_PTR(24);
+    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
+    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
+    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
+    float *h = ARG_PTR(37);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
+    for (int b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= max_ctx) {
+            PyErr_SetString(PyExc_ValueError, "attn_batch: a position outside the cache");
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    attn_batch(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+               L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* attn_part(<attn_batch's 38 arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): 41 arguments */
+static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 41) { PyErr_SetString(PyExc_TypeError, "attn_part takes 41 arguments"); return NULL; }
+    attn_layer L;
+    if (get_attn_layer(args, &L)) return NULL;
+    int B = (int)ARG_LL(23);
+    const int64_t *pos = ARG_PTR(24);
+    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
+    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
+    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
+    const float *h = ARG_PTR(37);
+    int kv0 = (int)ARG_LL(38), kv1 = (int)ARG_LL(39);
+    float *part = ARG_PTR(40);
+    if (PyErr_Occurred()) return NULL;
+    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_part: %d tokens, at most %d", B, MAXB); return NULL; }
+    if (kv0 < 0 || kv1 <= kv0 || kv1 > L.n_kv
+        || ((int64_t)kv0 * (L.n_heads / L.n_kv) * L.hd) % block_size(L.wo.t)) {
+        PyErr_SetString(PyExc_ValueError, "attn_part: KV head range outside the layer or off the output's blocks");
+        return NULL;
+    }
+    for (int b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= max_ctx) {
+            PyErr_SetString(PyExc_ValueError, "attn_part: a position outside the cache");
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    attn_part(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
+              L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, kv0, kv1, part);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
+    {"attn_batch", (PyCFunction)(void (*)(void))py_attn_batch, METH_FASTCALL, "a small batch's attention blocks"},
+    {"attn_part", (PyCFunction)(void (*)(void))py_attn_part, METH_FASTCALL, "some KV heads' share of attention"},
+    {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
+    {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
+    {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
+    {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
+    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1/Q8_0 rows, 16 side by side"},
+    {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
+    {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
+    {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
+    {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"set_isa", py_set_isa, METH_O, "use 'avx512vnni' or 'avx2' (where supported) or 'generic'"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if HAVE_X86
+    use_avx2 = cpu_avx2();
+    use_vnni = cpu_vnni();
+#endif
+    return PyModule_Create(&module);
+}
