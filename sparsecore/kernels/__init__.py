@@ -33,18 +33,20 @@ from . import _kernels
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
 NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
                 12: 256, 13: 256, 14: 256}  # Q4_K, Q5_K, Q6_K
-ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in _kernels.c
+ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in ffn_step.c
 # How gate and up combine (ModelConfig.ffn_gate), or'ed into the activation id: "par"
 # act(gate x) * (up x); "none" act(gate x) alone, with `gate` the up matrix (falcon: no second
-# row is read); "sym" act(gate x) * act(up x) (bamboo). ACT_NOGATE, ACT_SYM in _kernels.c.
+# row is read); "sym" act(gate x) * act(up x) (bamboo). ACT_NOGATE, ACT_SYM in ffn_step.c.
 GATE_BITS = {"par": 0, "none": 16, "sym": 32}
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
-# Most tokens the small-batch kernels take at once (_kernels.c MAXB); larger batches (prefill)
+# Most tokens the small-batch kernels take at once (base.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.
 MAX_SMALL_BATCH = 16
-X16 = 100  # added to a type id: rows interleaved 16 by 16 (FileMatrix.interleave; _kernels.c X16)
+# How a matrix's rows lie in memory, handed to the kernels beside its type (FileMatrix.args;
+# base.c's L_FILE, L_X16, L_R16): the file's rows; rows interleaved 16 by 16
+# (FileMatrix.interleave); each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
+FILE_LAYOUT, X16, R16 = 0, 1, 2
 X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
-R16 = 200  # added to a type id: each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
@@ -255,7 +257,7 @@ class FileMatrix:
 
     def interleave(self) -> "FileMatrix":
         """This matrix (the columns it holds) with its rows 16 side by side, in memory of its own
-        (_kernels.c interleave: the same bytes, the file's pages then unmapped from this process,
+        (interleaved_generic.c interleave: the same bytes, the file's pages then unmapped from this process,
         as keep_columns does). For fast mode's dense products only: one token's integer dots
         then cost a third of the vector operations, shared by 16 rows (one vpdpbusd covers 4
         weights of 16 rows), which is what lets a batch of sequences or a prompt's tiles cost
@@ -294,7 +296,7 @@ class FileMatrix:
         return (self if rows is None else self.keep_rows(rows)).interleave_blocks()
 
     def interleave_blocks(self) -> "FileMatrix":
-        """This matrix with each row's blocks 16 side by side (_kernels.c R16): every row keeps
+        """This matrix with each row's blocks 16 side by side (layout R16, base.c): every row keeps
         its place and its bytes, every 16 of its blocks laid out as `interleave` lays out 16
         rows' block (its last nb % 16 blocks as a run of that many). For fast mode's products of
         rows a shard picks by activity (threshold steps' up rows, predictors' gate and up rows),
@@ -311,8 +313,8 @@ class FileMatrix:
         return part
 
     @property
-    def args(self) -> tuple[int, int, int]:
-        """(base address, row stride, type) for the kernels; worked out once for the data held."""
+    def args(self) -> tuple[int, int, int, int]:
+        """(base address, row stride, type, layout) for the kernels; worked out once for the data held."""
         held = self.__dict__.get("_args")
         if held is not None and held[0] is self.data and held[1] == (self.col_range, self.stride):
             return held[2]
@@ -323,14 +325,14 @@ class FileMatrix:
             # Rows start at column col_range.start: the kernels add (col0 / block) * block bytes
             # to the base, so a held column keeps its number and every call site stays the same.
             base -= self.col_range.start // self.block * (self._x16_block_bytes if self.interleaved else self._block_bytes)
-        a = (base, self.stride, self.type + (X16 if self.interleaved else R16 if self.blocked else 0))
+        a = (base, self.stride, self.type, X16 if self.interleaved else R16 if self.blocked else FILE_LAYOUT)
         self._args = (self.data, (self.col_range, self.stride), a)
         return a
 
     @property
     def _x16_block_bytes(self) -> int:
         """Bytes of 16 rows' block once interleaved: 16 of the file's, and Q4_K's scales and mins
-        a byte each (_kernels.c x16_block_bytes)."""
+        a byte each (interleaved_generic.c x16_block_bytes)."""
         return 2368 if self.type == 12 else 16 * self._block_bytes
 
     @property

@@ -68,24 +68,11 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
     return *buf;
 }
 
-/* ---- types, layouts and block sizes --------------------------------------------------------- */
-
-/* Rows whose blocks are interleaved 16 by 16 within the row (R16): a Q4_0, Q4_1 or Q8_0 matrix
- * repacked in memory of the process's own for fast mode's products of rows picked one by one
- * (FileMatrix.interleave_blocks). Each row keeps its place and its bytes (row_at works); every
- * 16 consecutive blocks of it (512 values) are laid out as X16 lays out 16 rows' block, the
- * block standing for the row. Type id R16 + the file's type; a row's size and block are the
- * file type's. */
-#define R16 200
-static inline int is_r16(int t) { return t == R16 + T_Q4_0 || t == R16 + T_Q4_1 || t == R16 + T_Q8_0; }
+/* ---- types and block sizes ------------------------------------------------------------------ */
 
 static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
-static int block_size(int t) {
-    if (is_r16(t)) t -= R16;
-    return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK;
-}
+static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
 static int type_bytes(int t) {  /* bytes of one block */
-    if (is_r16(t)) t -= R16;
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
@@ -96,14 +83,6 @@ static int type_bytes(int t) {  /* bytes of one block */
 /* quantized types: fast mode quantizes the activation to q8 blocks */
 static inline int is_quant(int t) { return block_size(t) >= QK; }
 
-/* Interleaved rows (X16): a Q4_0, Q4_1 or Q8_0 matrix repacked in memory of the process's own, 16
- * rows side by side, for fast mode's dense products (interleave in interleaved_generic.c, FileMatrix.interleave).
- * Its type id is X16 + the file's type; it has no single rows (no row_at, no row lists). */
-#define X16 100
-static inline int is_x16(int t) {
-    return t == X16 + T_Q4_0 || t == X16 + T_Q4_1 || t == X16 + T_Q8_0 || t == X16 + T_Q6_K || t == X16 + T_Q4_K;
-}
-
 /* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
  * the sum of the int8 values (Q4_0's -8 offset and Q4_1's min need it). */
 typedef struct { float d; int32_t s; int8_t q[QK]; } q8blk;
@@ -113,11 +92,31 @@ typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
 
 /* ---- a matrix and the level in use ---------------------------------------------------------- */
 
-typedef struct {  /* one matrix of the file: rows of `stride` bytes, values in type `t` */
+/* How a matrix's rows lie in memory (mat.layout, sparsecore.kernels' FILE_LAYOUT, X16, R16):
+ *   L_FILE: the file's rows of blocks, as GGUF holds them;
+ *   L_X16: interleaved rows, 16 rows side by side: a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K matrix
+ *     repacked in memory of the process's own for fast mode's dense products (interleave in
+ *     interleaved_generic.c, FileMatrix.interleave); no single rows (no row_at, no row lists);
+ *   L_R16: each row's blocks interleaved 16 by 16 within the row: a Q4_0, Q4_1 or Q8_0 matrix
+ *     repacked likewise for fast mode's products of rows picked one by one
+ *     (FileMatrix.interleave_blocks). Each row keeps its place and its bytes (row_at works);
+ *     every 16 consecutive blocks of it (512 values) are laid out as X16 lays out 16 rows'
+ *     block, the block standing for the row.
+ * The type is the file's in every layout (its block size, a row's bytes: R16's rows are the
+ * file's size). */
+enum { L_FILE = 0, L_X16 = 1, L_R16 = 2 };
+
+typedef struct {  /* one matrix: rows of `stride` bytes, values in the file's type `t`, laid out as `layout` */
     const uint8_t *base;
     int64_t stride;
-    int t;
+    int t, layout;
 } mat;
+
+static inline int is_x16(mat m) { return m.layout == L_X16; }
+static inline int is_r16(mat m) { return m.layout == L_R16; }
+/* the types each repacked layout takes */
+static inline int x16_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K; }
+static inline int r16_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
 
 static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
     return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);

@@ -36,19 +36,19 @@ static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
  * the product takes another path (then xq is read), or if it cannot grow (then AVX2's path). */
 static _Thread_local xpair *xp_buf;
 static _Thread_local int64_t xp_cap;
-static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
+static const xpair *pack_x(mat m, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
 #if HAVE_X86
-    int nb = n / QK;
-    int64_t need = is_r16(t) ? B * r16_ld(nb) : xp_size(nb, B);
+    int t = m.t, nb = n / QK;
+    int64_t need = is_r16(m) ? B * r16_ld(nb) : xp_size(nb, B);
     /* AVX2 packs for R16 rows only (its other products read xq) */
-    if (!(fast && is_quant(t) && (use_vnni || (use_avx2 && is_r16(t)))) || need == 0) return NULL;
+    if (!(fast && is_quant(t) && (use_vnni || (use_avx2 && is_r16(m)))) || need == 0) return NULL;
     if (need > xp_cap) {
         free(xp_buf);
         xp_buf = aligned_alloc(64, need * sizeof(xpair));
         xp_cap = xp_buf ? need : 0;
         if (!xp_buf) return NULL;
     }
-    if (is_r16(t)) r16_pack(t, xq, ldq, nb, B, xp_buf);
+    if (is_r16(m)) r16_pack(t, xq, ldq, nb, B, xp_buf);
     else vnni_pack(t, xq, ldq, nb, B, xp_buf);
     return xp_buf;
 #else
@@ -56,11 +56,14 @@ static const xpair *pack_x(int t, const q8blk *xq, int64_t ldq, int n, int B, in
 #endif
 }
 
-static inline int64_t xp_ld_any(int t, int n) {  /* one token's share of pack_x's buffer */
+/* whether b's products read the activations as a's do (pack_x): the same type and layout */
+static inline int same_pack(mat a, mat b) { return a.t == b.t && a.layout == b.layout; }
+
+static inline int64_t xp_ld_any(mat m, int n) {  /* one token's share of pack_x's buffer */
 #if HAVE_X86
-    return is_r16(t) ? r16_ld(n / QK) : xp_ld(n / QK);
+    return is_r16(m) ? r16_ld(n / QK) : xp_ld(n / QK);
 #else
-    (void)t, (void)n;
+    (void)m, (void)n;
     return 0;
 #endif
 }
@@ -72,10 +75,11 @@ static inline float r16_dot(int t, const uint8_t *w, const xpair *x, int nb) {
 }
 #endif
 
-/* fast mode for quantized types; float types have no integer path and use x itself. xp: xq
- * packed by pack_x, or NULL */
-static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
-    if (is_r16(t)) {  /* fast mode only (FileMatrix._rows) */
+/* row w of m . x: fast mode for quantized types; float types have no integer path and use x
+ * itself. xp: xq packed by pack_x, or NULL */
+static inline float dot_any(mat m, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
+    int t = m.t;
+    if (is_r16(m)) {  /* fast mode only (FileMatrix._rows) */
 #if HAVE_X86
         if (xp) return r16_dot(t, w, xp, n / QK);
 #endif
@@ -91,11 +95,12 @@ static inline float dot_any(int t, const uint8_t *w, const float *x, const q8blk
     return dot_exact(t, w, x, n);
 }
 
-/* B tokens against one row (see dots_exact_avx2): the row is read from memory once; the
+/* B tokens against row w of m (see dots_exact_avx2): the row is read from memory once; the
  * portable path calls the one-token dot per token while the row is in L1. */
-static void dots_any(int t, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq,
+static void dots_any(mat m, const uint8_t *w, const float *x, int64_t ldx, const q8blk *xq, int64_t ldq,
                      const xpair *xp, int n, int fast, int B, int alone, float *y, int64_t ldy) {
-    if (is_r16(t)) {  /* the row stays in L1 across the tokens */
+    int t = m.t;
+    if (is_r16(m)) {  /* the row stays in L1 across the tokens */
         for (int b = 0; b < B; b++) {
 #if HAVE_X86
             if (xp) { y[b * ldy] = r16_dot(t, w, xp + b * r16_ld(n / QK), n / QK); continue; }
@@ -124,11 +129,11 @@ static _Thread_local void *hs_buf;
 static _Thread_local int64_t hs_cap;
 static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, const q8blk *xq, int64_t ldq,
                          int B, float *y, int64_t ldy) {
-    int bs = block_size(m.t - X16), nb = n / bs;
+    int bs = block_size(m.t), nb = n / bs;
     const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * x16_block_bytes(m.t);
     int64_t ldh = 2 * (n / QK);
     int32_t *hs = NULL;
-    if (m.t == X16 + T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
+    if (m.t == T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
         hs = grown(&hs_buf, &hs_cap, sizeof(int32_t) * B * ldh);
         if (!hs) {  /* out of memory for a few KB: zeros rather than garbage */
             for (int b = 0; b < B; b++) memset(y + b * ldy, 0, sizeof(float) * n_rows);

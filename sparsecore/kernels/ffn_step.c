@@ -36,7 +36,7 @@ static int gate_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, i
                     int down_t, int fast, const float *x, const q8blk *xq, int B, float *h) {
     int mode = act & ~ACT_MASK;
     act &= ACT_MASK;
-    int up_x16 = mode != ACT_NOGATE && is_x16(up.t);
+    int up_x16 = mode != ACT_NOGATE && is_x16(up);
     if (masked || down_t || !fast || own0 % 16 || (up_x16 && sparse)) return -2;
     matmul(gate, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, h, n_own);
     if (!up_x16) return 0;
@@ -67,7 +67,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t n_active = 0, n_live = 0, n_gate = n_own;
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
-    int x16 = is_x16(gate.t) ? gate_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f, mask != NULL,
+    int x16 = is_x16(gate) ? gate_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f, mask != NULL,
                                         down_t, fast, x, xq, 1, h) : 0;
     if (x16 < 0) return x16;
     if (x16 == 1) {  /* dense, gate and up interleaved: h is complete */
@@ -76,7 +76,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         matvec(down, NULL, 0, hidden, own0, (int)n_own, h, hq, fast, y);
         return n_own;
     }
-    int x16_gate = is_x16(gate.t);  /* then h holds gate x already (gate_x16; no mask there) */
+    int x16_gate = is_x16(gate);  /* then h holds gate x already (gate_x16; no mask there) */
     if (!x16_gate) memset(h, 0, sizeof(float) * n_own);
     /* A predictor's mask: the gate rows to read, listed first, so that the row PREFETCH_ROWS
      * active rows ahead is asked for (at 10 % active, 4 neurons ahead is under one row). */
@@ -88,10 +88,10 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     /* Passes over the rows in order: gate (deciding who is active), then up and down for the
      * neurons whose act(gate x) is not 0 (`live`, compacted in place: an active neuron whose
      * activation is 0 contributes 0 either way and needs no up or down row). */
-    const xpair *xp = x16_gate ? NULL : pack_x(gate.t, xq, 0, hidden, 1, fast);
+    const xpair *xp = x16_gate ? NULL : pack_x(gate, xq, 0, hidden, 1, fast);
     float *picked = NULL;  /* R16 rows' products, all in one call (r16_rows), then used in turn */
 #if HAVE_X86
-    if (is_r16(gate.t) && xp) {
+    if (is_r16(gate) && xp) {
         if (!(picked = up_scratch(n_gate))) return -1;
         r16_rows(shifted(gate, own0), mask ? live : NULL, 0, n_gate, xp, hidden / QK, picked);
     }
@@ -106,7 +106,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
             raw = picked[j];
         } else {
             if (mask && j + PREFETCH_ROWS < n_gate) prefetch_row(row_at(gate, own0 + live[j + PREFETCH_ROWS], 0), gbytes);
-            raw = dot_any(gate.t, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast);
+            raw = dot_any(gate, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast);
         }
         float g = act_fn(act, raw);
         if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
@@ -115,11 +115,11 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         h[i] = g;
         live[n_live++] = (int32_t)i;  /* n_live <= j: the gate list is read ahead of this */
     }
-    /* up's pack: the gate's where up has gate's type (the same bytes), else its own */
-    if (mode != ACT_NOGATE && !(xp && up.t == gate.t)) xp = pack_x(up.t, xq, 0, hidden, 1, fast);
+    /* up's pack: the gate's where up has gate's type and layout (the same bytes), else its own */
+    if (mode != ACT_NOGATE && !(xp && same_pack(up, gate))) xp = pack_x(up, xq, 0, hidden, 1, fast);
     picked = NULL;
 #if HAVE_X86
-    if (mode != ACT_NOGATE && is_r16(up.t) && xp) {
+    if (mode != ACT_NOGATE && is_r16(up) && xp) {
         if (!(picked = up_scratch(n_live))) return -1;
         r16_rows(shifted(up, own0), live, 0, n_live, xp, hidden / QK, picked);
     }
@@ -130,7 +130,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
         if (picked) u = picked[j];
         else {
             if (j + PREFETCH_ROWS < n_live) prefetch_row(row_at(up, own0 + live[j + PREFETCH_ROWS], 0), ubytes);
-            u = dot_any(up.t, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
+            u = dot_any(up, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
         }
         h[i] *= mode == ACT_SYM ? act_fn(act, u) : u;
     }
@@ -170,7 +170,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
     float g[MAXB];
     int x16 = 0;
-    if (is_x16(gate.t)) {
+    if (is_x16(gate)) {
         int sparse = 0;
         for (int b = 0; thr && b < B; b++) sparse |= thr[b] >= 0.f;
         x16 = gate_x16(gate, up, hidden, own0, n_own, act | mode, sparse, mask != NULL, down_t, fast, x, xq, B, h);
@@ -183,19 +183,19 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
         matmul(down, NULL, 0, hidden, own0, (int)n_own, h, n_own, hq, ldhq, B, fast, y, hidden);
         return (int64_t)B * n_own;
     }
-    const xpair *xp = is_x16(gate.t) ? NULL : pack_x(gate.t, xq, ldq, hidden, B, fast);  /* x16: gate x is in h */
+    const xpair *xp = is_x16(gate) ? NULL : pack_x(gate, xq, ldq, hidden, B, fast);  /* x16: gate x is in h */
     for (int b = 0; b < B; b++) counts[b] = 0;
     for (int64_t i = 0; i < n_own; i++) {  /* gate: who is active, per token */
         int64_t n = own0 + i;
         any[i] = 0;
-        if (is_x16(gate.t))  /* gate_x16 left gate x in h */
+        if (is_x16(gate))  /* gate_x16 left gate x in h */
             for (int b = 0; b < B; b++) g[b] = h[b * n_own + i];
         for (int b = 0; b < B; b++) h[b * n_own + i] = 0.f;
         if (mask) {
             if (i + PREFETCH_ROWS < n_own && mask[n + PREFETCH_ROWS]) prefetch_row(row_at(gate, n + PREFETCH_ROWS, 0), gbytes);
             if (!mask[n]) continue;
         }
-        if (!is_x16(gate.t)) dots_any(gate.t, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
+        if (!is_x16(gate)) dots_any(gate, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
         for (int b = 0; b < B; b++) {
             float v = act_fn(act, g[b]);
             if (thr && thr[b] >= 0.f && !(fabsf(v) > thr[b])) continue;  /* sparsecore.ffn.is_active */
@@ -204,12 +204,12 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
             if (v != 0.f) any[i] = 1;
         }
     }
-    if (mode != ACT_NOGATE && !(xp && up.t == gate.t)) xp = pack_x(up.t, xq, ldq, hidden, B, fast);  /* as ffn_token */
+    if (mode != ACT_NOGATE && !(xp && same_pack(up, gate))) xp = pack_x(up, xq, ldq, hidden, B, fast);  /* as ffn_token */
     for (int64_t i = 0; i < n_own && mode != ACT_NOGATE; i++) {  /* up, for neurons some token needs */
         if (i + PREFETCH_ROWS < n_own && any[i + PREFETCH_ROWS])
             prefetch_row(row_at(up, own0 + i + PREFETCH_ROWS, 0), ubytes);
         if (!any[i]) continue;
-        dots_any(up.t, row_at(up, own0 + i, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
+        dots_any(up, row_at(up, own0 + i, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
         for (int b = 0; b < B; b++)
             if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= mode == ACT_SYM ? act_fn(act, g[b]) : g[b];
     }

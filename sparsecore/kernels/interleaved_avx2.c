@@ -45,8 +45,8 @@ AVX2 static INLINE void a2_store(float *y, __m256 acc, int n) {
 AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0;
-    const int hd = run_head(t - X16, 16);
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0;
+    const int hd = run_head(t, 16);
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
@@ -203,9 +203,9 @@ AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk 
     case 2: CALL(2); break;   \
     default: CALL(1);         \
     }
-#define Q4_0_TILE_A(n) x16_tile_avx2(X16 + T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q4_1_TILE_A(n) x16_tile_avx2(X16 + T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q8_0_TILE_A(n) x16_tile_avx2(X16 + T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_0_TILE_A(n) x16_tile_avx2(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE_A(n) x16_tile_avx2(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE_A(n) x16_tile_avx2(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q4_K_TILE_A(n) x16_tile_q4k_avx2(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE_A(n) x16_tile_q6k_avx2(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
@@ -218,10 +218,10 @@ AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t
             const q8blk *xb = xq + b * ldq;
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_A ? B - b : TILE_A;
-            if (t == X16 + T_Q6_K) BY_TILE_A(Q6_K_TILE_A)
-            else if (t == X16 + T_Q4_K) BY_TILE_A(Q4_K_TILE_A)
-            else if (t == X16 + T_Q4_0) BY_TILE_A(Q4_0_TILE_A)
-            else if (t == X16 + T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
+            if (t == T_Q6_K) BY_TILE_A(Q6_K_TILE_A)
+            else if (t == T_Q4_K) BY_TILE_A(Q4_K_TILE_A)
+            else if (t == T_Q4_0) BY_TILE_A(Q4_0_TILE_A)
+            else if (t == T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
             else BY_TILE_A(Q8_0_TILE_A)
         }
     }
@@ -239,7 +239,7 @@ AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t
  * conversion and one scaled accumulation for 8 blocks. A row's short last run (L < 16 blocks) is
  * read through masked loads, its scales from a zero-padded copy: lanes past L add 0, as there. */
 AVX2 static INLINE void r16_run_avx2(const int t, const uint8_t *w, const int L, const xpair *x, __m256 *acc) {
-    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0, hd = run_head(t - R16, L);
+    const int q41 = t == T_Q4_1, q8 = t == T_Q8_0, hd = run_head(t, L);
     const __m256i m4 = _mm256_set1_epi8(15);
     uint16_t pad[32];
     const uint8_t *dp = w;  /* the run's f16 scales (lanes 0..15), then Q4_1's mins */
@@ -298,8 +298,8 @@ AVX2 static INLINE float r16_row_avx2(const int t, const uint8_t *w, int nb, con
 }
 
 AVX2 static float r16_dot_avx2(int t, const uint8_t *w, const xpair *x, int nb) {
-    return t == R16 + T_Q4_0 ? r16_row_avx2(R16 + T_Q4_0, w, nb, x)
-           : t == R16 + T_Q4_1 ? r16_row_avx2(R16 + T_Q4_1, w, nb, x) : r16_row_avx2(R16 + T_Q8_0, w, nb, x);
+    return t == T_Q4_0 ? r16_row_avx2(T_Q4_0, w, nb, x)
+           : t == T_Q4_1 ? r16_row_avx2(T_Q4_1, w, nb, x) : r16_row_avx2(T_Q8_0, w, nb, x);
 }
 
 /* y[i] = row (rows[i], else start + i) . x for i < n: r16_rows_vnni's contract, its L2 cursor */
@@ -312,8 +312,8 @@ AVX2 static INLINE void r16_rows_avx2_t(const int t, mat m, const int32_t *rows,
     }
 }
 AVX2 static void r16_rows_avx2(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
-    if (m.t == R16 + T_Q4_0) r16_rows_avx2_t(R16 + T_Q4_0, m, rows, start, n, x, nb, y);
-    else if (m.t == R16 + T_Q4_1) r16_rows_avx2_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
-    else r16_rows_avx2_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
+    if (m.t == T_Q4_0) r16_rows_avx2_t(T_Q4_0, m, rows, start, n, x, nb, y);
+    else if (m.t == T_Q4_1) r16_rows_avx2_t(T_Q4_1, m, rows, start, n, x, nb, y);
+    else r16_rows_avx2_t(T_Q8_0, m, rows, start, n, x, nb, y);
 }
 #endif

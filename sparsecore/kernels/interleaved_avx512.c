@@ -27,14 +27,14 @@ VNNI static INLINE void run_values(int q8, const uint8_t *v, int L, __m512i *u) 
 VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B,
                                       float *y, int64_t ldy, int nvalid) {
     __m512 acc[TILE_V];
-    const int gb = 16 * type_bytes(t - X16), q41 = t == X16 + T_Q4_1, q8 = t == X16 + T_Q8_0;
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0;
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
         __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */
-        run_values(q8, g + run_head(t - X16, 16), 16, u);
+        run_values(q8, g + run_head(t, 16), 16, u);
         for (int b = 0; b < B; b++) {
             const q8blk *x = xq + b * ldq + k;
             __m512i s = _mm512_set1_epi32(x16_offset(t, x->s)), s2 = _mm512_setzero_si512();
@@ -155,9 +155,9 @@ VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk 
     case 2: CALL(2); break;                                                             \
     default: CALL(1);                                                                   \
     }
-#define Q4_0_TILE(n) x16_tile_vnni(X16 + T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q4_1_TILE(n) x16_tile_vnni(X16 + T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q8_0_TILE(n) x16_tile_vnni(X16 + T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_0_TILE(n) x16_tile_vnni(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE(n) x16_tile_vnni(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE(n) x16_tile_vnni(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q4_K_TILE(n) x16_tile_q4k_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE(n) x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
@@ -171,10 +171,10 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             const q8blk *xb = xq + b * ldq;
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_V ? B - b : TILE_V;
-            if (t == X16 + T_Q6_K) BY_TILE(Q6_K_TILE)
-            else if (t == X16 + T_Q4_K) BY_TILE(Q4_K_TILE)
-            else if (t == X16 + T_Q4_0) BY_TILE(Q4_0_TILE)
-            else if (t == X16 + T_Q4_1) BY_TILE(Q4_1_TILE)
+            if (t == T_Q6_K) BY_TILE(Q6_K_TILE)
+            else if (t == T_Q4_K) BY_TILE(Q4_K_TILE)
+            else if (t == T_Q4_0) BY_TILE(Q4_0_TILE)
+            else if (t == T_Q4_1) BY_TILE(Q4_1_TILE)
             else BY_TILE(Q8_0_TILE)
         }
     }
@@ -201,10 +201,10 @@ VNNI static INLINE float hsum16(__m512 v) {
 /* One run of L blocks of an R16 row (at w) times x's matching pack entries, into acc; lanes
  * past L load zeros (their scales too), so they add 0 */
 VNNI static INLINE __m512 r16_run(const int t, const uint8_t *w, const int L, const xpair *x, __m512 acc) {
-    const int q41 = t == R16 + T_Q4_1, q8 = t == R16 + T_Q8_0;
+    const int q41 = t == T_Q4_1, q8 = t == T_Q8_0;
     const __mmask16 ms = (__mmask16)((1u << L) - 1);
     __m512i u[8];
-    run_values(q8, w + run_head(t - R16, L), L, u);
+    run_values(q8, w + run_head(t, L), L, u);
     /* two chains: a row waits on vpdpbusd's latency, not its throughput */
     __m512i s0 = q41 ? _mm512_setzero_si512() : _mm512_load_si512(x[8].q), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
@@ -232,8 +232,8 @@ VNNI static INLINE __m512 r16_row(const int t, const uint8_t *w, int nb, const x
 
 VNNI static float r16_dot_vnni(int t, const uint8_t *w, const xpair *x, int nb) {
     __m512 z = _mm512_setzero_ps();
-    return hsum16(t == R16 + T_Q4_0 ? r16_row(R16 + T_Q4_0, w, nb, x, z)
-                  : t == R16 + T_Q4_1 ? r16_row(R16 + T_Q4_1, w, nb, x, z) : r16_row(R16 + T_Q8_0, w, nb, x, z));
+    return hsum16(t == T_Q4_0 ? r16_row(T_Q4_0, w, nb, x, z)
+                  : t == T_Q4_1 ? r16_row(T_Q4_1, w, nb, x, z) : r16_row(T_Q8_0, w, nb, x, z));
 }
 
 VNNI static INLINE void r16_rows_t(const int t, mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x,
@@ -266,8 +266,8 @@ VNNI static INLINE void r16_rows_t(const int t, mat m, const int32_t *rows, int6
  * picked row of a step in one call (called a row at a time through dot_any, with no cursor
  * and no pairs, a 4-run row cost some 60 ns in L2; 37 ns here) */
 VNNI static void r16_rows_vnni(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
-    if (m.t == R16 + T_Q4_0) r16_rows_t(R16 + T_Q4_0, m, rows, start, n, x, nb, y);
-    else if (m.t == R16 + T_Q4_1) r16_rows_t(R16 + T_Q4_1, m, rows, start, n, x, nb, y);
-    else r16_rows_t(R16 + T_Q8_0, m, rows, start, n, x, nb, y);
+    if (m.t == T_Q4_0) r16_rows_t(T_Q4_0, m, rows, start, n, x, nb, y);
+    else if (m.t == T_Q4_1) r16_rows_t(T_Q4_1, m, rows, start, n, x, nb, y);
+    else r16_rows_t(T_Q8_0, m, rows, start, n, x, nb, y);
 }
 #endif

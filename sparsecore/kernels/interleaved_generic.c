@@ -17,7 +17,7 @@
 
 /* bytes of an X16 (group, block): 16 of the file's blocks, and Q4_K's scales and mins unpacked
  * to a byte each (16 rows x 8 sub-blocks x 2 bytes, against 16 x 12 packed: 2.8 % more) */
-static inline int x16_block_bytes(int t) { return t == X16 + T_Q4_K ? 2368 : 16 * type_bytes(t - X16); }
+static inline int x16_block_bytes(int t) { return t == T_Q4_K ? 2368 : 16 * type_bytes(t); }
 /* A run of L lanes (interleave_run: X16's 16 rows' block, or R16's blocks of a row): bytes
  * before its values, its L f16 scales (and Q4_1's L f16 mins); t the file's type */
 static inline int run_head(int t, int L) { return (t == T_Q4_1 ? 4 : 2) * L; }
@@ -29,7 +29,7 @@ static inline int run_value(int t, const uint8_t *p, int L, int r, int i) {
     return (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
 }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
-static inline int32_t x16_offset(int t, int32_t sx) { return t == X16 + T_Q4_0 ? -8 * sx : t == X16 + T_Q8_0 ? -128 * sx : 0; }
+static inline int32_t x16_offset(int t, int32_t sx) { return t == T_Q4_0 ? -8 * sx : t == T_Q8_0 ? -128 * sx : 0; }
 /* Q6_K's X16 block (16 rows x 256 values, 3360 bytes): the rows' f16 d, then per activation
  * block xb (32 values, sub-blocks 2 xb and 2 xb + 1) 416 bytes in the order the tile reads
  * them: the two sub-blocks' int8 scales (16 rows each), 4 runs of low nibbles, 2 runs of high
@@ -144,26 +144,26 @@ static void interleave_blocks(int t, const uint8_t *src, int64_t stride, int64_t
 /* The stored unsigned value i of row r in an X16 block p (interleave's layouts): Q4_0, Q4_1 and
  * Q4_K a nibble, Q8_0 q + 128, Q6_K 6 bits */
 static inline int x16_value(int t, const uint8_t *p, int r, int i) {
-    if (t == X16 + T_Q6_K) {
+    if (t == T_Q6_K) {
         int quad = i / 4, c = i % 4;
         int lo = (p[Q6_L(quad / 2) + 4 * r + c] >> (4 * (quad & 1))) & 15;
         int hi = (p[Q6_H(i / 16) + 4 * r + c] >> (2 * (quad % 4))) & 3;
         return lo | (hi << 4);
     }
-    if (t == X16 + T_Q4_K) {
+    if (t == T_Q4_K) {
         int sb = i / 32, l = i % 32;
         return (p[Q4K_V(sb / 2) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (sb & 1))) & 15;
     }
-    return run_value(t - X16, p, 16, r, i);
+    return run_value(t, p, 16, r, i);
 }
 
 /* One block (at p) of row r of an X16 Q4_0, Q4_1 or Q8_0 group times one token's q8 block x,
  * added to acc: the VNNI tile's lane, operation for operation (fmaf: its fused multiply-adds) */
 static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8blk *x, float acc) {
     int32_t s = x16_offset(t, x->s);
-    for (int i = 0; i < QK; i++) s += run_value(t - X16, p, L, r, i) * x->q[i];
+    for (int i = 0; i < QK; i++) s += run_value(t, p, L, r, i) * x->q[i];
     float d = f16_to_f32(rd16(p + 2 * r));
-    if (t == X16 + T_Q4_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
+    if (t == T_Q4_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
     return fmaf((float)s, d * x->d, acc);
 }
 
@@ -172,7 +172,7 @@ static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8b
  * fused multiply-adds), so both paths give the same floats. */
 static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq, const int32_t *hs) {
     float acc = 0.f;
-    if (t == X16 + T_Q4_K) {
+    if (t == T_Q4_K) {
         for (int k = 0; k < nb; k++, g += 2368) {
             float d = f16_to_f32(rd16(g + 2 * r)), dm = f16_to_f32(rd16(g + 32 + 2 * r));
             for (int sb = 0; sb < 8; sb++) {
@@ -185,7 +185,7 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
         }
         return acc;
     }
-    if (t == X16 + T_Q6_K) {
+    if (t == T_Q6_K) {
         for (int k = 0; k < nb; k++, g += 16 * 210) {
             float d = f16_to_f32(rd16(g + 2 * r));
             for (int xb = 0; xb < 8; xb++) {
@@ -202,7 +202,7 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
         }
         return acc;
     }
-    int gb = 16 * type_bytes(t - X16);
+    int gb = 16 * type_bytes(t);
     for (int k = 0; k < nb; k++, g += gb) acc = x16_block_c(t, g, 16, r, xq + k, acc);
     return acc;
 }
@@ -211,11 +211,11 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
  * lane k of the VNNI kernel (r16_dot_vnni) accumulates blocks k, k + 16, ... as X16's lane
  * for its row does, then the 16 lanes are summed as hsum16 sums them: the same floats. */
 static float r16_dot_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
-    int xt = t - R16 + X16, gb = 16 * type_bytes(t);
+    int gb = 16 * type_bytes(t);
     float acc[16] = {0};
     for (int c = 0; c < nb; c += 16, w += gb) {
         int L = nb - c < 16 ? nb - c : 16;  /* the last run's missing lanes add zeros, as r16_run's */
-        for (int k = 0; k < 16; k++) acc[k] = k < L ? x16_block_c(xt, w, L, k, xq + c + k, acc[k]) : acc[k] + 0.f;
+        for (int k = 0; k < 16; k++) acc[k] = k < L ? x16_block_c(t, w, L, k, xq + c + k, acc[k]) : acc[k] + 0.f;
     }
     for (int k = 0; k < 8; k++) acc[k] += acc[k + 8];
     for (int k = 0; k < 4; k++) acc[k] += acc[k + 4];
@@ -237,7 +237,7 @@ static void x16_rows_c(int t, const uint8_t *g, int64_t gstride, int64_t n_rows,
  * sum (Q4_1: the float sum of x), then x's scales */
 static inline int64_t r16_ld(int nb) { return 10 * (int64_t)((nb + 15) / 16); }
 static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
-    int xt = t - R16 + X16, q41 = t == R16 + T_Q4_1;
+    int q41 = t == T_Q4_1;
     for (int b = 0; b < B; b++, out += r16_ld(nb))
         for (int c = 0; c < nb; c += 16) {
             xpair *o = out + 10 * (c / 16);
@@ -245,7 +245,7 @@ static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *
             const q8blk *x = xq + b * ldq + c;
             for (int k = 0; k < 16 && c + k < nb; k++) {
                 for (int j = 0; j < 8; j++) memcpy(o[j].q + 4 * k, x[k].q + 4 * j, 4);
-                int32_t off = x16_offset(xt, x[k].s);
+                int32_t off = x16_offset(t, x[k].s);
                 float sum = (float)x[k].s;
                 memcpy(o[8].q + 4 * k, q41 ? (const void *)&sum : (const void *)&off, 4);
                 memcpy(o[9].q + 4 * k, &x[k].d, 4);
@@ -257,10 +257,10 @@ static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *
 
 /* The file's values of row r's block in the X16 (group, block) at p, as the file's rows give them */
 static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {  /* L: lanes of p's run (16 but R16's tails) */
-    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == X16 + T_Q4_1 || t == X16 + T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
-    for (int v = 0; v < block_size(t - X16); v++) {
-        int q = is_kquant(t - X16) ? x16_value(t, p, r, v) : run_value(t - X16, p, L, r, v);
-        switch (t - X16) {
+    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == T_Q4_1 || t == T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
+    for (int v = 0; v < block_size(t); v++) {
+        int q = is_kquant(t) ? x16_value(t, p, r, v) : run_value(t, p, L, r, v);
+        switch (t) {
         case T_Q4_0: o[v] = d * (float)(q - 8); break;
         case T_Q4_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
         case T_Q8_0: o[v] = d * (float)(q - 128); break;
@@ -275,7 +275,7 @@ static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {
 
 /* Rows [start, start + n_rows) of an X16 matrix (ranges on groups only), columns [col0, col0 + n) */
 static void x16_dequant_rows(mat m, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
-    int t = m.t, bs = block_size(t - X16), gb = x16_block_bytes(t);
+    int t = m.t, bs = block_size(t), gb = x16_block_bytes(t);
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t row = start + i;
         const uint8_t *p = m.base + (row / 16) * m.stride + (col0 / bs) * gb;
@@ -290,7 +290,7 @@ static void r16_dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t 
     for (int64_t i = 0; i < n_rows; i++) {
         const uint8_t *w = row_at(m, rows ? rows[i] : start + i, 0);
         for (int k = 0; k < nb; k++)
-            x16_dequant_block(m.t - R16 + X16, w + (k / 16) * gb, nb - k / 16 * 16 < 16 ? nb - k / 16 * 16 : 16, k % 16,
+            x16_dequant_block(m.t, w + (k / 16) * gb, nb - k / 16 * 16 < 16 ? nb - k / 16 * 16 : 16, k % 16,
                               out + i * n + k * QK);
     }
 }

@@ -3,30 +3,37 @@
 
 /* ---- Python entry points: pointers travel as integers, checked by the Python side ------------ */
 
-static int get_mat(PyObject *const *a, mat *m) {  /* (ptr, stride, type) */
+/* A matrix as FileMatrix.args hands it over: (ptr, stride, type, layout), MAT_ARGS values */
+#define MAT_ARGS 4
+static int get_mat(PyObject *const *a, mat *m) {
     m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
     m->stride = PyLong_AsLongLong(a[1]);
     m->t = (int)PyLong_AsLong(a[2]);
+    m->layout = (int)PyLong_AsLong(a[3]);
     if (PyErr_Occurred()) return -1;
-    if (!type_bytes(m->t) && !is_x16(m->t)) { PyErr_Format(PyExc_ValueError, "unsupported tensor type %d", m->t); return -1; }
+    if (!type_bytes(m->t) || !(m->layout == L_FILE || (m->layout == L_X16 && x16_type(m->t))
+                               || (m->layout == L_R16 && r16_type(m->t)))) {
+        PyErr_Format(PyExc_ValueError, "unsupported tensor type %d in layout %d", m->t, m->layout);
+        return -1;
+    }
     return 0;
 }
 
 #define ARG_PTR(i) PyLong_AsVoidPtr(args[i])
 #define ARG_LL(i) PyLong_AsLongLong(args[i])
 
-/* matvec(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
+/* matvec(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
 static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) { PyErr_SetString(PyExc_TypeError, "matvec takes 12 arguments"); return NULL; }
+    if (nargs != 13) { PyErr_SetString(PyExc_TypeError, "matvec takes 13 arguments"); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(3);
-    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
-    int n = (int)ARG_LL(7);
-    const float *x = ARG_PTR(8);
-    int fast = (int)ARG_LL(9);
-    q8blk *xq = ARG_PTR(10);
-    float *y = ARG_PTR(11);
+    const int32_t *rows = ARG_PTR(4);
+    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
+    int n = (int)ARG_LL(8);
+    const float *x = ARG_PTR(9);
+    int fast = (int)ARG_LL(10);
+    q8blk *xq = ARG_PTR(11);
+    float *y = ARG_PTR(12);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (fast && is_quant(m.t)) quantize_q8(x, n, xq);
@@ -35,8 +42,8 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* The shard's arguments ffn_token and ffn_batch share: gate(3), up(3), down(3), down_t, hidden,
- * own0, n_own, act at args[0..13]; mask_ptr|0 and x_ptr at args[15], args[16]. */
+/* The shard's arguments ffn_token and ffn_batch share: gate(4), up(4), down(4), down_t, hidden,
+ * own0, n_own, act at args[0..16]; mask_ptr|0 and x_ptr at args[18], args[19]. */
 typedef struct {
     mat g, u, d;
     int down_t, hidden, act;
@@ -46,12 +53,12 @@ typedef struct {
 } ffn_shard;
 
 static int get_ffn_shard(PyObject *const *args, ffn_shard *f) {
-    if (get_mat(args, &f->g) || get_mat(args + 3, &f->u) || get_mat(args + 6, &f->d)) return -1;
-    f->down_t = (int)ARG_LL(9), f->hidden = (int)ARG_LL(10);
-    f->own0 = ARG_LL(11), f->n_own = ARG_LL(12);
-    f->act = (int)ARG_LL(13);
-    f->mask = ARG_PTR(15);
-    f->x = ARG_PTR(16);
+    if (get_mat(args, &f->g) || get_mat(args + MAT_ARGS, &f->u) || get_mat(args + 2 * MAT_ARGS, &f->d)) return -1;
+    f->down_t = (int)ARG_LL(12), f->hidden = (int)ARG_LL(13);
+    f->own0 = ARG_LL(14), f->n_own = ARG_LL(15);
+    f->act = (int)ARG_LL(16);
+    f->mask = ARG_PTR(18);
+    f->x = ARG_PTR(19);
     return PyErr_Occurred() ? -1 : 0;
 }
 
@@ -64,16 +71,16 @@ static PyObject *ffn_result(int64_t n) {
     return PyLong_FromLongLong(n);
 }
 
-/* ffn_token(<shard: 14>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+/* ffn_token(<shard: 17>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
 static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 22) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 22 arguments"); return NULL; }
+    if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 25 arguments"); return NULL; }
     ffn_shard f;
     if (get_ffn_shard(args, &f)) return NULL;
-    float threshold = (float)PyFloat_AsDouble(args[14]);
-    int fast = (int)ARG_LL(17);
-    float *h = ARG_PTR(18);
-    q8blk *xq = ARG_PTR(19), *hq = ARG_PTR(20);
-    float *y = ARG_PTR(21);
+    float threshold = (float)PyFloat_AsDouble(args[17]);
+    int fast = (int)ARG_LL(20);
+    float *h = ARG_PTR(21);
+    q8blk *xq = ARG_PTR(22), *hq = ARG_PTR(23);
+    float *y = ARG_PTR(24);
     if (PyErr_Occurred()) return NULL;
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
@@ -83,21 +90,21 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n_active);
 }
 
-/* matmul(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
+/* matmul(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
  * xq: room for B (n/32 rounded up) q8 blocks */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 15) { PyErr_SetString(PyExc_TypeError, "matmul takes 15 arguments"); return NULL; }
+    if (nargs != 16) { PyErr_SetString(PyExc_TypeError, "matmul takes 16 arguments"); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(3);
-    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
-    int n = (int)ARG_LL(7);
-    const float *x = ARG_PTR(8);
-    int64_t ldx = ARG_LL(9);
-    int B = (int)ARG_LL(10), fast = (int)ARG_LL(11);
-    q8blk *xq = ARG_PTR(12);
-    float *y = ARG_PTR(13);
-    int64_t ldy = ARG_LL(14);
+    const int32_t *rows = ARG_PTR(4);
+    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
+    int n = (int)ARG_LL(8);
+    const float *x = ARG_PTR(9);
+    int64_t ldx = ARG_LL(10);
+    int B = (int)ARG_LL(11), fast = (int)ARG_LL(12);
+    q8blk *xq = ARG_PTR(13);
+    float *y = ARG_PTR(14);
+    int64_t ldy = ARG_LL(15);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "matmul: %d tokens, at most %d", B, MAXB); return NULL; }
     int64_t ldq = (n + QK - 1) / QK;
@@ -109,19 +116,19 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_batch(<shard: 14>, thr_ptr|0, mask_ptr|0, x_ptr, B, fast, h_ptr, any_ptr, xq_ptr, hq_ptr,
+/* ffn_batch(<shard: 17>, thr_ptr|0, mask_ptr|0, x_ptr, B, fast, h_ptr, any_ptr, xq_ptr, hq_ptr,
  *           counts_ptr, y_ptr) -> active (neuron, token) pairs */
 static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 25 arguments"); return NULL; }
+    if (nargs != 28) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 28 arguments"); return NULL; }
     ffn_shard f;
     if (get_ffn_shard(args, &f)) return NULL;
-    const float *thr = ARG_PTR(14);
-    int B = (int)ARG_LL(17), fast = (int)ARG_LL(18);
-    float *h = ARG_PTR(19);
-    uint8_t *any = ARG_PTR(20);
-    q8blk *xq = ARG_PTR(21), *hq = ARG_PTR(22);
-    int64_t *counts = ARG_PTR(23);
-    float *y = ARG_PTR(24);
+    const float *thr = ARG_PTR(17);
+    int B = (int)ARG_LL(20), fast = (int)ARG_LL(21);
+    float *h = ARG_PTR(22);
+    uint8_t *any = ARG_PTR(23);
+    q8blk *xq = ARG_PTR(24), *hq = ARG_PTR(25);
+    int64_t *counts = ARG_PTR(26);
+    float *y = ARG_PTR(27);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "ffn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
     int64_t n_active;
@@ -132,15 +139,15 @@ static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n_active);
 }
 
-/* dequant(ptr, stride, type, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
+/* dequant(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
 static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "dequant takes 9 arguments"); return NULL; }
+    if (nargs != 10) { PyErr_SetString(PyExc_TypeError, "dequant takes 10 arguments"); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(3);
-    int64_t start = ARG_LL(4), n_rows = ARG_LL(5), col0 = ARG_LL(6);
-    int n = (int)ARG_LL(7);
-    float *out = ARG_PTR(8);
+    const int32_t *rows = ARG_PTR(4);
+    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
+    int n = (int)ARG_LL(8);
+    float *out = ARG_PTR(9);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
     dequant_rows(m, rows, start, n_rows, col0, n, out);
@@ -240,8 +247,8 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     return py_isa(self, NULL);
 }
 
-/* The attention layer's arguments attn_token and attn_batch share, args[0..22]:
- * q(3), q_rows, k(3), k_rows, v(3), o(3), norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_ptr, sin_ptr */
+/* The attention layer's arguments attn_token and attn_batch share, args[0..26]:
+ * q(4), q_rows, k(4), k_rows, v(4), o(4), norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_ptr, sin_ptr */
 typedef struct {
     mat wq, wk, wv, wo;
     const int32_t *q_rows, *k_rows;
@@ -251,14 +258,14 @@ typedef struct {
 } attn_layer;
 
 static int get_attn_layer(PyObject *const *args, attn_layer *L) {
-    if (get_mat(args, &L->wq) || get_mat(args + 4, &L->wk) || get_mat(args + 8, &L->wv) || get_mat(args + 11, &L->wo))
+    if (get_mat(args, &L->wq) || get_mat(args + 5, &L->wk) || get_mat(args + 10, &L->wv) || get_mat(args + 14, &L->wo))
         return -1;
-    L->q_rows = ARG_PTR(3), L->k_rows = ARG_PTR(7);
-    L->norm_w = ARG_PTR(14);
-    L->eps = (float)PyFloat_AsDouble(args[15]);
-    L->hidden = (int)ARG_LL(16), L->n_heads = (int)ARG_LL(17), L->n_kv = (int)ARG_LL(18);
-    L->hd = (int)ARG_LL(19), L->d = (int)ARG_LL(20);
-    L->cos_r = ARG_PTR(21), L->sin_r = ARG_PTR(22);
+    L->q_rows = ARG_PTR(4), L->k_rows = ARG_PTR(9);
+    L->norm_w = ARG_PTR(18);
+    L->eps = (float)PyFloat_AsDouble(args[19]);
+    L->hidden = (int)ARG_LL(20), L->n_heads = (int)ARG_LL(21), L->n_kv = (int)ARG_LL(22);
+    L->hd = (int)ARG_LL(23), L->d = (int)ARG_LL(24);
+    L->cos_r = ARG_PTR(25), L->sin_r = ARG_PTR(26);
     if (PyErr_Occurred()) return -1;
     if (L->d > 1024 || L->d > L->hd || L->n_kv <= 0 || L->n_heads % L->n_kv) {
         PyErr_SetString(PyExc_ValueError, "attention: bad head or rope arguments");
@@ -267,18 +274,18 @@ static int get_attn_layer(PyObject *const *args, attn_layer *L) {
     return 0;
 }
 
-/* attn_token(<attn layer: 23>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
- *            x, q, k, v, att, out, xq, oq, h): 37 arguments; cos/sin: the whole tables */
+/* attn_token(<attn layer: 27>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
+ *            x, q, k, v, att, out, xq, oq, h): 41 arguments; cos/sin: the whole tables */
 static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 37) { PyErr_SetString(PyExc_TypeError, "attn_token takes 37 arguments"); return NULL; }
+    if (nargs != 41) { PyErr_SetString(PyExc_TypeError, "attn_token takes 41 arguments"); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int pos = (int)ARG_LL(23);
-    float *kc = ARG_PTR(24), *vc = ARG_PTR(25);
-    int max_ctx = (int)ARG_LL(26), fast = (int)ARG_LL(27);
-    attn_scratch sc = {ARG_PTR(28), ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35)};
-    float *h = ARG_PTR(36);
+    int pos = (int)ARG_LL(27);
+    float *kc = ARG_PTR(28), *vc = ARG_PTR(29);
+    int max_ctx = (int)ARG_LL(30), fast = (int)ARG_LL(31);
+    attn_scratch sc = {ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39)};
+    float *h = ARG_PTR(40);
     if (PyErr_Occurred()) return NULL;
     if (pos < 0 || pos >= max_ctx) { PyErr_SetString(PyExc_ValueError, "attn_token: position outside the cache"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
@@ -288,19 +295,19 @@ static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* attn_batch(<attn layer: 23, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
- *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 38 arguments */
+/* attn_batch(<attn layer: 27, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
+ *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 42 arguments */
 static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 38) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 38 arguments"); return NULL; }
+    if (nargs != 42) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 42 arguments"); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int B = (int)ARG_LL(23);
-    const int64_t *pos = ARG_PTR(24);
-    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
-    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
-    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
-    float *h = ARG_PTR(37);
+    int B = (int)ARG_LL(27);
+    const int64_t *pos = ARG_PTR(28);
+    float *const *kcs = ARG_PTR(29), *const *vcs = ARG_PTR(30);
+    int max_ctx = (int)ARG_LL(31), fast = (int)ARG_LL(32);
+    attn_scratch sc = {ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39), ARG_PTR(40)};
+    float *h = ARG_PTR(41);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
     for (int b = 0; b < B; b++)
@@ -315,20 +322,20 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* attn_part(<attn_batch's 38 arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): 41 arguments */
+/* attn_part(<attn_batch's 42 arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): 45 arguments */
 static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 41) { PyErr_SetString(PyExc_TypeError, "attn_part takes 41 arguments"); return NULL; }
+    if (nargs != 45) { PyErr_SetString(PyExc_TypeError, "attn_part takes 45 arguments"); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int B = (int)ARG_LL(23);
-    const int64_t *pos = ARG_PTR(24);
-    float *const *kcs = ARG_PTR(25), *const *vcs = ARG_PTR(26);
-    int max_ctx = (int)ARG_LL(27), fast = (int)ARG_LL(28);
-    attn_scratch sc = {ARG_PTR(29), ARG_PTR(30), ARG_PTR(31), ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36)};
-    const float *h = ARG_PTR(37);
-    int kv0 = (int)ARG_LL(38), kv1 = (int)ARG_LL(39);
-    float *part = ARG_PTR(40);
+    int B = (int)ARG_LL(27);
+    const int64_t *pos = ARG_PTR(28);
+    float *const *kcs = ARG_PTR(29), *const *vcs = ARG_PTR(30);
+    int max_ctx = (int)ARG_LL(31), fast = (int)ARG_LL(32);
+    attn_scratch sc = {ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39), ARG_PTR(40)};
+    const float *h = ARG_PTR(41);
+    int kv0 = (int)ARG_LL(42), kv1 = (int)ARG_LL(43);
+    float *part = ARG_PTR(44);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_part: %d tokens, at most %d", B, MAXB); return NULL; }
     if (kv0 < 0 || kv1 <= kv0 || kv1 > L.n_kv

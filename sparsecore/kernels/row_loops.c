@@ -17,18 +17,18 @@ static inline void prefetch_row_l2(const uint8_t *p, int64_t bytes) {
 /* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
 static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, const q8blk *xq, int fast, float *y) {
-    if (is_x16(m.t)) { x16_products(m, start, n_rows, col0, n, xq, 0, 1, y, 1); return; }
+    if (is_x16(m)) { x16_products(m, start, n_rows, col0, n, xq, 0, 1, y, 1); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
-    const xpair *xp = pack_x(m.t, xq, 0, n, 1, fast);
+    const xpair *xp = pack_x(m, xq, 0, n, 1, fast);
 #if HAVE_X86
-    if (is_r16(m.t) && xp && col0 == 0) { r16_rows(m, rows, start, n_rows, xp, n / QK, y); return; }
+    if (is_r16(m) && xp && col0 == 0) { r16_rows(m, rows, start, n_rows, xp, n / QK, y); return; }
 #endif
     for (int64_t i = 0; i < n_rows; i++) {
         int64_t r = rows ? rows[i] : start + i;
         if (partial && i + PREFETCH_ROWS < n_rows)
             prefetch_row(row_at(m, rows ? rows[i + PREFETCH_ROWS] : start + i + PREFETCH_ROWS, col0), bytes);
-        y[i] = dot_any(m.t, row_at(m, r, col0), x, xq, xp, n, fast);
+        y[i] = dot_any(m, row_at(m, r, col0), x, xq, xp, n, fast);
     }
 }
 
@@ -40,10 +40,10 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
  * its outputs at y + b ldy. Per token the same float operations as matvec. */
 static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy) {
-    if (is_x16(m.t)) { x16_products(m, start, n_rows, col0, n, xq, ldq, B, y, ldy); return; }
+    if (is_x16(m)) { x16_products(m, start, n_rows, col0, n, xq, ldq, B, y, ldy); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
-    const xpair *xp = pack_x(m.t, xq, ldq, n, B, fast);
+    const xpair *xp = pack_x(m, xq, ldq, n, B, fast);
     /* More tokens than a tile: rows in blocks, each block read once per tile of tokens (again
      * from L2), so that a tile's activations stay in L1: a row read for all 16 tokens at once
      * pushed them out (1.1B shape: 16 tokens cost 2.5 times 8; in blocks of 256 rows, 1.9
@@ -53,12 +53,12 @@ static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
         int64_t i1 = i0 + block < n_rows ? i0 + block : n_rows;
         for (int b0 = 0; b0 < B; b0 += TILE_ROWS_B) {
             int nt = B - b0 < TILE_ROWS_B ? B - b0 : TILE_ROWS_B;
-            const xpair *xpt = xp ? xp + b0 * xp_ld_any(m.t, n) : NULL;
+            const xpair *xpt = xp ? xp + b0 * xp_ld_any(m, n) : NULL;
             for (int64_t i = i0; i < i1; i++) {
                 int64_t r = rows ? rows[i] : start + i;
                 if (partial && i + PREFETCH_ROWS < n_rows && b0 == 0)
                     prefetch_row(row_at(m, rows ? rows[i + PREFETCH_ROWS] : start + i + PREFETCH_ROWS, col0), bytes);
-                dots_any(m.t, row_at(m, r, col0), x + b0 * ldx, ldx, xq + b0 * ldq, ldq, xpt, n, fast, nt, B == 1,
+                dots_any(m, row_at(m, r, col0), x + b0 * ldx, ldx, xq + b0 * ldq, ldq, xpt, n, fast, nt, B == 1,
                          y + (int64_t)b0 * ldy + i, ldy);
             }
         }
@@ -75,7 +75,7 @@ static inline void products(mat m, const int32_t *rows, int64_t start, int64_t n
 
 /* Dequantize rows (or a range) restricted to columns [col0, col0 + n) into out (n_rows x n) */
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
-    if (is_x16(m.t)) { x16_dequant_rows(m, start, n_rows, col0, n, out); return; }  /* rows is NULL: X16 matrices take ranges on groups only */
-    if (is_r16(m.t)) { r16_dequant_rows(m, rows, start, n_rows, n, out); return; }  /* whole rows: col0 0 */
+    if (is_x16(m)) { x16_dequant_rows(m, start, n_rows, col0, n, out); return; }  /* rows is NULL: X16 matrices take ranges on groups only */
+    if (is_r16(m)) { r16_dequant_rows(m, rows, start, n_rows, n, out); return; }  /* whole rows: col0 0 */
     for (int64_t i = 0; i < n_rows; i++) dequant_row(m.t, row_at(m, rows ? rows[i] : start + i, col0), n, out + i * n);
 }
