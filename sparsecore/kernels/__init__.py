@@ -522,7 +522,8 @@ class FfnScratch:
         self.xq = q8_scratch(hidden)
         self.hq = q8_scratch(n_own)
         self.y = np.empty(hidden, np.float32)
-        self.token_ptrs = (_ptr(self.h), _ptr(self.xq), _ptr(self.hq))  # ffn_token's, looked up once
+        # h, any, xq, hq, counts as ffn_token takes them (it has no any or counts), looked up once
+        self.token_ptrs = (_ptr(self.h), 0, _ptr(self.xq), _ptr(self.hq), 0)
         self.tiles: list[np.ndarray] = []
         self.small: tuple[np.ndarray, ...] = ()
 
@@ -578,8 +579,8 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     if y.dtype != np.float32 or y.shape != (hidden,) or not y.flags.c_contiguous:
         raise ValueError(f"out must be {hidden} contiguous float32 values")
     n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0 if threshold is None else float(threshold), 0 if mask is None else _ptr(mask),
-                           _ptr(x), int(fast), *scratch.token_ptrs, _ptr(y))
+                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0 if threshold is None else float(threshold), 0,
+                           0 if mask is None else _ptr(mask), _ptr(x), 1, int(fast), *scratch.token_ptrs, _ptr(y))
     return y, n
 
 
@@ -606,8 +607,8 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
         thr[:B] = threshold  # a scalar or B values
         thr_ptr = _ptr(thr)
     n = _kernels.ffn_batch(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-                           ACT_IDS[activation] | GATE_BITS[gate_mode], thr_ptr, 0 if mask is None else _ptr(mask), _ptr(x), B, int(fast),
-                           *scratch.small_ptrs, _ptr(y))
+                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, thr_ptr, 0 if mask is None else _ptr(mask),
+                           _ptr(x), B, int(fast), *scratch.small_ptrs, _ptr(y))
     return y, n
 
 

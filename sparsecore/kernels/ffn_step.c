@@ -16,6 +16,27 @@ static float act_fn(int act, float g) {
     return g / (1.f + expf(-g));                            /* silu */
 }
 
+/* One call of the fused FFN step (ffn_token, ffn_batch), filled once from the Python call's
+ * arguments (python_module.c's get_ffn_call). gate, up: (n_ff rows, hidden cols); down: (hidden
+ * rows, n_ff cols), or with down_t its transpose (n_ff rows of hidden: PowerInfer's
+ * ffn_down_t, a neuron's down column as a row). */
+typedef struct {
+    mat gate, up, down;
+    int down_t, hidden;
+    int64_t own0, n_own;  /* the owned neurons, [own0, own0 + n_own) of the layer's */
+    int act;              /* the activation and how gate and up combine (ACT_MASK, ACT_NOGATE, ACT_SYM) */
+    float threshold;      /* ffn_token: active where |act(gate x)| > threshold; < 0: dense */
+    const float *thr;     /* ffn_batch: B such thresholds, one per token, or NULL (all dense) */
+    const uint8_t *mask;  /* a predictor's over all n_ff neurons, the same for every token, or NULL */
+    const float *x;       /* B rows of hidden */
+    int B, fast;          /* tokens (ffn_token: 1); fast mode's 8-bit activations or exact */
+    float *h;             /* scratch: B n_own floats */
+    uint8_t *any;         /* ffn_batch's scratch: n_own bytes (ffn_token: NULL) */
+    q8blk *xq, *hq;       /* scratch: B hidden / 32 and B ceil(n_own / 32) q8 blocks */
+    int64_t *counts;      /* ffn_batch: each token's active neurons (ffn_token: NULL) */
+    float *y;             /* B rows of hidden */
+} ffn_call;
+
 /* Owned neurons to visit, as offsets into the shard, per thread (grown on demand) */
 static _Thread_local void *list_buf;
 static _Thread_local int64_t list_cap;
@@ -31,9 +52,15 @@ static float *up_scratch(int64_t n) { return grown(&up_buf, &up_cap, sizeof(floa
  * (B n_own, raw). With up interleaved too (an engine that only decodes densely), dense steps
  * only: h = act(gate x) * (up x) in full (returns 1). Returns 0 when the caller goes on with
  * the raw gate values, -1 (no memory) or -2 (a step these rows cannot take: a caller's error,
- * a mask, or a threshold with up interleaved). xq: the tokens' q8 blocks. */
-static int gate_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, int act, int sparse, int masked,
-                    int down_t, int fast, const float *x, const q8blk *xq, int B, float *h) {
+ * a mask, or a threshold with up interleaved). xq: the tokens' q8 blocks, already made;
+ * sparse: some token has a threshold. */
+static int gate_x16(const ffn_call *c, int sparse) {
+    mat gate = c->gate, up = c->up;
+    int hidden = c->hidden, act = c->act, masked = c->mask != NULL, down_t = c->down_t, fast = c->fast, B = c->B;
+    int64_t own0 = c->own0, n_own = c->n_own;
+    const float *x = c->x;
+    const q8blk *xq = c->xq;
+    float *h = c->h;
     int mode = act & ~ACT_MASK;
     act &= ACT_MASK;
     int up_x16 = mode != ACT_NOGATE && is_x16(up);
@@ -51,14 +78,20 @@ static int gate_x16(mat gate, mat up, int hidden, int64_t own0, int64_t n_own, i
 }
 
 /* THE hot function: one token's partial FFN over owned neurons [own0, own0 + n_own) of the layer
- * (a contiguous range on whole blocks of down's rows, 32 or 256, as the static plan hands them out). gate, up: (n_ff rows,
- * hidden cols); down: (hidden rows, n_ff cols). Active: dense (threshold < 0 and no mask), a
- * predictor's mask over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own
- * floats; hq: scratch of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks.
- * Returns the number of active neurons. */
-static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
-                         float threshold, const uint8_t *mask, const float *x, int fast,
-                         float *h, q8blk *xq, q8blk *hq, float *y) {
+ * (a contiguous range on whole blocks of down's rows, 32 or 256, as the static plan hands them
+ * out; any range with down_t). Active: dense (threshold < 0 and no mask), a predictor's mask
+ * over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own floats; hq: scratch
+ * of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks. Returns the number of active
+ * neurons. */
+static int64_t ffn_token(const ffn_call *c) {
+    mat gate = c->gate, up = c->up, down = c->down;
+    int down_t = c->down_t, hidden = c->hidden, act = c->act, fast = c->fast;
+    int64_t own0 = c->own0, n_own = c->n_own;
+    float threshold = c->threshold;
+    const uint8_t *mask = c->mask;
+    const float *x = c->x;
+    float *h = c->h, *y = c->y;
+    q8blk *xq = c->xq, *hq = c->hq;
     int32_t *live = neuron_list(n_own);
     if (!live) return -1;
     if (fast) quantize_q8(x, hidden, xq);
@@ -67,8 +100,7 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
     int64_t n_active = 0, n_live = 0, n_gate = n_own;
     int64_t gbytes = (int64_t)hidden / block_size(gate.t) * type_bytes(gate.t);
     int64_t ubytes = (int64_t)hidden / block_size(up.t) * type_bytes(up.t);
-    int x16 = is_x16(gate) ? gate_x16(gate, up, hidden, own0, n_own, act | mode, threshold >= 0.f, mask != NULL,
-                                        down_t, fast, x, xq, 1, h) : 0;
+    int x16 = is_x16(gate) ? gate_x16(c, threshold >= 0.f) : 0;
     if (x16 < 0) return x16;
     if (x16 == 1) {  /* dense, gate and up interleaved: h is complete */
         if (n_own == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
@@ -158,9 +190,15 @@ static int64_t ffn_token(mat gate, mat up, mat down, int down_t, int hidden, int
  * (a predictor's, over all n_ff neurons) is the same for every token. Scratch: h (B n_own),
  * any (n_own), xq (B hidden/32 blocks), hq (B ceil(n_own/32) blocks). counts[b]: token b's
  * active neurons; returns their sum. y: B rows of hidden. */
-static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int64_t own0, int64_t n_own, int act,
-                         const float *thr, const uint8_t *mask, const float *x, int B, int fast,
-                         float *h, uint8_t *any, q8blk *xq, q8blk *hq, int64_t *counts, float *y) {
+static int64_t ffn_batch(const ffn_call *c) {
+    mat gate = c->gate, up = c->up, down = c->down;
+    int down_t = c->down_t, hidden = c->hidden, act = c->act, B = c->B, fast = c->fast;
+    int64_t own0 = c->own0, n_own = c->n_own, *counts = c->counts;
+    const float *thr = c->thr, *x = c->x;
+    const uint8_t *mask = c->mask;
+    float *h = c->h, *y = c->y;
+    uint8_t *any = c->any;
+    q8blk *xq = c->xq, *hq = c->hq;
     int mode = act & ~ACT_MASK;
     act &= ACT_MASK;
     int64_t ldq = hidden / QK, ldhq = (n_own + QK - 1) / QK, total = 0;
@@ -173,7 +211,7 @@ static int64_t ffn_batch(mat gate, mat up, mat down, int down_t, int hidden, int
     if (is_x16(gate)) {
         int sparse = 0;
         for (int b = 0; thr && b < B; b++) sparse |= thr[b] >= 0.f;
-        x16 = gate_x16(gate, up, hidden, own0, n_own, act | mode, sparse, mask != NULL, down_t, fast, x, xq, B, h);
+        x16 = gate_x16(c, sparse);
         if (x16 < 0) return x16;
     }
     if (x16 == 1) {  /* dense, gate and up interleaved: h is complete */

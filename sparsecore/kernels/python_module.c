@@ -42,24 +42,32 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* The shard's arguments ffn_token and ffn_batch share: gate(4), up(4), down(4), down_t, hidden,
- * own0, n_own, act at args[0..16]; mask_ptr|0 and x_ptr at args[18], args[19]. */
-typedef struct {
-    mat g, u, d;
-    int down_t, hidden, act;
-    int64_t own0, n_own;
-    const uint8_t *mask;
-    const float *x;
-} ffn_shard;
-
-static int get_ffn_shard(PyObject *const *args, ffn_shard *f) {
-    if (get_mat(args, &f->g) || get_mat(args + MAT_ARGS, &f->u) || get_mat(args + 2 * MAT_ARGS, &f->d)) return -1;
-    f->down_t = (int)ARG_LL(12), f->hidden = (int)ARG_LL(13);
-    f->own0 = ARG_LL(14), f->n_own = ARG_LL(15);
-    f->act = (int)ARG_LL(16);
-    f->mask = ARG_PTR(18);
-    f->x = ARG_PTR(19);
-    return PyErr_Occurred() ? -1 : 0;
+/* ffn_token and ffn_batch take the same FFN_ARGS arguments, read into one ffn_call:
+ *   gate(4), up(4), down(4), down_t, hidden, own0, n_own, act, threshold, thr_ptr|0, mask_ptr|0,
+ *   x_ptr, B, fast, h_ptr, any_ptr|0, xq_ptr, hq_ptr, counts_ptr|0, y_ptr
+ * ffn_token reads threshold and one token (B 1), ffn_batch thr, any and counts (ffn_step.c's
+ * ffn_call says what each is). */
+#define FFN_ARGS 29
+static int get_ffn_call(const char *name, PyObject *const *args, Py_ssize_t nargs, ffn_call *c) {
+    if (nargs != FFN_ARGS) { PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, FFN_ARGS); return -1; }
+    if (get_mat(args, &c->gate) || get_mat(args + MAT_ARGS, &c->up) || get_mat(args + 2 * MAT_ARGS, &c->down)) return -1;
+    args += 3 * MAT_ARGS;
+    c->down_t = (int)ARG_LL(0), c->hidden = (int)ARG_LL(1);
+    c->own0 = ARG_LL(2), c->n_own = ARG_LL(3);
+    c->act = (int)ARG_LL(4);
+    c->threshold = (float)PyFloat_AsDouble(args[5]);
+    c->thr = ARG_PTR(6);
+    c->mask = ARG_PTR(7);
+    c->x = ARG_PTR(8);
+    c->B = (int)ARG_LL(9), c->fast = (int)ARG_LL(10);
+    c->h = ARG_PTR(11);
+    c->any = ARG_PTR(12);
+    c->xq = ARG_PTR(13), c->hq = ARG_PTR(14);
+    c->counts = ARG_PTR(15);
+    c->y = ARG_PTR(16);
+    if (PyErr_Occurred()) return -1;
+    if (c->B < 1 || c->B > MAXB) { PyErr_Format(PyExc_ValueError, "%s: %d tokens, at most %d", name, c->B, MAXB); return -1; }
+    return 0;
 }
 
 static PyObject *ffn_result(int64_t n) {
@@ -71,21 +79,14 @@ static PyObject *ffn_result(int64_t n) {
     return PyLong_FromLongLong(n);
 }
 
-/* ffn_token(<shard: 17>, threshold, mask_ptr|0, x_ptr, fast, h_ptr, xq_ptr, hq_ptr, y_ptr) -> n_active */
+/* ffn_token(<FFN_ARGS>) -> n_active: one token, B 1 */
 static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 25) { PyErr_SetString(PyExc_TypeError, "ffn_token takes 25 arguments"); return NULL; }
-    ffn_shard f;
-    if (get_ffn_shard(args, &f)) return NULL;
-    float threshold = (float)PyFloat_AsDouble(args[17]);
-    int fast = (int)ARG_LL(20);
-    float *h = ARG_PTR(21);
-    q8blk *xq = ARG_PTR(22), *hq = ARG_PTR(23);
-    float *y = ARG_PTR(24);
-    if (PyErr_Occurred()) return NULL;
+    ffn_call c;
+    if (get_ffn_call("ffn_token", args, nargs, &c)) return NULL;
+    if (c.B != 1) { PyErr_SetString(PyExc_ValueError, "ffn_token: one token"); return NULL; }
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
-    n_active = ffn_token(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, threshold, f.mask, f.x, fast, h,
-                         xq, hq, y);
+    n_active = ffn_token(&c);
     Py_END_ALLOW_THREADS
     return ffn_result(n_active);
 }
@@ -116,25 +117,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_batch(<shard: 17>, thr_ptr|0, mask_ptr|0, x_ptr, B, fast, h_ptr, any_ptr, xq_ptr, hq_ptr,
- *           counts_ptr, y_ptr) -> active (neuron, token) pairs */
+/* ffn_batch(<FFN_ARGS>) -> active (neuron, token) pairs */
 static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 28) { PyErr_SetString(PyExc_TypeError, "ffn_batch takes 28 arguments"); return NULL; }
-    ffn_shard f;
-    if (get_ffn_shard(args, &f)) return NULL;
-    const float *thr = ARG_PTR(17);
-    int B = (int)ARG_LL(20), fast = (int)ARG_LL(21);
-    float *h = ARG_PTR(22);
-    uint8_t *any = ARG_PTR(23);
-    q8blk *xq = ARG_PTR(24), *hq = ARG_PTR(25);
-    int64_t *counts = ARG_PTR(26);
-    float *y = ARG_PTR(27);
-    if (PyErr_Occurred()) return NULL;
-    if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "ffn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
+    ffn_call c;
+    if (get_ffn_call("ffn_batch", args, nargs, &c)) return NULL;
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
-    n_active = ffn_batch(f.g, f.u, f.d, f.down_t, f.hidden, f.own0, f.n_own, f.act, thr, f.mask, f.x, B, fast, h, any,
-                         xq, hq, counts, y);
+    n_active = ffn_batch(&c);
     Py_END_ALLOW_THREADS
     return ffn_result(n_active);
 }
