@@ -196,7 +196,7 @@ static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
     int t = (int)ARG_LL(2), nb = (int)ARG_LL(4);
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (t != T_Q4_0 && t != T_Q4_1 && t != T_Q8_0 && (blocks || (t != T_Q6_K && t != T_Q4_K))) {
+    if (!(blocks ? r16_type(t) : x16_type(t))) {
         PyErr_Format(PyExc_ValueError, "%s: %s only", name, blocks ? "Q4_0, Q4_1 or Q8_0" : "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
         return NULL;
     }
