@@ -52,10 +52,9 @@ R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 # Types whose rows interleave 16 by 16 (FileMatrix.interleave) at each ISA level: where the
 # level's tiles beat the file's rows, measured on the 1.1B shape's gate rows from DRAM, one token
-# and 4 (AVX2 on a Zen 4 forced to that level: Q4_0 0.49x / 0.42x the file layout's time, Q4_1
-# 0.52x / 0.48x, Q8_0 1.05x / 0.85x, Q4_K 0.77x / 0.47x; Q6_K 1.19x / 1.25x stays in the file's
-# rows: its 6-bit unpacking is the same work in either layout, docs/kernels.md)
-X16_BY_ISA = {"avx2": (2, 3, 8, 12), "avx512vnni": X16_TYPES}
+# and 4 (AVX2 on a Zen 4 forced to that level, time against the file layout's: Q4_0 0.49x / 0.45x,
+# Q4_1 0.52x / 0.48x, Q8_0 1.05x / 0.85x, Q4_K 0.57x / 0.41x, Q6_K 0.68x / 0.72x; docs/kernels.md)
+X16_BY_ISA = {"avx2": X16_TYPES, "avx512vnni": X16_TYPES}
 
 
 def interleaving(tensor_type: int | None = None) -> bool:

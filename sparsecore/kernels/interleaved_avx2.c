@@ -102,7 +102,6 @@ AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk 
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 2368) {
-        for (int o = 0; o < 2368; o += 64) _mm_prefetch((const char *)g + 2 * 2368 + o, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
             __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
@@ -153,7 +152,6 @@ AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk 
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 16 * 210) {
-        for (int o = 0; o < 16 * 210; o += 64) _mm_prefetch((const char *)g + 2 * 16 * 210 + o, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
             for (int xb = 0; xb < 8; xb++) {

@@ -65,7 +65,6 @@ VNNI static INLINE void x16_tile_q6k_vnni(const uint8_t *g, int nb, const q8blk 
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += 16 * 210) {
-        for (int o = 0; o < 16 * 210; o += 64) _mm_prefetch((const char *)g + 2 * 16 * 210 + o, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         for (int xb = 0; xb < 8; xb++) {  /* activation block xb: sub-blocks 2 xb, 2 xb + 1 */
             __m512i u[8], sc[2];
@@ -108,7 +107,6 @@ VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk 
     const __m512i m4 = _mm512_set1_epi8(15);
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += 2368) {
-        for (int o = 0; o < 2368; o += 64) _mm_prefetch((const char *)g + 2 * 2368 + o, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
         for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
