@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--matrices", type=int, default=30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0])
-    ap.add_argument("--isa", choices=["avx2", "avx512vnni"], help="kernel level (default: the best this CPU has)")
+    ap.add_argument("--isa", choices=["avx2", "avxvnni", "avx512vnni"], help="kernel level (default: the best this CPU has)")
     a = ap.parse_args()
     if a.isa and K.set_isa(a.isa) != a.isa:
         raise SystemExit(f"this CPU cannot run the kernels at {a.isa}")

@@ -438,7 +438,7 @@ def level_envs(isa: str | None, only: str | None) -> tuple[dict, dict, str]:
     build = REPO / ".bench" / f"llama-cpp-{isa}"
     if only != "ours" and not (build / "llama_cpp").is_dir():
         raise SystemExit(f"{build} has no llama.cpp build: run scripts/setup-bench --isa {isa}")
-    ours = {"SPARSEINFER_ISA": "avx2"}  # avx-vnni: our AVX2 kernels (no AVX-VNNI level of ours yet)
+    ours = {"SPARSEINFER_ISA": {"avx2": "avx2", "avx-vnni": "avxvnni"}[isa]}
     path = os.pathsep.join(p for p in (str(build), BASE_ENV.get("PYTHONPATH", "")) if p)
     return ours, {"PYTHONPATH": path}, (f"CPU {cpu_name()}: both sides capped at {isa} (ours SPARSEINFER_ISA="
                                         f"{ours['SPARSEINFER_ISA']}, llama.cpp built by setup-bench --isa {isa})")

@@ -16,7 +16,7 @@ from tests.fixtures.tiny_gguf import write_tiny_llama
 REPO = Path(__file__).resolve().parent.parent
 
 
-ISA_LEVELS = ("generic", "avx2", "avx512vnni")  # the native kernels' instruction-set levels, lowest first
+ISA_LEVELS = ("generic", "avx2", "avxvnni", "avx512vnni")  # the native kernels' instruction-set levels, lowest first
 _RUNNABLE_ISAS: list[str] | None = None
 
 

@@ -72,7 +72,7 @@ def test_a_token_alone_equals_it_in_any_batch_and_on_every_isa(mats, t, cols):
     rows = rng.permutation(ROWS)[:21].astype(np.int32)
     default, seen = K.isa(), {}
     try:
-        for level in ("generic", "avx2", "avx512vnni"):
+        for level in ("generic", "avx2", "avxvnni", "avx512vnni"):
             if K.set_isa(level) != level:
                 continue
             for B in (1, 2, 9):

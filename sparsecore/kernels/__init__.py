@@ -54,7 +54,7 @@ R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 # level's tiles beat the file's rows, measured on the 1.1B shape's gate rows from DRAM, one token
 # and 4 (AVX2 on a Zen 4 forced to that level, time against the file layout's: Q4_0 0.49x / 0.45x,
 # Q4_1 0.52x / 0.48x, Q8_0 1.05x / 0.85x, Q4_K 0.57x / 0.41x, Q6_K 0.68x / 0.72x; docs/kernels.md)
-X16_BY_ISA = {"avx2": X16_TYPES, "avx512vnni": X16_TYPES}
+X16_BY_ISA = {"avx2": X16_TYPES, "avxvnni": X16_TYPES, "avx512vnni": X16_TYPES}
 
 
 def interleaving(tensor_type: int | None = None) -> bool:
@@ -66,24 +66,26 @@ def interleaving(tensor_type: int | None = None) -> bool:
 
 def blocked_rows() -> bool:
     """Whether rows picked by activity hold their blocks interleaved (FileMatrix.interleave_blocks,
-    R16) at this ISA level: with AVX2 or AVX-512 VNNI, whose kernels for them beat the file's rows."""
-    return isa() in ("avx2", "avx512vnni")
+    R16) at this ISA level: with AVX2 and above, whose kernels for them beat the file's rows."""
+    return isa() in ("avx2", "avxvnni", "avx512vnni")
 
 
 def isa() -> str:
     """The instruction set the kernels use on this CPU: "avx512vnni" (fast mode's integer dots
-    with AVX-512 VNNI, AVX2 for the rest), "avx2" or "generic"; import picks the best one."""
+    with AVX-512 VNNI, AVX2 for the rest), "avxvnni" (the interleaved layouts' integer sums with
+    256-bit vpdpbusd, AVX2 for the rest), "avx2" or "generic"; import picks the best one."""
     return _kernels.isa()
 
 
 def set_isa(name: str) -> str:
-    """Force "generic" (portable C), "avx2" or "avx512vnni", each where the CPU has it (else the
-    next one down); returns what is in use. Fast mode's results differ between ISA levels within
+    """Force "generic" (portable C), "avx2", "avxvnni" or "avx512vnni", each where the CPU has it
+    (else the next one down; "avxvnni" on an AVX-512 VNNI CPU runs its code EVEX-encoded: the
+    tests' way to that level); returns what is in use. Fast mode's results differ between ISA levels within
     rounding; on one level a token's result is the same alone and in any batch."""
     return _kernels.set_isa(name)
 
 
-# SPARSEINFER_ISA=generic|avx2|avx512vnni caps the level in every process of a run (workers
+# SPARSEINFER_ISA=generic|avx2|avxvnni|avx512vnni caps the level in every process of a run (workers
 # inherit it): to measure or test a lower level on a better CPU, as a user of that CPU gets it.
 if os.environ.get("SPARSEINFER_ISA"):
     set_isa(os.environ["SPARSEINFER_ISA"])

@@ -31,7 +31,7 @@
 #include "blocks_avx2.c"         /* the same with AVX2, one row and several tokens per row */
 #include "blocks_avx512.c"       /* fast mode's dots with AVX-512 VNNI (vnni_pack), Q4_0's axpy */
 #include "interleaved_generic.c" /* the repacked layouts X16 and R16: bytes, repacking, portable lanes, dequant, prefetch */
-#include "interleaved_avx2.c"    /* their AVX2 tiles and runs */
+#include "interleaved_256.c"     /* their 256-bit tiles and runs (interleaved_avx2.c): AVX2, AVX-VNNI */
 #include "interleaved_avx512.c"  /* their AVX-512 VNNI tiles and runs */
 #include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */

@@ -16,6 +16,9 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 /* AVX-512 with VNNI (vpdpbusd, EVEX): fast mode's integer dots (blocks_avx512.c) */
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+/* the 256-bit vpdpbusd levels (interleaved_256.c): VEX (AVX-VNNI), and EVEX on AVX-512 VNNI CPUs */
+#define AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define VNNI256 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #else
 #define HAVE_X86 0
 #endif
@@ -129,3 +132,7 @@ static inline mat shifted(mat m, int64_t r0) {
 
 static int use_avx2 = 0;
 static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
+/* the interleaved layouts' integer sums with 256-bit vpdpbusd (level "avxvnni", implies use_avx2):
+ * 1 VEX-encoded (CPUs with AVX-VNNI), 2 EVEX-encoded (CPUs with AVX-512 VNNI: the same code,
+ * tested there) */
+static int use_dp256 = 0;

@@ -1,5 +1,5 @@
 /* _kernels.c, part: the level dispatch: each product at the instruction-set level in use (use_avx2,
- * use_vnni), with the activations packed as that level's kernels read them. */
+ * use_dp256, use_vnni), with the activations packed as that level's kernels read them. */
 
 static void quantize_q8(const float *x, int n, q8blk *out) {
 #if HAVE_X86
@@ -71,7 +71,8 @@ static inline int64_t xp_ld_any(mat m, int n) {  /* one token's share of pack_x'
 #if HAVE_X86
 /* one R16 row times one token packed by pack_x, at the level in use */
 static inline float r16_dot(int t, const uint8_t *w, const xpair *x, int nb) {
-    return use_vnni ? r16_dot_vnni(t, w, x, nb) : r16_dot_avx2(t, w, x, nb);
+    return use_vnni ? r16_dot_vnni(t, w, x, nb) : use_dp256 == 1 ? r16_dot_avxvnni(t, w, x, nb)
+           : use_dp256 == 2 ? r16_dot_vnni256(t, w, x, nb) : r16_dot_avx2(t, w, x, nb);
 }
 #endif
 
@@ -148,6 +149,8 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
     }
 #if HAVE_X86
     if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
+    if (use_dp256 == 1) { x16_rows_avxvnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
+    if (use_dp256 == 2) { x16_rows_vnni256(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
     if (use_avx2) { x16_rows_avx2(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
 #endif
     x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy);
@@ -157,6 +160,8 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
 /* every picked R16 row of a step in one call, at the level in use (x: r16_pack's, pack_x) */
 static void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
     if (use_vnni) r16_rows_vnni(m, rows, start, n, x, nb, y);
+    else if (use_dp256 == 1) r16_rows_avxvnni(m, rows, start, n, x, nb, y);
+    else if (use_dp256 == 2) r16_rows_vnni256(m, rows, start, n, x, nb, y);
     else r16_rows_avx2(m, rows, start, n, x, nb, y);
 }
 #endif

@@ -1,31 +1,33 @@
-/* _kernels.c, part: the repacked layouts with AVX2: X16's tiles and R16's runs and rows.
- *
- * Fast mode on interleaved rows (X16, see interleave in interleaved_generic.c) with AVX2: the
- * VNNI tiles' lanes on 256-bit registers, for CPUs without AVX-512 (AMD Zen 2/3, Intel
- * 12th-14th gen).
- *
- * A group's value run j (64 bytes: 4 value bytes of each of 16 rows) is two registers: rows
- * 0-7 and rows 8-15 ("halves"). Without vpdpbusd, a lane's integer sum comes from maddubs
- * (unsigned weight byte times signed x byte, pairs summed in int16) and madd (int16 pairs
- * summed in int32). The int16 sums cannot overflow: a Q4 nibble pair is at most 2 * 15 * 127,
- * so a whole block's 8 maddubs add in int16 (30480) before one madd; Q6_K's pairs (2 * 63 * 127)
- * add two at a time; Q8_0's signed bytes go through the sign trick (|q| unsigned, x with q's
- * sign: 2 * 128 * 127), one madd each. The integer sums are exact, so every lane's floats are
- * x16_lane_c's and the VNNI tile's, operation for operation: a token gets the same result on
- * AVX2 as on AVX-512 VNNI and the portable path, alone or in any batch. */
+/* _kernels.c, part: the repacked layouts on 256-bit registers: X16's tiles and R16's runs and rows,
+ * for CPUs without AVX-512 (AMD Zen 2/3, Intel 12th-14th gen). Included once per 256-bit level
+ * by interleaved_256.c, which defines LV (the target attribute), NM(f) (f's name at that level)
+ * and how a lane's integer sums are formed:
+ *   AVX2 (DP256 0): maddubs (unsigned weight byte times signed x byte, pairs summed in int16)
+ *     and madd (int16 pairs summed in int32): ACC16 adds into int16 lanes, FIN16 widens. The
+ *     int16 sums cannot overflow: a Q4 nibble pair is at most 2 * 15 * 127, so a whole block's
+ *     8 maddubs add in int16 (30480) before one madd; Q6_K's pairs (2 * 63 * 127) add two at a
+ *     time; Q8_0's signed bytes go through the sign trick (|q| unsigned, x with q's sign:
+ *     2 * 128 * 127), one madd each.
+ *   AVX-VNNI (DP256 1): vpdpbusd on 256-bit registers (DPB: VEX-encoded on CPUs with AVX-VNNI,
+ *     EVEX on CPUs with AVX-512 VNNI, where the tests run it): ACC16 is one vpdpbusd into int32
+ *     lanes, FIN16 nothing; Q8_0 reads its stored q + 128 unsigned, as the 512-bit tile.
+ * A group's value run j (64 bytes: 4 value bytes of each of 16 rows) is two registers: rows 0-7
+ * and rows 8-15 ("halves"). The integer sums are exact, so every lane's floats are x16_lane_c's
+ * and the 512-bit tile's, operation for operation: a token gets the same result on every level,
+ * alone or in any batch. */
 
 #if HAVE_X86
-#define TILE_A 4 /* tokens per tile: 2 halves x 4 accumulators and a half's 8 value registers */
 
 /* sum over the 8 runs of one half: maddubs of each run's unsigned values with x's 4 bytes
  * (broadcast), added in int16, then the int16 pairs in int32 */
-AVX2 static INLINE __m256i a2_sum_u4(const __m256i *u, const int8_t *xq) {
-    __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(rd32(xq)));
-    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(rd32(xq + 4 * j))));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+LV static INLINE __m256i NM(a2_sum_u4)(const __m256i *u, const int8_t *xq) {
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) s = ACC16(s, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
+    return FIN16(s);
 }
+#if !DP256
 /* Q8_0: q signed (stored q + 128); aq = |q| (unsigned), q itself for the sign */
-AVX2 static INLINE __m256i a2_sum_q8(const __m256i *aq, const __m256i *q, const int8_t *xq) {
+LV static INLINE __m256i NM(a2_sum_q8)(const __m256i *aq, const __m256i *q, const int8_t *xq) {
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
         __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(rd32(xq + 4 * j)), q[j]);
@@ -33,8 +35,9 @@ AVX2 static INLINE __m256i a2_sum_q8(const __m256i *aq, const __m256i *q, const 
     }
     return s;
 }
+#endif
 /* the 8 lanes of acc (rows r0..r0+7) into y, the first nvalid - r0 of them */
-AVX2 static INLINE void a2_store(float *y, __m256 acc, int n) {
+LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
     if (n >= 8) { _mm256_storeu_ps(y, acc); return; }
     float t[8];
     _mm256_storeu_ps(t, acc);
@@ -42,7 +45,7 @@ AVX2 static INLINE void a2_store(float *y, __m256 acc, int n) {
 }
 
 /* Q4_0, Q4_1, Q8_0: per block and half, the values unpacked once for every token */
-AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
     const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0;
@@ -58,12 +61,19 @@ AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8b
             const uint8_t *v = g + hd + 32 * h;
             __m256i si[TILE_A];  /* each token's integer sums of the 8 rows */
             if (q8) {
-                __m256i u[8], q[8];
+                __m256i u[8];
+#if DP256  /* the stored q + 128 unsigned, as the 512-bit tile: its offset -128 (sum of x) */
+                for (int j = 0; j < 8; j++) u[j] = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
+                for (int b = 0; b < B; b++)
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u4)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+#else
+                __m256i q[8];
                 for (int j = 0; j < 8; j++) {
                     q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(v + 64 * j)), _mm256_set1_epi8((char)0x80));
                     u[j] = _mm256_abs_epi8(q[j]);
                 }
-                for (int b = 0; b < B; b++) si[b] = a2_sum_q8(u, q, xq[b * ldq + k].q);
+                for (int b = 0; b < B; b++) si[b] = NM(a2_sum_q8)(u, q, xq[b * ldq + k].q);
+#endif
             } else {  /* unpacked once for every token (loading a run per token measured slower) */
                 __m256i u[8];
                 for (int j = 0; j < 4; j++) {
@@ -72,7 +82,7 @@ AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8b
                     u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
                 }
                 for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(a2_sum_u4(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u4)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
             }
             for (int b = 0; b < B; b++) {
                 const q8blk *x = xq + b * ldq + k;
@@ -86,8 +96,8 @@ AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8b
         }
     }
     for (int b = 0; b < B; b++) {
-        a2_store(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
     }
 }
 
@@ -95,7 +105,7 @@ AVX2 static INLINE void x16_tile_avx2(int t, const uint8_t *g, int nb, const q8b
  * loaded once (its low nibbles sub-block 2p, high ones 2p + 1), both sub-blocks' sums built
  * token by token in int16; then per sub-block, in order, the rows' d sc and dmin m as floats
  * and the Q4_1-like float steps (the VNNI tile's order: sub-block 0, 1, .., 7 per token) */
-AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                           int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -114,10 +124,8 @@ AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk 
                     __m256i lo = _mm256_and_si256(z, m4), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
                     for (int b = 0; b < B; b++) {
                         const q8blk *x = x0 + b * ldq;
-                        __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(x[0].q + 4 * j)));
-                        __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(x[1].q + 4 * j)));
-                        s[0][b] = j ? _mm256_add_epi16(s[0][b], pl) : pl;
-                        s[1][b] = j ? _mm256_add_epi16(s[1][b], ph) : ph;
+                        s[0][b] = ACC16(j ? s[0][b] : _mm256_setzero_si256(), lo, _mm256_set1_epi32(rd32(x[0].q + 4 * j)));
+                        s[1][b] = ACC16(j ? s[1][b] : _mm256_setzero_si256(), hi, _mm256_set1_epi32(rd32(x[1].q + 4 * j)));
                     }
                 }
                 for (int e = 0; e < 2; e++) {
@@ -128,7 +136,7 @@ AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk 
                                                        _mm_loadl_epi64((const __m128i *)(g + Q4K_MN(sb) + 8 * h)))));
                     for (int b = 0; b < B; b++) {
                         const q8blk *x = x0 + b * ldq + e;
-                        __m256i si = _mm256_madd_epi16(s[e][b], _mm256_set1_epi16(1));
+                        __m256i si = FIN16(s[e][b]);
                         __m256 v2 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(si), dsc, _mm256_mul_ps(dmm, _mm256_set1_ps((float)x->s)));
                         acc[h][b] = _mm256_fmadd_ps(v2, _mm256_set1_ps(x->d), acc[h][b]);
                     }
@@ -137,18 +145,18 @@ AVX2 static INLINE void x16_tile_q4k_avx2(const uint8_t *g, int nb, const q8blk 
         }
     }
     for (int b = 0; b < B; b++) {
-        a2_store(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
     }
 }
 
 /* Q6_K (layout: interleave_q6k): per activation block and half, the two 16-value sub-blocks'
  * 6-bit values of 8 rows unpacked once for every token; per token two sums (maddubs pairs in
  * int16, then int32), the -32 offsets (hs), the int8 scales as 32-bit products */
-AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, const int32_t *hs,
+LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, const int32_t *hs,
                                           int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 16 * 210) {
@@ -175,12 +183,12 @@ AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk 
                     __m256i s[2];
                     for (int e = 0; e < 2; e++) {
                         const int8_t *xe = x->q + 16 * e;
-                        __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * e], _mm256_set1_epi32(rd32(xe))),
-                                                       _mm256_maddubs_epi16(u[4 * e + 1], _mm256_set1_epi32(rd32(xe + 4))));
-                        __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * e + 2], _mm256_set1_epi32(rd32(xe + 8))),
-                                                       _mm256_maddubs_epi16(u[4 * e + 3], _mm256_set1_epi32(rd32(xe + 12))));
-                        s[e] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p01, one), _mm256_madd_epi16(p23, one)),
-                                                _mm256_set1_epi32(-32 * hb[e]));
+                        /* two pairs at a time in int16: 2 x 2 x 63 x 127 fits */
+                        __m256i p01 = ACC16(ACC16(_mm256_setzero_si256(), u[4 * e], _mm256_set1_epi32(rd32(xe))),
+                                            u[4 * e + 1], _mm256_set1_epi32(rd32(xe + 4)));
+                        __m256i p23 = ACC16(ACC16(_mm256_setzero_si256(), u[4 * e + 2], _mm256_set1_epi32(rd32(xe + 8))),
+                                            u[4 * e + 3], _mm256_set1_epi32(rd32(xe + 12)));
+                        s[e] = _mm256_add_epi32(_mm256_add_epi32(FIN16(p01), FIN16(p23)), _mm256_set1_epi32(-32 * hb[e]));
                     }
                     __m256i si = _mm256_add_epi32(_mm256_mullo_epi32(s[0], sc[0]), _mm256_mullo_epi32(s[1], sc[1]));
                     acc[h][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[h][b]);
@@ -189,8 +197,8 @@ AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk 
         }
     }
     for (int b = 0; b < B; b++) {
-        a2_store(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) a2_store(y + b * ldy + 8, acc[1][b], nvalid - 8);
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
     }
 }
 
@@ -201,14 +209,14 @@ AVX2 static INLINE void x16_tile_q6k_avx2(const uint8_t *g, int nb, const q8blk 
     case 2: CALL(2); break;   \
     default: CALL(1);         \
     }
-#define Q4_0_TILE_A(n) x16_tile_avx2(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q4_1_TILE_A(n) x16_tile_avx2(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q8_0_TILE_A(n) x16_tile_avx2(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q4_K_TILE_A(n) x16_tile_q4k_avx2(g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q6_K_TILE_A(n) x16_tile_q6k_avx2(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+#define Q4_0_TILE_A(n) NM(x16_tile)(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE_A(n) NM(x16_tile)(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE_A(n) NM(x16_tile)(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_K_TILE_A(n) NM(x16_tile_q4k)(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q6_K_TILE_A(n) NM(x16_tile_q6k)(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
 /* x16_rows_vnni's contract on AVX2 */
-AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
+LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
                                int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
     for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
         int nv = n_rows - r < 16 ? (int)(n_rows - r) : 16;
@@ -236,7 +244,7 @@ AVX2 static void x16_rows_avx2(int t, const uint8_t *g, int64_t gstride, int64_t
  * maddubs against x's packed values (r16_pack), added in int16, one madd, the offsets, one
  * conversion and one scaled accumulation for 8 blocks. A row's short last run (L < 16 blocks) is
  * read through masked loads, its scales from a zero-padded copy: lanes past L add 0, as there. */
-AVX2 static INLINE void r16_run_avx2(const int t, const uint8_t *w, const int L, const xpair *x, __m256 *acc) {
+LV static INLINE void NM(r16_run)(const int t, const uint8_t *w, const int L, const xpair *x, __m256 *acc) {
     const int q41 = t == T_Q4_1, q8 = t == T_Q8_0, hd = run_head(t, L);
     const __m256i m4 = _mm256_set1_epi8(15);
     uint16_t pad[32];
@@ -256,19 +264,24 @@ AVX2 static INLINE void r16_run_avx2(const int t, const uint8_t *w, const int L,
         __m256i s;
         if (q8) {
             s = _mm256_setzero_si256();
+#if DP256  /* the stored q + 128 unsigned, plus the pack's offset -128 (sum of x) */
+            for (int j = 0; j < 8; j++) s = DPB(s, RUN(j), XR(j));
+            s = _mm256_add_epi32(s, XR(8));
+#else
             for (int j = 0; j < 8; j++) {
                 __m256i q = _mm256_xor_si256(RUN(j), _mm256_set1_epi8((char)0x80));
                 __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(XR(j), q));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
             }
+#endif
         } else {
             __m256i s16 = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
                 __m256i z = RUN(j);
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(z, m4), XR(j)));
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z, 4), m4), XR(4 + j)));
+                s16 = ACC16(s16, _mm256_and_si256(z, m4), XR(j));
+                s16 = ACC16(s16, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4), XR(4 + j));
             }
-            s = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+            s = FIN16(s16);
             if (!q41) s = _mm256_add_epi32(s, XR(8));
         }
 #undef RUN
@@ -286,32 +299,32 @@ AVX2 static INLINE void r16_run_avx2(const int t, const uint8_t *w, const int L,
 }
 
 /* one R16 row (nb blocks) times one token packed by r16_pack: hsum16's order (r16_dot_c) */
-AVX2 static INLINE float r16_row_avx2(const int t, const uint8_t *w, int nb, const xpair *x) {
+LV static INLINE float NM(r16_row)(const int t, const uint8_t *w, int nb, const xpair *x) {
     const int gb = 16 * type_bytes(t);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int c = 0;
-    for (; c + 16 <= nb; c += 16, w += gb, x += 10) r16_run_avx2(t, w, 16, x, acc);
-    if (c < nb) r16_run_avx2(t, w, nb - c, x, acc);
+    for (; c + 16 <= nb; c += 16, w += gb, x += 10) NM(r16_run)(t, w, 16, x, acc);
+    if (c < nb) NM(r16_run)(t, w, nb - c, x, acc);
     return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
-AVX2 static float r16_dot_avx2(int t, const uint8_t *w, const xpair *x, int nb) {
-    return t == T_Q4_0 ? r16_row_avx2(T_Q4_0, w, nb, x)
-           : t == T_Q4_1 ? r16_row_avx2(T_Q4_1, w, nb, x) : r16_row_avx2(T_Q8_0, w, nb, x);
+LV static float NM(r16_dot)(int t, const uint8_t *w, const xpair *x, int nb) {
+    return t == T_Q4_0 ? NM(r16_row)(T_Q4_0, w, nb, x)
+           : t == T_Q4_1 ? NM(r16_row)(T_Q4_1, w, nb, x) : NM(r16_row)(T_Q8_0, w, nb, x);
 }
 
 /* y[i] = row (rows[i], else start + i) . x for i < n: r16_rows_vnni's contract, its L2 cursor */
-AVX2 static INLINE void r16_rows_avx2_t(const int t, mat m, const int32_t *rows, int64_t start, int64_t n,
+LV static INLINE void NM(r16_rows_t)(const int t, mat m, const int32_t *rows, int64_t start, int64_t n,
                                         const xpair *x, int nb, float *y) {
     r16_cursor cur = r16_cursor_at(m, rows, start, n, nb);
     for (int64_t i = 0; i < n; i++) {
         for (int c = 0; c < cur.nc; c++) r16_fetch(&cur);
-        y[i] = r16_row_avx2(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x);
+        y[i] = NM(r16_row)(t, row_at(m, rows ? rows[i] : start + i, 0), nb, x);
     }
 }
-AVX2 static void r16_rows_avx2(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
-    if (m.t == T_Q4_0) r16_rows_avx2_t(T_Q4_0, m, rows, start, n, x, nb, y);
-    else if (m.t == T_Q4_1) r16_rows_avx2_t(T_Q4_1, m, rows, start, n, x, nb, y);
-    else r16_rows_avx2_t(T_Q8_0, m, rows, start, n, x, nb, y);
+LV static void NM(r16_rows)(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
+    if (m.t == T_Q4_0) NM(r16_rows_t)(T_Q4_0, m, rows, start, n, x, nb, y);
+    else if (m.t == T_Q4_1) NM(r16_rows_t)(T_Q4_1, m, rows, start, n, x, nb, y);
+    else NM(r16_rows_t)(T_Q8_0, m, rows, start, n, x, nb, y);
 }
 #endif

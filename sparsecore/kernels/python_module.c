@@ -210,7 +210,7 @@ static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 1); }
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
-    return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_avx2 ? "avx2" : "generic");
+    return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_dp256 ? "avxvnni" : use_avx2 ? "avx2" : "generic");
 }
 
 #if HAVE_X86
@@ -222,16 +222,24 @@ static int cpu_vnni(void) {  /* everything the VNNI target attribute enables */
     return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 }
+/* the 256-bit vpdpbusd of level "avxvnni": 1 VEX (AVX-VNNI), 2 its EVEX form (AVX-512 VNNI CPUs), 0 none */
+static int cpu_dp256(void) {
+    if (cpu_avx2() && __builtin_cpu_supports("avxvnni")) return 1;
+    return cpu_vnni() ? 2 : 0;
+}
 #endif
 
-/* "avx512vnni" (fast mode's integer dots with VNNI, AVX2 elsewhere), "avx2" or "generic" (the
- * portable path), each where the CPU has it, else the next one down */
+/* "avx512vnni" (fast mode's integer dots with VNNI, AVX2 elsewhere), "avxvnni" (the interleaved
+ * layouts' sums with 256-bit vpdpbusd, AVX2 elsewhere), "avx2" or "generic" (the portable path),
+ * each where the CPU has it, else the next one down */
 static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     const char *s = PyUnicode_AsUTF8(arg);
     if (!s) return NULL;
 #if HAVE_X86
-    use_vnni = strcmp(s, "avx512vnni") == 0 && cpu_vnni();
-    use_avx2 = (use_vnni || strcmp(s, "avx2") == 0 || strcmp(s, "avx512vnni") == 0) && cpu_avx2();
+    int vnni = strcmp(s, "avx512vnni") == 0, dp = vnni || strcmp(s, "avxvnni") == 0;
+    use_vnni = vnni && cpu_vnni();
+    use_dp256 = !use_vnni && dp ? cpu_dp256() : 0;
+    use_avx2 = (dp || strcmp(s, "avx2") == 0) && cpu_avx2();
 #endif
     return py_isa(self, NULL);
 }
@@ -358,7 +366,7 @@ static PyMethodDef methods[] = {
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
-    {"set_isa", py_set_isa, METH_O, "use 'avx512vnni' or 'avx2' (where supported) or 'generic'"},
+    {"set_isa", py_set_isa, METH_O, "use 'avx512vnni', 'avxvnni' or 'avx2' (where supported) or 'generic'"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
@@ -367,6 +375,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if HAVE_X86
     use_avx2 = cpu_avx2();
     use_vnni = cpu_vnni();
+    use_dp256 = !use_vnni && cpu_dp256() == 1;  /* the best level: AVX-VNNI's own encoding only */
 #endif
     return PyModule_Create(&module);
 }
