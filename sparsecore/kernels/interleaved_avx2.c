@@ -18,8 +18,8 @@
 
 #if HAVE_X86
 
-/* sum over the 8 runs of one half: maddubs of each run's unsigned values with x's 4 bytes
- * (broadcast), added in int16, then the int16 pairs in int32 */
+/* sum over the 8 runs of one half: each run's unsigned values times x's 4 bytes (broadcast),
+ * ACC16 / FIN16 as the level forms them (maddubs in int16, then madd; or vpdpbusd) */
 LV static INLINE __m256i NM(a2_sum_u4)(const __m256i *u, const int8_t *xq) {
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) s = ACC16(s, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
