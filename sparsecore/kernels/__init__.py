@@ -50,24 +50,22 @@ X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
-# Types whose rows interleave 16 by 16 (FileMatrix.interleave) at each ISA level: where the
-# level's tiles beat the file's rows, measured on the 1.1B shape's gate rows from DRAM, one token
-# and 4 (AVX2 on a Zen 4 forced to that level, time against the file layout's: Q4_0 0.49x / 0.45x,
-# Q4_1 0.52x / 0.48x, Q8_0 1.05x / 0.85x, Q4_K 0.57x / 0.41x, Q6_K 0.68x / 0.72x; docs/kernels.md)
-X16_BY_ISA = {"avx2": X16_TYPES, "avxvnni": X16_TYPES, "avx512vnni": X16_TYPES}
+# The levels with SIMD kernels for the interleaved layouts (X16 and R16), where they beat the
+# file's rows for every type that has them (measurements per level and type: docs/kernels.md);
+# the portable loops are slower than the file's rows.
+SIMD_LEVELS = ("avx2", "avxvnni", "avx512vnni")
 
 
 def interleaving(tensor_type: int | None = None) -> bool:
     """Whether fast mode holds rows interleaved 16 by 16 (FileMatrix.interleave) at this ISA
-    level: any type (None) or `tensor_type`'s. The portable loop is slower than the file's rows."""
-    kinds = X16_BY_ISA.get(isa(), ())
-    return bool(kinds) if tensor_type is None else int(tensor_type) in kinds
+    level: any X16 type (None) or `tensor_type`."""
+    return isa() in SIMD_LEVELS and (tensor_type is None or int(tensor_type) in X16_TYPES)
 
 
 def blocked_rows() -> bool:
     """Whether rows picked by activity hold their blocks interleaved (FileMatrix.interleave_blocks,
-    R16) at this ISA level: with AVX2 and above, whose kernels for them beat the file's rows."""
-    return isa() in ("avx2", "avxvnni", "avx512vnni")
+    R16) at this ISA level."""
+    return isa() in SIMD_LEVELS
 
 
 def isa() -> str:
