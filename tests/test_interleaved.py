@@ -265,12 +265,30 @@ def test_interleaved_ffn_refuses_sparse_steps(ffn):
 # ---- an engine that decodes densely in fast mode holds its rows interleaved ---------------------
 
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K"])
-def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory, tmp_path, tensor_type, no_leaks):
+def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory, tmp_path, tensor_type, no_leaks,
+                                                             monkeypatch):
     """Coordinator and worker hold down interleaved, and gate too (dense and threshold steps
     read every gate row); up as well where the engine only decodes densely. The logits are
     the file layout's up to float order, prompt and decoded tokens; threshold steps run on
     interleaved gate rows and give the file layout's; a sparse step asked of a dense-only
     engine is refused in one clear line, and so are predictors where gate is interleaved."""
+    from tests.conftest import runnable_isas
+
+    # the engine's processes at the best SIMD level the CPU has, whatever the run's cap
+    # (SPARSEINFER_ISA=generic tests the portable loops; this test needs interleaved tiles)
+    simd = [level for level in runnable_isas() if level in K.SIMD_LEVELS]
+    if not simd:
+        pytest.skip("not an x86 CPU with AVX2: no level with interleaved tiles")
+    default = K.isa()
+    monkeypatch.setenv("SPARSEINFER_ISA", simd[-1])
+    K.set_isa(simd[-1])
+    try:
+        _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type)
+    finally:
+        K.set_isa(default)
+
+
+def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     import shutil
 
     from coordinator.engine import Engine, EngineOptions
@@ -279,8 +297,6 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
     from coordinator.tools.calibrate import calibrate
     from sparsecore.shard import FileLayer
 
-    if not K.interleaving():
-        pytest.skip("this CPU has no SIMD level with interleaved tiles (AVX2 or AVX-512 VNNI)")
     path = tmp_path / "m.gguf"  # its own copy: the thresholds file goes beside it
     shutil.copy(tiny_model_factory(tensor_type=tensor_type), path)
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf")) as eng:
