@@ -3,6 +3,7 @@
     python scripts/make_bench_model.py --shape 1.1b --type q4_0 -o /tmp/bench-1.1b-q4_0.gguf
     python scripts/make_bench_model.py --shape 7b --type q4_k_m -o /tmp/bench-7b-q4_k_m.gguf
     python scripts/make_bench_model.py --shape 1.1b --type q4_0 --relu --active 0.1 -o /tmp/b.pwri.gguf
+    python scripts/make_bench_model.py --shape 1.1b --type q3_k_m   # by llama.cpp's quantizer
 
 Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
 (Llama-2 7B); --hidden/--ff/--layers/--heads/--kv-heads override any of them. The vocabulary
@@ -20,6 +21,14 @@ Types follow what llama.cpp's quantizer (llama_tensor_get_type) gives each tenso
           Q4_K -> Q5_0, Q6_K -> Q8_0.
 Norms are F32. Q4_0/Q8_0/Q5_0 are quantized by gguf-py; Q4_K/Q6_K by the round-to-nearest
 numpy quantizers of tests/fixtures/tiny_gguf.py (tested there against gguf-py's dequantizer).
+
+Every other llama.cpp file type (q2_k, q3_k_m, q5_1, iq4_xs, iq3_m, tq1_0, ...: LLAMA_TYPES) is
+made as llama.cpp's own users get it: this script writes the f16 file of the same weights, and
+llama.cpp's quantizer (llama_model_quantize, from llama-cpp-python: scripts/setup-bench installs
+it) turns it into the type, choosing each tensor's type by its own rules; the f16 file is
+deleted. `--quantizer llama` does the same for the four types above. The i-quants of 1 and 2
+bits (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s; also q2_k_s) need an importance matrix llama.cpp's
+quantizer computes from text (llama-imatrix), which random weights have no use for: refused.
 
 Weights: standard normal / sqrt(fan_in), attn_output and ffn_down also / sqrt(2 * layers) so
 the residual stream stays O(1); norms 1; embeddings standard normal. Written tensor by tensor
@@ -64,6 +73,12 @@ SHAPES = {
 }
 FILE_TYPES = {"f16": FT.MOSTLY_F16, "q8_0": FT.MOSTLY_Q8_0, "q4_0": FT.MOSTLY_Q4_0,
               "q4_k_m": FT.MOSTLY_Q4_K_M}
+# llama.cpp's file types (llama_cpp.LLAMA_FTYPE_MOSTLY_<NAME>) made by its quantizer from an f16 file
+LLAMA_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s",
+               "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m", "iq4_nl",
+               "iq4_xs", "tq1_0", "tq2_0", "bf16")
+# the types llama.cpp's quantizer refuses to make without an importance matrix
+NEEDS_IMATRIX = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "q2_k_s")
 # llama.cpp's fallback when a row is not a multiple of a K-quant's 256 (llama-quant.cpp)
 K_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}
 PWRI_MAGIC = b"PWRI"
@@ -237,7 +252,55 @@ def copy_tokenizer(w: gguf.GGUFWriter, src: Path) -> int:
     return n_vocab
 
 
+def llama_quantize(src: Path, out: Path, ftype: str, threads: int) -> None:
+    """llama.cpp's quantizer (llama-cpp-python's binding) from the f16 file `src` to `out`."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(f"--type {ftype} is made by llama.cpp's quantizer: install llama-cpp-python "
+                         f"(scripts/setup-bench)") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp's quantizer failed to make {ftype} from {src}")
+
+
 def write_model(a) -> Path:
+    if a.quantizer == "llama":
+        return write_by_llama(a)
+    return write_own(a)
+
+
+def write_by_llama(a) -> Path:
+    """The f16 file of the same weights, quantized to a.type by llama.cpp (the f16 file removed)."""
+    t0 = time.perf_counter()
+    out = Path(a.output)
+    f16 = out.with_name(out.name + ".f16.tmp")
+    own = argparse.Namespace(**{**vars(a), "type": "f16", "output": str(f16), "quiet": True})
+    try:
+        write_own(own, report=False)
+        llama_quantize(f16, out, a.type, a.threads)
+    finally:
+        f16.unlink(missing_ok=True)
+    a.vocab = own.vocab
+    from sparsecore.gguf_file import open_gguf
+    counts: dict[str, int] = {}
+    for t in open_gguf(out).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    print_summary(a, out, counts, sum(counts.values()), t0, "by llama.cpp's quantizer")
+    return out
+
+
+def print_summary(a, out: Path, counts: dict, n: int, t0: float, how: str = "") -> None:
+    size = out.stat().st_size
+    print(f"wrote {out}: {size / 1e9:.3f} GB ({size} bytes), {n} tensors "
+          f"({', '.join(f'{k} {c}' for k, c in sorted(counts.items()))}), "
+          f"{a.n_layers} layers, hidden {a.hidden}, ff {a.n_ff}, heads {a.n_heads}/{a.n_kv_heads}, "
+          f"vocab {a.vocab}, {how + ', ' if how else ''}in {time.perf_counter() - t0:.1f} s")
+
+
+def write_own(a, report: bool = True) -> Path:
     t0 = time.perf_counter()
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -277,11 +340,8 @@ def write_model(a) -> Path:
     if a.relu:
         with open(out, "r+b") as f:
             f.write(PWRI_MAGIC)
-    size = out.stat().st_size
-    print(f"wrote {out}: {size / 1e9:.3f} GB ({size} bytes), {len(specs)} tensors "
-          f"({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}), "
-          f"{a.n_layers} layers, hidden {a.hidden}, ff {a.n_ff}, heads {a.n_heads}/{a.n_kv_heads}, "
-          f"vocab {a.vocab}, in {time.perf_counter() - t0:.1f} s")
+    if report:
+        print_summary(a, out, counts, len(specs), t0)
     return out
 
 
@@ -289,7 +349,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shape", choices=list(SHAPES), default="1.1b")
-    ap.add_argument("--type", choices=list(FILE_TYPES), default="q4_0")
+    ap.add_argument("--type", choices=sorted(set(FILE_TYPES) | set(LLAMA_TYPES) | set(NEEDS_IMATRIX)), default="q4_0",
+                    metavar="TYPE", help="f16, q8_0, q4_0, q4_k_m (written here), or any llama.cpp file type "
+                    "(made by its quantizer): " + ", ".join(t for t in LLAMA_TYPES if t not in FILE_TYPES))
+    ap.add_argument("--quantizer", choices=["own", "llama"],
+                    help="who quantizes: this script (f16, q8_0, q4_0, q4_k_m: the default) or llama.cpp "
+                    "(every other type)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's quantizer threads")
     ap.add_argument("-o", "--output", help="default: ~/.cache/sparseinfer/models/bench-SHAPE-TYPE[-relu].gguf")
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--ff", dest="n_ff", type=int)
@@ -310,6 +376,16 @@ def parse_args(argv=None):
             setattr(a, k, v)
     if a.hidden % a.n_heads or a.n_heads % a.n_kv_heads or (a.hidden // a.n_heads) % 2:
         ap.error(f"hidden {a.hidden}, heads {a.n_heads}, kv heads {a.n_kv_heads} do not divide (even head_dim)")
+    if a.type in NEEDS_IMATRIX:
+        ap.error(f"--type {a.type}: llama.cpp's quantizer makes it only with an importance matrix from "
+                 f"text (llama-imatrix), which random weights have no use for")
+    if a.quantizer is None:
+        a.quantizer = "own" if a.type in FILE_TYPES else "llama"
+    if a.quantizer == "own" and a.type not in FILE_TYPES:
+        ap.error(f"--type {a.type} is made by llama.cpp's quantizer only (--quantizer llama)")
+    if a.quantizer == "llama" and a.relu:
+        ap.error("--relu writes PowerInfer's layout, which llama.cpp's quantizer does not know: "
+                 f"use --type {' / '.join(FILE_TYPES)}")
     if a.rank is None:
         a.rank = max(32, a.hidden // 4 // 32 * 32)
     if a.relu and (a.rank % 32 or not 0 < a.active < 1):

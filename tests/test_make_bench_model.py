@@ -136,3 +136,23 @@ def test_engine_decodes_relu_file_with_its_predictors(pwri, no_leaks):
     # prefill is dense; decode computes exactly the predicted neurons
     decoded = [(active[layer] - len(ids) * args.n_ff) / ((n - 1) * args.n_ff) for layer in range(args.n_layers)]
     assert abs(float(np.mean(decoded)) - ACTIVE) < ACTIVE_TOL, decoded
+
+
+def test_types_that_need_an_importance_matrix_are_refused_in_one_line(tmp_path, tok_src):
+    r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--type", "iq2_xs", "-o", str(tmp_path / "x.gguf")],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "importance matrix" in r.stderr.splitlines()[-1]
+    assert not (tmp_path / "x.gguf").exists()
+    with pytest.raises(SystemExit):  # our writer does not make llama.cpp's other types itself
+        mbm.parse_args([*TINY, "--type", "q3_k_m", "--quantizer", "own"])
+    assert mbm.parse_args([*TINY, "--type", "q3_k_m"]).quantizer == "llama"
+    assert mbm.parse_args([*TINY, "--type", "q4_0"]).quantizer == "own"
+
+
+def test_llama_cpp_types_are_made_by_its_quantizer_and_load(tmp_path, tok_src):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (scripts/setup-bench) makes these files")
+    path, _ = _make(tmp_path, tok_src, "q3km.gguf", "--type", "q3_k_m")
+    types = set(_types(path).values())
+    assert QT.Q3_K in types and not (tmp_path / "q3km.gguf.f16.tmp").exists()
+    with Engine(path, EngineOptions(**OPTS)) as eng:
+        assert len(list(eng.generate([1, 2, 3], 3, stop_at_eos=False))) == 3
