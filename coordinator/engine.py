@@ -26,11 +26,12 @@ from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
 from sparsecore.shard import FileLayer
-from sparsecore.tensors import EXACT_CONVERSIONS, TensorStore
+from sparsecore.tensors import TensorStore, conversion_notes
 
 from .attention_split import SplitAttention
 from .chat_template import chat_template_from_reader, render_chat
 from .lockstep_decode import LockstepDecode
+from .memory_plan import fit_hints, plan_memory
 from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
@@ -123,7 +124,11 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 class Engine:
     """Load a model, plan where its neurons go, start the workers, and run the token loop."""
 
-    def __init__(self, model_path: str | os.PathLike, opts: EngineOptions | None = None, launcher=None):
+    def __init__(self, model_path: str | os.PathLike, opts: EngineOptions | None = None, launcher=None,
+                 plan_only: bool = False):
+        """plan_only: stop once the placement and the memory plan (self.memory) are made, before
+        the check that refuses a plan that does not fit and before any process or cache exists
+        (`sparseinfer info`)."""
         self.opts = opts = opts or EngineOptions()
         if opts.weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {opts.weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -138,16 +143,8 @@ class Engine:
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
             wanted = set(required_tensors(cfg) + down_t)
-            types = {t.tensor_type for t in reader.tensors if t.name in wanted and len(t.shape) > 1
-                     and not supports(t.tensor_type)}
-            exact = sorted(f"{t.name} as {EXACT_CONVERSIONS[t][0].name}" for t in types if t in EXACT_CONVERSIONS)
-            slow = sorted(t.name for t in types if t not in EXACT_CONVERSIONS)
-            if exact:
-                print(f"note: {self.path.name}: no native kernel for {', '.join(exact)}: converted once at load, "
-                      f"same values", file=sys.stderr)
-            if slow:
-                print(f"note: {self.path.name}: {', '.join(slow)} tensors have no native kernel; "
-                      f"converted to float32 once at load", file=sys.stderr)
+            for line in conversion_notes(self.path, [t for t in reader.tensors if t.name in wanted]):
+                print(line, file=sys.stderr)
         try:
             self.tokenizer = GGUFTokenizer.from_reader(reader)
         except ValueError as e:
@@ -167,8 +164,15 @@ class Engine:
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
         max_ctx = min(opts.ctx, cfg.context_length)
         attn_heads = self._split_heads(store)
-        self.kv_pool = (KvPool.create(KvShape(max(1, opts.kv_caches), cfg.n_layers, cfg.n_kv_heads, max_ctx,
-                                              cfg.head_dim, cfg.rope_dim)) if attn_heads else None)
+        kv_shape = KvShape(max(1, opts.kv_caches) if attn_heads else 1, cfg.n_layers, cfg.n_kv_heads, max_ctx,
+                           cfg.head_dim, cfg.rope_dim)
+        self.memory = self._plan_memory(store, down_t, predictors, kv_shape)
+        if plan_only:
+            return
+        notice = self.memory.check(self.path, fit_hints(self.memory, kv_shape, max_ctx, self.memory.processes - 1))
+        if notice:
+            print(notice, file=sys.stderr)
+        self.kv_pool = KvPool.create(kv_shape) if attn_heads else None
         try:
             self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, per_worker,
                                    opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
@@ -260,6 +264,19 @@ class Engine:
             n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]
             head_rows = split_vocabulary(plan, n_vocab, opts.max_batch * cfg.hidden)
         return plan, source, head_rows, per_worker, total
+
+    def _plan_memory(self, store: TensorStore, down_t: list[str], predictors, kv_shape):
+        """What this run will hold (coordinator/memory_plan.py), before any worker starts."""
+        opts, cfg = self.opts, self.cfg
+        names = required_tensors(cfg) + [n for n in down_t if store.has(n)]
+        if predictors is not None and predictors.in_file and Path(predictors.path) == self.path:
+            names += [f"blk.{i}.{n}.weight" for i in range(cfg.n_layers) for n in ("fc1", "fc2")]
+        # the worker processes WorkerPool.spawn starts: those with neurons (a GPU worker without CUDA has none)
+        workers = [s for s in self.plan.shards if s.role != "coordinator" and any(len(n) for n in s.neurons)]
+        ffn = sum(any(len(n) for n in s.neurons) for s in self.plan.shards)
+        return plan_memory(store, cfg, names, fast=opts.fast, weights=opts.weights, row_layout=self.row_layout,
+                           sparse=opts.sparsity is not None or predictors is not None, n_workers=len(workers),
+                           ffn_processes=ffn, kv_shape=kv_shape)
 
     def _split_heads(self, store: TensorStore) -> dict[int, tuple[int, int]]:
         """KV heads per CPU worker slot and the coordinator's (key -1) for decoded tokens'

@@ -22,14 +22,13 @@ from .gguf_check import check_layout, skip_metadata_value
 GGUF_MAGIC = b"GGUF"
 PWRI_MAGIC = b"PWRI"  # PowerInfer writes this magic; the layout after it is plain GGUF
 
-# Types we dequantize through gguf.quants and have tests for.
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
-    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
-}
+# Types a run can take: every type gguf-py dequantizes (the float ones and every quantized block
+# type it knows). Those without a native kernel are converted at load into one that has
+# (sparsecore.tensors.conversion); the rest (I8..F64, Q1_0, ...) are refused up front in one line.
+SUPPORTED_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16} | {
+    t for t in GGMLQuantizationType if t.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                                                   "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                                   "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")}
 
 
 class _Truncated(Exception):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
 
 from .errors import ModelFileError
 from .gguf_file import SUPPORTED_TYPES, field_value
@@ -48,6 +49,55 @@ def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
 
 # Types with no native kernel that convert exactly into one that has (see TensorStore.info).
 EXACT_CONVERSIONS = {GGMLQuantizationType.Q5_0: (GGMLQuantizationType.Q8_0, q5_0_as_q8_0)}
+CONVERT_ROWS = 1024  # rows dequantized at a time by requantize: a few MB of float32 scratch
+
+
+def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantizationType) -> np.ndarray:
+    """Rows of `src` blocks (rows, bytes) dequantized by gguf-py and quantized to `dst` by
+    gguf-py, a chunk of rows at a time (never the whole matrix in float32)."""
+    rows = raw.shape[0]
+    cols = raw.shape[1] // GGML_QUANT_SIZES[src][1] * GGML_QUANT_SIZES[src][0]
+    out = np.empty((rows, cols // GGML_QUANT_SIZES[dst][0] * GGML_QUANT_SIZES[dst][1]), np.uint8)
+    for r in range(0, rows, CONVERT_ROWS):
+        part = dequantize(raw[r:r + CONVERT_ROWS], src).astype(np.float32, copy=False).reshape(-1, cols)
+        out[r:r + CONVERT_ROWS] = quantize(part, dst).reshape(len(part), -1)
+    return out
+
+
+def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
+    """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
+    read, else None. Q5_0 converts exactly (EXACT_CONVERSIONS); every other one is requantized
+    to the nearest native type of at most 8 bits that keeps its precision: Q5_0 (5.5 bits per
+    weight, if native) for the types of at most 4, else Q8_0 (8.5). Never float32."""
+    from .kernels import supports
+
+    tt = t.tensor_type
+    if supports(tt) or len(t.shape) != 2 or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                                   GGMLQuantizationType.BF16):
+        return None
+    if tt in EXACT_CONVERSIONS:
+        return EXACT_CONVERSIONS[tt]
+    block, size = GGML_QUANT_SIZES[tt]
+    q5 = GGMLQuantizationType.Q5_0
+    dst = q5 if 8 * size / block <= 4.0 and supports(q5) else GGMLQuantizationType.Q8_0
+    return dst, lambda raw, src=tt, dst=dst: requantize(raw, src, dst)
+
+
+def conversion_notes(path: Path, tensors) -> list[str]:
+    """One line per type in `tensors` the kernels cannot read: how many, their size in the file
+    and converted (conversion), and whether the values stay the same."""
+    by_type: dict = {}
+    for t in tensors:
+        conv = conversion(t)
+        if conv is None:
+            continue
+        block, size = GGML_QUANT_SIZES[conv[0]]
+        n, have, new = by_type.get((t.tensor_type, conv[0]), (0, 0, 0))
+        by_type[(t.tensor_type, conv[0])] = (n + 1, have + int(t.n_bytes), new + int(t.n_elements) // block * size)
+    return [f"note: {Path(path).name}: {n} {src.name} tensor{'s' if n > 1 else ''} ({have / 1e9:.3f} GB) have no "
+            f"native kernel: converted once at load to {dst.name} ({new / 1e9:.3f} GB"
+            f"{', the same values' if src in EXACT_CONVERSIONS else ', requantized'})"
+            for (src, dst), (n, have, new) in sorted(by_type.items(), key=lambda kv: kv[0][0].value)]
 
 
 def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
@@ -91,11 +141,19 @@ class TensorStore:
         self.by_name.update(fused_aliases(reader, self.by_name))
         self.converted: dict = {}
 
+    def conversion(self, t) -> tuple[GGMLQuantizationType, int] | None:
+        """(type, bytes) t takes once converted at load (conversion), or None: read as it is."""
+        conv = conversion(t)
+        if conv is None:
+            return None
+        block, size = GGML_QUANT_SIZES[conv[0]]
+        return conv[0], int(t.n_elements) // block * size
+
     def _native(self, t):
-        """t, or for a type in EXACT_CONVERSIONS (Q5_0, common in K-quant files) the same values
-        in a block type the kernels read, converted once here in memory."""
-        conv = EXACT_CONVERSIONS.get(t.tensor_type)
-        if conv is None or len(t.shape) != 2:
+        """t, or for a type the kernels cannot read (conversion: Q5_0 exactly, the i-quants and
+        others requantized) the values in a block type they read, converted once here in memory."""
+        conv = conversion(t)
+        if conv is None:
             return t
         if t.name not in self.converted:
             new_type, fn = conv
@@ -107,18 +165,23 @@ class TensorStore:
     def has(self, name: str) -> bool:
         return name in self.by_name
 
-    def info(self, name: str):
+    def raw(self, name: str):
+        """The tensor as the file holds it (its own type)."""
         t = self.by_name.get(name)
         if t is None:
             raise ModelFileError(f"{self.path}: tensor {name} is missing")
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelFileError(
                 f"{self.path}: tensor {name} has type {t.tensor_type.name}, which sparseinfer does not support")
-        return self._native(t)
+        return t
+
+    def info(self, name: str):
+        """The tensor as the native kernels read it: the file's, or converted (conversion)."""
+        return self._native(self.raw(name))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy order (rows, cols) — GGUF lists dimensions the other way round."""
-        return tuple(int(d) for d in reversed(self.info(name).shape))
+        return tuple(int(d) for d in reversed(self.raw(name).shape))
 
     def _rows_raw(self, t, rows) -> np.ndarray:
         data = t.data
@@ -127,16 +190,17 @@ class TensorStore:
         return data[rows]
 
     def matrix(self, name: str) -> np.ndarray:
-        """The whole tensor as float32 in numpy order (1-D for norms)."""
-        t = self.info(name)
+        """The whole tensor as float32 in numpy order (1-D for norms): the file's values (a
+        converted type's requantization is for the kernels only)."""
+        t = self.raw(name)
         out = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if not out.flags.writeable:  # an F32 tensor comes back as a view of the read-only map
             out = out.copy()
         return out.reshape(self.shape(name))
 
     def rows(self, name: str, idx: np.ndarray) -> np.ndarray:
-        """Rows `idx` of a 2-D tensor as float32, touching only those rows' bytes."""
-        t = self.info(name)
+        """Rows `idx` of a 2-D tensor as float32, touching only those rows' bytes (the file's values)."""
+        t = self.raw(name)
         n_rows, n_cols = self.shape(name)
         if len(idx) == 0:  # a worker that owns no neuron of this layer
             return np.zeros((0, n_cols), np.float32)

@@ -241,7 +241,6 @@ BAD_FILES = {
     "truncated": r"truncated",
     "truncated_header": r"truncated",
     "mamba_arch": r"architecture 'mamba'",
-    "unsupported_qtype": r"blk\.0\.ffn_gate\.weight.*IQ2_XXS",
     "undequantizable_qtype": r"blk\.0\.ffn_gate\.weight.*Q1_0",
 }
 PARALLEL_BAD_RUNS = 4  # each one imports torch: more at once only makes each slower

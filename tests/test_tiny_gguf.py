@@ -230,7 +230,7 @@ def test_k_quant_layout_matches_ggml(qtype, ref):
 def test_garbage_files(tmp_path):
     files = tg.write_garbage_files(tmp_path)
     assert set(files) == {"not_gguf", "random_bytes", "empty", "truncated", "truncated_header",
-                          "mamba_arch", "unsupported_qtype", "undequantizable_qtype"}
+                          "mamba_arch", "undequantizable_qtype"}
     assert all(p.exists() for p in files.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files.values())
     for key in ("not_gguf", "random_bytes", "empty", "truncated", "truncated_header"):
@@ -241,12 +241,11 @@ def test_garbage_files(tmp_path):
     kv = fields(gguf.GGUFReader(files["mamba_arch"]))
     assert kv["general.architecture"] == "mamba"
 
-    for key, qtype in (("unsupported_qtype", QT.IQ2_XXS), ("undequantizable_qtype", QT.Q1_0)):
-        r = gguf.GGUFReader(files[key])
-        assert fields(r)["general.architecture"] == "llama"
-        types = {t.name: t.tensor_type for t in r.tensors}
-        assert types["blk.0.ffn_gate.weight"] == qtype
-        assert types["blk.0.ffn_up.weight"] == QT.Q8_0
+    r = gguf.GGUFReader(files["undequantizable_qtype"])
+    assert fields(r)["general.architecture"] == "llama"
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.ffn_gate.weight"] == QT.Q1_0
+    assert types["blk.0.ffn_up.weight"] == QT.Q8_0
     with pytest.raises(NotImplementedError):
         r = gguf.GGUFReader(files["undequantizable_qtype"])
         t = next(t for t in r.tensors if t.name == "blk.0.ffn_gate.weight")
