@@ -595,6 +595,16 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
     click.echo(f"wrote {npz} and {png} ({prof.meta.get('tokens', '?')} tokens, mean activation frequency {mean:.3f})")
 
 
+def _memory_report(path, threads, cpu_workers, ctx, parallel):
+    """The memory plan an engine with these options makes (Engine(plan_only=True): no process
+    started, nothing loaded but the tensor table)."""
+    from .engine import Engine, EngineOptions
+
+    opts = EngineOptions(threads=threads, cpu_workers=cpu_workers, ctx=ctx, weights=_weights_from_context(),
+                         kv_caches=parallel + 1 if parallel else 2)
+    return Engine(path, opts, plan_only=True).memory
+
+
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
     import torch
 
@@ -619,9 +629,13 @@ def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
               help="also print the placement plan for this many GiB on the GPU worker (needs `sparseinfer profile`)")
 @click.option("-t", "--threads", type=int, default=None, help="cores to use in all (default: all)")
 @click.option("--cpu-workers", type=int, default=None, help="CPU worker processes (default: cores - 1, at least 1)")
+@click.option("--ctx", type=int, default=2048, show_default=True, help="context length the memory plan assumes")
+@click.option("--parallel", type=int, default=None,
+              help="plan memory for `serve --parallel N` (N + 1 KV caches) rather than generate's")
 @_weights_option
-def info(model, as_json, vram_budget_gb, threads, cpu_workers):
-    """Print the model's configuration and tensor types, and the placement for --vram-budget."""
+def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
+    """Print the model's configuration and tensor types, the memory plan (what each kind of
+    memory a run holds, against what is available), and the placement for --vram-budget."""
     from collections import Counter
     from dataclasses import asdict
 
@@ -632,9 +646,13 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
     reader = open_gguf(path)
     cfg = read_config(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
+    memory = _memory_report(path, threads, cpu_workers, ctx, parallel)
     plan = None if vram_budget_gb is None else _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers)
     if as_json:
-        out = {"config": asdict(cfg), "tensor_types": dict(types)}
+        out = {"config": asdict(cfg), "tensor_types": dict(types),
+               "memory": {**{k: b for k, b, _ in memory.rows()}, "total": memory.total, "must_fit": memory.anonymous,
+                          "available": memory.available, "available_from": memory.available_from,
+                          "processes": memory.processes}}
         if plan is not None:
             out["plan"] = plan
         click.echo(json.dumps(out, indent=2))
@@ -642,6 +660,12 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers):
     for k, v in asdict(cfg).items():
         click.echo(f"{k:18s} {v}")
     click.echo("tensor types       " + ", ".join(f"{k}: {v}" for k, v in types.items()))
+    click.echo(f"\nmemory plan (--ctx {ctx}, {memory.processes} processes"
+               f"{f', serve --parallel {parallel}' if parallel else ''}):")
+    for line in memory.lines():
+        click.echo("  " + line)
+    fits = memory.available is None or memory.anonymous <= memory.available
+    click.echo("  " + ("fits" if fits else "does NOT fit: a run would be refused"))
     if plan is None:
         return
     mib = 1 << 20

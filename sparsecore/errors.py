@@ -1,5 +1,9 @@
-"""The one exception type for a model file we cannot use; its message names file and reason."""
+"""The exception types for a model we cannot use; each message names the file and the reason."""
 
 
 class ModelFileError(Exception):
     """A model file is missing, malformed or uses something sparseinfer does not support."""
+
+
+class NotEnoughMemory(ModelFileError):
+    """A model that cannot fit in the memory this machine has free (coordinator/memory_plan.py)."""

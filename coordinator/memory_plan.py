@@ -1,0 +1,218 @@
+"""What a run will hold in memory, worked out from the file's tensor table before anything is
+loaded, and checked against what the machine has free: a plan that does not fit ends in one
+line with the numbers, before any worker starts (Engine), and `sparseinfer info` prints it.
+
+Where the bytes go (the kinds below are the plan's rows):
+  copied     matrices the processes repack into memory of their own (fast mode's interleaved
+             layouts: FileMatrix.for_fast_products / for_row_products); the file's pages are
+             then dropped, so these bytes count once, split over the processes that hold them;
+  converted  tensors of a type with no native kernel, converted at load into one that has
+             (sparsecore.tensors.CONVERSIONS): every process that uses one converts it whole;
+  kv         the KV caches (kv_caches of them at full length; pages are only touched as
+             positions are written, so this is the most they take) and the rope tables;
+  runtime    each process's interpreter, libraries and scratch (measured: docs/memory.md);
+  mapped     the file's pages read in place (page cache: shared by the processes, and clean,
+             so the kernel can drop them under pressure, at the price of reading them again).
+The first four are anonymous memory nothing can reclaim: they must fit in what is available
+(MemAvailable, and a cgroup's limit less its use). The mapped pages should too, or every token
+reads part of the file from disk again: a one-line notice then, not a refusal.
+
+SPARSEINFER_MEM_AVAILABLE (bytes, or with a K/M/G suffix) replaces the measured figure: to plan
+for a smaller machine, or to start anyway where the estimate is too cautious.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparsecore.errors import NotEnoughMemory
+
+MIB, GB = 1 << 20, 1e9
+# Resident memory of a process with no model in it: the coordinator (interpreter, torch, the
+# tokenizer, numpy) and a CPU worker (interpreter, numpy, the kernels; no torch), plus scratch.
+COORDINATOR_RUNTIME = 320 * MIB
+WORKER_RUNTIME = 64 * MIB
+
+
+@dataclass
+class MemoryPlan:
+    copied: int = 0
+    converted: int = 0
+    kv: int = 0
+    runtime: int = 0
+    mapped: int = 0
+    processes: int = 1
+    converted_types: dict = field(default_factory=dict)  # source type name -> (its bytes, converted bytes)
+    converted_ffn: int = 0  # one copy of the converted FFN tensors: what each process with FFN rows holds
+    available: int | None = None
+    available_from: str = ""
+
+    @property
+    def anonymous(self) -> int:
+        return self.copied + self.converted + self.kv + self.runtime
+
+    @property
+    def total(self) -> int:
+        return self.anonymous + self.mapped
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        n = self.processes
+        return [("copied", self.copied, "weights repacked into each process's memory (interleaved layouts)"),
+                ("converted", self.converted, "tensors with no native kernel, converted at load"),
+                ("kv", self.kv, "KV caches at full length, rope tables"),
+                ("runtime", self.runtime, f"interpreters, libraries, scratch ({n} process{'es' if n > 1 else ''})"),
+                ("mapped", self.mapped, "the file's pages read in place (page cache, shared)")]
+
+    def lines(self) -> list[str]:
+        out = [f"{k:10s} {b / GB:7.3f} GB  {why}" for k, b, why in self.rows()]
+        out.append(f"{'total':10s} {self.total / GB:7.3f} GB  ({self.anonymous / GB:.3f} GB that must fit, "
+                   f"{self.mapped / GB:.3f} GB of file pages)")
+        if self.available is not None:
+            out.append(f"{'available':10s} {self.available / GB:7.3f} GB  ({self.available_from})")
+        return out
+
+    def check(self, path: Path, hints: list[str]) -> str | None:
+        """Raise NotEnoughMemory (one line: the numbers and what would fit) if the anonymous
+        memory does not fit; return a notice if the file's pages will not stay in memory."""
+        if self.available is None:
+            return None
+        if self.anonymous > self.available:
+            raise NotEnoughMemory(
+                f"{path.name}: needs {self.anonymous / GB:.2f} GB of memory ({self._parts()}) but "
+                f"{self.available / GB:.2f} GB is available ({self.available_from})"
+                + (f"; would fit: {'; '.join(hints)}" if hints else ""))
+        if self.total > self.available:
+            return (f"note: {path.name}: {self.mapped / GB:.2f} GB of the file is read in place and "
+                    f"{(self.total - self.available) / GB:.2f} GB of it will not stay in memory "
+                    f"({self.available / GB:.2f} GB available): expect reads from disk every token")
+        return None
+
+    def _parts(self) -> str:
+        return ", ".join(f"{b / GB:.2f} GB {k}" for k, b, _ in self.rows()[:4] if b)
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMGT")) * mult)
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes this run may take, where the figure comes from): MemAvailable, or the cgroup's
+    limit less what it holds (page cache it could drop not counted), whichever is less."""
+    env = os.environ.get("SPARSEINFER_MEM_AVAILABLE")
+    if env:
+        try:
+            return _size(env), "SPARSEINFER_MEM_AVAILABLE"
+        except ValueError:
+            raise ValueError(f"SPARSEINFER_MEM_AVAILABLE={env!r}: not a size (e.g. 8G, 512M, 123456789)") from None
+    best: tuple[int | None, str] = (None, "")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                best = (int(line.split()[1]) * 1024, "MemAvailable")
+    except OSError:
+        pass
+    cg = _cgroup_free()
+    if cg is not None and (best[0] is None or cg < best[0]):
+        best = (cg, "the cgroup's memory.max")
+    return best
+
+
+def _cgroup_free() -> int | None:
+    try:  # cgroup v2: this process's group
+        rel = next(l.split(":", 2)[2] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+        d = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        while True:
+            limit = (d / "memory.max").read_text().strip() if (d / "memory.max").exists() else "max"
+            if limit != "max":
+                used = int((d / "memory.current").read_text())
+                stat = dict(l.split() for l in (d / "memory.stat").read_text().splitlines())
+                return int(limit) - used + int(stat.get("inactive_file", 0))
+            if d == Path("/sys/fs/cgroup") or d == d.parent:
+                return None
+            d = d.parent
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_layout: str,
+                 sparse: bool) -> dict[str, tuple[str, int]]:
+    """{tensor name: (kind, bytes)} for the tensors a run reads: "copied", "converted" or
+    "mapped", by the rules the loaders follow (FileMatrix.for_fast_products and
+    for_row_products; TensorStore's conversions)."""
+    from sparsecore.kernels import R16_TYPES, X16_TYPES, blocked_rows, interleaving, supports
+
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    out: dict[str, tuple[str, int]] = {}
+    for name in names:
+        if not store.has(name):
+            continue
+        raw = store.by_name[name]
+        if len(raw.shape) < 2 or weights != "gguf":
+            out[name] = ("mapped" if weights == "gguf" else "converted", int(raw.n_bytes if weights == "gguf"
+                         else 4 * int(raw.n_elements)))
+            continue
+        conv = store.conversion(raw)
+        t, nbytes = (raw.tensor_type, int(raw.n_bytes)) if conv is None else conv
+        if conv is not None:
+            out[name] = ("converted", nbytes)
+            continue
+        if not supports(t):
+            out[name] = ("converted", 4 * int(raw.n_elements))  # float32: only for float files' odd types
+            continue
+        ffn = ".ffn_" in name
+        if name == "token_embd.weight" and name != head:
+            kind = "mapped"  # rows looked up one by one
+        elif not fast:
+            kind = "mapped"
+        elif ffn and ((".ffn_up." in name and row_layout != "gate+up") or (".ffn_gate." in name and not row_layout)):
+            kind = "copied" if (sparse and int(t) in R16_TYPES and blocked_rows()) else "mapped"
+        else:
+            kind = "copied" if int(t) in X16_TYPES and interleaving(t) else "mapped"
+        out[name] = (kind, nbytes)
+    return out
+
+
+def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_layout: str, sparse: bool,
+                n_workers: int, ffn_processes: int, kv_shape=None) -> MemoryPlan:
+    """The plan for a run: `names` the tensors it reads, `n_workers` the worker processes besides
+    the coordinator, `ffn_processes` the processes that hold FFN rows (each converts a converted
+    FFN tensor whole), `kv_shape` the shared KV pool's KvShape (None: one private cache the size
+    of cfg at ctx, passed as a KvShape too)."""
+    p = MemoryPlan(processes=1 + n_workers)
+    for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
+        if kind == "converted":
+            copies = ffn_processes if ".ffn_" in name else 1
+            p.converted += copies * nbytes
+            p.converted_ffn += nbytes if ".ffn_" in name else 0
+            src = store.by_name[name].tensor_type.name
+            have, conv = p.converted_types.get(src, (0, 0))
+            p.converted_types[src] = (have + int(store.by_name[name].n_bytes), conv + nbytes)
+        else:
+            setattr(p, kind, getattr(p, kind) + nbytes)
+    if kv_shape is not None:
+        p.kv = kv_shape.size
+    p.runtime = COORDINATOR_RUNTIME + n_workers * WORKER_RUNTIME
+    p.available, p.available_from = available_memory()
+    return p
+
+
+def fit_hints(p: MemoryPlan, kv_shape, ctx: int, n_workers: int) -> list[str]:
+    """What would fit in p.available: a shorter context, fewer workers."""
+    if p.available is None:
+        return []
+    hints = []
+    over = p.anonymous - p.available
+    if kv_shape is not None and p.kv > over and ctx > 256:
+        per_pos = max(1, p.kv // max(1, kv_shape.max_ctx))
+        fit = (p.kv - over) // per_pos // 256 * 256
+        if fit >= 256:
+            hints.append(f"--ctx {fit}")
+    per_worker = WORKER_RUNTIME + p.converted_ffn  # what one worker fewer saves
+    fewer = -(-over // per_worker)
+    if n_workers - fewer >= 1:
+        hints.append(f"--cpu-workers {n_workers - fewer}")
+    hints.append("a smaller type of the model (fewer bits per weight)")
+    return hints

@@ -1,0 +1,111 @@
+"""The memory plan (coordinator/memory_plan.py): made from the tensor table before anything is
+loaded; a plan that does not fit in what is available ends in one line naming the numbers and
+what would fit, before any worker process is started; the plan bounds what the processes then
+really hold; `sparseinfer info` prints it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory
+from sparsecore.errors import NotEnoughMemory
+from sparsecore.kernels import interleaving
+from tests.conftest import REPO
+
+
+def _plan(path, **kw):
+    return Engine(path, EngineOptions(threads=2, cpu_workers=1, **kw), plan_only=True).memory
+
+
+def test_available_memory_reads_the_machine_and_the_override(monkeypatch):
+    monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE", raising=False)
+    n, source = available_memory()
+    assert n is not None and n > 0 and source in ("MemAvailable", "the cgroup's memory.max")
+    for text, want in (("123456", 123456), ("512M", 512 << 20), ("8G", 8 << 30), ("1.5g", int(1.5 * (1 << 30)))):
+        monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", text)
+        assert available_memory() == (want, "SPARSEINFER_MEM_AVAILABLE")
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", "lots")
+    with pytest.raises(ValueError, match="SPARSEINFER_MEM_AVAILABLE='lots'"):
+        available_memory()
+
+
+def test_plan_counts_each_kind(tiny_model_factory):
+    path = tiny_model_factory(tensor_type="Q4_0")
+    fast, exact = _plan(path), _plan(path, fast=False)
+    size = path.stat().st_size
+    # exact mode reads every matrix in place; fast mode copies the interleaved ones where the CPU takes them
+    assert exact.copied == 0 and 0.5 * size < exact.mapped <= size
+    assert (fast.copied > 0.5 * size) == interleaving()
+    assert fast.copied + fast.mapped == exact.mapped
+    assert fast.runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME and fast.processes == 2
+    longer = _plan(path, ctx=256, kv_caches=4)
+    assert longer.kv > fast.kv  # four caches against two (the tiny model's context is 256)
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_any_worker_starts(tiny_model_factory, monkeypatch):
+    path = tiny_model_factory(tensor_type="Q4_0", ctx=4096)
+    plan = _plan(path, ctx=4096, kv_caches=8)
+    assert plan.kv > 0  # half of it over: a shorter context fits
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.kv // 2))
+    started = []
+
+    def launcher(shard, endpoint):
+        started.append(shard)
+        raise AssertionError("a worker was started")
+
+    with pytest.raises(NotEnoughMemory) as ei:
+        Engine(path, EngineOptions(threads=2, cpu_workers=1, ctx=4096, kv_caches=8), launcher=launcher)
+    msg = str(ei.value)
+    assert not started and "\n" not in msg
+    assert msg.startswith(f"{path.name}: needs {plan.anonymous / 1e9:.2f} GB") and "SPARSEINFER_MEM_AVAILABLE" in msg
+    assert "kv" in msg and "would fit: --ctx " in msg
+    ctx = int(msg.split("--ctx ")[1].split(";")[0].split()[0])
+    assert 256 <= ctx < 4096
+    assert _plan(path, ctx=ctx, kv_caches=8).anonymous <= plan.anonymous - plan.kv // 2  # the hint fits
+
+
+def test_the_command_line_says_it_in_one_line(tiny_model_factory):
+    path = tiny_model_factory(tensor_type="Q4_0")
+    env = {**os.environ, "SPARSEINFER_MEM_AVAILABLE": "10M"}
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(path), "-p", "hi", "-n", "2"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "needs" in errors[0] and "0.01 GB is available" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_info_prints_the_plan(tiny_model_factory):
+    path = tiny_model_factory(tensor_type="Q4_0")
+    run = [sys.executable, "-m", "coordinator", "info", "-m", str(path), "-t", "2", "--cpu-workers", "1"]
+    r = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    mem = json.loads(r.stdout)["memory"]
+    assert mem["total"] == sum(mem[k] for k in ("copied", "converted", "kv", "runtime", "mapped"))
+    assert mem["must_fit"] == mem["total"] - mem["mapped"] and mem["processes"] == 2
+    assert mem == {**mem, **{k: v for k, v in _plan(path).__dict__.items() if k in ("copied", "kv", "mapped")}}
+    text = subprocess.run([*run, "--parallel", "4"], capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+    assert "memory plan (--ctx 2048, 2 processes, serve --parallel 4)" in text and "\n  fits" in text
+
+
+def _rss_anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_the_plan_bounds_what_the_processes_hold(smollm2_path):
+    """After a prompt and some tokens, the processes' private memory is no more than the plan's
+    anonymous bytes, and at least the weights it says they copy."""
+    with Engine(smollm2_path, EngineOptions()) as eng:
+        list(eng.generate(list(range(5, 200)), 16, stop_at_eos=False))
+        held = _rss_anon(os.getpid()) + sum(_rss_anon(w.pid) for w in eng.pool.workers)
+        plan = eng.memory
+    assert plan.copied + plan.converted <= held <= plan.anonymous, (held, plan.lines())
