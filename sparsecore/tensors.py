@@ -28,26 +28,10 @@ def row_slice(t, name: str, start: int, stop: int):
                       n_bytes=data.nbytes, data_offset=int(t.data_offset) + start * data.strides[0], data=data)
 
 
-def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks (rows, 22 bytes per 32 values: f16 d, 32 high bits, 16 bytes of low nibbles)
-    rewritten as Q8_0 blocks (f16 d, 32 int8) with the same d and q - 16 as the int8: the same
-    values exactly, in a type the native kernels read (about 1.5x the bytes, not float32's 5.8x)."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, 22)
-    d = blocks[:, :2]
-    qh = blocks[:, 2:6].copy().view("<u4")[:, 0]
-    qs = blocks[:, 6:22]
-    bits = (qh[:, None] >> np.arange(32, dtype=np.uint32)[None, :]) & 1  # bit j: value j's fifth bit
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)  # values 0..15, then 16..31
-    q = (low | (bits.astype(np.int16) << 4)) - 16
-    out = np.empty((len(blocks), 34), np.uint8)
-    out[:, :2] = d
-    out[:, 2:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(rows, -1)
-
-
-# Types with no native kernel that convert exactly into one that has (see TensorStore.info).
-EXACT_CONVERSIONS = {GGMLQuantizationType.Q5_0: (GGMLQuantizationType.Q8_0, q5_0_as_q8_0)}
+# Types with no native kernel that convert exactly into one that has (see TensorStore.info):
+# type -> (native type, function of the (rows, bytes) blocks). None now: Q5_0, which was
+# rewritten as Q8_0 (1.5x its bytes), has kernels of its own.
+EXACT_CONVERSIONS: dict = {}
 
 
 def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
@@ -92,8 +76,8 @@ class TensorStore:
         self.converted: dict = {}
 
     def _native(self, t):
-        """t, or for a type in EXACT_CONVERSIONS (Q5_0, common in K-quant files) the same values
-        in a block type the kernels read, converted once here in memory."""
+        """t, or for a type in EXACT_CONVERSIONS the same values in a block type the kernels
+        read, converted once here in memory."""
         conv = EXACT_CONVERSIONS.get(t.tensor_type)
         if conv is None or len(t.shape) != 2:
             return t
