@@ -7,7 +7,7 @@ Where the bytes go (the kinds below are the plan's rows):
              layouts: FileMatrix.for_fast_products / for_row_products); the file's pages are
              then dropped, so these bytes count once, split over the processes that hold them;
   converted  tensors of a type with no native kernel, converted at load into one that has
-             (sparsecore.tensors.CONVERSIONS): every process that uses one converts it whole;
+             (sparsecore.tensors.conversion): every process that uses one converts it whole;
   kv         the KV caches (kv_caches of them at full length; pages are only touched as
              positions are written, so this is the most they take) and the rope tables;
   runtime    each process's interpreter, libraries and scratch (measured: docs/memory.md);

@@ -29,26 +29,6 @@ def row_slice(t, name: str, start: int, stop: int):
                       n_bytes=data.nbytes, data_offset=int(t.data_offset) + start * data.strides[0], data=data)
 
 
-def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks (rows, 22 bytes per 32 values: f16 d, 32 high bits, 16 bytes of low nibbles)
-    rewritten as Q8_0 blocks (f16 d, 32 int8) with the same d and q - 16 as the int8: the same
-    values exactly, in a type the native kernels read (about 1.5x the bytes, not float32's 5.8x)."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, 22)
-    d = blocks[:, :2]
-    qh = blocks[:, 2:6].copy().view("<u4")[:, 0]
-    qs = blocks[:, 6:22]
-    bits = (qh[:, None] >> np.arange(32, dtype=np.uint32)[None, :]) & 1  # bit j: value j's fifth bit
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)  # values 0..15, then 16..31
-    q = (low | (bits.astype(np.int16) << 4)) - 16
-    out = np.empty((len(blocks), 34), np.uint8)
-    out[:, :2] = d
-    out[:, 2:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(rows, -1)
-
-
-# Types with no native kernel that convert exactly into one that has (see TensorStore.info).
-EXACT_CONVERSIONS = {GGMLQuantizationType.Q5_0: (GGMLQuantizationType.Q8_0, q5_0_as_q8_0)}
 CONVERT_ROWS = 1024  # rows dequantized at a time by requantize: a few MB of float32 scratch
 
 
@@ -66,17 +46,15 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
 
 def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
-    read, else None. Q5_0 converts exactly (EXACT_CONVERSIONS); every other one is requantized
-    to the nearest native type of at most 8 bits that keeps its precision: Q5_0 (5.5 bits per
-    weight, if native) for the types of at most 4, else Q8_0 (8.5). Never float32."""
+    read (the i-quants of 1 to 3 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
+    native type of at most 8 bits that keeps their precision: Q5_0 (5.5 bits per weight) for the
+    types of at most 4, else Q8_0 (8.5). Never float32."""
     from .kernels import supports
 
     tt = t.tensor_type
     if supports(tt) or len(t.shape) != 2 or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                    GGMLQuantizationType.BF16):
         return None
-    if tt in EXACT_CONVERSIONS:
-        return EXACT_CONVERSIONS[tt]
     block, size = GGML_QUANT_SIZES[tt]
     q5 = GGMLQuantizationType.Q5_0
     dst = q5 if 8 * size / block <= 4.0 and supports(q5) else GGMLQuantizationType.Q8_0
@@ -85,7 +63,7 @@ def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
 
 def conversion_notes(path: Path, tensors) -> list[str]:
     """One line per type in `tensors` the kernels cannot read: how many, their size in the file
-    and converted (conversion), and whether the values stay the same."""
+    and converted (conversion)."""
     by_type: dict = {}
     for t in tensors:
         conv = conversion(t)
@@ -95,8 +73,7 @@ def conversion_notes(path: Path, tensors) -> list[str]:
         n, have, new = by_type.get((t.tensor_type, conv[0]), (0, 0, 0))
         by_type[(t.tensor_type, conv[0])] = (n + 1, have + int(t.n_bytes), new + int(t.n_elements) // block * size)
     return [f"note: {Path(path).name}: {n} {src.name} tensor{'s' if n > 1 else ''} ({have / 1e9:.3f} GB) have no "
-            f"native kernel: converted once at load to {dst.name} ({new / 1e9:.3f} GB"
-            f"{', the same values' if src in EXACT_CONVERSIONS else ', requantized'})"
+            f"native kernel: requantized once at load to {dst.name} ({new / 1e9:.3f} GB)"
             for (src, dst), (n, have, new) in sorted(by_type.items(), key=lambda kv: kv[0][0].value)]
 
 
@@ -150,8 +127,8 @@ class TensorStore:
         return conv[0], int(t.n_elements) // block * size
 
     def _native(self, t):
-        """t, or for a type the kernels cannot read (conversion: Q5_0 exactly, the i-quants and
-        others requantized) the values in a block type they read, converted once here in memory."""
+        """t, or for a type the kernels cannot read (conversion) its values requantized into a
+        block type they read, once here in memory."""
         conv = conversion(t)
         if conv is None:
             return t

@@ -24,6 +24,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
     ("Q4_0", False, "gguf"), ("Q4_1", False, "gguf"), ("Q8_0", True, "gguf"), ("F16", False, "gguf"),
     ("BF16", False, "gguf"), ("F32", False, "gguf"),
     ("Q4_K", False, "gguf"), ("Q5_K", False, "gguf"), ("Q6_K", False, "gguf"),  # shards cut on 256 neurons
+    ("Q5_0", False, "gguf"), ("Q5_1", False, "gguf"), ("IQ4_NL", False, "gguf"), ("IQ4_XS", False, "gguf"),
 ])
 def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied, weights, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, tied_embeddings=tied)

@@ -13,7 +13,7 @@ from tests.fixtures import tiny_gguf as tg
 MAX_REL_ERR = {
     "F32": 0.0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.01,
     "Q6_K": 0.04, "Q5_0": 0.07, "Q5_1": 0.07, "Q5_K": 0.07,
-    "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.15,
+    "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.15, "IQ4_NL": 0.15, "IQ4_XS": 0.15,
 }
 EXPECTED_QTYPE = {name: QT[name] for name in tg.TENSOR_TYPES}
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -252,28 +252,26 @@ def test_garbage_files(tmp_path):
         gguf.quants.dequantize(t.data, t.tensor_type)
 
 
-def test_q5_0_is_read_as_q8_0_with_the_same_values(tiny_model_factory):
-    """Q5_0 (common in K-quant files) has no native kernel: the store hands it out as Q8_0
-    blocks holding exactly the same values, so every process computes on the native kernels."""
+@pytest.mark.parametrize("tensor_type", ["Q5_0", "Q5_1"])
+def test_q5_files_are_read_in_their_own_blocks(tiny_model_factory, tensor_type):
+    """Q5_0 (common in K-quant files) and Q5_1 have native kernels: the store hands their
+    tensors out as the file holds them (no conversion at load), and the kernels' products on
+    them are those of gguf-py's dequantized matrix."""
     import numpy as np
-    from gguf import GGMLQuantizationType as QT
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     from sparsecore.gguf_file import open_gguf
-    from sparsecore.kernels import FileMatrix
-    from sparsecore.tensors import TensorStore, q5_0_as_q8_0
+    from sparsecore.kernels import FileMatrix, supports
+    from sparsecore.tensors import TensorStore
 
-    x = np.random.default_rng(5).standard_normal((9, 128)).astype(np.float32) * 3
-    q5 = quantize(x, QT.Q5_0)
-    np.testing.assert_array_equal(dequantize(q5_0_as_q8_0(q5), QT.Q8_0), dequantize(q5, QT.Q5_0))
-    path = tiny_model_factory(tensor_type="Q5_0")
+    path = tiny_model_factory(tensor_type=tensor_type)
     store = TensorStore(path, open_gguf(path))
     raw = next(t for t in store.reader.tensors if t.name == "blk.0.ffn_up.weight")
-    assert raw.tensor_type == QT.Q5_0
     t = store.info("blk.0.ffn_up.weight")
-    assert t.tensor_type == QT.Q8_0
-    np.testing.assert_array_equal(store.matrix("blk.0.ffn_up.weight"),
-                                  dequantize(np.asarray(raw.data), QT.Q5_0).reshape(store.shape("blk.0.ffn_up.weight")))
+    assert raw.tensor_type == t.tensor_type == QT[tensor_type] and supports(t.tensor_type)
+    assert np.shares_memory(np.asarray(t.data), np.asarray(raw.data)) and not store.converted
+    want = dequantize(np.asarray(raw.data), QT[tensor_type]).reshape(store.shape("blk.0.ffn_up.weight"))
+    np.testing.assert_array_equal(store.matrix("blk.0.ffn_up.weight"), want)
     m = FileMatrix(t)
     xs = np.random.default_rng(6).standard_normal(m.cols).astype(np.float32)
-    np.testing.assert_allclose(m.matvec(xs), store.matrix("blk.0.ffn_up.weight") @ xs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(m.matvec(xs), want @ xs, rtol=1e-4, atol=1e-4)

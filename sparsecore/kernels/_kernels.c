@@ -5,8 +5,9 @@
  * only its own rows of the memory-mapped file (no copy, no gather):
  *     for each owned neuron n:  g = act(gate[n] . x); skip unless active; h[n] = g * (up[n] . x)
  *     y = down[:, owned] . h
- * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q8_0, F16, BF16,
- * F32, and the K-quants Q4_K, Q5_K, Q6_K in blocks of 256). Two arithmetic modes:
+ * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * IQ4_NL, F16, BF16, F32, and in blocks of 256 the K-quants Q4_K, Q5_K, Q6_K and IQ4_XS). Two
+ * arithmetic modes:
  *   exact: float32 activations times each block's dequantized values (d * q, exact in float32),
  *          summed per block and scaled: the products transformers computes on the dequantized
  *          matrix, in another summation order;
@@ -27,7 +28,7 @@
  * Each per-instruction-set part holds its level's kernels for one concern; dispatch.c picks one
  * at run time (use_avx2, use_vnni: python_module.c's set_isa). */
 #include "base.c"                /* platform, target attributes, type ids and block sizes, f16, mat, level flags */
-#include "blocks_generic.c"      /* the file's block formats: K-quant unpacking, quantize_q8, exact and fast dots, axpy, dequant */
+#include "blocks_generic.c"      /* the file's block formats: K-quant, Q5 and IQ4 unpacking, quantize_q8, exact and fast dots, axpy, dequant */
 #include "blocks_avx2.c"         /* the same with AVX2, one row and several tokens per row */
 #include "blocks_avx512.c"       /* fast mode's dots with AVX-512 VNNI (vnni_pack), Q4_0's axpy */
 #include "interleaved_generic.c" /* the repacked layouts X16 and R16: bytes, repacking, portable lanes, dequant, prefetch */

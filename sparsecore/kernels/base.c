@@ -1,6 +1,7 @@
 /* _kernels.c, part: what every other part builds on. The platform and the instruction sets'
  * target attributes (each function carries its level's; the level flags use_avx2 and use_vnni
- * pick one at run time), the GGML type ids and their block sizes, f16/bf16 conversion,
+ * pick one at run time), the GGML type ids and their block sizes (F32, F16, BF16; blocks of 32:
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q4_K, Q5_K, Q6_K, IQ4_XS), f16/bf16 conversion,
  * unaligned reads, the per-thread scratch buffers' growth, fast mode's 8-bit activation
  * blocks, and `mat`: one matrix as the kernels address it. */
 
@@ -28,8 +29,10 @@
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+/* blocks of 32: Q5_0, Q5_1, IQ4_NL (4-bit indices into a 16-value codebook); of 256: IQ4_XS */
+enum { T_Q5_0 = 6, T_Q5_1 = 7, T_IQ4_NL = 20, T_IQ4_XS = 23 };
 #define QK 32
-#define QKK 256  /* values per block of the K-quants */
+#define QKK 256  /* values per block of the K-quants (and IQ4_XS) */
 #define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
 
 /* ---- scalar helpers ------------------------------------------------------------------------ */
@@ -73,13 +76,15 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
 
 /* ---- types and block sizes ------------------------------------------------------------------ */
 
-static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+/* blocks of 256 values (8 activation blocks each): the K-quants, and IQ4_XS, unpacked with them (kunpack) */
+static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS; }
 static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
 static int type_bytes(int t) {  /* bytes of one block */
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
+    case T_Q5_0: return 22; case T_Q5_1: return 24; case T_IQ4_NL: return 18; case T_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -87,7 +92,7 @@ static int type_bytes(int t) {  /* bytes of one block */
 static inline int is_quant(int t) { return block_size(t) >= QK; }
 
 /* An activation quantized for fast mode: per block of 32, int8 values, their float scale and
- * the sum of the int8 values (Q4_0's -8 offset and Q4_1's min need it). */
+ * the sum of the int8 values (Q4_0's -8 and Q5_0's -16 offsets, Q4_1's and Q5_1's mins need it). */
 typedef struct { float d; int32_t s; int8_t q[QK]; } q8blk;
 
 /* Fast mode with VNNI: a token's q8 blocks 2i and 2i+1 as its steps read them (vnni_pack) */

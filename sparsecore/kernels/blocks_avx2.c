@@ -1,5 +1,7 @@
 /* _kernels.c, part: the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
- * and axpy, the same for several tokens per row, and the activations' quantization. */
+ * and axpy, the same for several tokens per row, and the activations' quantization. Q5_0, Q5_1,
+ * IQ4_NL and IQ4_XS have their dots in the several-token kernels only (the one-token dots call
+ * them with one token): the codebook types' values by pshufb, Q5's fifth bits by a byte compare. */
 
 /* ---- dot products, AVX2 -------------------------------------------------------------------- */
 #if HAVE_X86
@@ -96,6 +98,47 @@ AVX2 static inline void k45_scales_avx2(const uint8_t *w, float *scl, float *mn)
     _mm256_storeu_ps(mn, b);
 }
 
+/* Q5_0's and Q5_1's fifth bits: the 32 bits at qh as 32 bytes, 16 where value j's bit is set
+ * (byte j gets qh's byte j / 8, then each keeps its own bit) */
+AVX2 static inline __m256i bits16(const uint8_t *qh) {
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(rd32(qh)), _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                                                    0x0202020202020202LL, 0x0303030303030303LL));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
+}
+/* IQ4_NL's codebook in both 128-bit lanes, for pshufb */
+AVX2 static inline __m256i kvalues256(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl)); }
+/* 32 nibbles at qs (Q4_0's order) looked up in the codebook: 32 signed values */
+AVX2 static inline __m256i iq4_values(const uint8_t *qs) { return _mm256_shuffle_epi8(kvalues256(), nibbles(qs)); }
+/* IQ4_XS: two consecutive sub-blocks' 32 bytes of nibbles at qs looked up in the codebook, as
+ * *q0 and *q1 (one load, one shift for both; the halves swapped in place by two permutes) */
+AVX2 static inline void iq4_values2(const uint8_t *qs, __m256i *q0, __m256i *q1) {
+    const __m256i m4 = _mm256_set1_epi8(15), kv = kvalues256();
+    __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+    __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4)), hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    *q0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+    *q1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+/* A Q5_0, Q5_1 or IQ4_NL block's 32 values as 32 bytes (unpack32's order): Q5_0 and Q5_1 q
+ * unsigned (0..31, Q5_0's before its -16), IQ4_NL the codebook's (signed) */
+AVX2 static inline __m256i q32_values(int t, const uint8_t *w) {
+    if (t == T_IQ4_NL) return iq4_values(w + 2);
+    int off = t == T_Q5_1 ? 4 : 2;
+    return _mm256_or_si256(nibbles(w + off + 4), bits16(w + off));
+}
+/* IQ4_XS: each sub-block's scale d (ls - 32) in lanes 0..7: ls's low 4 bits are nibble j of the
+ * word scales_l, its high 2 bits 2j..2j+1 of scales_h */
+AVX2 static inline __m256 iq4xs_scales(const uint8_t *w) {
+    __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32(rd32(w + 4)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(rd16(w + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    __m256i ls = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(rd16(w))), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
+
+/* the several-token kernels (below): the one-token dots of Q5_0, Q5_1, IQ4_NL and IQ4_XS */
+AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy);
+AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy);
+
 AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
     int nb = n / QK;
@@ -164,6 +207,11 @@ AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n)
                                    _mm256_set1_ps(d * (float)sc[2 * j + 1]));
         }
         return hsum8(acc);
+    }
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: {  /* the batch kernel's one-token case */
+        float y;
+        dots_exact_tile(t, w, x, 0, n, 1, &y, 0);
+        return y;
     }
     default:
         return dot_exact_c(t, w, x, n);
@@ -236,6 +284,11 @@ AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb
         }
         return hsum8(acc);
     }
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: {  /* the batch kernel's one-token case */
+        float y;
+        dots_fast_tile(t, w, xq, 0, nb, 1, &y, 0);
+        return y;
+    }
     default:
         return dot_fast_c(t, w, xq, nb);
     }
@@ -295,6 +348,21 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
             kq_unpack(t, w, q);
             for (int j = 0; j < 8; j++, y += QK)
                 i8x32_axpy2(_mm256_sub_epi8(q[j], c32), y, _mm256_set1_ps(ad * (float)sc[2 * j]), _mm256_set1_ps(ad * (float)sc[2 * j + 1]));
+        }
+        return;
+    }
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+        const __m256i off = _mm256_set1_epi8(t == T_Q5_0 ? 16 : 0);
+        for (int b = 0; b < n / QK; b++, w += type_bytes(t), y += QK)
+            i8x32_axpy(_mm256_sub_epi8(q32_values(t, w), off), y, _mm256_set1_ps(a * f16c_f32(rd16(w))),
+                       t == T_Q5_1 ? _mm256_set1_ps(a * f16c_f32(rd16(w + 2))) : zero);
+        return;
+    }
+    case T_IQ4_XS: {
+        float scl[8];
+        for (int b = 0; b < n / QKK; b++, w += 136) {
+            _mm256_storeu_ps(scl, iq4xs_scales(w));
+            for (int j = 0; j < 8; j++, y += QK) i8x32_axpy(iq4_values(w + 8 + 16 * j), y, _mm256_set1_ps(a * scl[j]), zero);
         }
         return;
     }
@@ -445,6 +513,34 @@ AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x,
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
         return;
     }
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* as Q4_0 (Q5_0: q - 16), Q4_1 (Q5_1: the min) */
+        const __m256i off = _mm256_set1_epi8(t == T_Q5_0 ? 16 : 0);
+        int bytes = type_bytes(t);
+        for (int k = 0; k < nb; k++, w += bytes) {
+            i8x32_to_f(_mm256_sub_epi8(q32_values(t, w), off), f);
+            __m256 sc = _mm256_set1_ps(f16c_f32(rd16(w)));
+            for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QK, acc[b], sc);
+            if (t == T_Q5_1) {
+                __m256 mn = _mm256_set1_ps(f16c_f32(rd16(w + 2)));
+                for (int b = 0; b < B; b++) accm[b] = _mm256_fmadd_ps(sum32(x + b * ldx + k * QK), mn, accm[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], accm[b]));
+        return;
+    }
+    case T_IQ4_XS: {
+        float scl[8];
+        for (int k = 0; k < n / QKK; k++, w += 136) {
+            _mm256_storeu_ps(scl, iq4xs_scales(w));
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(iq4_values(w + 8 + 16 * j), f);
+                __m256 sc = _mm256_set1_ps(scl[j]);
+                for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QKK + j * QK, acc[b], sc);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
     default:
         for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
     }
@@ -531,6 +627,63 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
             }
         }
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
+    case T_Q5_0:  /* q unsigned times x, less 16 sum(x) in one int32 lane: exact, no float work */
+        for (int k = 0; k < nb; k++, w += 22) {
+            __m256i u = q32_values(t, w);
+            float d = f16c_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = _mm256_sub_epi32(dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q)), _mm256_zextsi128_si256(_mm_cvtsi32_si128(16 * xb->s)));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    case T_Q5_1:  /* as Q4_1: the min times sum(x) in scalar, in one fused multiply-add */
+        for (int k = 0; k < nb; k++, w += 24) {
+            __m256i u = q32_values(t, w);
+            float d = f16c_f32(rd16(w)), m = f16c_f32(rd16(w + 2));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)xb->q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+                extra[b] = fmaf(m * xb->d, (float)xb->s, extra[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
+        return;
+    case T_IQ4_NL:  /* signed values: Q8_0's |w| times x with w's sign */
+        for (int k = 0; k < nb; k++, w += 18) {
+            __m256i q = iq4_values(w + 2), qa = _mm256_sign_epi8(q, q);
+            float d = f16c_f32(rd16(w));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + k;
+                __m256i s = dot_u8s8(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xb->d), acc[b]);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    case T_IQ4_XS: {  /* sub-block j of 32 is q8 block j of the 8 a block spans; even and odd apart */
+        float scl[8];
+        for (int k = 0; k < nb / 8; k++, w += 136) {
+            _mm256_storeu_ps(scl, iq4xs_scales(w));
+            for (int j = 0; j < 8; j += 2) {
+                __m256i q0, q1;
+                iq4_values2(w + 8 + 16 * j, &q0, &q1);
+                __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i s0 = dot_u8s8(a0, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[0].q), q0));
+                    __m256i s1 = dot_u8s8(a1, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[1].q), q1));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xb[0].d), acc[b]);
+                    acc2[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xb[1].d), acc2[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], acc2[b]));
         return;
     }
     default:

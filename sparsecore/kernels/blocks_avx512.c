@@ -17,6 +17,11 @@
  * no step work). The same integer sums, hence the same floats, as reading x itself. */
 #define TILE_V 8
 
+/* the types with VNNI steps here; Q5_0, Q5_1, IQ4_NL and IQ4_XS take AVX2's kernels (pack_x) */
+static inline int vnni_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+
 /* the f16 at p, exactly converted, in 8 lanes */
 VNNI static inline __m256 f16x8(const uint8_t *p) {
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(rd16(p))));

@@ -1,5 +1,33 @@
-/* _kernels.c, part: the file's block formats in portable C: the K-quants' unpacking, fast mode's
- * activation quantization, the exact and fast dot products, axpy and dequantization. */
+/* _kernels.c, part: the file's block formats in portable C: the K-quants' (and IQ4_XS's)
+ * unpacking, Q5_0's, Q5_1's and IQ4_NL's, fast mode's activation quantization, the exact and
+ * fast dot products, axpy and dequantization. */
+
+/* ---- blocks of 32 with 5-bit values or a codebook (ggml's layouts) ---------------------------
+ * Q5_0 (22 bytes): f16 d, qh[4] (bit j of the little-endian word: value j's fifth bit), qs[16]
+ *   (value j < 16 in qs[j]'s low nibble, value j + 16 in its high one); value = d (q - 16).
+ * Q5_1 (24 bytes): f16 d, f16 m, qh[4], qs[16] as Q5_0; value = d q + m.
+ * IQ4_NL (18 bytes): f16 d, qs[16] nibbles as Q4_0's, each an index into the int8 codebook
+ *   kvalues; value = d kvalues[i].
+ * IQ4_XS (136 bytes, 256 values): f16 d, u16 scales_h, scales_l[4], qs[128]; sub-block j of 32
+ *   has the 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, its values
+ *   IQ4_NL's nibbles in qs[16 j ..+16]; value = (d (ls - 32)) kvalues[i]. */
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* One Q5_0, Q5_1 or IQ4_NL block's 32 values as int8: Q5_0 q - 16, Q5_1 q (0..31), IQ4_NL the
+ * codebook's */
+static inline void unpack32(int t, const uint8_t *w, int8_t *q) {
+    if (t == T_IQ4_NL) {
+        for (int j = 0; j < 16; j++) { q[j] = kvalues_iq4nl[w[2 + j] & 15]; q[j + 16] = kvalues_iq4nl[w[2 + j] >> 4]; }
+        return;
+    }
+    int off = t == T_Q5_1 ? 4 : 2, zero = t == T_Q5_0 ? 16 : 0;
+    uint32_t qh = (uint32_t)rd32(w + off);
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)(((w[off + 4 + j] & 15) | ((qh >> j) & 1) << 4) - zero);
+        q[j + 16] = (int8_t)(((w[off + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - zero);
+    }
+}
+static inline int is_q32x(int t) { return t == T_Q5_0 || t == T_Q5_1 || t == T_IQ4_NL; }  /* unpack32's types */
 
 /* ---- K-quant blocks (ggml's layouts), 256 values each ----------------------------------------
  * Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] packed, 128
@@ -17,9 +45,23 @@ static inline void kscale_min(const uint8_t *s, int j, int *sc, int *m) {
     else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32) and per sub-block float scale
+/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32, IQ4_XS: the codebook's) and per sub-block float scale
  * and min (value = scl q - mn); returns the sub-block size (32, or 16 for Q6_K). */
 static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
+    if (t == T_IQ4_XS) {  /* the codebook's values, scale d (ls - 32), no min */
+        float d = f16_to_f32(rd16(w));
+        int sh = rd16(w + 2);
+        for (int j = 0; j < 8; j++) {
+            int ls = ((w[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            scl[j] = d * (float)(ls - 32);
+            mn[j] = 0.f;
+            for (int l = 0; l < 16; l++) {
+                q[32 * j + l] = kvalues_iq4nl[w[8 + 16 * j + l] & 15];
+                q[32 * j + 16 + l] = kvalues_iq4nl[w[8 + 16 * j + l] >> 4];
+            }
+        }
+        return 32;
+    }
     if (t == T_Q6_K) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
@@ -99,7 +141,17 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
             acc += f16_to_f32(rd16(w)) * s;
         }
         break;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+        int8_t q[QK];
+        for (int b = 0; b < n / QK; b++, w += type_bytes(t), x += QK) {
+            float s = 0.f, sx = 0.f;
+            unpack32(t, w, q);
+            for (int j = 0; j < QK; j++) { s += (float)q[j] * x[j]; sx += x[j]; }
+            acc += f16_to_f32(rd16(w)) * s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * sx : 0.f);
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), x += QKK) {
@@ -157,6 +209,14 @@ static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
             acc += f16_to_f32(rd16(w)) * xq->d * (float)s;
             w += 34;
             break;
+        case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* Q5_1's min times sum(x) as Q4_1's */
+            int8_t q[QK];
+            unpack32(t, w, q);
+            for (int j = 0; j < QK; j++) s += q[j] * xq->q[j];
+            acc += f16_to_f32(rd16(w)) * xq->d * (float)s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * xq->d * (float)xq->s : 0.f);
+            w += type_bytes(t);
+            break;
+        }
         }
     }
     return acc;
@@ -187,7 +247,16 @@ static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
             for (int j = 0; j < QK; j++) y[j] += ad * (float)(int8_t)w[2 + j];
         }
         break;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+        int8_t q[QK];
+        for (int b = 0; b < n / QK; b++, w += type_bytes(t), y += QK) {
+            float ad = a * f16_to_f32(rd16(w)), am = t == T_Q5_1 ? a * f16_to_f32(rd16(w + 2)) : 0.f;
+            unpack32(t, w, q);
+            for (int j = 0; j < QK; j++) y[j] += ad * (float)q[j] + am;
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), y += QKK) {
@@ -223,7 +292,20 @@ static void dequant_row(int t, const uint8_t *w, int n, float *o) {
             for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)w[2 + j];
         }
         break;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* as gguf-py: d q (+ m) */
+        int8_t q[QK];
+        for (int b = 0; b < n / QK; b++, w += type_bytes(t), o += QK) {
+            float d = f16_to_f32(rd16(w));
+            unpack32(t, w, q);
+            if (t == T_Q5_1) {
+                float mn = f16_to_f32(rd16(w + 2));
+                for (int j = 0; j < QK; j++) o[j] = d * (float)q[j] + mn;
+            } else
+                for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), o += QKK) {

@@ -40,8 +40,10 @@ static const xpair *pack_x(mat m, const q8blk *xq, int64_t ldq, int n, int B, in
 #if HAVE_X86
     int t = m.t, nb = n / QK;
     int64_t need = is_r16(m) ? B * r16_ld(nb) : xp_size(nb, B);
-    /* AVX2 packs for R16 rows only (its other products read xq) */
-    if (!(fast && is_quant(t) && (use_vnni || (use_avx2 && is_r16(m)))) || need == 0) return NULL;
+    /* AVX2 packs for R16 rows only (its other products read xq); VNNI for the types it has
+     * steps for (vnni_type: the others take AVX2's path, reading xq) */
+    if (!(fast && is_quant(t) && ((use_vnni && (is_r16(m) || vnni_type(t))) || (use_avx2 && is_r16(m)))) || need == 0)
+        return NULL;
     if (need > xp_cap) {
         free(xp_buf);
         xp_buf = aligned_alloc(64, need * sizeof(xpair));
