@@ -121,7 +121,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="Q4_0", n_ff=100)
     with pytest.raises(ValueError, match="tensor_type"):
-        tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="Q3_K")
+        tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="IQ2_XXS")
     with pytest.raises(ValueError, match="vocab_size"):
         tg.write_tiny_llama(tmp_path / "x.gguf", vocab_size=10)
 
