@@ -25,6 +25,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
     ("BF16", False, "gguf"), ("F32", False, "gguf"),
     ("Q4_K", False, "gguf"), ("Q5_K", False, "gguf"), ("Q6_K", False, "gguf"),  # shards cut on 256 neurons
     ("Q5_0", False, "gguf"), ("Q5_1", False, "gguf"), ("IQ4_NL", False, "gguf"), ("IQ4_XS", False, "gguf"),
+    ("Q2_K", False, "gguf"), ("Q3_K", False, "gguf"),
 ])
 def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied, weights, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, tied_embeddings=tied)
@@ -41,7 +42,7 @@ def test_greedy_and_logits_match_reference(tiny_model_factory, tensor_type, tied
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=2e-3 * np.abs(ref_logits).max())
 
 
-@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "Q2_K", "Q3_K"])
 def test_fast_arithmetic_stays_close_to_the_oracle(tiny_model_factory, tensor_type, no_leaks):
     """8-bit activations (llama.cpp's arithmetic, for one-token steps: prefill batches dequantize
     and run GEMMs) move logits by about 1 % of their range, not more, and really differ from the

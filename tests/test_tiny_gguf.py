@@ -13,7 +13,7 @@ from tests.fixtures import tiny_gguf as tg
 MAX_REL_ERR = {
     "F32": 0.0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.01,
     "Q6_K": 0.04, "Q5_0": 0.07, "Q5_1": 0.07, "Q5_K": 0.07,
-    "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.15, "IQ4_NL": 0.15, "IQ4_XS": 0.15,
+    "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.15, "IQ4_NL": 0.15, "IQ4_XS": 0.15, "Q3_K": 0.2, "Q2_K": 0.4,
 }
 EXPECTED_QTYPE = {name: QT[name] for name in tg.TENSOR_TYPES}
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -121,7 +121,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="Q4_0", n_ff=100)
     with pytest.raises(ValueError, match="tensor_type"):
-        tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="Q3_K")
+        tg.write_tiny_llama(tmp_path / "x.gguf", tensor_type="IQ2_XXS")
     with pytest.raises(ValueError, match="vocab_size"):
         tg.write_tiny_llama(tmp_path / "x.gguf", vocab_size=10)
 

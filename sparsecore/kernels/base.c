@@ -1,7 +1,7 @@
 /* _kernels.c, part: what every other part builds on. The platform and the instruction sets'
  * target attributes (each function carries its level's; the level flags use_avx2 and use_vnni
  * pick one at run time), the GGML type ids and their block sizes (F32, F16, BF16; blocks of 32:
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q4_K, Q5_K, Q6_K, IQ4_XS), f16/bf16 conversion,
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), f16/bf16 conversion,
  * unaligned reads, the per-thread scratch buffers' growth, fast mode's 8-bit activation
  * blocks, and `mat`: one matrix as the kernels address it. */
 
@@ -28,7 +28,8 @@
 #define INLINE inline __attribute__((always_inline))
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13,
+       T_Q6_K = 14, T_BF16 = 30 };
 /* blocks of 32: Q5_0, Q5_1, IQ4_NL (4-bit indices into a 16-value codebook); of 256: IQ4_XS */
 enum { T_Q5_0 = 6, T_Q5_1 = 7, T_IQ4_NL = 20, T_IQ4_XS = 23 };
 #define QK 32
@@ -77,12 +78,17 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
 /* ---- types and block sizes ------------------------------------------------------------------ */
 
 /* blocks of 256 values (8 activation blocks each): the K-quants, and IQ4_XS, unpacked with them (kunpack) */
-static inline int is_kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS; }
+static inline int is_kquant(int t) {
+    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS;
+}
+/* the 2- and 3-bit K-quants: sub-blocks of 16 and, with AVX2, fast mode's own kernels (k23_*) */
+static inline int is_k23(int t) { return t == T_Q2_K || t == T_Q3_K; }
 static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
 static int type_bytes(int t) {  /* bytes of one block */
     switch (t) {
     case T_F32: return 4; case T_F16: case T_BF16: return 2;
     case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
+    case T_Q2_K: return 84; case T_Q3_K: return 110;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     case T_Q5_0: return 22; case T_Q5_1: return 24; case T_IQ4_NL: return 18; case T_IQ4_XS: return 136;
     default: return 0;

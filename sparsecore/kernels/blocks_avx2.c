@@ -1,7 +1,8 @@
 /* _kernels.c, part: the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
- * and axpy, the same for several tokens per row, and the activations' quantization. Q5_0, Q5_1,
- * IQ4_NL and IQ4_XS have their dots in the several-token kernels only (the one-token dots call
- * them with one token): the codebook types' values by pshufb, Q5's fifth bits by a byte compare. */
+ * and axpy, the same for several tokens per row (Q2_K and Q3_K: their own kernels, k23_*), and
+ * the activations' quantization. Q5_0, Q5_1, IQ4_NL and IQ4_XS have their dots in the
+ * several-token kernels only (the one-token dots call them with one token): the codebook
+ * types' values by pshufb, Q5's fifth bits by a byte compare. */
 
 /* ---- dot products, AVX2 -------------------------------------------------------------------- */
 #if HAVE_X86
@@ -138,6 +139,9 @@ AVX2 static inline __m256 iq4xs_scales(const uint8_t *w) {
 /* the several-token kernels (below): the one-token dots of Q5_0, Q5_1, IQ4_NL and IQ4_XS */
 AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy);
 AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy);
+/* Q2_K and Q3_K's one-row kernels: below, with the helpers they share with the batch tiles */
+AVX2 static float dot_exact_k23(int t, const uint8_t *w, const float *x, int n);
+AVX2 static void axpy_k23(int t, const uint8_t *w, float a, float *y, int n);
 
 AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
@@ -195,6 +199,8 @@ AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n)
         }
         return hsum8(_mm256_sub_ps(acc, accm));
     }
+    case T_Q2_K: case T_Q3_K:
+        return dot_exact_k23(t, w, x, n);
     case T_Q6_K: {
         const __m256i c32 = _mm256_set1_epi8(32);
         __m256i q[8];
@@ -366,6 +372,9 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
         }
         return;
     }
+    case T_Q2_K: case T_Q3_K:
+        axpy_k23(t, w, a, y, n);
+        return;
     case T_F32: {
         const float *f = (const float *)w;
         int i = 0;
@@ -421,6 +430,202 @@ AVX2 static inline __m256 sum32(const float *x) {
  * load in every accumulation); the row is decoded once per tile, from L1 after the first. */
 #define TILE 4
 
+/* ---- Q2_K and Q3_K, AVX2 --------------------------------------------------------------------
+ * Sub-blocks of 16 values, two per q8 block, as Q6_K's. The values unsigned, as maddubs takes
+ * them: Q2_K's q (0..3), Q3_K's q + 4 (0..7). Fast mode, per q8 block: both sub-blocks' integer
+ * dots times their integer scales (madd), one conversion and one FMA with x's scale; the
+ * offsets the unsigned values leave (Q2_K's min, Q3_K's -4, per sub-block: times the sum of x
+ * over its 16 values) once per block of 256 in a few vector operations, from each token's sums
+ * x_d (sum of q over each 16) made once per product (k23_pack, from pack_x): computed per q8
+ * block they took more instructions than the dots. One row is the tile of one token: a
+ * token's floats do not depend on its batch. */
+
+/* Per token, its sums of each 16 q8 values times their block's scale: 2 nb floats, in xpair
+ * units of 16 floats (pack_x's buffer) */
+static inline int64_t k23_ld(int nb) { return (nb + 7) / 8; }
+static void k23_pack(const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
+    for (int b = 0; b < B; b++) {
+        float *xs = (float *)(out + b * k23_ld(nb));
+        const q8blk *x = xq + b * ldq;
+        for (int k = 0; k < nb; k++) {
+            int32_t s0 = 0, s1 = 0;
+            for (int l = 0; l < 16; l++) s0 += x[k].q[l], s1 += x[k].q[16 + l];
+            xs[2 * k] = x[k].d * (float)s0;
+            xs[2 * k + 1] = x[k].d * (float)s1;
+        }
+    }
+}
+
+/* q8 block i (values 32 i ..+32) of a Q2_K or Q3_K block, unsigned: from qs's 32 bytes v of its
+ * half, and Q3_K's hmask hm (bit i, set: no -4) */
+AVX2 static INLINE __m256i k23_q(int t, __m256i v, __m256i hm, int i) {
+    __m256i q = _mm256_and_si256(i & 3 ? _mm256_srli_epi16(v, 2 * (i & 3)) : v, _mm256_set1_epi8(3));
+    if (t == T_Q3_K) {  /* bit i to bit 2: q + 4 (a shift of 16 bits moves no other byte's bit to bit 2 here) */
+        __m256i b = i < 2 ? _mm256_slli_epi16(hm, 2 - i) : i > 2 ? _mm256_srli_epi16(hm, i - 2) : hm;
+        q = _mm256_or_si256(q, _mm256_and_si256(b, _mm256_set1_epi8(4)));
+    }
+    return q;
+}
+
+/* the 16 scales as int8 (Q2_K 0..15, Q3_K sc - 32), and Q2_K's 16 mins (0..15) */
+AVX2 static INLINE __m128i k23_scales(int t, const uint8_t *w, __m128i *mins) {
+    if (t == T_Q2_K) {
+        __m128i s = _mm_loadu_si128((const __m128i *)w), m4 = _mm_set1_epi8(15);
+        *mins = _mm_and_si128(_mm_srli_epi16(s, 4), m4);
+        return _mm_and_si128(s, m4);
+    }
+    /* Q3_K: words a0 = bytes 0..3, a1 = 4..7 hold the low 4 bits (scales 0..7 low nibbles, 8..15
+     * high), a2 = bytes 8..11 the high 2 (scales 4 r .. 4 r + 3 at bits 2 r) */
+    uint32_t a0, a1, a2;
+    memcpy(&a0, w + 96, 4), memcpy(&a1, w + 100, 4), memcpy(&a2, w + 104, 4);
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    __m128i s = _mm_set_epi32((int)(((a1 >> 4) & m4) | (((a2 >> 6) & m2) << 4)), (int)(((a0 >> 4) & m4) | (((a2 >> 4) & m2) << 4)),
+                              (int)((a1 & m4) | (((a2 >> 2) & m2) << 4)), (int)((a0 & m4) | ((a2 & m2) << 4)));
+    *mins = _mm_setzero_si128();
+    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
+
+/* 16 int8 as floats, lanes 0..7 and 8..15 */
+AVX2 static INLINE void i8x16_to_f(__m128i v, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+
+/* Fast mode, B tokens (constant: a tile's accumulators in registers) against one row of nb q8
+ * blocks: token b's q8 blocks at xq + b ldq, its sums (k23_pack) at xs + b ldxs. Per block of
+ * 256 and token: even and odd q8 blocks in two sums (the FMA latency), their total less the
+ * offsets, times d (Q3_K: d (p - 4 sum sc x)); Q2_K less dmin sum m x. */
+AVX2 static INLINE void k23_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, const float *xs, int64_t ldxs,
+                                      int nb, int B, float *y, int64_t ldy) {
+    __m256 acc[TILE];
+    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
+    const int bytes = type_bytes(t), qs_at = t == T_Q2_K ? 16 : 32;
+    /* the 16 scales in int16, the even sub-blocks' in the low 128 bits and the odd ones' in the
+     * high: one shuffle then gives each q8 block's pair, one scale per 128-bit half */
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int k = 0; k < nb / 8; k++, w += bytes) {
+        __m128i mn8, sc8 = k23_scales(t, w, &mn8);
+        __m256i s16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, even_odd));
+        __m256 o_lo, o_hi;  /* the offsets' factors: Q2_K's mins, Q3_K's scales */
+        i8x16_to_f(t == T_Q2_K ? mn8 : sc8, &o_lo, &o_hi);
+        __m256 d = _mm256_set1_ps(f16c_f32(rd16(w + (t == T_Q2_K ? 80 : 108))));
+        __m256i v[2] = {_mm256_loadu_si256((const __m256i *)(w + qs_at)), _mm256_loadu_si256((const __m256i *)(w + qs_at + 32))};
+        __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        __m256 p[TILE][2];
+        for (int b = 0; b < B; b++) p[b][0] = p[b][1] = _mm256_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            __m256i q = k23_q(t, v[i >> 2], hm, i);
+            __m256i sc = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * i)));
+            for (int b = 0; b < B; b++) {
+                const q8blk *xb = xq + b * ldq + 8 * k + i;
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)xb->q)), sc);
+                p[b][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xb->d), p[b][i & 1]);
+            }
+        }
+        for (int b = 0; b < B; b++) {
+            const float *xsb = xs + b * ldxs + 16 * k;
+            __m256 o = _mm256_fmadd_ps(o_hi, _mm256_loadu_ps(xsb + 8), _mm256_mul_ps(o_lo, _mm256_loadu_ps(xsb)));
+            __m256 s = _mm256_add_ps(p[b][0], p[b][1]);
+            if (t == T_Q2_K)
+                acc[b] = _mm256_fnmadd_ps(o, _mm256_set1_ps(f16c_f32(rd16(w + 82))), _mm256_fmadd_ps(s, d, acc[b]));
+            else
+                acc[b] = _mm256_fmadd_ps(_mm256_fnmadd_ps(o, _mm256_set1_ps(4.f), s), d, acc[b]);
+        }
+    }
+    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+}
+
+AVX2 static float dot_fast_k23(int t, const uint8_t *w, const q8blk *xq, const float *xs, int nb) {
+    float y;
+    k23_fast_tile(t, w, xq, 0, xs, 0, nb, 1, &y, 0);
+    return y;
+}
+
+AVX2 static void dots_fast_k23(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, const float *xs, int nb, int B,
+                               float *y, int64_t ldy) {
+    int64_t ldxs = 16 * k23_ld(nb);
+    for (int b = 0; b < B; b += TILE, xq += TILE * ldq, xs += TILE * ldxs, y += TILE * ldy)
+        switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
+        case 4: k23_fast_tile(t, w, xq, ldq, xs, ldxs, nb, 4, y, ldy); break;
+        case 3: k23_fast_tile(t, w, xq, ldq, xs, ldxs, nb, 3, y, ldy); break;
+        case 2: k23_fast_tile(t, w, xq, ldq, xs, ldxs, nb, 2, y, ldy); break;
+        default: k23_fast_tile(t, w, xq, ldq, xs, ldxs, nb, 1, y, ldy);
+        }
+}
+
+/* A block's float scales and mins (as kunpack: d sc, dmin m; Q3_K's mins 0) */
+AVX2 static INLINE void k23_scales_f(int t, const uint8_t *w, float scl[16], float mn[16]) {
+    __m128i mn8, sc8 = k23_scales(t, w, &mn8);
+    __m256 a, b;
+    __m256 d = _mm256_set1_ps(f16c_f32(rd16(w + (t == T_Q2_K ? 80 : 108))));
+    __m256 dmin = _mm256_set1_ps(t == T_Q2_K ? f16c_f32(rd16(w + 82)) : 0.f);
+    i8x16_to_f(sc8, &a, &b);
+    _mm256_storeu_ps(scl, _mm256_mul_ps(d, a)), _mm256_storeu_ps(scl + 8, _mm256_mul_ps(d, b));
+    i8x16_to_f(mn8, &a, &b);
+    _mm256_storeu_ps(mn, _mm256_mul_ps(dmin, a)), _mm256_storeu_ps(mn + 8, _mm256_mul_ps(dmin, b));
+}
+
+/* q8 block i's 32 values signed: Q2_K q, Q3_K q + 4 - 4 */
+AVX2 static INLINE __m256i k23_qs(int t, __m256i v, __m256i hm, int i) {
+    __m256i q = k23_q(t, v, hm, i);
+    return t == T_Q3_K ? _mm256_sub_epi8(q, _mm256_set1_epi8(4)) : q;
+}
+
+/* Exact mode, B tokens against one row of n values (x: token b at x + b ldx): per sub-block
+ * scale (q . x) and, Q2_K, min sum(x), as Q4_K's */
+AVX2 static INLINE void k23_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y,
+                                       int64_t ldy) {
+    __m256 acc[TILE], accm[TILE], f[4];
+    float scl[16], mn[16];
+    for (int b = 0; b < B; b++) acc[b] = accm[b] = _mm256_setzero_ps();
+    const int bytes = type_bytes(t), qs_at = t == T_Q2_K ? 16 : 32;
+    for (int k = 0; k < n / QKK; k++, w += bytes) {
+        k23_scales_f(t, w, scl, mn);
+        __m256i v[2] = {_mm256_loadu_si256((const __m256i *)(w + qs_at)), _mm256_loadu_si256((const __m256i *)(w + qs_at + 32))};
+        __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            i8x32_to_f(k23_qs(t, v[i >> 2], hm, i), f);
+            __m256 s_lo = _mm256_set1_ps(scl[2 * i]), s_hi = _mm256_set1_ps(scl[2 * i + 1]);
+            __m256 m_lo = _mm256_set1_ps(mn[2 * i]), m_hi = _mm256_set1_ps(mn[2 * i + 1]);
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + b * ldx + k * QKK + i * QK;
+                acc[b] = f32x32_dot2(f, xb, acc[b], s_lo, s_hi);
+                if (t == T_Q2_K)
+                    accm[b] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)), m_hi,
+                                              _mm256_fmadd_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)), m_lo, accm[b]));
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_sub_ps(acc[b], accm[b]));
+}
+
+/* y (n floats) += a * one row: per sub-block (a scale) q - a min */
+AVX2 static void axpy_k23(int t, const uint8_t *w, float a, float *y, int n) {
+    float scl[16], mn[16];
+    const int bytes = type_bytes(t), qs_at = t == T_Q2_K ? 16 : 32;
+    for (int k = 0; k < n / QKK; k++, w += bytes) {
+        k23_scales_f(t, w, scl, mn);
+        __m256i v[2] = {_mm256_loadu_si256((const __m256i *)(w + qs_at)), _mm256_loadu_si256((const __m256i *)(w + qs_at + 32))};
+        __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++, y += QK) {
+            __m256i q = k23_qs(t, v[i >> 2], hm, i);
+            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            __m256i qi[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                             _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+            for (int u = 0; u < 4; u++) {
+                int j = 2 * i + u / 2;
+                __m256 v8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi[u]), _mm256_set1_ps(a * scl[j]), _mm256_set1_ps(-a * mn[j]));
+                _mm256_storeu_ps(y + 8 * u, _mm256_add_ps(v8, _mm256_loadu_ps(y + 8 * u)));
+            }
+        }
+    }
+}
+
+AVX2 static float dot_exact_k23(int t, const uint8_t *w, const float *x, int n) {
+    float y;
+    k23_exact_tile(t, w, x, 0, n, 1, &y, 0);
+    return y;
+}
 AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
     __m256 acc[TILE], accm[TILE], f[4];
     for (int b = 0; b < B; b++) acc[b] = accm[b] = _mm256_setzero_ps();
@@ -541,6 +746,9 @@ AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x,
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
         return;
     }
+    case T_Q2_K: case T_Q3_K:
+        k23_exact_tile(t, w, x, ldx, n, B, y, ldy);
+        return;
     default:
         for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
     }

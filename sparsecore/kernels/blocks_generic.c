@@ -37,7 +37,14 @@ static inline int is_q32x(int t) { return t == T_Q5_0 || t == T_Q5_1 || t == T_I
  *   sub-block j gets bit j of qh[i] as its fifth bit (q in 0..31).
  * Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), int8 sc[16] (one per
  *   16 values), f16 d. Half h (128 values): value 32 k + l (k < 4, l < 32) has low bits
- *   ql[64 h + 32 (k & 1) + l] >> 4 (k >> 1) and high bits qh[32 h + l] >> 2 k; value = d sc (q - 32). */
+ *   ql[64 h + 32 (k & 1) + l] >> 4 (k >> 1) and high bits qh[32 h + l] >> 2 k; value = d sc (q - 32).
+ * Q2_K (84 bytes): 16 bytes sc (per 16 values: scale in the low nibble, min in the high), 64
+ *   bytes qs, f16 d, f16 dmin. Value 128 h + 32 k + l: q = qs[32 h + l] >> 2 k & 3;
+ *   value = d (sc & 15) q - dmin (sc >> 4).
+ * Q3_K (110 bytes): 32 bytes hmask, 64 bytes qs (the low 2 bits, as Q2_K's), 12 bytes of 16
+ *   6-bit scales packed, f16 d. Value 32 i + l (i < 8): high bit i of hmask[l], set meaning
+ *   no offset: q = low - (bit ? 0 : 4) in -4..3; value = d (sc - 32) q. Scale j: low 4 bits
+ *   from byte j % 8 (its high nibble for j >= 8), high 2 bits from byte 8 + j % 4 >> 2 (j / 4). */
 
 /* 6-bit scale and min of sub-block j from Q4_K/Q5_K's 12 packed bytes */
 static inline void kscale_min(const uint8_t *s, int j, int *sc, int *m) {
@@ -45,8 +52,14 @@ static inline void kscale_min(const uint8_t *s, int j, int *sc, int *m) {
     else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32, IQ4_XS: the codebook's) and per sub-block float scale
- * and min (value = scl q - mn); returns the sub-block size (32, or 16 for Q6_K). */
+/* Q3_K's 6-bit scale j from its 12 packed bytes s, less 32 */
+static inline int q3k_scale(const uint8_t *s, int j) {
+    return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+/* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32, Q2_K: 0..3, Q3_K: -4..3, IQ4_XS:
+ * the codebook's) and per sub-block float scale and min (value = scl q - mn); returns the
+ * sub-block size (32, or 16 for Q6_K, Q2_K, Q3_K). */
 static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
     if (t == T_IQ4_XS) {  /* the codebook's values, scale d (ls - 32), no min */
         float d = f16_to_f32(rd16(w));
@@ -61,6 +74,23 @@ static int kunpack(int t, const uint8_t *w, int8_t *q, float *scl, float *mn) {
             }
         }
         return 32;
+    }
+    if (t == T_Q2_K || t == T_Q3_K) {
+        const uint8_t *qs = w + (t == T_Q2_K ? 16 : 32), *hm = w;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    int v = (qs[32 * h + l] >> (2 * k)) & 3, i = 4 * h + k;
+                    q[32 * i + l] = (int8_t)(t == T_Q2_K ? v : v - ((hm[l] >> i) & 1 ? 0 : 4));
+                }
+        if (t == T_Q2_K) {
+            float d = f16_to_f32(rd16(w + 80)), dmin = f16_to_f32(rd16(w + 82));
+            for (int j = 0; j < 16; j++) { scl[j] = d * (float)(w[j] & 15); mn[j] = dmin * (float)(w[j] >> 4); }
+        } else {
+            float d = f16_to_f32(rd16(w + 108));
+            for (int j = 0; j < 16; j++) { scl[j] = d * (float)q3k_scale(w + 96, j); mn[j] = 0.f; }
+        }
+        return 16;
     }
     if (t == T_Q6_K) {
         const uint8_t *ql = w, *qh = w + 128;
@@ -151,7 +181,7 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
         }
         break;
     }
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), x += QKK) {
@@ -182,7 +212,14 @@ static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
                     int32_t s = 0;
                     for (int l = 0; l < QK; l++) s += qc[l] * xq->q[l];
                     acc += scl[c] * xq->d * (float)s - mn[c] * xq->d * (float)xq->s;
-                } else {  /* Q6_K: two sub-blocks of 16, signed q - 32, no min */
+                } else if (t == T_Q2_K) {  /* two sub-blocks of 16, each with its min: needs sum(qx) per 16 */
+                    int32_t s0 = 0, s1 = 0, x0 = 0, x1 = 0;
+                    for (int l = 0; l < 16; l++) {
+                        s0 += qc[l] * xq->q[l], s1 += qc[16 + l] * xq->q[16 + l];
+                        x0 += xq->q[l], x1 += xq->q[16 + l];
+                    }
+                    acc += xq->d * (scl[2 * c] * (float)s0 + scl[2 * c + 1] * (float)s1 - (mn[2 * c] * (float)x0 + mn[2 * c + 1] * (float)x1));
+                } else {  /* Q6_K, Q3_K: two sub-blocks of 16, signed q, no min */
                     int32_t s0 = 0, s1 = 0;
                     for (int l = 0; l < 16; l++) { s0 += qc[l] * xq->q[l]; s1 += qc[16 + l] * xq->q[16 + l]; }
                     acc += xq->d * (scl[2 * c] * (float)s0 + scl[2 * c + 1] * (float)s1);
@@ -256,7 +293,7 @@ static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
         }
         break;
     }
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), y += QKK) {
@@ -305,7 +342,7 @@ static void dequant_row(int t, const uint8_t *w, int n, float *o) {
         }
         break;
     }
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: {
         int8_t q[QKK];
         float scl[16], mn[16];
         for (int b = 0; b < n / QKK; b++, w += type_bytes(t), o += QKK) {

@@ -39,10 +39,12 @@ static _Thread_local int64_t xp_cap;
 static const xpair *pack_x(mat m, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
 #if HAVE_X86
     int t = m.t, nb = n / QK;
-    int64_t need = is_r16(m) ? B * r16_ld(nb) : xp_size(nb, B);
-    /* AVX2 packs for R16 rows only (its other products read xq); VNNI for the types it has
-     * steps for (vnni_type: the others take AVX2's path, reading xq) */
-    if (!(fast && is_quant(t) && ((use_vnni && (is_r16(m) || vnni_type(t))) || (use_avx2 && is_r16(m)))) || need == 0)
+    int64_t need = is_r16(m) ? B * r16_ld(nb) : is_k23(t) ? B * k23_ld(nb) : xp_size(nb, B);
+    /* AVX2 packs for R16 rows and Q2_K/Q3_K only (its other products read xq); VNNI for the
+     * types it has steps for (vnni_type); Q2_K and Q3_K take AVX2's products at every level
+     * (k23_pack: the tokens' sums over 16 values), the other types without VNNI steps read xq */
+    if (!(fast && is_quant(t) && ((use_avx2 && (is_r16(m) || is_k23(t))) || (use_vnni && (is_r16(m) || vnni_type(t))))) ||
+        need == 0)
         return NULL;
     if (need > xp_cap) {
         free(xp_buf);
@@ -51,6 +53,7 @@ static const xpair *pack_x(mat m, const q8blk *xq, int64_t ldq, int n, int B, in
         if (!xp_buf) return NULL;
     }
     if (is_r16(m)) r16_pack(t, xq, ldq, nb, B, xp_buf);
+    else if (is_k23(t)) k23_pack(xq, ldq, nb, B, xp_buf);
     else vnni_pack(t, xq, ldq, nb, B, xp_buf);
     return xp_buf;
 #else
@@ -63,7 +66,7 @@ static inline int same_pack(mat a, mat b) { return a.t == b.t && a.layout == b.l
 
 static inline int64_t xp_ld_any(mat m, int n) {  /* one token's share of pack_x's buffer */
 #if HAVE_X86
-    return is_r16(m) ? r16_ld(n / QK) : xp_ld(n / QK);
+    return is_r16(m) ? r16_ld(n / QK) : is_k23(m.t) ? k23_ld(n / QK) : xp_ld(n / QK);
 #else
     (void)m, (void)n;
     return 0;
@@ -90,6 +93,7 @@ static inline float dot_any(mat m, const uint8_t *w, const float *x, const q8blk
     }
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (xp && is_k23(t)) return dot_fast_k23(t, w, xq, (const float *)xp, n / QK);
         if (xp) return dot_fast_vnni(t, w, xp, n / QK);
         if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
 #endif
@@ -114,6 +118,7 @@ static void dots_any(mat m, const uint8_t *w, const float *x, int64_t ldx, const
     }
     if (fast && is_quant(t)) {
 #if HAVE_X86
+        if (xp && is_k23(t)) { dots_fast_k23(t, w, xq, ldq, (const float *)xp, n / QK, B, y, ldy); return; }
         if (xp) { dots_fast_vnni(t, w, xp, n / QK, B, alone, y, ldy); return; }
         if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
 #endif
