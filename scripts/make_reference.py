@@ -8,6 +8,13 @@ float32 logits) and write:
   tests/fixtures/smollm2_reference_logits.npz  full-vocab logits, arrays p{i}_step{k}
 
 Usage: python scripts/make_reference.py [--model PATH] [--new-tokens 64] [--no-check]
+       python scripts/make_reference.py --type Q3_K   # the same model requantized (below)
+
+--type Q3_K|Q2_K|IQ4_XS: the oracle for a real model in a low-bit type. The Q4_1 file is
+requantized by tests/fixtures/lowbit_smollm2.py (this project's numpy quantizers, the same bytes
+wherever they run: the file's sha256 is stored and checked by the test), transformers decodes
+it the same way, and tests/fixtures/smollm2_<type>_reference.json gets the ids and margins (no
+logits file).
 """
 
 from __future__ import annotations
@@ -108,18 +115,22 @@ def check_repeat(tok, model, prompts, n_new, first) -> dict:
                 same_ids_per_prompt=same, max_abs_logit_diff=diff)
 
 
-def write(results, model_path: Path, model, n_new, check, out_dir: Path):
+def write(results, model_path: Path, model, n_new, check, out_dir: Path, stem: str = "smollm2",
+          logits: bool = True, qtype: str | None = None):
     import gguf
     import transformers
 
-    arrays = {f"p{i}_step{s}": r["logits"][s].astype(np.float32)
-              for i, r in enumerate(results) for s in LOGIT_STEPS if s in r["logits"]}
-    npz = out_dir / "smollm2_reference_logits.npz"
-    np.savez_compressed(npz, **arrays)
+    npz = None
+    if logits:
+        arrays = {f"p{i}_step{s}": r["logits"][s].astype(np.float32)
+                  for i, r in enumerate(results) for s in LOGIT_STEPS if s in r["logits"]}
+        npz = out_dir / f"{stem}_reference_logits.npz"
+        np.savez_compressed(npz, **arrays)
     prompts = [{k: v for k, v in r.items() if k != "logits"} for r in results]
     for i, p in enumerate(prompts):
         p["min_margin"] = min(p["margins"])
-        p["logits_arrays"] = [f"p{i}_step{s}" for s in LOGIT_STEPS]
+        if logits:
+            p["logits_arrays"] = [f"p{i}_step{s}" for s in LOGIT_STEPS]
     meta = dict(
         model_file=model_path.name, model_sha256=sha256(model_path),
         method="transformers GGUF loader, float32, manual greedy loop with KV cache "
@@ -132,7 +143,10 @@ def write(results, model_path: Path, model, n_new, check, out_dir: Path):
                       numpy=np.__version__, python=sys.version.split()[0]),
         command="python " + " ".join(sys.argv),
         repeat_check=check, prompts=prompts)
-    js = out_dir / "smollm2_reference.json"
+    if qtype:
+        meta["requantized"] = dict(type=qtype, by="tests/fixtures/lowbit_smollm2.py write_lowbit_copy",
+                                   source=DEFAULT_MODEL.name)
+    js = out_dir / f"{stem}_reference.json"
     js.write_text(json.dumps(meta, indent=1) + "\n")
     return js, npz
 
@@ -151,8 +165,8 @@ def summary(results, check, js: Path, npz: Path):
         print("   ", repr(r["generated_text"][:160]))
     if check:
         print("repeat check:", check)
-    print(f"wrote {js.relative_to(REPO)} ({js.stat().st_size} B), "
-          f"{npz.relative_to(REPO)} ({npz.stat().st_size} B)")
+    print(f"wrote {js.relative_to(REPO)} ({js.stat().st_size} B)"
+          + (f", {npz.relative_to(REPO)} ({npz.stat().st_size} B)" if npz else ""))
 
 
 def main():
@@ -162,16 +176,29 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out-dir", type=Path, default=FIXTURES)
     ap.add_argument("--no-check", action="store_true", help="skip the rerun with other threads")
+    ap.add_argument("--type", choices=["Q3_K", "Q2_K", "IQ4_XS"],
+                    help="the model requantized to this type (tests/fixtures/lowbit_smollm2.py)")
     args = ap.parse_args()
     if args.new_tokens <= max(LOGIT_STEPS):
         ap.error(f"--new-tokens must exceed {max(LOGIT_STEPS)}")
 
     torch.set_num_threads(args.threads)
-    tok, model = load(args.model)
+    model_path, stem = args.model, "smollm2"
+    if args.type:
+        import tempfile
+
+        sys.path.insert(0, str(REPO))
+        from tests.fixtures.lowbit_smollm2 import write_lowbit_copy
+
+        stem = f"smollm2_{args.type.lower()}"
+        model_path = write_lowbit_copy(args.model, Path(tempfile.mkdtemp()) / f"SmolLM2-135M-Instruct.{args.type}.gguf",
+                                       args.type)
+    tok, model = load(model_path)
     results = run_all(tok, model, PROMPTS, args.new_tokens)
     check = None if args.no_check else check_repeat(tok, model, PROMPTS, args.new_tokens, results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    js, npz = write(results, args.model, model, args.new_tokens, check, args.out_dir)
+    js, npz = write(results, model_path, model, args.new_tokens, check, args.out_dir, stem,
+                    logits=not args.type, qtype=args.type)
     summary(results, check, js, npz)
 
 
