@@ -28,7 +28,8 @@ PWRI_MAGIC = b"PWRI"  # PowerInfer writes this magic; the layout after it is pla
 SUPPORTED_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16} | {
     t for t in GGMLQuantizationType if t.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                                                    "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                                   "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")}
+                                                   "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+                                                   "NVFP4")}
 
 
 class _Truncated(Exception):

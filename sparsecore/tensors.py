@@ -38,9 +38,10 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
     rows = raw.shape[0]
     cols = raw.shape[1] // GGML_QUANT_SIZES[src][1] * GGML_QUANT_SIZES[src][0]
     out = np.empty((rows, cols // GGML_QUANT_SIZES[dst][0] * GGML_QUANT_SIZES[dst][1]), np.uint8)
-    for r in range(0, rows, CONVERT_ROWS):
-        part = dequantize(raw[r:r + CONVERT_ROWS], src).astype(np.float32, copy=False).reshape(-1, cols)
-        out[r:r + CONVERT_ROWS] = quantize(part, dst).reshape(len(part), -1)
+    with np.errstate(all="ignore"):  # a hostile file's inf scales stay inf, without numpy's warnings
+        for r in range(0, rows, CONVERT_ROWS):
+            part = dequantize(raw[r:r + CONVERT_ROWS], src).astype(np.float32, copy=False).reshape(-1, cols)
+            out[r:r + CONVERT_ROWS] = quantize(part, dst).reshape(len(part), -1)
     return out
 
 
