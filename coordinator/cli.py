@@ -106,8 +106,7 @@ _weights_option = click.option(
     callback=_remember_weights,
     help="how processes keep weights in memory: float32 (exact), int8 with one scale per neuron row "
          "(a quarter of the memory), float16 (half the bytes read per token), or gguf: the file's "
-         "own blocks, memory-mapped, computed on by the native kernels (no copy; see README, "
-         "'Native kernels')")
+         "own blocks, memory-mapped, computed on by the native kernels (no copy; see docs/KERNELS.md)")
 
 
 def _remember_arith(ctx, param, value):

@@ -1,5 +1,5 @@
-"""Fast-mode products of picked rows on each row layout, from memory: the README's table under
-"Rows picked by activity (R16)".
+"""Fast-mode products of picked rows on each row layout, from memory: the table in docs/KERNELS.md
+under "Rows picked by activity, R16".
 
     python scripts/bench_row_layouts.py [--rows 5632 --cols 2048 --matrices 30 --reps 5]
 

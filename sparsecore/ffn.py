@@ -42,7 +42,7 @@ class Int8Rows:
     kernel (gather int8 rows, convert the gathered rows to float32, float32 matmul, scale) won
     the measurements in scripts/bench_ffn_kernels.py: 0.6-0.75x the float32 time on sparse
     steps, about 1x dense, where torch's _weight_int8pack_mm took 2.6-4.9x and the int4 CPU
-    kernel 6.5x (README, "Worker weight format"). The products are those of the dequantized
+    kernel 6.5x (docs/KERNELS.md, "Converted weight formats"). The products are those of the dequantized
     weights up to float32 rounding."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
@@ -198,7 +198,7 @@ def ffn_partial(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
 # Above this fraction of active neurons, a one-token threshold step computes up and down densely
 # and zeroes the inactive neurons instead of gathering their rows: gathering copies the rows it
 # reads, so at SmolLM2's operating point (80 % active) it made the FFN 2.7x slower than dense,
-# and below ~35 % it wins (scripts/bench_ffn_kernels.py; README, "Worker weight format").
+# and below ~35 % it wins (scripts/bench_ffn_kernels.py; docs/PERFORMANCE.md, "What bounds decoding here").
 GATHER_BELOW = 0.35
 
 

@@ -53,7 +53,7 @@ R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
 # The levels with SIMD kernels for the interleaved layouts (X16 and R16), where they beat the
-# file's rows for every type that has them (measurements per level and type: docs/kernels.md);
+# file's rows for every type that has them (measurements per level and type: docs/KERNELS.md);
 # the portable loops are slower than the file's rows.
 SIMD_LEVELS = ("avx2", "avxvnni", "avx512vnni")
 
@@ -302,7 +302,7 @@ class FileMatrix:
         rows' block (its last nb % 16 blocks as a run of that many). For fast mode's products of
         rows a shard picks by activity (threshold steps' up rows, predictors' gate and up rows),
         which one by one cannot share the work of 16 rows: here a row's 16 blocks share it instead (1.1B shape, one core, a quarter of
-        a layer's up rows picked at random: see the README's Native kernels)."""
+        a layer's up rows picked at random: see docs/KERNELS.md, Rows picked by activity)."""
         if not self.can_interleave_blocks:
             raise ValueError(f"tensor {self.name}: only whole rows of Q4_0, Q4_1 or Q8_0 interleave their blocks")
         buf = _anonymous(len(self.data) * self.row_bytes)

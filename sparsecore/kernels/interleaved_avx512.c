@@ -7,7 +7,7 @@
  * (broadcast) give 16 rows' integer sums, and one conversion, one scale product and one
  * accumulation serve all 16 rows. A token then costs about 12 vector operations per 512
  * weights, against 32 on the file's own layout (4 per block pair of one row): what a batch
- * cannot share there (the README's Native kernels). Each lane's floats are the portable
+ * cannot share there (docs/KERNELS.md, Interleaved rows). Each lane's floats are the portable
  * x16_rows_c's, in the same order, so a token gets the same result alone or in any batch and
  * on either path. */
 
