@@ -10,7 +10,7 @@ Where the bytes go (the kinds below are the plan's rows):
              (sparsecore.tensors.conversion): every process that uses one converts it whole;
   kv         the KV caches (kv_caches of them at full length; pages are only touched as
              positions are written, so this is the most they take) and the rope tables;
-  runtime    each process's interpreter, libraries and scratch (measured: docs/memory.md);
+  runtime    each process's interpreter, libraries and scratch (measured: docs/MEMORY.md);
   mapped     the file's pages read in place (page cache: shared by the processes, and clean,
              so the kernel can drop them under pressure, at the price of reading them again).
 The first four are anonymous memory nothing can reclaim: they must fit in what is available
