@@ -130,7 +130,8 @@ static inline int is_x16(mat m) { return m.layout == L_X16; }
 static inline int is_r16(mat m) { return m.layout == L_R16; }
 /* the types each repacked layout takes */
 static inline int x16_type(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS
+           || t == T_Q5_0 || t == T_Q5_1;
 }
 static inline int r16_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
 

@@ -25,6 +25,15 @@ LV static INLINE __m256i NM(a2_sum_u4)(const __m256i *u, const int8_t *xq) {
     for (int j = 0; j < 8; j++) s = ACC16(s, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
     return FIN16(s);
 }
+/* Q5_0, Q5_1: values up to 31, so maddubs pairs (2 x 31 x 127) add four at a time in int16 */
+LV static INLINE __m256i NM(a2_sum_u5)(const __m256i *u, const int8_t *xq) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        s0 = ACC16(s0, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
+        s1 = ACC16(s1, u[4 + j], _mm256_set1_epi32(rd32(xq + 16 + 4 * j)));
+    }
+    return _mm256_add_epi32(FIN16(s0), FIN16(s1));
+}
 #if !DP256
 /* Q8_0: q signed (stored q + 128); aq = |q| (unsigned), q itself for the sign */
 LV static INLINE __m256i NM(a2_sum_q8)(const __m256i *aq, const __m256i *q, const int8_t *xq) {
@@ -86,7 +95,8 @@ LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
 LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
+    const int q5 = is_q5(t);
     const int hd = run_head(t, 16);
     const __m256i m4 = _mm256_set1_epi8(15), kv = NM(iq4_book)();
     for (int h = 0; h < 2; h++)
@@ -123,8 +133,16 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                     u[j] = _mm256_and_si256(z, m4);
                     u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
                 }
+                if (q5) {  /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(v - 64)), m16 = _mm256_set1_epi8(16);
+                    for (int j = 0; j < 4; j++) {
+                        u[j] = _mm256_or_si256(u[j], _mm256_and_si256(_mm256_slli_epi16(hb, 4 - j), m16));
+                        u[4 + j] = _mm256_or_si256(u[4 + j], _mm256_and_si256(_mm256_srli_epi16(hb, j), m16));
+                    }
+                }
                 for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(NM(a2_sum_u4)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                    si[b] = _mm256_add_epi32(q5 ? NM(a2_sum_u5)(u, xq[b * ldq + k].q) : NM(a2_sum_u4)(u, xq[b * ldq + k].q),
+                                             _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
             }
             for (int b = 0; b < B; b++) {
                 const q8blk *x = xq + b * ldq + k;
@@ -289,6 +307,8 @@ LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *
 #define Q6_K_TILE_A(n) NM(x16_tile_q6k)(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 #define IQ4_NL_TILE_A(n) NM(x16_tile)(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
 #define IQ4_XS_TILE_A(n) NM(x16_tile_iq4xs)(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_0_TILE_A(n) NM(x16_tile)(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_1_TILE_A(n) NM(x16_tile)(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
 
 /* x16_rows_vnni's contract on AVX2 */
 LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
@@ -305,6 +325,8 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
             else if (t == T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
             else if (t == T_IQ4_XS) BY_TILE_A(IQ4_XS_TILE_A)
             else if (t == T_IQ4_NL) BY_TILE_A(IQ4_NL_TILE_A)
+            else if (t == T_Q5_0) BY_TILE_A(Q5_0_TILE_A)
+            else if (t == T_Q5_1) BY_TILE_A(Q5_1_TILE_A)
             else BY_TILE_A(Q8_0_TILE_A)
         }
     }
@@ -317,6 +339,8 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
 #undef Q6_K_TILE_A
 #undef IQ4_NL_TILE_A
 #undef IQ4_XS_TILE_A
+#undef Q5_0_TILE_A
+#undef Q5_1_TILE_A
 
 /* ---- R16: rows picked by activity with their blocks interleaved -------------------------------
  * r16_run's lanes (the VNNI kernel's, and r16_dot_c's) on two halves of 8 blocks: per half 8
