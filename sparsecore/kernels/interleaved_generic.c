@@ -4,9 +4,11 @@
  * prefetching the SIMD loops share. */
 
 /* ---- the layouts' bytes ---------------------------------------------------------------------
- * Interleaved rows (X16) of Q4_0, Q4_1 and Q8_0, per group of 16 rows and block of 32 columns
- * (gb = 16 blocks' bytes: 288 for Q4_0, 320 for Q4_1, 544 for Q8_0): the 16 rows' f16 scales d,
- * for Q4_1 then their 16 f16 mins, then the values in runs of 64 bytes: run j holds bytes
+ * Interleaved rows (X16) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, per group of 16 rows and
+ * block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0 and IQ4_NL, 320 for Q4_1, 352 for
+ * Q5_0, 384 for Q5_1, 544 for Q8_0): the 16 rows' f16 scales d, for Q4_1 and Q5_1 then their
+ * 16 f16 mins, for Q5 then their fifth bits (64 bytes, run_value), then the values in runs of
+ * 64 bytes (IQ4_NL: the codebook's indices as Q4's nibbles): run j holds bytes
  * 4j..4j+3 of each row's value bytes, row r at 4r. Q4: 4 runs of the 16 nibble bytes; a byte's
  * low nibble is value 4j + c of its row, its high nibble value 16 + 4j + c (GGUF's order), so
  * one run masked (and shifted) is 4 values of 16 rows. Q8_0: 8 runs of the 32 values, each
