@@ -3,10 +3,13 @@ values/s of one core.
 
     python scripts/bench_block_types.py [--rows 5632 --cols 2048 --matrices 8 --reps 5]
                                         [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS] [--isa avx2]
+                                        [--batches 1 4 8] [--x16]
 
 Random valid blocks (random bits, small f16 scales) of each type in `--matrices` matrices of
 the 1.1B shape's up matrix, cycled so that the rows come from memory, not the caches (8 of
 them are over 32 MB for every type here); prints the best of `--reps` passes, per matrix.
+`--batches`: also small batches of tokens (one matmul each); `--x16`: also each type's
+interleaved rows (FileMatrix.interleave, where the type has them), their time over the file's.
 `--isa` runs the kernels at that level on a better CPU (the level is printed)."""
 from __future__ import annotations
 
@@ -44,29 +47,43 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
     ap.add_argument("--isa", choices=["generic", "avx2", "avxvnni", "avx512vnni"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--x16", action="store_true", help="also the interleaved rows (X16) of the types that have them")
     a = ap.parse_args()
     if a.isa and K.set_isa(a.isa) != a.isa:
         raise SystemExit(f"this CPU cannot run the kernels at {a.isa}")
     rng = np.random.default_rng(1)
-    x = rng.standard_normal(a.cols).astype(np.float32)
-    print(f"{a.matrices} matrices of {a.rows} x {a.cols} per type, one token, fast mode, one core, "
+    X = rng.standard_normal((max(a.batches), a.cols)).astype(np.float32)
+    print(f"{a.matrices} matrices of {a.rows} x {a.cols} per type, fast mode, one core, "
           f"best of {a.reps}, kernels at {K.isa()}")
-    print(f"{'type':8s} {'MB':>6s} {'us':>8s} {'GB/s':>6s} {'Gvalues/s':>10s}")
+    print(f"{'type':8s} {'layout':6s} {'B':>3s} {'MB':>6s} {'us':>8s} {'GB/s':>6s} {'Gvalues/s':>10s} {'x16/file':>8s}")
+
+    def product(m, B):
+        return (lambda: m.matvec(X[0], fast=True)) if B == 1 else (lambda: m.matmul(X[:B], fast=True))
+
     for name in a.types:
         t = T[name]
-        ms = [K.FileMatrix(random_matrix(rng, a.rows, a.cols, t)) for _ in range(a.matrices)]
-        for m in ms:  # fault the pages in
-            m.matvec(x, fast=True)
-        best = float("inf")
-        for _ in range(a.reps):
-            t0 = time.perf_counter()
-            for m in ms:
-                m.matvec(x, fast=True)
-            best = min(best, (time.perf_counter() - t0) / len(ms))
-        nbytes = ms[0].data.nbytes
-        print(f"{name:8s} {nbytes / 1e6:6.2f} {best * 1e6:8.0f} {nbytes / best / 1e9:6.2f} "
-              f"{a.rows * a.cols / best / 1e9:10.2f}")
-        del ms
+        files = [K.FileMatrix(random_matrix(rng, a.rows, a.cols, t)) for _ in range(a.matrices)]
+        layouts = [("file", files)]
+        if a.x16 and int(t) in K.X16_TYPES:
+            layouts.append(("x16", [m.interleave() for m in files]))
+        file_us = {}
+        for layout, ms in layouts:
+            for B in a.batches:
+                calls = [product(m, B) for m in ms]
+                for c in calls:  # fault the pages in
+                    c()
+                best = float("inf")
+                for _ in range(a.reps):
+                    t0 = time.perf_counter()
+                    for c in calls:
+                        c()
+                    best = min(best, (time.perf_counter() - t0) / len(ms))
+                file_us.setdefault(B, best)
+                nbytes = ms[0].data.nbytes
+                print(f"{name:8s} {layout:6s} {B:3d} {nbytes / 1e6:6.2f} {best * 1e6:8.0f} {nbytes / best / 1e9:6.2f} "
+                      f"{a.rows * a.cols * B / best / 1e9:10.2f} {best / file_us[B]:8.2f}")
+        del files, layouts
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Rows interleaved 16 by 16 (FileMatrix.interleave, _kernels.c X16): fast mode's dense products
-on Q4_0/Q4_1/Q8_0 against float64 products of gguf-py's dequantized blocks and the 8-bit activations
+on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K/IQ4_NL/IQ4_XS against float64 products of gguf-py's dequantized blocks and the 8-bit activations
 every fast kernel uses; a token alone equals it in any batch bit for bit, on every ISA level
 (the portable loop is the VNNI kernel's lane, operation for operation); odd row counts, ranges
 starting on any group, held columns, the fused FFN step, and what the layout refuses."""
@@ -12,20 +12,26 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures import quant_q5_iq4 as Q
 from tests.test_kernels import deq, random_kquant, write_tensors
 
-X16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+X16_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 KTYPES = (T.Q4_K, T.Q6_K)
+QTYPES = (T.IQ4_NL, T.IQ4_XS)  # random valid blocks of tests/fixtures/quant_q5_iq4 (gguf-py cannot quantize to them)
 BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
 @pytest.fixture(scope="module")
 def mats(tmp_path_factory):
-    """53 rows (three groups and 5 rows) per type, of 160 columns (5 blocks of 32), or 512 for
-    the K-quants (2 blocks of 256: random valid blocks, gguf-py cannot quantize to them)"""
+    """53 rows (three groups and 5 rows) per type, of 160 columns (5 blocks of 32), 512 for the
+    K-quants (2 blocks of 256), 768 for IQ4_XS (3): random valid blocks, gguf-py cannot quantize
+    to them (IQ4_NL's random too: every codebook index)"""
     rng = np.random.default_rng(40)
-    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16] if t not in KTYPES}
+    arrays = {f"w.{t.name}": (rng.standard_normal((53, 160)), t) for t in X16_TYPES + [T.F16]
+              if t not in KTYPES + QTYPES}
     arrays.update({f"w.{t.name}": (random_kquant(rng, 53, 512, t), t) for t in KTYPES})
+    arrays.update({f"w.{t.name}": (Q.random_blocks(rng, 53, 768 if t == T.IQ4_XS else 160, t), t)
+                   for t in QTYPES})
     return write_tensors(tmp_path_factory.mktemp("x16") / "m.gguf", arrays)
 
 
@@ -53,7 +59,8 @@ def check_product(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
 def test_interleaved_products_are_the_dequantized_ones(mats, isa, t):
     m, w = K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"])
     p = m.interleave()
-    extra = 64 * (m.cols // 256) if t == T.Q4_K else 0  # its scales and mins a byte each, per group block
+    # per group block: Q4_K's scales and mins a byte each, IQ4_XS's scales
+    extra = {T.Q4_K: 64, T.IQ4_XS: 32}.get(t, 0) * (m.cols // 256)
     assert p.interleaved and p.data.nbytes == 4 * (16 * m.row_bytes + extra)  # 4 groups of the file's bytes
     assert p.can_interleave is False and m.can_interleave == K.interleaving(t)
     rng = np.random.default_rng(41)
@@ -152,7 +159,7 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS"):
         K.FileMatrix(mats["w.F16"]).interleave()
 
 

@@ -98,7 +98,8 @@ def test_native_and_block_sizes(mats):
         b = Q.block_values(t)
         assert (m.block, m.rows, m.cols) == (b, ROWS, cols_of(t))
         assert m.row_bytes == cols_of(t) // b * quants.GGML_QUANT_SIZES[t][1]
-        assert not m.can_interleave and not m.can_interleave_blocks  # the file's rows only
+        # X16 (tests/test_interleaved) where the level has interleaved tiles; no R16
+        assert m.can_interleave == K.interleaving(t) and not m.can_interleave_blocks
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

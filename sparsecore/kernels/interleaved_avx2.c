@@ -25,6 +25,15 @@ LV static INLINE __m256i NM(a2_sum_u4)(const __m256i *u, const int8_t *xq) {
     for (int j = 0; j < 8; j++) s = ACC16(s, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
     return FIN16(s);
 }
+/* Q5_0, Q5_1: values up to 31, so maddubs pairs (2 x 31 x 127) add four at a time in int16 */
+LV static INLINE __m256i NM(a2_sum_u5)(const __m256i *u, const int8_t *xq) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        s0 = ACC16(s0, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
+        s1 = ACC16(s1, u[4 + j], _mm256_set1_epi32(rd32(xq + 16 + 4 * j)));
+    }
+    return _mm256_add_epi32(FIN16(s0), FIN16(s1));
+}
 #if !DP256
 /* Q8_0: q signed (stored q + 128); aq = |q| (unsigned), q itself for the sign */
 LV static INLINE __m256i NM(a2_sum_q8)(const __m256i *aq, const __m256i *q, const int8_t *xq) {
@@ -36,6 +45,44 @@ LV static INLINE __m256i NM(a2_sum_q8)(const __m256i *aq, const __m256i *q, cons
     return s;
 }
 #endif
+/* IQ4_NL's and IQ4_XS's codebook in both 128-bit lanes, for pshufb on the nibbles: with
+ * vpdpbusd the values + 128 (unsigned; the sums' offset -128 sum x), with maddubs the signed
+ * values (the sign trick, as Q8_0's: a pair of products, 2 x 127 x 127, fits int16, two do not) */
+LV static INLINE __m256i NM(iq4_book)(void) {
+#if DP256
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_u8));
+#else
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
+#endif
+}
+/* a block's (IQ4_XS: a sub-block's) 4 runs of 8 rows' nibbles at v (64 bytes apart) looked up in
+ * the codebook (iq4_book): u[j] values 4j.. (low nibbles), u[4 + j] values 16 + 4j.. (high);
+ * AVX2: q the signed values, u their magnitudes */
+LV static INLINE void NM(iq4_runs)(const uint8_t *v, __m256i kv, __m256i *u, __m256i *q) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
+        __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(z, m4));
+        __m256i hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4));
+#if DP256
+        (void)q;
+        u[j] = lo, u[4 + j] = hi;
+#else
+        q[j] = lo, q[4 + j] = hi;
+        u[j] = _mm256_abs_epi8(lo), u[4 + j] = _mm256_abs_epi8(hi);
+#endif
+    }
+}
+/* one token's exact integer sums of 8 rows' codebook values (iq4_runs) times x's 32 values */
+LV static INLINE __m256i NM(iq4_sum)(const __m256i *u, const __m256i *q, const q8blk *x) {
+#if DP256
+    (void)q;
+    return _mm256_add_epi32(NM(a2_sum_u4)(u, x->q), _mm256_set1_epi32(-128 * x->s));
+#else
+    return NM(a2_sum_q8)(u, q, x->q);
+#endif
+}
+
 /* the 8 lanes of acc (rows r0..r0+7) into y, the first nvalid - r0 of them */
 LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
     if (n >= 8) { _mm256_storeu_ps(y, acc); return; }
@@ -48,9 +95,10 @@ LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
 LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0;
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
+    const int q5 = is_q5(t);
     const int hd = run_head(t, 16);
-    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i m4 = _mm256_set1_epi8(15), kv = NM(iq4_book)();
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
@@ -74,6 +122,10 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                 }
                 for (int b = 0; b < B; b++) si[b] = NM(a2_sum_q8)(u, q, xq[b * ldq + k].q);
 #endif
+            } else if (nl) {  /* the codebook's values, looked up once for every token */
+                __m256i u[8], q[8];
+                NM(iq4_runs)(v, kv, u, q);
+                for (int b = 0; b < B; b++) si[b] = NM(iq4_sum)(u, q, xq + b * ldq + k);
             } else {  /* unpacked once for every token (loading a run per token measured slower) */
                 __m256i u[8];
                 for (int j = 0; j < 4; j++) {
@@ -81,8 +133,16 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                     u[j] = _mm256_and_si256(z, m4);
                     u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
                 }
+                if (q5) {  /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(v - 64)), m16 = _mm256_set1_epi8(16);
+                    for (int j = 0; j < 4; j++) {
+                        u[j] = _mm256_or_si256(u[j], _mm256_and_si256(_mm256_slli_epi16(hb, 4 - j), m16));
+                        u[4 + j] = _mm256_or_si256(u[4 + j], _mm256_and_si256(_mm256_srli_epi16(hb, j), m16));
+                    }
+                }
                 for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(NM(a2_sum_u4)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                    si[b] = _mm256_add_epi32(q5 ? NM(a2_sum_u5)(u, xq[b * ldq + k].q) : NM(a2_sum_u4)(u, xq[b * ldq + k].q),
+                                             _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
             }
             for (int b = 0; b < B; b++) {
                 const q8blk *x = xq + b * ldq + k;
@@ -202,6 +262,37 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
     }
 }
 
+/* IQ4_XS (layout: interleave_iq4xs): per half and sub-block, the 8 rows' d (ls - 32) as floats
+ * and their 32 values looked up once for every token; per token the sub-block's exact integer
+ * sums (iq4_sum), one conversion, one scale product and one accumulation (x16_lane_c's order) */
+LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                            int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const __m256i kv = NM(iq4_book)();
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 2208) {
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+            for (int sb = 0; sb < 8; sb++) {
+                __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(g + IQ4XS_SC(sb) + 8 * h)))));
+                __m256i u[8], q[8];
+                NM(iq4_runs)(g + IQ4XS_V(sb) + 32 * h, kv, u, q);
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + 8 * k + sb;
+                    __m256 f = _mm256_cvtepi32_ps(NM(iq4_sum)(u, q, x));
+                    acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(dsc, _mm256_set1_ps(x->d)), acc[h][b]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
 #define BY_TILE_A(CALL)       \
     switch (nt) {             \
     case 4: CALL(4); break;   \
@@ -214,6 +305,10 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
 #define Q8_0_TILE_A(n) NM(x16_tile)(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q4_K_TILE_A(n) NM(x16_tile_q4k)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE_A(n) NM(x16_tile_q6k)(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+#define IQ4_NL_TILE_A(n) NM(x16_tile)(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
+#define IQ4_XS_TILE_A(n) NM(x16_tile_iq4xs)(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_0_TILE_A(n) NM(x16_tile)(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_1_TILE_A(n) NM(x16_tile)(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
 
 /* x16_rows_vnni's contract on AVX2 */
 LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
@@ -228,6 +323,10 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
             else if (t == T_Q4_K) BY_TILE_A(Q4_K_TILE_A)
             else if (t == T_Q4_0) BY_TILE_A(Q4_0_TILE_A)
             else if (t == T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
+            else if (t == T_IQ4_XS) BY_TILE_A(IQ4_XS_TILE_A)
+            else if (t == T_IQ4_NL) BY_TILE_A(IQ4_NL_TILE_A)
+            else if (t == T_Q5_0) BY_TILE_A(Q5_0_TILE_A)
+            else if (t == T_Q5_1) BY_TILE_A(Q5_1_TILE_A)
             else BY_TILE_A(Q8_0_TILE_A)
         }
     }
@@ -238,6 +337,10 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
 #undef Q8_0_TILE_A
 #undef Q4_K_TILE_A
 #undef Q6_K_TILE_A
+#undef IQ4_NL_TILE_A
+#undef IQ4_XS_TILE_A
+#undef Q5_0_TILE_A
+#undef Q5_1_TILE_A
 
 /* ---- R16: rows picked by activity with their blocks interleaved -------------------------------
  * r16_run's lanes (the VNNI kernel's, and r16_dot_c's) on two halves of 8 blocks: per half 8

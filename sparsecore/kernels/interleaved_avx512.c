@@ -27,7 +27,9 @@ VNNI static INLINE void run_values(int q8, const uint8_t *v, int L, __m512i *u) 
 VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B,
                                       float *y, int64_t ldy, int nvalid) {
     __m512 acc[TILE_V];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, q8 = t == T_Q8_0;
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
+    const int q5 = is_q5(t);
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_u8));
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
@@ -35,6 +37,15 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
         __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */
         run_values(q8, g + run_head(t, 16), 16, u);
+        if (nl)  /* IQ4_NL: the nibbles' codebook values + 128 */
+            for (int j = 0; j < 8; j++) u[j] = _mm512_shuffle_epi8(kv, u[j]);
+        if (q5) {  /* Q5: the fifth bits (interleave_run) to bit 4, run j's low nibbles from bit j, its high from 4 + j */
+            const __m512i hb = _mm512_loadu_si512(g + run_head(t, 16) - 64), m16 = _mm512_set1_epi8(16);
+            for (int j = 0; j < 4; j++) {
+                u[j] = _mm512_or_si512(u[j], _mm512_and_si512(_mm512_slli_epi16(hb, 4 - j), m16));
+                u[4 + j] = _mm512_or_si512(u[4 + j], _mm512_and_si512(_mm512_srli_epi16(hb, j), m16));
+            }
+        }
         for (int b = 0; b < B; b++) {
             const q8blk *x = xq + b * ldq + k;
             __m512i s = _mm512_set1_epi32(x16_offset(t, x->s)), s2 = _mm512_setzero_si512();
@@ -140,6 +151,42 @@ VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk 
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
+/* IQ4_XS on interleaved rows (layout: interleave_iq4xs): per sub-block of 32 values the 16
+ * rows' d (ls - 32) as floats and their nibbles looked up in the codebook + 128 (unsigned, for
+ * vpdpbusd), shared by every token; per token 8 vpdpbusd from -128 sum x (the codebook's own
+ * integer sums, exactly), one conversion, one scale product and one accumulation. */
+VNNI static INLINE void x16_tile_iq4xs_vnni(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                            int64_t ldy, int nvalid) {
+    __m512 acc[TILE_V];
+    const __m512i m4 = _mm512_set1_epi8(15), kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_u8));
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++, g += 2208) {
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        for (int sb = 0; sb < 8; sb++) {
+            __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128((const __m128i *)(g + IQ4XS_SC(sb))))));
+            __m512i u[8];
+            for (int j = 0; j < 4; j++) {
+                __m512i z = _mm512_loadu_si512(g + IQ4XS_V(sb) + 64 * j);
+                u[j] = _mm512_shuffle_epi8(kv, _mm512_and_si512(z, m4));
+                u[4 + j] = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+            }
+            for (int b = 0; b < B; b++) {
+                const q8blk *x = xq + b * ldq + 8 * k + sb;
+                __m512i s = _mm512_set1_epi32(-128 * x->s), s2 = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j += 2) {
+                    s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+                    s2 = _mm512_dpbusd_epi32(s2, u[j + 1], _mm512_set1_epi32(rd32(x->q + 4 * j + 4)));
+                }
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s, s2)), _mm512_mul_ps(dsc, _mm512_set1_ps(x->d)),
+                                         acc[b]);
+            }
+        }
+    }
+    __mmask16 keep = nvalid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
+}
+
 /* one tile of nt tokens with the type and the count constant: each (type, count) its own
  * inlined copy; CALL(n) is the tile function's call for n tokens */
 #define BY_TILE(CALL)                                                                   \
@@ -158,6 +205,10 @@ VNNI static INLINE void x16_tile_q4k_vnni(const uint8_t *g, int nb, const q8blk 
 #define Q8_0_TILE(n) x16_tile_vnni(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q4_K_TILE(n) x16_tile_q4k_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE(n) x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+#define IQ4_NL_TILE(n) x16_tile_vnni(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
+#define IQ4_XS_TILE(n) x16_tile_iq4xs_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_0_TILE(n) x16_tile_vnni(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q5_1_TILE(n) x16_tile_vnni(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
 
 /* nb: blocks of the type per row (of 32 values, of 256 for Q6_K); hs: Q6_K's sums of x over
  * each 16 values, ldh per token */
@@ -173,6 +224,10 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             else if (t == T_Q4_K) BY_TILE(Q4_K_TILE)
             else if (t == T_Q4_0) BY_TILE(Q4_0_TILE)
             else if (t == T_Q4_1) BY_TILE(Q4_1_TILE)
+            else if (t == T_IQ4_XS) BY_TILE(IQ4_XS_TILE)
+            else if (t == T_IQ4_NL) BY_TILE(IQ4_NL_TILE)
+            else if (t == T_Q5_0) BY_TILE(Q5_0_TILE)
+            else if (t == T_Q5_1) BY_TILE(Q5_1_TILE)
             else BY_TILE(Q8_0_TILE)
         }
     }
@@ -183,6 +238,10 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef Q8_0_TILE
 #undef Q4_K_TILE
 #undef Q6_K_TILE
+#undef IQ4_NL_TILE
+#undef IQ4_XS_TILE
+#undef Q5_0_TILE
+#undef Q5_1_TILE
 
 /* ---- R16 --------------------------------------------------------------------------------------
  * Fast mode on R16 rows (rows picked by activity: threshold steps' up rows, predictors' gate and

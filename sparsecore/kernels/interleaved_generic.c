@@ -4,9 +4,11 @@
  * prefetching the SIMD loops share. */
 
 /* ---- the layouts' bytes ---------------------------------------------------------------------
- * Interleaved rows (X16) of Q4_0, Q4_1 and Q8_0, per group of 16 rows and block of 32 columns
- * (gb = 16 blocks' bytes: 288 for Q4_0, 320 for Q4_1, 544 for Q8_0): the 16 rows' f16 scales d,
- * for Q4_1 then their 16 f16 mins, then the values in runs of 64 bytes: run j holds bytes
+ * Interleaved rows (X16) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, per group of 16 rows and
+ * block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0 and IQ4_NL, 320 for Q4_1, 352 for
+ * Q5_0, 384 for Q5_1, 544 for Q8_0): the 16 rows' f16 scales d, for Q4_1 and Q5_1 then their
+ * 16 f16 mins, for Q5 then their fifth bits (64 bytes, run_value), then the values in runs of
+ * 64 bytes (IQ4_NL: the codebook's indices as Q4's nibbles): run j holds bytes
  * 4j..4j+3 of each row's value bytes, row r at 4r. Q4: 4 runs of the 16 nibble bytes; a byte's
  * low nibble is value 4j + c of its row, its high nibble value 16 + 4j + c (GGUF's order), so
  * one run masked (and shifted) is 4 values of 16 rows. Q8_0: 8 runs of the 32 values, each
@@ -17,19 +19,31 @@
 
 /* bytes of an X16 (group, block): 16 of the file's blocks, and Q4_K's scales and mins unpacked
  * to a byte each (16 rows x 8 sub-blocks x 2 bytes, against 16 x 12 packed: 2.8 % more) */
-static inline int x16_block_bytes(int t) { return t == T_Q4_K ? 2368 : 16 * type_bytes(t); }
+static inline int x16_block_bytes(int t) { return t == T_Q4_K ? 2368 : t == T_IQ4_XS ? 2208 : 16 * type_bytes(t); }
+/* IQ4_NL's and IQ4_XS's codebook + 128: the unsigned values vpdpbusd multiplies (the lanes'
+ * integer sums less 128 sum x: the codebook's own products, exactly) */
+static const uint8_t kvalues_u8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static inline int is_q5(int t) { return t == T_Q5_0 || t == T_Q5_1; }
+/* a Q5 run's fifth bits (4 L bytes before its values): byte 4 r + c of lane r holds in bit j
+ * (j < 4) value 4 j + c's, in bit 4 + j value 16 + 4 j + c's: run j's nibbles take theirs by
+ * one shift and one mask */
 /* A run of L lanes (interleave_run: X16's 16 rows' block, or R16's blocks of a row): bytes
  * before its values, its L f16 scales (and Q4_1's L f16 mins); t the file's type */
-static inline int run_head(int t, int L) { return (t == T_Q4_1 ? 4 : 2) * L; }
-/* the stored unsigned value i of lane r in a run of L lanes: Q4 a nibble, Q8_0 q + 128 */
+static inline int run_head(int t, int L) { return (t == T_Q4_1 || t == T_Q5_1 ? 4 : 2) * L + (is_q5(t) ? 4 * L : 0); }
+/* the unsigned value i of lane r in a run of L lanes: Q4 a nibble, Q8_0 q + 128 (as stored),
+ * IQ4_NL its nibble's codebook value + 128 (it stores the nibbles, as the file) */
 static inline int run_value(int t, const uint8_t *p, int L, int r, int i) {
     int h = run_head(t, L);
     if (t == T_Q8_0) return p[h + 4 * L * (i / 4) + 4 * r + i % 4];
-    int l = i % 16;
-    return (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
+    int l = i % 16, q = (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
+    if (is_q5(t)) q |= ((p[h - 4 * L + 4 * r + l % 4] >> (l / 4 + 4 * (i / 16))) & 1) << 4;
+    return t == T_IQ4_NL ? kvalues_u8[q] : q;
 }
-/* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128 */
-static inline int32_t x16_offset(int t, int32_t sx) { return t == T_Q4_0 ? -8 * sx : t == T_Q8_0 ? -128 * sx : 0; }
+/* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128,
+ * IQ4_NL's and IQ4_XS's u = codebook + 128 */
+static inline int32_t x16_offset(int t, int32_t sx) {
+    return t == T_Q4_0 ? -8 * sx : t == T_Q5_0 ? -16 * sx : t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS ? -128 * sx : 0;
+}
 /* Q6_K's X16 block (16 rows x 256 values, 3360 bytes): the rows' f16 d, then per activation
  * block xb (32 values, sub-blocks 2 xb and 2 xb + 1) 416 bytes in the order the tile reads
  * them: the two sub-blocks' int8 scales (16 rows each), 4 runs of low nibbles, 2 runs of high
@@ -45,6 +59,12 @@ static inline int32_t x16_offset(int t, int32_t sx) { return t == T_Q4_0 ? -8 * 
 #define Q4K_SC(sb) (64 + 576 * ((sb) / 2) + 16 * ((sb) % 2))       /* sub-block sb's 16 scales */
 #define Q4K_MN(sb) (64 + 576 * ((sb) / 2) + 32 + 16 * ((sb) % 2))  /* and mins */
 #define Q4K_V(p) (64 + 576 * (p) + 64)                             /* sub-blocks 2p, 2p + 1's values */
+/* IQ4_XS's (2208 bytes): the rows' f16 d, then per sub-block sb of 32 values (272 bytes) the
+ * rows' scales ls - 32 (int8, 16 rows), then its 4 runs of 64 bytes: bytes 4 j .. 4 j + 3 of
+ * each row's 16 nibble bytes of the sub-block (low nibbles values 4 j + c, high ones 16 + 4 j
+ * + c: Q4_0's block), the codebook's indices as the file holds them */
+#define IQ4XS_SC(sb) (32 + 272 * (sb))
+#define IQ4XS_V(sb) (48 + 272 * (sb))
 
 /* ---- repacking ------------------------------------------------------------------------------ */
 
@@ -102,20 +122,49 @@ static void interleave_q4k(const uint8_t *src, int64_t stride, int64_t rows, int
  * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales, for Q4_1
  * then their mins, then the values, run j holding bytes 4j..4j+3 of each lane's value bytes */
 static void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L, uint8_t *p) {
-    int q41 = t == T_Q4_1, q8 = t == T_Q8_0, h = run_head(t, L);
+    int q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, h = run_head(t, L);
+    int vo = (q41 ? 4 : 2) + (is_q5(t) ? 4 : 0);  /* the values' offset in the file's block (Q5: after qh) */
     for (int r = 0; r < n; r++, w += stride) {
         memcpy(p + 2 * r, w, 2);
         if (q41) memcpy(p + 2 * L + 2 * r, w + 2, 2);
+        if (is_q5(t)) {
+            uint32_t qh = (uint32_t)rd32(w + vo - 4);
+            for (int c = 0; c < 4; c++) {
+                int v = 0;
+                for (int j = 0; j < 4; j++) v |= (int)((qh >> (4 * j + c)) & 1) << j | (int)((qh >> (16 + 4 * j + c)) & 1) << (4 + j);
+                p[h - 4 * L + 4 * r + c] = (uint8_t)v;
+            }
+        }
         for (int j = 0; j < (q8 ? 8 : 4); j++) {
             uint8_t *o = p + h + 4 * L * j + 4 * r;
-            memcpy(o, w + (q41 ? 4 : 2) + 4 * j, 4);
+            memcpy(o, w + vo + 4 * j, 4);
             if (q8)  /* signed q as unsigned q + 128 (vpdpbusd's unsigned side) */
                 for (int c = 0; c < 4; c++) o[c] ^= 0x80;
         }
     }
 }
 
+/* IQ4_XS (2208 bytes a group's block, IQ4XS_SC, IQ4XS_V) */
+static void interleave_iq4xs(const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    for (int64_t g = 0; g < (rows + 15) / 16; g++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * 2208;
+            memset(p, 0, 2208);
+            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
+                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 136;
+                int sh = rd16(w + 2);
+                memcpy(p + 2 * r, w, 2);
+                for (int sb = 0; sb < 8; sb++) {
+                    int ls = ((w[4 + sb / 2] >> (4 * (sb & 1))) & 15) | (((sh >> (2 * sb)) & 3) << 4);
+                    p[IQ4XS_SC(sb) + r] = (uint8_t)(int8_t)(ls - 32);
+                    for (int j = 0; j < 4; j++) memcpy(p + IQ4XS_V(sb) + 64 * j + 4 * r, w + 8 + 16 * sb + 4 * j, 4);
+                }
+            }
+        }
+}
+
 static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    if (t == T_IQ4_XS) { interleave_iq4xs(src, stride, rows, nb, dst); return; }
     if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
     if (t == T_Q4_K) { interleave_q4k(src, stride, rows, nb, dst); return; }
     int tb = type_bytes(t), gb = 16 * tb;
@@ -154,6 +203,10 @@ static inline int x16_value(int t, const uint8_t *p, int r, int i) {
         int sb = i / 32, l = i % 32;
         return (p[Q4K_V(sb / 2) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * (sb & 1))) & 15;
     }
+    if (t == T_IQ4_XS) {  /* the codebook's value + 128 */
+        int sb = i / 32, l = i % 16;
+        return kvalues_u8[(p[IQ4XS_V(sb) + 64 * (l / 4) + 4 * r + l % 4] >> (4 * ((i % 32) / 16))) & 15];
+    }
     return run_value(t, p, 16, r, i);
 }
 
@@ -163,7 +216,7 @@ static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8b
     int32_t s = x16_offset(t, x->s);
     for (int i = 0; i < QK; i++) s += run_value(t, p, L, r, i) * x->q[i];
     float d = f16_to_f32(rd16(p + 2 * r));
-    if (t == T_Q4_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
+    if (t == T_Q4_1 || t == T_Q5_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
     return fmaf((float)s, d * x->d, acc);
 }
 
@@ -181,6 +234,19 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
                 for (int l = 0; l < QK; l++) sum += x16_value(t, g, r, 32 * sb + l) * x->q[l];
                 float dsc = d * (float)g[Q4K_SC(sb) + r], dmm = dm * (float)g[Q4K_MN(sb) + r];
                 acc = fmaf(fmaf((float)sum, dsc, -(dmm * (float)x->s)), x->d, acc);
+            }
+        }
+        return acc;
+    }
+    if (t == T_IQ4_XS) {  /* per sub-block: (d sc) times x's scale, one fused multiply-add */
+        for (int k = 0; k < nb; k++, g += 2208) {
+            float d = f16_to_f32(rd16(g + 2 * r));
+            for (int sb = 0; sb < 8; sb++) {
+                const q8blk *x = xq + 8 * k + sb;
+                int32_t sum = x16_offset(t, x->s);
+                for (int l = 0; l < QK; l++) sum += x16_value(t, g, r, 32 * sb + l) * x->q[l];
+                float dsc = d * (float)(int8_t)g[IQ4XS_SC(sb) + r];
+                acc = fmaf((float)sum, dsc * x->d, acc);
             }
         }
         return acc;
@@ -257,13 +323,15 @@ static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *
 
 /* The file's values of row r's block in the X16 (group, block) at p, as the file's rows give them */
 static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {  /* L: lanes of p's run (16 but R16's tails) */
-    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == T_Q4_1 || t == T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
+    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
     for (int v = 0; v < block_size(t); v++) {
         int q = is_kquant(t) ? x16_value(t, p, r, v) : run_value(t, p, L, r, v);
         switch (t) {
         case T_Q4_0: o[v] = d * (float)(q - 8); break;
-        case T_Q4_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
-        case T_Q8_0: o[v] = d * (float)(q - 128); break;
+        case T_Q4_1: case T_Q5_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
+        case T_Q5_0: o[v] = d * (float)(q - 16); break;
+        case T_Q8_0: case T_IQ4_NL: o[v] = d * (float)(q - 128); break;
+        case T_IQ4_XS: o[v] = d * (float)(int8_t)p[IQ4XS_SC(v / 32) + r] * (float)(q - 128); break;  /* as kunpack */
         case T_Q4_K:  /* as kunpack: (d sc) q - dmin m */
             o[v] = d * (float)p[Q4K_SC(v / 32) + r] * (float)q - d2 * (float)p[Q4K_MN(v / 32) + r];
             break;

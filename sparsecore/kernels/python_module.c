@@ -186,7 +186,8 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
- * n_blocks blocks of 16 rows (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K); interleave_blocks, the same
+ * n_blocks blocks of 16 rows (x16_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q6_K, IQ4_XS);
+ * interleave_blocks, the same
  * arguments: dst holds the rows, each row's blocks in runs of 16 (Q4_0, Q4_1 or Q8_0) */
 static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
     const char *name = blocks ? "interleave_blocks" : "interleave";
@@ -361,7 +362,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
-    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "Q4_0/Q4_1/Q8_0 rows, 16 side by side"},
+    {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "rows of the X16 types, 16 side by side"},
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
