@@ -48,7 +48,7 @@ MAX_SMALL_BATCH = 16
 # base.c's L_FILE, L_X16, L_R16): the file's rows; rows interleaved 16 by 16
 # (FileMatrix.interleave); each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
 FILE_LAYOUT, X16, R16 = 0, 1, 2
-X16_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+X16_TYPES = (2, 3, 8, 12, 14, 10, 11)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q2_K, Q3_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
@@ -244,7 +244,7 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, at an ISA level
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q2_K or Q3_K, at an ISA level
         with interleaved tiles (interleaving())."""
         return self.type in X16_TYPES and not self.interleaved and interleaving(self.type)
 
@@ -267,7 +267,7 @@ class FileMatrix:
         if self.interleaved:
             raise ValueError(f"tensor {self.name}: already interleaved")
         if self.type not in X16_TYPES:
-            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows interleave")
+            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q2_K and Q3_K rows interleave")
         held = self.col_range or range(self.cols)
         nb, gb = len(held) // self.block, self._x16_block_bytes
         n_held = len(self.data)  # rows held: all, or row_range's
@@ -333,8 +333,8 @@ class FileMatrix:
     @property
     def _x16_block_bytes(self) -> int:
         """Bytes of 16 rows' block once interleaved: 16 of the file's, and Q4_K's scales and mins
-        a byte each (interleaved_generic.c x16_block_bytes)."""
-        return 2368 if self.type == 12 else 16 * self._block_bytes
+        (Q3_K's scales) a byte each (interleaved_generic.c x16_block_bytes)."""
+        return 2368 if self.type == 12 else 1824 if self.type == 11 else 16 * self._block_bytes
 
     @property
     def _block_bytes(self) -> int:
