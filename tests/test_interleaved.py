@@ -159,7 +159,7 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K and Q3_K"):
         K.FileMatrix(mats["w.F16"]).interleave()
 
 

@@ -48,7 +48,7 @@ MAX_SMALL_BATCH = 16
 # base.c's L_FILE, L_X16, L_R16): the file's rows; rows interleaved 16 by 16
 # (FileMatrix.interleave); each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
 FILE_LAYOUT, X16, R16 = 0, 1, 2
-X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS
+X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
@@ -244,8 +244,8 @@ class FileMatrix:
 
     @property
     def can_interleave(self) -> bool:
-        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL or
-        IQ4_XS, at an ISA level
+        """Whether interleave() takes this matrix: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL,
+        IQ4_XS, Q2_K or Q3_K, at an ISA level
         with interleaved tiles (interleaving())."""
         return self.type in X16_TYPES and not self.interleaved and interleaving(self.type)
 
@@ -268,7 +268,8 @@ class FileMatrix:
         if self.interleaved:
             raise ValueError(f"tensor {self.name}: already interleaved")
         if self.type not in X16_TYPES:
-            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS rows interleave")
+            raise ValueError(f"tensor {self.name}: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, "
+                             f"Q2_K and Q3_K rows interleave")
         held = self.col_range or range(self.cols)
         nb, gb = len(held) // self.block, self._x16_block_bytes
         n_held = len(self.data)  # rows held: all, or row_range's
@@ -334,8 +335,8 @@ class FileMatrix:
     @property
     def _x16_block_bytes(self) -> int:
         """Bytes of 16 rows' block once interleaved: 16 of the file's, and Q4_K's scales and mins
-        a byte each, IQ4_XS's scales (interleaved_generic.c x16_block_bytes)."""
-        return {12: 2368, 23: 2208}.get(self.type, 16 * self._block_bytes)
+        a byte each, IQ4_XS's and Q3_K's scales (interleaved_generic.c x16_block_bytes)."""
+        return {12: 2368, 23: 2208, 11: 1824}.get(self.type, 16 * self._block_bytes)
 
     @property
     def _block_bytes(self) -> int:

@@ -109,7 +109,7 @@ typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
 /* How a matrix's rows lie in memory (mat.layout, sparsecore.kernels' FILE_LAYOUT, X16, R16):
  *   L_FILE: the file's rows of blocks, as GGUF holds them;
  *   L_X16: interleaved rows, 16 rows side by side: a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K,
- *     Q6_K or IQ4_XS matrix
+ *     Q6_K, IQ4_XS, Q2_K or Q3_K matrix
  *     repacked in memory of the process's own for fast mode's dense products (interleave in
  *     interleaved_generic.c, FileMatrix.interleave); no single rows (no row_at, no row lists);
  *   L_R16: each row's blocks interleaved 16 by 16 within the row: a Q4_0, Q4_1 or Q8_0 matrix
@@ -132,7 +132,7 @@ static inline int is_r16(mat m) { return m.layout == L_R16; }
 /* the types each repacked layout takes */
 static inline int x16_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS
-           || t == T_Q5_0 || t == T_Q5_1;
+           || t == T_Q5_0 || t == T_Q5_1 || is_k23(t);
 }
 static inline int r16_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
 

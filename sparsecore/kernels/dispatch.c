@@ -141,7 +141,7 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
     const uint8_t *g = m.base + (start / 16) * m.stride + (col0 / bs) * x16_block_bytes(m.t);
     int64_t ldh = 2 * (n / QK);
     int32_t *hs = NULL;
-    if (m.t == T_Q6_K) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
+    if (m.t == T_Q6_K || is_k23(m.t)) {  /* each token's sums of x over 16 values: the sub-blocks' offsets */
         hs = grown(&hs_buf, &hs_cap, sizeof(int32_t) * B * ldh);
         if (!hs) {  /* out of memory for a few KB: zeros rather than garbage */
             for (int b = 0; b < B; b++) memset(y + b * ldy, 0, sizeof(float) * n_rows);
@@ -151,7 +151,11 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
             for (int64_t i = 0; i < ldh; i++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 16; j++) sum += xq[b * ldq + i / 2].q[16 * (i % 2) + j];
-                hs[b * ldh + i] = sum;
+                if (m.t == T_Q2_K) {  /* times x's scale, as a float (k23_pack's): the mins' factors */
+                    float xs = xq[b * ldq + i / 2].d * (float)sum;
+                    memcpy(hs + b * ldh + i, &xs, 4);
+                } else
+                    hs[b * ldh + i] = sum;
             }
     }
 #if HAVE_X86

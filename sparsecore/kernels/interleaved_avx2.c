@@ -293,6 +293,71 @@ LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *
     }
 }
 
+/* Q2_K and Q3_K (layout: interleave_k23): the 512-bit tile's steps (x16_tile_k23_vnni) on two
+ * halves of 8 rows; each sub-block's 4 maddubs add in int16 (4 x 2 x 7 x 127 fits) */
+LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq,
+                                          const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const int q2 = t == T_Q2_K, gb = x16_block_bytes(t);
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        for (int hf = 0; hf < 2; hf++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * hf)));
+            __m256 dm = q2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * hf))) : d;
+            for (int xb = 0; xb < 8; xb++) {
+                __m256i u[8], sc[2];
+                __m256 dmm[2] = {d, d};
+                const __m256i hh = q2 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(g + Q3K_H(xb) + 32 * hf));
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * xb + h;
+                    const __m256i z = _mm256_loadu_si256((const __m256i *)(g + (q2 ? Q2K_V(j) : Q3K_L(j)) + 32 * hf));
+                    for (int s = 0; s < 4; s++) {
+                        __m256i v = _mm256_and_si256(s ? _mm256_srli_epi16(z, 2 * s) : z, m3);
+                        if (!q2) {  /* bit 4h + s of the high bits to bit 2 */
+                            const int sh = 4 * h + s;
+                            __m256i hb = sh < 2 ? _mm256_slli_epi16(hh, 2 - sh) : sh > 2 ? _mm256_srli_epi16(hh, sh - 2) : hh;
+                            v = _mm256_or_si256(v, _mm256_and_si256(hb, m4));
+                        }
+                        u[4 * h + s] = v;
+                    }
+                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(g + (q2 ? Q2K_SC(j) : Q3K_SC(j)) + 8 * hf));
+                    if (q2) {
+                        sc[h] = _mm256_cvtepu8_epi32(_mm_and_si128(sb, m15));
+                        dmm[h] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sb, 4), m15))));
+                    } else
+                        sc[h] = _mm256_cvtepi8_epi32(sb);
+                }
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + 8 * k + xb;
+                    const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
+                    __m256i s[2];
+                    for (int h = 0; h < 2; h++) {
+                        const int8_t *xe = x->q + 16 * h;
+                        __m256i p = ACC16(_mm256_setzero_si256(), u[4 * h], _mm256_set1_epi32(rd32(xe)));
+                        for (int j = 1; j < 4; j++) p = ACC16(p, u[4 * h + j], _mm256_set1_epi32(rd32(xe + 4 * j)));
+                        s[h] = FIN16(p);
+                        if (!q2) s[h] = _mm256_add_epi32(s[h], _mm256_set1_epi32(-4 * hb[h]));
+                    }
+                    __m256i si = _mm256_add_epi32(_mm256_mullo_epi32(s[0], sc[0]), _mm256_mullo_epi32(s[1], sc[1]));
+                    acc[hf][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[hf][b]);
+                    if (q2) {
+                        const float *xs = (const float *)hb;
+                        acc[hf][b] = _mm256_fnmadd_ps(dmm[0], _mm256_set1_ps(xs[0]), acc[hf][b]);
+                        acc[hf][b] = _mm256_fnmadd_ps(dmm[1], _mm256_set1_ps(xs[1]), acc[hf][b]);
+                    }
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
 #define BY_TILE_A(CALL)       \
     switch (nt) {             \
     case 4: CALL(4); break;   \
@@ -309,6 +374,8 @@ LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *
 #define IQ4_XS_TILE_A(n) NM(x16_tile_iq4xs)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_0_TILE_A(n) NM(x16_tile)(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_1_TILE_A(n) NM(x16_tile)(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q2_K_TILE_A(n) NM(x16_tile_k23)(T_Q2_K, g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+#define Q3_K_TILE_A(n) NM(x16_tile_k23)(T_Q3_K, g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
 /* x16_rows_vnni's contract on AVX2 */
 LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
@@ -320,6 +387,8 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_A ? B - b : TILE_A;
             if (t == T_Q6_K) BY_TILE_A(Q6_K_TILE_A)
+            else if (t == T_Q2_K) BY_TILE_A(Q2_K_TILE_A)
+            else if (t == T_Q3_K) BY_TILE_A(Q3_K_TILE_A)
             else if (t == T_Q4_K) BY_TILE_A(Q4_K_TILE_A)
             else if (t == T_Q4_0) BY_TILE_A(Q4_0_TILE_A)
             else if (t == T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
@@ -341,6 +410,8 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
 #undef IQ4_XS_TILE_A
 #undef Q5_0_TILE_A
 #undef Q5_1_TILE_A
+#undef Q2_K_TILE_A
+#undef Q3_K_TILE_A
 
 /* ---- R16: rows picked by activity with their blocks interleaved -------------------------------
  * r16_run's lanes (the VNNI kernel's, and r16_dot_c's) on two halves of 8 blocks: per half 8

@@ -187,6 +187,68 @@ VNNI static INLINE void x16_tile_iq4xs_vnni(const uint8_t *g, int nb, const q8bl
     for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
 }
 
+/* Q2_K and Q3_K on interleaved rows (layout: interleave_k23): per activation block the two
+ * sub-blocks' values of 16 rows unpacked once for every token (2 bits shifted and masked; Q3_K's
+ * third from the block's high bits, as q + 4), their scales as 32-bit integers and Q2_K's
+ * dmin m as floats; per token Q6_K's steps (8 vpdpbusd, Q3_K's -4 offsets from hs in the
+ * accumulators' start, two 32-bit scale products, one conversion, one scaled accumulation),
+ * and Q2_K's mins: two FMAs with hs's float sums (x16_lane_c's order). */
+VNNI static INLINE void x16_tile_k23_vnni(const int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq,
+                                          const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
+    __m512 acc[TILE_V];
+    const int q2 = t == T_Q2_K, gb = x16_block_bytes(t);
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        __m512 dm = q2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
+        for (int xb = 0; xb < 8; xb++) {
+            __m512i u[8], sc[2];
+            __m512 dmm[2] = {d, d};
+            const __m512i hh = q2 ? _mm512_setzero_si512() : _mm512_loadu_si512(g + Q3K_H(xb));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * xb + h;
+                const __m512i z = _mm512_loadu_si512(g + (q2 ? Q2K_V(j) : Q3K_L(j)));
+                for (int s = 0; s < 4; s++) {
+                    __m512i v = _mm512_and_si512(s ? _mm512_srli_epi16(z, 2 * s) : z, m3);
+                    if (!q2) {  /* bit 4h + s of the high bits to bit 2 (16-bit shifts move no other byte's bit there) */
+                        const int sh = 4 * h + s;
+                        __m512i hb = sh < 2 ? _mm512_slli_epi16(hh, 2 - sh) : sh > 2 ? _mm512_srli_epi16(hh, sh - 2) : hh;
+                        v = _mm512_or_si512(v, _mm512_and_si512(hb, m4));
+                    }
+                    u[4 * h + s] = v;
+                }
+                const __m128i sb = _mm_loadu_si128((const __m128i *)(g + (q2 ? Q2K_SC(j) : Q3K_SC(j))));
+                if (q2) {
+                    sc[h] = _mm512_cvtepu8_epi32(_mm_and_si128(sb, m15));
+                    dmm[h] = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sb, 4), m15))));
+                } else
+                    sc[h] = _mm512_cvtepi8_epi32(sb);
+            }
+            for (int b = 0; b < B; b++) {
+                const q8blk *x = xq + b * ldq + 8 * k + xb;
+                const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
+                __m512i sa = q2 ? _mm512_setzero_si512() : _mm512_set1_epi32(-4 * hb[0]);
+                __m512i sb = q2 ? _mm512_setzero_si512() : _mm512_set1_epi32(-4 * hb[1]);
+                for (int j = 0; j < 4; j++) {
+                    sa = _mm512_dpbusd_epi32(sa, u[j], _mm512_set1_epi32(rd32(x->q + 4 * j)));
+                    sb = _mm512_dpbusd_epi32(sb, u[4 + j], _mm512_set1_epi32(rd32(x->q + 16 + 4 * j)));
+                }
+                __m512i si = _mm512_add_epi32(_mm512_mullo_epi32(sa, sc[0]), _mm512_mullo_epi32(sb, sc[1]));
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[b]);
+                if (q2) {
+                    const float *xs = (const float *)hb;
+                    acc[b] = _mm512_fnmadd_ps(dmm[0], _mm512_set1_ps(xs[0]), acc[b]);
+                    acc[b] = _mm512_fnmadd_ps(dmm[1], _mm512_set1_ps(xs[1]), acc[b]);
+                }
+            }
+        }
+    }
+    __mmask16 keep = nvalid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    for (int b = 0; b < B; b++) _mm512_mask_storeu_ps(y + b * ldy, keep, acc[b]);
+}
+
 /* one tile of nt tokens with the type and the count constant: each (type, count) its own
  * inlined copy; CALL(n) is the tile function's call for n tokens */
 #define BY_TILE(CALL)                                                                   \
@@ -209,9 +271,11 @@ VNNI static INLINE void x16_tile_iq4xs_vnni(const uint8_t *g, int nb, const q8bl
 #define IQ4_XS_TILE(n) x16_tile_iq4xs_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_0_TILE(n) x16_tile_vnni(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_1_TILE(n) x16_tile_vnni(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q2_K_TILE(n) x16_tile_k23_vnni(T_Q2_K, g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
+#define Q3_K_TILE(n) x16_tile_k23_vnni(T_Q3_K, g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 
-/* nb: blocks of the type per row (of 32 values, of 256 for Q6_K); hs: Q6_K's sums of x over
- * each 16 values, ldh per token */
+/* nb: blocks of the type per row (of 32 values, of 256 for the K-quants); hs: Q6_K's and Q3_K's
+ * sums of x over each 16 values (Q2_K's times x's scale, floats), ldh per token */
 VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq,
                                int64_t ldq, const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy) {
     for (int64_t r = 0; r < n_rows; r += 16, g += gstride) {
@@ -221,6 +285,8 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             float *yb = y + b * ldy + r;
             int nt = B - b < TILE_V ? B - b : TILE_V;
             if (t == T_Q6_K) BY_TILE(Q6_K_TILE)
+            else if (t == T_Q2_K) BY_TILE(Q2_K_TILE)
+            else if (t == T_Q3_K) BY_TILE(Q3_K_TILE)
             else if (t == T_Q4_K) BY_TILE(Q4_K_TILE)
             else if (t == T_Q4_0) BY_TILE(Q4_0_TILE)
             else if (t == T_Q4_1) BY_TILE(Q4_1_TILE)
@@ -242,6 +308,8 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef IQ4_XS_TILE
 #undef Q5_0_TILE
 #undef Q5_1_TILE
+#undef Q2_K_TILE
+#undef Q3_K_TILE
 
 /* ---- R16 --------------------------------------------------------------------------------------
  * Fast mode on R16 rows (rows picked by activity: threshold steps' up rows, predictors' gate and

@@ -19,7 +19,9 @@
 
 /* bytes of an X16 (group, block): 16 of the file's blocks, and Q4_K's scales and mins unpacked
  * to a byte each (16 rows x 8 sub-blocks x 2 bytes, against 16 x 12 packed: 2.8 % more) */
-static inline int x16_block_bytes(int t) { return t == T_Q4_K ? 2368 : t == T_IQ4_XS ? 2208 : 16 * type_bytes(t); }
+static inline int x16_block_bytes(int t) {
+    return t == T_Q4_K ? 2368 : t == T_IQ4_XS ? 2208 : t == T_Q3_K ? 1824 : 16 * type_bytes(t);
+}
 /* IQ4_NL's and IQ4_XS's codebook + 128: the unsigned values vpdpbusd multiplies (the lanes'
  * integer sums less 128 sum x: the codebook's own products, exactly) */
 static const uint8_t kvalues_u8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -65,6 +67,20 @@ static inline int32_t x16_offset(int t, int32_t sx) {
  * + c: Q4_0's block), the codebook's indices as the file holds them */
 #define IQ4XS_SC(sb) (32 + 272 * (sb))
 #define IQ4XS_V(sb) (48 + 272 * (sb))
+/* Q2_K's (1344 bytes, the file's 16 x 84): the rows' f16 d, then dmin, then per activation block
+ * xb (160 bytes) the two sub-blocks' scale bytes (16 rows each, the file's: scale in the low
+ * nibble, min in the high), then each sub-block's values in a run of 64 bytes: row r's 4 bytes
+ * at 4r, byte c holding values 4s + c (s < 4) of the sub-block in bits 2s, so one run shifted
+ * and masked 4 ways is the sub-block's 16 values of 16 rows, in the order x's 4-byte groups
+ * come (interleave_k23). Q3_K's (1824 bytes: its 16 6-bit scales a byte each, 64 more than the
+ * file's 16 x 110): the rows' f16 d, then per activation block (224 bytes) the two sub-blocks'
+ * scales (int8, sc - 32), their low 2 bits of q + 4 as Q2_K's values, then the block's high
+ * bits: byte c of row r holding in bit s value 4s + c's (of 32: sub-block 2 xb for s < 4). */
+#define Q2K_SC(j) (64 + 160 * ((j) / 2) + 16 * ((j) % 2))            /* sub-block j's 16 scale bytes */
+#define Q2K_V(j) (64 + 160 * ((j) / 2) + 32 + 64 * ((j) % 2))         /* sub-block j's values */
+#define Q3K_SC(j) (32 + 224 * ((j) / 2) + 16 * ((j) % 2))             /* sub-block j's 16 scales */
+#define Q3K_L(j) (32 + 224 * ((j) / 2) + 32 + 64 * ((j) % 2))         /* sub-block j's low bits */
+#define Q3K_H(xb) (32 + 224 * (xb) + 160)                             /* activation block xb's high bits */
 
 /* ---- repacking ------------------------------------------------------------------------------ */
 
@@ -118,6 +134,33 @@ static void interleave_q4k(const uint8_t *src, int64_t stride, int64_t rows, int
         }
 }
 
+/* Q2_K and Q3_K (layouts above Q2K_SC): values unpacked by kunpack (Q2_K q, Q3_K q - 4 .. 3:
+ * stored as q + 4), laid out per sub-block as 4 bytes a row */
+static void interleave_k23(int t, const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
+    const int gb = x16_block_bytes(t), q2 = t == T_Q2_K;
+    int8_t q[QKK];
+    float scl[16], mn[16];
+    for (int64_t g = 0; g < (rows + 15) / 16; g++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * gb;
+            memset(p, 0, gb);
+            for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
+                const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * type_bytes(t);
+                kunpack(t, w, q, scl, mn);
+                memcpy(p + 2 * r, w + (q2 ? 80 : 108), 2);
+                if (q2) memcpy(p + 32 + 2 * r, w + 82, 2);
+                for (int j = 0; j < 16; j++) {
+                    p[(q2 ? Q2K_SC(j) : Q3K_SC(j)) + r] = q2 ? w[j] : (uint8_t)(int8_t)q3k_scale(w + 96, j);
+                    for (int l = 0; l < 16; l++) {
+                        int u = q[16 * j + l] + (q2 ? 0 : 4);
+                        p[(q2 ? Q2K_V(j) : Q3K_L(j)) + 4 * r + l % 4] |= (uint8_t)((u & 3) << (2 * (l / 4)));
+                        if (!q2) p[Q3K_H(j / 2) + 4 * r + l % 4] |= (uint8_t)((u >> 2) << (4 * (j % 2) + l / 4));
+                    }
+                }
+            }
+        }
+}
+
 /* A run of L lanes of Q4_0, Q4_1 or Q8_0 blocks at p (L x the block's bytes): the n blocks at w,
  * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales, for Q4_1
  * then their mins, then the values, run j holding bytes 4j..4j+3 of each lane's value bytes */
@@ -167,6 +210,7 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
     if (t == T_IQ4_XS) { interleave_iq4xs(src, stride, rows, nb, dst); return; }
     if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
     if (t == T_Q4_K) { interleave_q4k(src, stride, rows, nb, dst); return; }
+    if (is_k23(t)) { interleave_k23(t, src, stride, rows, nb, dst); return; }
     int tb = type_bytes(t), gb = 16 * tb;
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
@@ -191,13 +235,18 @@ static void interleave_blocks(int t, const uint8_t *src, int64_t stride, int64_t
 /* ---- the lanes every SIMD level reproduces, in portable C -------------------------------------- */
 
 /* The stored unsigned value i of row r in an X16 block p (interleave's layouts): Q4_0, Q4_1 and
- * Q4_K a nibble, Q8_0 q + 128, Q6_K 6 bits */
+ * Q4_K a nibble, Q8_0 q + 128, Q6_K 6 bits, Q2_K 2, Q3_K q + 4 in 3 */
 static inline int x16_value(int t, const uint8_t *p, int r, int i) {
     if (t == T_Q6_K) {
         int quad = i / 4, c = i % 4;
         int lo = (p[Q6_L(quad / 2) + 4 * r + c] >> (4 * (quad & 1))) & 15;
         int hi = (p[Q6_H(i / 16) + 4 * r + c] >> (2 * (quad % 4))) & 3;
         return lo | (hi << 4);
+    }
+    if (is_k23(t)) {  /* Q2_K q, Q3_K q + 4 */
+        int j = i / 16, l = i % 16, v = i % 32;
+        int lo = (p[(t == T_Q2_K ? Q2K_V(j) : Q3K_L(j)) + 4 * r + l % 4] >> (2 * (l / 4))) & 3;
+        return t == T_Q2_K ? lo : lo | ((p[Q3K_H(i / 32) + 4 * r + v % 4] >> (v / 4)) & 1) << 2;
     }
     if (t == T_Q4_K) {
         int sb = i / 32, l = i % 32;
@@ -220,8 +269,8 @@ static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8b
     return fmaf((float)s, d * x->d, acc);
 }
 
-/* Row r of the group at g (nb blocks) dotted with one token (its q8 blocks x; Q6_K: hs, its sums
- * over each 16 values): the VNNI tiles' lane for that row, operation for operation (fmaf: their
+/* Row r of the group at g (nb blocks) dotted with one token (its q8 blocks x; Q6_K and Q3_K: hs,
+ * its sums over each 16 values; Q2_K: those sums times the block's x scale, floats): the VNNI tiles' lane for that row, operation for operation (fmaf: their
  * fused multiply-adds), so both paths give the same floats. */
 static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq, const int32_t *hs) {
     float acc = 0.f;
@@ -247,6 +296,31 @@ static float x16_lane_c(int t, const uint8_t *g, int nb, int r, const q8blk *xq,
                 for (int l = 0; l < QK; l++) sum += x16_value(t, g, r, 32 * sb + l) * x->q[l];
                 float dsc = d * (float)(int8_t)g[IQ4XS_SC(sb) + r];
                 acc = fmaf((float)sum, dsc * x->d, acc);
+            }
+        }
+        return acc;
+    }
+    if (is_k23(t)) {  /* per activation block: Q6_K's steps (Q3_K: sc - 32 and -4 offsets), and Q2_K's mins */
+        const int gb = x16_block_bytes(t), q2 = t == T_Q2_K;
+        for (int k = 0; k < nb; k++, g += gb) {
+            float d = f16_to_f32(rd16(g + 2 * r)), dm = q2 ? f16_to_f32(rd16(g + 32 + 2 * r)) : 0.f;
+            for (int xb = 0; xb < 8; xb++) {
+                const q8blk *x = xq + 8 * k + xb;
+                const int32_t *hb = hs + 2 * (8 * k + xb);
+                int32_t si = 0;
+                for (int h = 0; h < 2; h++) {
+                    int j = 2 * xb + h;
+                    int32_t s = q2 ? 0 : -4 * hb[h];
+                    for (int i = 0; i < 16; i++) s += x16_value(t, g, r, 16 * j + i) * x->q[16 * h + i];
+                    si += s * (q2 ? g[Q2K_SC(j) + r] & 15 : (int8_t)g[Q3K_SC(j) + r]);
+                }
+                acc = fmaf((float)si, d * x->d, acc);
+                if (q2)  /* hs: Q2_K's x scale times the sums, as floats */
+                    for (int h = 0; h < 2; h++) {
+                        float xs;
+                        memcpy(&xs, hb + h, 4);
+                        acc = fmaf(-(dm * (float)(g[Q2K_SC(2 * xb + h) + r] >> 4)), xs, acc);
+                    }
             }
         }
         return acc;
@@ -332,6 +406,12 @@ static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {
         case T_Q5_0: o[v] = d * (float)(q - 16); break;
         case T_Q8_0: case T_IQ4_NL: o[v] = d * (float)(q - 128); break;
         case T_IQ4_XS: o[v] = d * (float)(int8_t)p[IQ4XS_SC(v / 32) + r] * (float)(q - 128); break;  /* as kunpack */
+        case T_Q2_K: {  /* as kunpack: (d sc) q - dmin m */
+            int sc = p[Q2K_SC(v / 16) + r];
+            o[v] = d * (float)(sc & 15) * (float)q - f16_to_f32(rd16(p + 32 + 2 * r)) * (float)(sc >> 4);
+            break;
+        }
+        case T_Q3_K: o[v] = d * (float)(int8_t)p[Q3K_SC(v / 16) + r] * (float)(q - 4); break;
         case T_Q4_K:  /* as kunpack: (d sc) q - dmin m */
             o[v] = d * (float)p[Q4K_SC(v / 32) + r] * (float)q - d2 * (float)p[Q4K_MN(v / 32) + r];
             break;

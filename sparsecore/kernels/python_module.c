@@ -198,7 +198,7 @@ static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
     uint8_t *dst = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
     if (!(blocks ? r16_type(t) : x16_type(t))) {
-        PyErr_Format(PyExc_ValueError, "%s: %s only", name, blocks ? "Q4_0, Q4_1 or Q8_0" : "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+        PyErr_Format(PyExc_ValueError, "%s: %s only", name, blocks ? "Q4_0, Q4_1 or Q8_0" : "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q2_K or Q3_K");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
