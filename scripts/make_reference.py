@@ -20,7 +20,6 @@ logits file).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -30,6 +29,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.fixtures.lowbit_smollm2 import sha256  # noqa: E402  (the file's hash, as the tests check it)
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURES = REPO / "tests" / "fixtures"
 LOGIT_STEPS = (0, 32)  # generated steps whose full logits are stored
@@ -92,14 +93,6 @@ def run_all(tok, model, prompts, n_new: int):
                             generated_text=tok.decode(ids), margins=margins,
                             seconds=time.perf_counter() - t0, logits=kept))
     return results
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_repeat(tok, model, prompts, n_new, first) -> dict:
@@ -187,7 +180,6 @@ def main():
     if args.type:
         import tempfile
 
-        sys.path.insert(0, str(REPO))
         from tests.fixtures.lowbit_smollm2 import write_lowbit_copy
 
         stem = f"smollm2_{args.type.lower()}"
