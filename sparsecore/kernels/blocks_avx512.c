@@ -17,7 +17,7 @@
  * no step work). The same integer sums, hence the same floats, as reading x itself. */
 #define TILE_V 8
 
-/* the types with VNNI steps here; Q5_0, Q5_1, IQ4_NL and IQ4_XS take AVX2's kernels (pack_x) */
+/* the types with VNNI steps here; Q5_0, Q5_1, IQ4_NL, IQ4_XS, IQ3_XXS and IQ3_S take AVX2's kernels (pack_x) */
 static inline int vnni_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
