@@ -21,6 +21,8 @@
 /* the 256-bit vpdpbusd levels (interleaved_256.c): VEX (AVX-VNNI), and EVEX on AVX-512 VNNI CPUs */
 #define AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define VNNI256 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+/* VNNI with AVX512_VBMI (vpermi2b, vpmultishiftqb): IQ3_XXS's and IQ3_S's grid lookups, 64 at once (blocks_avx512.c) */
+#define VBMI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi")))
 #else
 #define HAVE_X86 0
 #endif
@@ -148,6 +150,7 @@ static inline mat shifted(mat m, int64_t r0) {
 
 static int use_avx2 = 0;
 static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
+static int use_vbmi = 0;  /* with use_vnni, where the CPU has AVX512_VBMI: IQ3_XXS's and IQ3_S's VNNI products */
 /* the interleaved layouts' integer sums with 256-bit vpdpbusd (level "avxvnni", implies use_avx2):
  * 1 VEX-encoded (CPUs with AVX-VNNI), 2 EVEX-encoded (CPUs with AVX-512 VNNI: the same code,
  * tested there) */
