@@ -138,11 +138,11 @@ AVX2 static inline __m256 iq4xs_scales(const uint8_t *w) {
 
 /* IQ3_XXS and IQ3_S, AVX2: sub-block j's 32 grid values unsigned (8 grid words by index, one
  * vpgatherdd: 8 scalar loads into _mm256_set_epi32, as llama.cpp, took as long for IQ3_XXS and
- * 1.1x for IQ3_S; through a stack buffer 1.35x) and its signs as 32 bytes +1 / -1, for _mm256_sign_epi8 (a
- * grid value is never 0: the signed value is sign_epi8(g, s), and a token's x times s with g
- * unsigned is the unsigned-by-signed product maddubs takes, 2 x 62 x 127 < 32767). IQ3_XXS's
- * 7-bit sign indices read their 8 signs from a table of 128 8-byte words (ksigns_iq3's bits as
- * +1 / -1 bytes); IQ3_S's 32 sign bits become bytes by bits16's shuffle and compare. */
+ * 1.1x for IQ3_S; through a stack buffer 1.4x) and its signs as 32 bytes +1 / -1, for
+ * _mm256_sign_epi8 (a grid value is never 0: the signed value is sign_epi8(g, s), and a token's x
+ * times s with g unsigned is the unsigned-by-signed product maddubs takes, 2 x 62 x 127 < 32767).
+ * IQ3_XXS's 7-bit sign indices read their 8 signs from a table of 128 8-byte words (ksigns_iq3's
+ * bits as +1 / -1 bytes); IQ3_S's 32 sign bits become bytes by bits16's shuffle and compare. */
 static const uint64_t iq3xxs_signs8[128] = {
     0x0101010101010101ULL, 0xff010101010101ffULL, 0xff0101010101ff01ULL, 0x010101010101ffffULL,
     0xff01010101ff0101ULL, 0x0101010101ff01ffULL, 0x0101010101ffff01ULL, 0xff01010101ffffffULL,

@@ -260,18 +260,19 @@ VNNI static INLINE void dots_fast_vnni_tile(int t, const uint8_t *w, const xpair
 
 /* ---- IQ3_XXS and IQ3_S with AVX512_VBMI -------------------------------------------------------
  * AVX2 looks a block's 64 grid words up one at a time (a gather of 8 per sub-block: one token's
- * rows ran at a third of Q5_0's speed, bound by the lookups). Here the 64 indices of a block
- * look up all at once: per grid word two bytes of 3-bit codes (two values a byte, a nibble
- * each), each byte a table of 256 (IQ3_XXS) or 512 (IQ3_S) entries read by vpermi2b 128 at a
- * time, the index's bit 7 (and IQ3_S's bit 8, qh as a 64-bit mask) choosing among them; per
- * 64 values, vpermi2b puts each grid word's two code bytes side by side and vpmultishiftqb
- * takes the nibbles out in order (IQ3_S's nibbles are its values, IQ3_XXS's codes become
- * values by pshufb with its 8 grid values). 4 unpacks and 8 128-bit shuffles after the
- * nibbles instead took 1.3x the time. Signs: a 64-bit mask per sub-block pair
- * (IQ3_S's bits as they are; IQ3_XXS's 7-bit indices by vpmultishiftqb, then ksigns_iq3 by
- * vpermi2b), x negated under it (x is at most 127 in magnitude), vpdpbusd with the unsigned
- * values. Per (pair, token) as the other types' steps: one vpdpbusd, a convert, one FMA; one
- * token is the tile of one token, so its floats do not depend on its batch. */
+ * rows ran at a third of Q5_0's speed, bound by the lookups). Here the 64 indices of a block look
+ * up all at once: per grid word two bytes of 3-bit codes (two values a byte, a nibble each), each
+ * byte a table of 256 (IQ3_XXS) or 512 (IQ3_S) entries read by vpermi2b 128 at a time, the index's
+ * bit 7 (and IQ3_S's bit 8, qh as a 64-bit mask) choosing among them; per 64 values, vpermi2b puts
+ * each grid word's two code bytes side by side and vpmultishiftqb takes the nibbles out in order
+ * (IQ3_S's nibbles are its values, IQ3_XXS's codes become values by pshufb with its 8 grid
+ * values). 4 unpacks and 8 128-bit shuffles after the nibbles instead took 1.1x (IQ3_XXS) and 1.2x
+ * (IQ3_S) the time. Signs: a 64-bit mask per sub-block pair (IQ3_S's bits as they are; IQ3_XXS's
+ * 7-bit indices by vpmultishiftqb, then ksigns_iq3 by vpermi2b), x negated under it (x is at most
+ * 127 in magnitude), vpdpbusd with the unsigned values. Per (pair, token) as the other types'
+ * steps: one vpdpbusd, a convert, one FMA, the scales of a block's 8 sub-blocks times x's in one
+ * multiply per token (per pair: 1.19x the time); one token is the tile of one token, so its floats
+ * do not depend on its batch. */
 static _Alignas(64) const uint8_t iq3xxs_nib[2][256] = {{
     0, 2, 4, 17, 19, 23, 32, 34, 49, 66, 115, 117, 1, 3, 16, 18, 33, 37, 48, 50, 65, 84, 112, 0, 2, 4, 17, 32, 34, 49, 51, 55,
     81, 87, 117, 1, 7, 16, 18, 37, 112, 19, 55, 68, 87, 115, 117, 1, 7, 50, 82, 53, 100, 16, 20, 22, 67, 97, 1, 3, 16, 18, 33, 35,
