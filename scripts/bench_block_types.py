@@ -2,7 +2,7 @@
 values/s of one core.
 
     python scripts/bench_block_types.py [--rows 5632 --cols 2048 --matrices 8 --reps 5]
-                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS] [--isa avx2]
+                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_XXS IQ3_S] [--isa avx2]
                                         [--batches 1 4 8] [--x16]
 
 Random valid blocks (random bits, small f16 scales) of each type in `--matrices` matrices of
@@ -27,7 +27,7 @@ from sparsecore import kernels as K  # noqa: E402
 
 # where each type's f16 scales lie in its block (the rest of the bits random): offsets
 SCALES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,),
-          T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+          T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,)}
 
 
 def random_matrix(rng, rows: int, cols: int, t: T) -> SimpleNamespace:

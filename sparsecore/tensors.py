@@ -47,7 +47,7 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
 
 def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
-    read (the i-quants of 1 to 3 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
+    read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
     native type of at most 8 bits that keeps their precision: Q5_0 (5.5 bits per weight) for the
     types of at most 4, else Q8_0 (8.5). Never float32."""
     from .kernels import supports

@@ -1,4 +1,4 @@
-"""Types with no native kernel (the i-quants of 1 to 3 bits, TQ2_0, ...) are converted once at
+"""Types with no native kernel (the i-quants of 1 and 2 bits, TQ2_0, ...; IQ3_XXS and IQ3_S have kernels) are converted once at
 load into a native block type of at most 8 bits, never float32 (sparsecore.tensors.conversion):
 the values stay within the new type's rounding of gguf-py's dequantization, the engine says so
 in one line naming the sizes, and the model generates. A type gguf-py cannot read at all (Q1_0)
@@ -17,7 +17,8 @@ from sparsecore.kernels import supports
 from sparsecore.tensors import TensorStore, conversion
 from tests.fixtures.tiny_gguf import write_tiny_llama
 
-CONVERTED = [QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.TQ2_0]
+CONVERTED = [QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.TQ2_0]
+NATIVE_IQ = [QT.IQ3_XXS, QT.IQ3_S]  # once converted, now read natively (tests/test_kernels_iq3.py)
 GATE = "blk.0.ffn_gate.weight"
 ATTN = "blk.1.attn_q.weight"
 
@@ -55,8 +56,22 @@ def test_no_conversion_for_native_or_float_types(tiny_model_factory):
     assert conversion(store.raw(GATE)) is None and store.info(GATE) is store.raw(GATE)
 
 
+@pytest.mark.parametrize("t", NATIVE_IQ, ids=lambda t: t.name)
+def test_iq3_types_are_read_as_the_file_holds_them(tmp_path, capfd, t):
+    path = _model(tmp_path, t)
+    store = TensorStore(path, open_gguf(path))
+    raw = store.raw(GATE)
+    assert supports(t) and conversion(raw) is None and store.info(GATE) is raw
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1)) as eng:
+        out = list(eng.generate([1, 2, 3, 4], 4, stop_at_eos=False))
+        plan = eng.memory
+    assert len(out) == 4
+    err = capfd.readouterr().err
+    assert "no native kernel" not in err and t.name not in plan.converted_types
+
+
 def test_a_converted_model_generates_and_says_what_it_converted(tmp_path, capfd):
-    path = _model(tmp_path, QT.IQ3_S)
+    path = _model(tmp_path, QT.IQ2_S)
     with Engine(path, EngineOptions(threads=2, cpu_workers=1)) as eng:
         out = list(eng.generate([1, 2, 3, 4], 4, stop_at_eos=False))
         plan = eng.memory
@@ -64,6 +79,6 @@ def test_a_converted_model_generates_and_says_what_it_converted(tmp_path, capfd)
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if "no native kernel" in line]
     assert len(lines) == 1, err
-    assert "2 IQ3_S tensors" in lines[0] and "requantized once at load to Q" in lines[0] and " GB" in lines[0]
+    assert "2 IQ2_S tensors" in lines[0] and "requantized once at load to Q" in lines[0] and " GB" in lines[0]
     assert "float32" not in err
-    assert plan.converted > 0 and "IQ3_S" in plan.converted_types
+    assert plan.converted > 0 and "IQ2_S" in plan.converted_types

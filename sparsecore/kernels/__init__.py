@@ -18,7 +18,7 @@ same float operations in the same order), so a request decodes the same alone or
 transformers oracle computes. `fast=True`: the activation quantized to 8 bits per block of 32,
 integer block dot products (llama.cpp's arithmetic). Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, IQ4_NL, and in blocks of 256 values (such a block spans 8 activation blocks) the
-K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
+K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS and IQ3_S.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from . import _kernels
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
 NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
                 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-                6: 32, 7: 32, 20: 32, 23: 256}  # Q5_0, Q5_1, IQ4_NL, IQ4_XS
+                6: 32, 7: 32, 20: 32, 23: 256,  # Q5_0, Q5_1, IQ4_NL, IQ4_XS
+                18: 256, 21: 256}  # IQ3_XXS, IQ3_S
 ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in ffn_step.c
 # How gate and up combine (ModelConfig.ffn_gate), or'ed into the activation id: "par"
 # act(gate x) * (up x); "none" act(gate x) alone, with `gate` the up matrix (falcon: no second

@@ -6,8 +6,8 @@
  *     for each owned neuron n:  g = act(gate[n] . x); skip unless active; h[n] = g * (up[n] . x)
  *     y = down[:, owned] . h
  * Every matrix product is a row dot product on the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
- * IQ4_NL, F16, BF16, F32, and in blocks of 256 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
- * IQ4_XS). Two arithmetic modes:
+ * IQ4_NL, F16, BF16, F32, and in blocks of 256 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+ * IQ4_XS, IQ3_XXS and IQ3_S). Two arithmetic modes:
  *   exact: float32 activations times each block's dequantized values (d * q, exact in float32),
  *          summed per block and scaled: the products transformers computes on the dequantized
  *          matrix, in another summation order;

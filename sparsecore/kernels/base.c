@@ -1,7 +1,8 @@
 /* _kernels.c, part: what every other part builds on. The platform and the instruction sets'
  * target attributes (each function carries its level's; the level flags use_avx2 and use_vnni
  * pick one at run time), the GGML type ids and their block sizes (F32, F16, BF16; blocks of 32:
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), f16/bf16 conversion,
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, IQ3_S),
+ * f16/bf16 conversion,
  * unaligned reads, the per-thread scratch buffers' growth, fast mode's 8-bit activation
  * blocks, and `mat`: one matrix as the kernels address it. */
 
@@ -20,6 +21,8 @@
 /* the 256-bit vpdpbusd levels (interleaved_256.c): VEX (AVX-VNNI), and EVEX on AVX-512 VNNI CPUs */
 #define AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define VNNI256 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+/* VNNI with AVX512_VBMI (vpermi2b, vpmultishiftqb): IQ3_XXS's and IQ3_S's grid lookups, 64 at once (blocks_avx512.c) */
+#define VBMI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi")))
 #else
 #define HAVE_X86 0
 #endif
@@ -32,6 +35,8 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q2_K = 10, T_
        T_Q6_K = 14, T_BF16 = 30 };
 /* blocks of 32: Q5_0, Q5_1, IQ4_NL (4-bit indices into a 16-value codebook); of 256: IQ4_XS */
 enum { T_Q5_0 = 6, T_Q5_1 = 7, T_IQ4_NL = 20, T_IQ4_XS = 23 };
+/* of 256: IQ3_XXS and IQ3_S (3-bit values from grids of 4, signs apart; blocks_generic.c) */
+enum { T_IQ3_XXS = 18, T_IQ3_S = 21 };
 #define QK 32
 #define QKK 256  /* values per block of the K-quants (and IQ4_XS) */
 #define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
@@ -77,9 +82,10 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
 
 /* ---- types and block sizes ------------------------------------------------------------------ */
 
-/* blocks of 256 values (8 activation blocks each): the K-quants, and IQ4_XS, unpacked with them (kunpack) */
+static inline int is_iq3(int t) { return t == T_IQ3_XXS || t == T_IQ3_S; }
+/* blocks of 256 values (8 activation blocks each): the K-quants, and IQ4_XS, IQ3_XXS, IQ3_S, unpacked with them (kunpack) */
 static inline int is_kquant(int t) {
-    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS;
+    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS || is_iq3(t);
 }
 /* the 2- and 3-bit K-quants: sub-blocks of 16 and, with AVX2, fast mode's own kernels (k23_*) */
 static inline int is_k23(int t) { return t == T_Q2_K || t == T_Q3_K; }
@@ -91,6 +97,7 @@ static int type_bytes(int t) {  /* bytes of one block */
     case T_Q2_K: return 84; case T_Q3_K: return 110;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     case T_Q5_0: return 22; case T_Q5_1: return 24; case T_IQ4_NL: return 18; case T_IQ4_XS: return 136;
+    case T_IQ3_XXS: return 98; case T_IQ3_S: return 110;
     default: return 0;
     }
 }
@@ -147,6 +154,7 @@ static inline mat shifted(mat m, int64_t r0) {
 
 static int use_avx2 = 0;
 static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
+static int use_vbmi = 0;  /* with use_vnni, where the CPU has AVX512_VBMI: IQ3_XXS's and IQ3_S's VNNI products */
 /* the interleaved layouts' integer sums with 256-bit vpdpbusd (level "avxvnni", implies use_avx2):
  * 1 VEX-encoded (CPUs with AVX-VNNI), 2 EVEX-encoded (CPUs with AVX-512 VNNI: the same code,
  * tested there) */

@@ -1,6 +1,6 @@
 /* _kernels.c, part: the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
  * and axpy, the same for several tokens per row (Q2_K and Q3_K: their own kernels, k23_*), and
- * the activations' quantization. Q5_0, Q5_1, IQ4_NL and IQ4_XS have their dots in the
+ * the activations' quantization. Q5_0, Q5_1, IQ4_NL, IQ4_XS, IQ3_XXS and IQ3_S have their dots in the
  * several-token kernels only (the one-token dots call them with one token): the codebook
  * types' values by pshufb, Q5's fifth bits by a byte compare. */
 
@@ -136,7 +136,82 @@ AVX2 static inline __m256 iq4xs_scales(const uint8_t *w) {
     return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(rd16(w))), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
 }
 
-/* the several-token kernels (below): the one-token dots of Q5_0, Q5_1, IQ4_NL and IQ4_XS */
+/* IQ3_XXS and IQ3_S, AVX2: sub-block j's 32 grid values unsigned (8 grid words by index, one
+ * vpgatherdd: 8 scalar loads into _mm256_set_epi32, as llama.cpp, took as long for IQ3_XXS and
+ * 1.1x for IQ3_S; through a stack buffer 1.4x) and its signs as 32 bytes +1 / -1, for
+ * _mm256_sign_epi8 (a grid value is never 0: the signed value is sign_epi8(g, s), and a token's x
+ * times s with g unsigned is the unsigned-by-signed product maddubs takes, 2 x 62 x 127 < 32767).
+ * IQ3_XXS's 7-bit sign indices read their 8 signs from a table of 128 8-byte words (ksigns_iq3's
+ * bits as +1 / -1 bytes); IQ3_S's 32 sign bits become bytes by bits16's shuffle and compare. */
+static const uint64_t iq3xxs_signs8[128] = {
+    0x0101010101010101ULL, 0xff010101010101ffULL, 0xff0101010101ff01ULL, 0x010101010101ffffULL,
+    0xff01010101ff0101ULL, 0x0101010101ff01ffULL, 0x0101010101ffff01ULL, 0xff01010101ffffffULL,
+    0xff010101ff010101ULL, 0x01010101ff0101ffULL, 0x01010101ff01ff01ULL, 0xff010101ff01ffffULL,
+    0x01010101ffff0101ULL, 0xff010101ffff01ffULL, 0xff010101ffffff01ULL, 0x01010101ffffffffULL,
+    0xff0101ff01010101ULL, 0x010101ff010101ffULL, 0x010101ff0101ff01ULL, 0xff0101ff0101ffffULL,
+    0x010101ff01ff0101ULL, 0xff0101ff01ff01ffULL, 0xff0101ff01ffff01ULL, 0x010101ff01ffffffULL,
+    0x010101ffff010101ULL, 0xff0101ffff0101ffULL, 0xff0101ffff01ff01ULL, 0x010101ffff01ffffULL,
+    0xff0101ffffff0101ULL, 0x010101ffffff01ffULL, 0x010101ffffffff01ULL, 0xff0101ffffffffffULL,
+    0xff01ff0101010101ULL, 0x0101ff01010101ffULL, 0x0101ff010101ff01ULL, 0xff01ff010101ffffULL,
+    0x0101ff0101ff0101ULL, 0xff01ff0101ff01ffULL, 0xff01ff0101ffff01ULL, 0x0101ff0101ffffffULL,
+    0x0101ff01ff010101ULL, 0xff01ff01ff0101ffULL, 0xff01ff01ff01ff01ULL, 0x0101ff01ff01ffffULL,
+    0xff01ff01ffff0101ULL, 0x0101ff01ffff01ffULL, 0x0101ff01ffffff01ULL, 0xff01ff01ffffffffULL,
+    0x0101ffff01010101ULL, 0xff01ffff010101ffULL, 0xff01ffff0101ff01ULL, 0x0101ffff0101ffffULL,
+    0xff01ffff01ff0101ULL, 0x0101ffff01ff01ffULL, 0x0101ffff01ffff01ULL, 0xff01ffff01ffffffULL,
+    0xff01ffffff010101ULL, 0x0101ffffff0101ffULL, 0x0101ffffff01ff01ULL, 0xff01ffffff01ffffULL,
+    0x0101ffffffff0101ULL, 0xff01ffffffff01ffULL, 0xff01ffffffffff01ULL, 0x0101ffffffffffffULL,
+    0xffff010101010101ULL, 0x01ff0101010101ffULL, 0x01ff01010101ff01ULL, 0xffff01010101ffffULL,
+    0x01ff010101ff0101ULL, 0xffff010101ff01ffULL, 0xffff010101ffff01ULL, 0x01ff010101ffffffULL,
+    0x01ff0101ff010101ULL, 0xffff0101ff0101ffULL, 0xffff0101ff01ff01ULL, 0x01ff0101ff01ffffULL,
+    0xffff0101ffff0101ULL, 0x01ff0101ffff01ffULL, 0x01ff0101ffffff01ULL, 0xffff0101ffffffffULL,
+    0x01ff01ff01010101ULL, 0xffff01ff010101ffULL, 0xffff01ff0101ff01ULL, 0x01ff01ff0101ffffULL,
+    0xffff01ff01ff0101ULL, 0x01ff01ff01ff01ffULL, 0x01ff01ff01ffff01ULL, 0xffff01ff01ffffffULL,
+    0xffff01ffff010101ULL, 0x01ff01ffff0101ffULL, 0x01ff01ffff01ff01ULL, 0xffff01ffff01ffffULL,
+    0x01ff01ffffff0101ULL, 0xffff01ffffff01ffULL, 0xffff01ffffffff01ULL, 0x01ff01ffffffffffULL,
+    0x01ffff0101010101ULL, 0xffffff01010101ffULL, 0xffffff010101ff01ULL, 0x01ffff010101ffffULL,
+    0xffffff0101ff0101ULL, 0x01ffff0101ff01ffULL, 0x01ffff0101ffff01ULL, 0xffffff0101ffffffULL,
+    0xffffff01ff010101ULL, 0x01ffff01ff0101ffULL, 0x01ffff01ff01ff01ULL, 0xffffff01ff01ffffULL,
+    0x01ffff01ffff0101ULL, 0xffffff01ffff01ffULL, 0xffffff01ffffff01ULL, 0x01ffff01ffffffffULL,
+    0xffffffff01010101ULL, 0x01ffffff010101ffULL, 0x01ffffff0101ff01ULL, 0xffffffff0101ffffULL,
+    0x01ffffff01ff0101ULL, 0xffffffff01ff01ffULL, 0xffffffff01ffff01ULL, 0x01ffffff01ffffffULL,
+    0x01ffffffff010101ULL, 0xffffffffff0101ffULL, 0xffffffffff01ff01ULL, 0x01ffffffff01ffffULL,
+    0xffffffffffff0101ULL, 0x01ffffffffff01ffULL, 0x01ffffffffffff01ULL, 0xffffffffffffffffULL,
+};
+AVX2 static INLINE __m256i iq3_grid8(int t, const uint8_t *w, int j) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * j)));
+    if (t == T_IQ3_S) {
+        idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(w[66 + j]), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                                                    _mm256_set1_epi32(256)));
+        return _mm256_i32gather_epi32((const int *)iq3s_grid, idx, 4);
+    }
+    return _mm256_i32gather_epi32((const int *)iq3xxs_grid, idx, 4);
+}
+AVX2 static INLINE __m256i iq3_signs8(int t, const uint8_t *w, int j) {
+    if (t == T_IQ3_S) {
+        __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(rd32(w + 74 + 4 * j)),
+                                        _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(1));
+    }
+    uint32_t a = (uint32_t)rd32(w + 66 + 4 * j);
+    return _mm256_setr_epi64x((long long)iq3xxs_signs8[a & 127], (long long)iq3xxs_signs8[(a >> 7) & 127],
+                              (long long)iq3xxs_signs8[(a >> 14) & 127], (long long)iq3xxs_signs8[(a >> 21) & 127]);
+}
+/* each sub-block's scale in lanes 0..7, as iq3_scale (the same float operations) */
+AVX2 static inline __m256 iq3_scales(int t, const uint8_t *w) {
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(w)));
+    if (t == T_IQ3_S) {
+        __m256i ls = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd32(w + 106)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(15));
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1))));
+    }
+    __m256i a = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(w + 66)), 28);
+    __m256 h = _mm256_set1_ps(0.5f);
+    return _mm256_mul_ps(_mm256_mul_ps(d, _mm256_add_ps(h, _mm256_cvtepi32_ps(a))), h);
+}
+
+/* the several-token kernels (below): the one-token dots of Q5_0, Q5_1, IQ4_NL, IQ4_XS, IQ3_XXS
+ * and IQ3_S */
 AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy);
 AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy);
 /* Q2_K and Q3_K's one-row kernels: below, with the helpers they share with the batch tiles */
@@ -214,7 +289,7 @@ AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n)
         }
         return hsum8(acc);
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: {  /* the batch kernel's one-token case */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
         float y;
         dots_exact_tile(t, w, x, 0, n, 1, &y, 0);
         return y;
@@ -290,7 +365,7 @@ AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb
         }
         return hsum8(acc);
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: {  /* the batch kernel's one-token case */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
         float y;
         dots_fast_tile(t, w, xq, 0, nb, 1, &y, 0);
         return y;
@@ -369,6 +444,15 @@ AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
         for (int b = 0; b < n / QKK; b++, w += 136) {
             _mm256_storeu_ps(scl, iq4xs_scales(w));
             for (int j = 0; j < 8; j++, y += QK) i8x32_axpy(iq4_values(w + 8 + 16 * j), y, _mm256_set1_ps(a * scl[j]), zero);
+        }
+        return;
+    }
+    case T_IQ3_XXS: case T_IQ3_S: {
+        float scl[8];
+        for (int b = 0; b < n / QKK; b++, w += type_bytes(t)) {
+            _mm256_storeu_ps(scl, iq3_scales(t, w));
+            for (int j = 0; j < 8; j++, y += QK)
+                i8x32_axpy(_mm256_sign_epi8(iq3_grid8(t, w, j), iq3_signs8(t, w, j)), y, _mm256_set1_ps(a * scl[j]), zero);
         }
         return;
     }
@@ -746,6 +830,19 @@ AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x,
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
         return;
     }
+    case T_IQ3_XXS: case T_IQ3_S: {
+        float scl[8];
+        for (int k = 0; k < n / QKK; k++, w += type_bytes(t)) {
+            _mm256_storeu_ps(scl, iq3_scales(t, w));
+            for (int j = 0; j < 8; j++) {
+                i8x32_to_f(_mm256_sign_epi8(iq3_grid8(t, w, j), iq3_signs8(t, w, j)), f);
+                __m256 sc = _mm256_set1_ps(scl[j]);
+                for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QKK + j * QK, acc[b], sc);
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
+        return;
+    }
     case T_Q2_K: case T_Q3_K:
         k23_exact_tile(t, w, x, ldx, n, B, y, ldy);
         return;
@@ -888,6 +985,25 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
                     __m256i s1 = dot_u8s8(a1, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[1].q), q1));
                     acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(scl[j] * xb[0].d), acc[b]);
                     acc2[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(scl[j + 1] * xb[1].d), acc2[b]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) y[b * ldy] = hsum8(_mm256_add_ps(acc[b], acc2[b]));
+        return;
+    }
+    case T_IQ3_XXS: case T_IQ3_S: {  /* as IQ4_XS: the grid values unsigned, each token's x signed by them */
+        float scl[8];
+        for (int k = 0; k < nb / 8; k++, w += type_bytes(t)) {
+            _mm256_storeu_ps(scl, iq3_scales(t, w));
+            for (int j = 0; j < 8; j += 2) {
+                __m256i g0 = iq3_grid8(t, w, j), s0 = iq3_signs8(t, w, j);
+                __m256i g1 = iq3_grid8(t, w, j + 1), s1 = iq3_signs8(t, w, j + 1);
+                for (int b = 0; b < B; b++) {
+                    const q8blk *xb = xq + b * ldq + 8 * k + j;
+                    __m256i p0 = dot_u8s8(g0, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[0].q), s0));
+                    __m256i p1 = dot_u8s8(g1, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[1].q), s1));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(scl[j] * xb[0].d), acc[b]);
+                    acc2[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(scl[j + 1] * xb[1].d), acc2[b]);
                 }
             }
         }

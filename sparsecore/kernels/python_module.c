@@ -239,6 +239,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 #if HAVE_X86
     int vnni = strcmp(s, "avx512vnni") == 0, dp = vnni || strcmp(s, "avxvnni") == 0;
     use_vnni = vnni && cpu_vnni();
+    use_vbmi = use_vnni && __builtin_cpu_supports("avx512vbmi");
     use_dp256 = !use_vnni && dp ? cpu_dp256() : 0;
     use_avx2 = (dp || strcmp(s, "avx2") == 0) && cpu_avx2();
 #endif
@@ -376,6 +377,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if HAVE_X86
     use_avx2 = cpu_avx2();
     use_vnni = cpu_vnni();
+    use_vbmi = use_vnni && __builtin_cpu_supports("avx512vbmi");
     use_dp256 = !use_vnni && cpu_dp256() == 1;  /* the best level: AVX-VNNI's own encoding only */
 #endif
     return PyModule_Create(&module);
