@@ -37,6 +37,14 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        """llama.cpp's convention, as the CLI's --seed: -1 asks for a random seed (as none does)."""
+        if v is not None and not -1 <= v < 2 ** 64:
+            raise ValueError("choose -1 (random) or a seed from 0 to 2**64 - 1")
+        return None if v == -1 else v
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):

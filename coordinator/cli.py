@@ -14,7 +14,7 @@ from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
 from . import interrupts
-from .interrupts import stop_on_signals
+from .interrupts import exit_status, stop_on_signals
 from .model_fetch import MODELS, FetchError, default_model_path, pull
 
 EXIT_ERROR = 1
@@ -317,8 +317,9 @@ class _Cli(click.Group):
                 _fail(str(e))
             raise
         except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+            status = exit_status(ctx.invoked_subcommand)
+            click.echo("\nstopped" if status == 0 else "\ninterrupted", err=True)
+            sys.exit(status)
 
 
 @click.group(cls=_Cli)

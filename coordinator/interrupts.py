@@ -11,12 +11,22 @@ from __future__ import annotations
 import signal
 
 _pending = False  # a SIGINT or SIGTERM arrived and no one has handled its KeyboardInterrupt yet
+_last = None  # the last stop signal that arrived (the exit status depends on which)
 
 
 def _raise_interrupt(signum, frame):
-    global _pending
-    _pending = True
+    global _pending, _last
+    _pending, _last = True, signum
     raise KeyboardInterrupt
+
+
+def exit_status(command: str | None) -> int:
+    """The status a process stopped by a signal exits with: a server asked to stop by SIGTERM (a
+    service manager's stop) 0, as a clean stop; any other command stopped by SIGTERM 143 and by
+    SIGINT (Ctrl-C) 130, the shells' 128 + signal number."""
+    if _last == signal.SIGTERM:
+        return 0 if command == "serve" else 128 + signal.SIGTERM
+    return 128 + signal.SIGINT
 
 
 def raise_if_interrupted() -> None:
