@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
@@ -80,10 +80,17 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[StrictInt]]  # token ids: not true/false or "1"
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:  # said, rather than ignored: the reply would not hold what the client asked for
+            raise ValueError("echo is not supported: the completion holds the new text only")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -95,11 +102,14 @@ class CompletionRequest(_Sampling):
         return v
 
 
+MAX_TOKENIZE_CHARS = 1 << 20  # /tokenize's text: a long document, not the whole body limit
+
+
 class TokenizeRequest(_Body):
-    content: str
+    content: str = Field(max_length=MAX_TOKENIZE_CHARS)
     add_special: bool = False
     with_pieces: bool = False
 
 
 class DetokenizeRequest(_Body):
-    tokens: list[int]
+    tokens: list[StrictInt]

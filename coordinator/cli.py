@@ -384,7 +384,7 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8080, show_default=True, help="port to listen on (0: any free one)")
 @click.option("--api-key", default=None, envvar="SPARSEINFER_API_KEY",
-              help="require 'Authorization: Bearer KEY' (also from $SPARSEINFER_API_KEY)")
+              help="require 'Authorization: Bearer KEY'; $SPARSEINFER_API_KEY keeps it out of the process list")
 @click.option("--parallel", type=int, default=4, show_default=True, help="sequences decoded together (slots)")
 @click.option("--queue", type=int, default=16, show_default=True,
               help="requests that may wait for a slot; beyond them the server answers 503")
@@ -398,7 +398,12 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{parallel}: choose 1..64 sequences", param_hint="--parallel")
     if queue < 0:
         raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("an empty key would refuse every request: give one, or none", param_hint="--api-key")
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: listening on {host} with no --api-key: anyone who reaches this address can use "
+                   f"the model (set $SPARSEINFER_API_KEY)", err=True)
     from .server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits

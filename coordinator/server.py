@@ -113,20 +113,25 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return error_body(500, f"internal error: {type(e).__name__}", "server_error")
 
+    def authorized(request: HttpRequest) -> bool:
+        given = request.headers.get("authorization", "")
+        return api_key is None or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
     @app.middleware("http")
     async def _auth(request: HttpRequest, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        if request.url.path != "/health" and not authorized(request):
+            return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
 
     @app.get("/health")
-    async def health():
+    async def health(request: HttpRequest):
+        """Open to all, as load balancers probe it; without the key only the status (what the
+        server is doing and why it failed are for those who hold the key)."""
         if state.scheduler is not None and state.scheduler.error is not None:
             state.status, state.error = "error", state.scheduler.error
-        if state.status == "loading":
-            return JSONResponse({"status": "loading"}, status_code=503)
+        code = {"loading": 503, "error": 500}.get(state.status, 200)
+        if not authorized(request) or state.status == "loading":
+            return JSONResponse({"status": state.status}, status_code=code)
         if state.status == "error":
             return JSONResponse({"status": "error", "error": state.error}, status_code=500)
         sched = state.scheduler
@@ -138,8 +143,10 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "sparseinfer"}]}
 
+    # plain functions: FastAPI runs them in its thread pool, so a long text's tokenizing does
+    # not stall the event loop (every stream and /health with it)
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    def tokenize(body: TokenizeRequest):
         eng = _engine(state)
         ids = eng.tokenizer.encode(_text(body.content, "content"), add_bos=None if body.add_special else False, add_eos=False)
         if body.with_pieces:
@@ -147,7 +154,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         return {"tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    def detokenize(body: DetokenizeRequest):
         eng = _engine(state)
         n = eng.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < n]

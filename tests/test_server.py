@@ -29,9 +29,11 @@ def _run(args, **kw):
                           timeout=180, cwd=REPO, **kw)
 
 
-def _health(url: str) -> tuple[int, dict]:
+def _health(url: str, key: str | None = None) -> tuple[int, dict]:
+    """/health's status and body, asked with the tests' key (a server without one ignores it)."""
+    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key or KEY}"})
     try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -105,6 +107,8 @@ def test_models_and_health(served, client, tiny_model):
     assert ids == [tiny_model.name.removesuffix(".gguf")]
     status, body = _health(served[1])
     assert status == 200 and body["status"] == "ok" and body["slots"] == 4
+    # without the key (or with a wrong one) only the status: others' activity is not for all to see
+    assert _health(served[1], key="wrong") == (200, {"status": "ok"})
 
 
 def test_greedy_completion_matches_the_engine_alone_and_in_a_batch_of_4(served, client, model_id, reference):
@@ -504,3 +508,30 @@ def test_seed_minus_one_is_random_and_below_is_refused(served, path):
         assert status == want, (seed, status, reply[:200])
         if status == 400:
             assert b"seed" in reply
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [True, False], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "echo": True}, "echo"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+    ("/tokenize", {"content": "a" * ((1 << 20) + 1)}, "content"),
+], ids=["bool-ids", "echo", "bool-detokenize", "long-tokenize"])
+def test_requests_we_cannot_honour_are_400s_naming_the_field(served, path, body, param):
+    """Not coerced (true as token 1) or silently ignored (echo): a 400 that names the field."""
+    req = urllib.request.Request(served[1] + path, data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=HANG_S)
+    assert ei.value.code == 400
+    assert json.loads(ei.value.read())["error"]["message"].startswith(param)
+
+
+def test_an_empty_api_key_is_refused_and_an_open_address_without_one_warned(tiny_model, tmp_path):
+    r = _run(["serve", "-m", str(tiny_model), "--api-key", " ", "--port", "0"])
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--api-key" in r.stderr and "empty key" in r.stderr
+    with _server(tiny_model, tmp_path, "--host", "0.0.0.0") as (server, url):
+        assert _health(url)[0] == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+        err = server.stderr.read()
+    assert "warning: listening on 0.0.0.0 with no --api-key" in err
