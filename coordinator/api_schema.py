@@ -33,6 +33,7 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    best_of: int = Field(1, ge=1, le=1, description="one candidate per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -84,6 +85,15 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
     @field_validator("echo")
     @classmethod

@@ -389,8 +389,10 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
 @click.option("--queue", type=int, default=16, show_default=True,
               help="requests that may wait for a slot; beyond them the server answers 503")
 @click.option("--ready-file", default=None, help="write the server's URL here once listening (removed on exit)")
+@click.option("--no-api-key", is_flag=True,
+              help="serve a non-loopback --host with no key (anyone who reaches the address can use the model)")
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
-          ready_file):
+          ready_file, no_api_key):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
@@ -400,10 +402,10 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("an empty key would refuse every request: give one, or none", param_hint="--api-key")
+    if api_key is None and not no_api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        raise click.BadParameter(f"{host} is reachable from other machines: give a key ($SPARSEINFER_API_KEY keeps it "
+                                 f"out of the process list), or --no-api-key to serve anyone", param_hint="--host")
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        click.echo(f"warning: listening on {host} with no --api-key: anyone who reaches this address can use "
-                   f"the model (set $SPARSEINFER_API_KEY)", err=True)
     from .server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits

@@ -97,7 +97,11 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         return error_body(e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
+    async def _invalid(request: HttpRequest, e: RequestValidationError):
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and not ctype.split(";")[0].strip().lower().endswith("json"):
+            return error_body(400, f"Content-Type must be application/json, not {ctype or 'none'}",
+                              "invalid_request_error")
         err = (e.errors() or [{}])[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None

@@ -515,7 +515,10 @@ def test_seed_minus_one_is_random_and_below_is_refused(served, path):
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "echo": True}, "echo"),
     ("/detokenize", {"tokens": [True]}, "tokens"),
     ("/tokenize", {"content": "a" * ((1 << 20) + 1)}, "content"),
-], ids=["bool-ids", "echo", "bool-detokenize", "long-tokenize"])
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+], ids=["bool-ids", "echo", "bool-detokenize", "long-tokenize", "best_of", "suffix", "n"])
 def test_requests_we_cannot_honour_are_400s_naming_the_field(served, path, body, param):
     """Not coerced (true as token 1) or silently ignored (echo): a 400 that names the field."""
     req = urllib.request.Request(served[1] + path, data=json.dumps(body).encode(),
@@ -526,12 +529,22 @@ def test_requests_we_cannot_honour_are_400s_naming_the_field(served, path, body,
     assert json.loads(ei.value.read())["error"]["message"].startswith(param)
 
 
-def test_an_empty_api_key_is_refused_and_an_open_address_without_one_warned(tiny_model, tmp_path):
+def test_an_empty_api_key_and_an_open_address_without_one_are_refused(tiny_model, tmp_path):
     r = _run(["serve", "-m", str(tiny_model), "--api-key", " ", "--port", "0"])
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--api-key" in r.stderr and "empty key" in r.stderr
-    with _server(tiny_model, tmp_path, "--host", "0.0.0.0") as (server, url):
-        assert _health(url)[0] == 200
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=30) == 0
-        err = server.stderr.read()
-    assert "warning: listening on 0.0.0.0 with no --api-key" in err
+    r = _run(["serve", "-m", str(tiny_model), "--host", "0.0.0.0", "--port", "0"])
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--no-api-key" in r.stderr
+    with _server(tiny_model, tmp_path, "--host", "0.0.0.0", "--no-api-key") as (server, url):  # said explicitly
+        assert _health(url) == (200, {**_health(url)[1], "status": "ok"}) and "slots" in _health(url)[1]
+
+
+def test_a_body_that_is_not_json_gets_a_400_saying_so(served):
+    for ctype in (None, "text/plain"):
+        headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": ctype} if ctype else {})}
+        req = urllib.request.Request(served[1] + "/v1/completions", data=b'{"prompt": "x"}', headers=headers)
+        if ctype is None:  # urllib adds a form content type to a body without one
+            req.remove_header("Content-type")
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=HANG_S)
+        assert ei.value.code == 400
+        assert "Content-Type must be application/json" in json.loads(ei.value.read())["error"]["message"]
