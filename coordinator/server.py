@@ -65,28 +65,46 @@ class ServerState:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse a body beyond `limit` bytes (413) before anything parses it."""
+    """ASGI middleware: refuse a body beyond `limit` bytes (413) before anything parses it. A
+    sized body is judged by its Content-Length, unread; a chunked one (no length) is read here
+    up to the limit first and handed on whole, so it is refused the same way rather than
+    failing half-parsed (memory: the limit, once per request)."""
 
     def __init__(self, app, limit: int = MAX_BODY_BYTES):
         self.app, self.limit = app, limit
+
+    def _too_large(self):
+        return error_body(413, f"request body larger than {self.limit} bytes", "invalid_request_error")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await error_body(413, f"request body larger than {self.limit} bytes", "invalid_request_error")(
-                scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                return await self._too_large()(scope, receive, send)
+            return await self.app(scope, receive, send)
+        parts, seen = [], 0
+        while True:
             msg = await receive()
+            if msg["type"] != "http.request":  # the client went away: let the app see it
+                break
             seen += len(msg.get("body", b""))
             if seen > self.limit:
-                raise ApiError(413, f"request body larger than {self.limit} bytes")
-            return msg
-        await self.app(scope, limited, send)
+                return await self._too_large()(scope, receive, send)
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                msg = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return msg
+            return await receive()
+        await self.app(scope, replay, send)
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:

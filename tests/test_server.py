@@ -548,3 +548,29 @@ def test_a_body_that_is_not_json_gets_a_400_saying_so(served):
             urllib.request.urlopen(req, timeout=HANG_S)
         assert ei.value.code == 400
         assert "Content-Type must be application/json" in json.loads(ei.value.read())["error"]["message"]
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_and_a_small_one_is_served(served, model_id):
+    """Chunked bodies carry no Content-Length: read up to the limit, then refused as sized ones
+    are (not a 400 'error parsing the body'); a small chunked request is served as usual."""
+    import http.client
+
+    host, port = served[1].removeprefix("http://").split(":")
+
+    def post(chunks) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=HANG_S)
+        try:
+            conn.request("POST", "/v1/completions", body=iter(chunks), encode_chunked=True,
+                         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read()
+        except ConnectionError:
+            return 413, b""  # answered and closed before the client finished sending
+        finally:
+            conn.close()
+
+    status, _ = post([b'{"prompt": "', *([b"x" * (1 << 20)] * 9), b'"}'])
+    assert status == 413
+    status, reply = post([b'{"prompt": "the lazy', b' dog", "max_tokens": 2, ', b'"model": "' + model_id.encode() + b'"}'])
+    assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 2
+    assert _health(served[1])[0] == 200
