@@ -31,6 +31,8 @@ from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, To
 from .sampling import SamplingParams
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
+HEADER_TIMEOUT_S = 10.0  # a connection's time to deliver a request's headers (idle and slowloris ones)
+MAX_CONNECTIONS = 256  # open connections and running requests; beyond them uvicorn answers 503
 
 
 class ApiError(Exception):
@@ -105,6 +107,50 @@ class BodyLimit:
                 return msg
             return await receive()
         await self.app(scope, replay, send)
+
+
+def header_timeout_protocol(seconds: float):
+    """uvicorn's HTTP protocol with a deadline for headers: from the moment a connection waits for
+    a request (opened, or done with its last response) it has `seconds` to deliver the request's
+    headers, else it is closed. uvicorn's own keep-alive timeout ends idle connections only after
+    a first response, and stops the moment a byte arrives: a client sending nothing, or a header
+    byte a second, held its connection for good."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and self._deadline is None:
+                self._deadline = self.loop.call_later(seconds, self._expire)
+            elif not waiting and self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
@@ -425,7 +471,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
-          api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None) -> None:
+          api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None,
+          header_timeout: float = HEADER_TIMEOUT_S) -> None:
     """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
     or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
     import uvicorn
@@ -462,7 +509,8 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
 
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
     config = uvicorn.Config(BodyLimit(create_app(state, api_key)), log_level="warning", timeout_graceful_shutdown=2,
-                            lifespan="off")
+                            lifespan="off", http=header_timeout_protocol(header_timeout),
+                            limit_concurrency=MAX_CONNECTIONS)
     server = uvicorn.Server(config)
     if ready_file:
         Path(ready_file).write_text(f"http://{host}:{bound_port}\n")

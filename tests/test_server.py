@@ -574,3 +574,21 @@ def test_a_chunked_body_over_the_limit_is_a_413_and_a_small_one_is_served(served
     status, reply = post([b'{"prompt": "the lazy', b' dog", "max_tokens": 2, ', b'"model": "' + model_id.encode() + b'"}'])
     assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 2
     assert _health(served[1])[0] == 200
+
+
+def test_silent_and_slow_connections_are_closed_at_the_header_deadline(tiny_model, tmp_path):
+    """A connection that sends nothing, one that sends a header byte at a time, and one idle
+    after its response are each closed by the server (--header-timeout 1), which serves on.
+    The sockets' own timeout (HANG_S) only catches a server that never closes them."""
+    with _server(tiny_model, tmp_path, "--header-timeout", "1") as (_, url):
+        host, port = url.removeprefix("http://").split(":")
+        socks = [socket.create_connection((host, int(port)), timeout=HANG_S) for _ in range(3)]
+        silent, slow, idle = socks
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        slow.sendall(b"GET /hea")  # and no more: the rest of the request line never comes
+        for s in socks:  # each is closed by the server: recv returns b"" (EOF), not a timeout
+            while s.recv(4096):
+                pass
+            s.close()
+        assert _health(url)[0] == 200
