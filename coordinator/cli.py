@@ -393,8 +393,10 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
               help="serve a non-loopback --host with no key (anyone who reaches the address can use the model)")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True,
               help="seconds a connection has to send a request's headers, else it is closed")
+@click.option("--shutdown-grace", type=float, default=5.0, show_default=True,
+              help="on SIGTERM, seconds running streams may take to finish before the server exits (0)")
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
-          ready_file, no_api_key, header_timeout):
+          ready_file, no_api_key, header_timeout, shutdown_grace):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
@@ -404,6 +406,8 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
     if not 0 < header_timeout <= 3600:
         raise click.BadParameter(f"{header_timeout}: choose 0 < seconds <= 3600", param_hint="--header-timeout")
+    if not 0 <= shutdown_grace <= 3600:
+        raise click.BadParameter(f"{shutdown_grace}: choose 0 <= seconds <= 3600", param_hint="--shutdown-grace")
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("an empty key would refuse every request: give one, or none", param_hint="--api-key")
     if api_key is None and not no_api_key and host not in ("127.0.0.1", "localhost", "::1"):
@@ -421,7 +425,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         with click_ctx:
             return _open_engine(path, **opts)
     try:
-        serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout)
+        serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace)
     except OSError as e:
         _fail(str(e))
 

@@ -472,7 +472,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None,
-          header_timeout: float = HEADER_TIMEOUT_S) -> None:
+          header_timeout: float = HEADER_TIMEOUT_S, shutdown_grace: float = 5.0) -> None:
     """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
     or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
     import uvicorn
@@ -508,7 +508,10 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
         eng.close()
 
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
-    config = uvicorn.Config(BodyLimit(create_app(state, api_key)), log_level="warning", timeout_graceful_shutdown=2,
+    # on SIGTERM uvicorn stops accepting and lets running requests (streams) finish for up to
+    # shutdown_grace seconds; then the engine closes
+    config = uvicorn.Config(BodyLimit(create_app(state, api_key)), log_level="warning",
+                            timeout_graceful_shutdown=shutdown_grace,
                             lifespan="off", http=header_timeout_protocol(header_timeout),
                             limit_concurrency=MAX_CONNECTIONS)
     server = uvicorn.Server(config)

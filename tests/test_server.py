@@ -592,3 +592,25 @@ def test_silent_and_slow_connections_are_closed_at_the_header_deadline(tiny_mode
                 pass
             s.close()
         assert _health(url)[0] == 200
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits_0(tiny_model_factory, tmp_path):
+    """SIGTERM mid-stream (1500 tokens to go): the stream runs to its last token and [DONE]
+    within --shutdown-grace, and the server exits 0."""
+    import http.client
+
+    with _server(tiny_model_factory(ctx=4096), tmp_path, "--shutdown-grace", "60", "--ctx", "4096") as (server, url):
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=HANG_S)
+        body = json.dumps({"prompt": "the lazy dog", "max_tokens": 1500, "temperature": 0, "stream": True,
+                           "ignore_eos": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()  # decoding has begun
+        server.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        conn.close()
+        assert rest.rstrip().endswith("data: [DONE]")
+        events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+        assert len(events) > 1000 and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert server.wait(timeout=HANG_S) == 0
