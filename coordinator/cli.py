@@ -395,8 +395,11 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
               help="seconds a connection has to send a request's headers, else it is closed")
 @click.option("--shutdown-grace", type=float, default=5.0, show_default=True,
               help="on SIGTERM, seconds running streams may take to finish before the server exits (0)")
+@click.option("--on-worker-death", type=click.Choice(["restart", "exit"]), default="restart", show_default=True,
+              help="when a worker dies: restart the engine's workers (a second death within 60 s exits "
+                   "non-zero), or exit non-zero at once, for a supervisor to restart the server")
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
-          ready_file, no_api_key, header_timeout, shutdown_grace):
+          ready_file, no_api_key, header_timeout, shutdown_grace, on_worker_death):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
@@ -425,7 +428,8 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         with click_ctx:
             return _open_engine(path, **opts)
     try:
-        serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace)
+        serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace,
+                   on_worker_death)
     except OSError as e:
         _fail(str(e))
 

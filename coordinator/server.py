@@ -50,17 +50,18 @@ def error_body(status: int, message: str, type_: str, param=None, code=None) -> 
 @dataclass
 class ServerState:
     model_id: str
-    status: str = "loading"  # loading, ok, error
+    status: str = "loading"  # loading, ok, recovering (a worker died: restarting the engine), error
     error: str | None = None
     engine: object = None
     scheduler: Scheduler | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    exit_status: int = 0  # non-zero: the server stopped because its engine failed for good
 
     def ready(self) -> Scheduler:
-        if self.scheduler is not None and self.scheduler.error is not None:
-            self.status, self.error = "error", self.scheduler.error
-        if self.status == "loading":
-            raise ApiError(503, "the model is loading", "unavailable_error", code="loading")
+        if self.status == "ok" and self.scheduler is not None and self.scheduler.error is not None:
+            self.status = "recovering"  # the loader thread sees the same error and restarts the engine
+        if self.status in ("loading", "recovering"):
+            raise ApiError(503, f"the model is {self.status}", "unavailable_error", code=self.status)
         if self.status != "ok":
             raise ApiError(500, f"the engine failed: {self.error}", "server_error")
         return self.scheduler
@@ -195,10 +196,10 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def health(request: HttpRequest):
         """Open to all, as load balancers probe it; without the key only the status (what the
         server is doing and why it failed are for those who hold the key)."""
-        if state.scheduler is not None and state.scheduler.error is not None:
-            state.status, state.error = "error", state.scheduler.error
-        code = {"loading": 503, "error": 500}.get(state.status, 200)
-        if not authorized(request) or state.status == "loading":
+        if state.status == "ok" and state.scheduler is not None and state.scheduler.error is not None:
+            state.status = "recovering"
+        code = {"loading": 503, "recovering": 503, "error": 500}.get(state.status, 200)
+        if not authorized(request) or state.status in ("loading", "recovering"):
             return JSONResponse({"status": state.status}, status_code=code)
         if state.status == "error":
             return JSONResponse({"status": "error", "error": state.error}, status_code=500)
@@ -472,7 +473,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None,
-          header_timeout: float = HEADER_TIMEOUT_S, shutdown_grace: float = 5.0) -> None:
+          header_timeout: float = HEADER_TIMEOUT_S, shutdown_grace: float = 5.0, on_worker_death: str = "restart",
+          restart_window: float = 60.0) -> None:
     """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
     or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
     import uvicorn
@@ -486,26 +488,51 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
     state = ServerState(model_id=Path(model_path).name.removesuffix(".gguf"))
     closing = threading.Event()
 
+    def fail(msg: str) -> None:  # for good: one line, and the server exits non-zero (a supervisor's turn)
+        state.status, state.error, state.exit_status = "error", msg, 1
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
     def load():
-        try:
-            eng = load_engine()
-        except BaseException as e:  # the model could not load: health says why, requests get 500
-            state.status, state.error = "error", str(e) or type(e).__name__
-            print(f"error: {state.error}", file=sys.stderr, flush=True)
-            return
-        if closing.is_set():
+        """Load the engine and serve from it; when a worker dies, restart the engine (its in-flight
+        requests have failed; /health says "recovering" meanwhile), unless that happened within
+        the last `restart_window` seconds or `on_worker_death` is "exit". Workers die with the
+        thread that started them (their parent-death signal follows the creating thread, not
+        the process): this thread lives until the server closes."""
+        last_death = None
+        while True:
+            try:
+                eng = load_engine()
+            except BaseException as e:  # the model could not load: health says why, requests get 500
+                state.status, state.error = "error", str(e) or type(e).__name__
+                print(f"error: {state.error}", file=sys.stderr, flush=True)
+                if last_death is not None:  # a restart that could not load: the supervisor's turn
+                    fail(f"the engine could not be restarted: {state.error}")
+                return
+            if closing.is_set():
+                eng.close()
+                return
+            state.engine = eng
+            state.scheduler = Scheduler(eng, parallel, queue).start()
+            state.status = "ok"
+            if last_death is None:
+                print(f"sparseinfer serving {state.model_id} on http://{host}:{bound_port}/v1 "
+                      f"({parallel} parallel sequences)", file=sys.stderr, flush=True)
+            while not closing.wait(0.1) and state.scheduler.error is None:
+                pass
+            error = state.scheduler.error
+            state.scheduler.stop()
             eng.close()
-            return
-        state.engine = eng
-        state.scheduler = Scheduler(eng, parallel, queue).start()
-        state.status = "ok"
-        print(f"sparseinfer serving {state.model_id} on http://{host}:{bound_port}/v1 "
-              f"({parallel} parallel sequences)", file=sys.stderr, flush=True)
-        # Workers die with the thread that started them (their parent-death signal follows the
-        # creating thread, not the process): this thread lives until the server closes.
-        closing.wait()
-        state.scheduler.stop()
-        eng.close()
+            if closing.is_set() and error is None:
+                return
+            now = time.monotonic()
+            if on_worker_death == "exit" or (last_death is not None and now - last_death < restart_window):
+                why = "" if on_worker_death == "exit" else f" (the second within {restart_window:g} s)"
+                fail(f"{error}{why}: exiting")
+                return
+            last_death = now
+            state.status = "recovering"
+            print(f"error: {error}: restarting the engine's workers", file=sys.stderr, flush=True)
 
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
     # on SIGTERM uvicorn stops accepting and lets running requests (streams) finish for up to
@@ -526,3 +553,5 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
         sock.close()
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
+    if state.exit_status:
+        sys.exit(state.exit_status)

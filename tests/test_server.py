@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -614,3 +615,63 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tiny_model_factory, t
         events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
         assert len(events) > 1000 and events[-1]["choices"][0]["finish_reason"] == "length"
         assert server.wait(timeout=HANG_S) == 0
+
+
+def _complete(url: str, max_tokens: int = 3) -> int:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+        {"prompt": "the lazy dog", "max_tokens": max_tokens, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=HANG_S) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _workers(pid: int) -> list[int]:
+    """The server's CPU worker processes (not multiprocessing's resource tracker)."""
+    out = []
+    for p in children_of(pid):
+        try:
+            if b"cpu_worker" in open(f"/proc/{p}/cmdline", "rb").read():
+                out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def _wait_for(cond, what: str):
+    deadline = time.monotonic() + HANG_S  # only catches a server that never gets there
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_dead_worker_is_restarted_and_a_second_death_exits_non_zero(tiny_model, tmp_path):
+    """kill -9 of the CPU worker: the server says so in one line, restarts the engine's workers
+    (/health "recovering" meanwhile) and serves again with nobody restarting anything; a second
+    death within the window ends the server with a non-zero status, its workers gone."""
+    with _server(tiny_model, tmp_path) as (server, url):
+        assert _complete(url) == 200
+        first = _workers(server.pid)
+        assert first
+        os.kill(first[0], signal.SIGKILL)
+        _wait_for(lambda: _health(url)[1]["status"] != "ok", "the death was never noticed")
+        _wait_for(lambda: _health(url)[0] == 200, "the server did not recover")
+        assert _complete(url) == 200
+        second = _workers(server.pid)
+        assert second and not set(second) & set(first)
+        os.kill(second[0], signal.SIGKILL)
+        assert server.wait(timeout=HANG_S) == 1
+        err = server.stderr.read()
+        assert "restarting the engine's workers" in err and "exiting" in err.splitlines()[-1]
+        _wait_for(lambda: not [p for p in second if _alive(p)], "workers left behind")
+
+
+def test_on_worker_death_exit_ends_the_server_at_the_first_death(tiny_model, tmp_path):
+    with _server(tiny_model, tmp_path, "--on-worker-death", "exit") as (server, url):
+        assert _complete(url) == 200
+        workers = _workers(server.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        assert server.wait(timeout=HANG_S) == 1
+        assert server.stderr.read().splitlines()[-1].startswith("error: ")
