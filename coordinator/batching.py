@@ -185,6 +185,14 @@ class Scheduler:
             self.waiting.append(req)
             self.cv.notify()
 
+    def check_room(self) -> None:
+        """Raise Overloaded now if submit would: a request refused anyway need not be prepared
+        (a chat template rendered) first."""
+        with self.cv:
+            busy = sum(s.req is not None for s in self.slots)
+            if busy == len(self.slots) and len(self.waiting) >= self.queue_size:
+                raise Overloaded(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests wait")
+
     def busy_slots(self) -> int:
         return sum(s.req is not None for s in self.slots)
 

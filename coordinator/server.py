@@ -237,6 +237,10 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         _check_model(state, body.model)
         messages = [{"role": m.role, "content": _text(m.text(), "messages")} for m in body.messages]
         _fits_at_all(state, sum(len(m["content"]) for m in messages), "messages")
+        try:  # before the template's render (a forked process): a request refused anyway costs nothing
+            sched.check_room()
+        except Overloaded as e:
+            raise ApiError(503, f"server overloaded: {e}", "server_error", code="overloaded") from None
         try:
             ids = await run_in_threadpool(state.engine.encode_chat, messages)
         except Exception as e:  # a template that fails on these messages

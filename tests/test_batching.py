@@ -167,7 +167,10 @@ def test_the_queue_is_bounded(tokenizer):
     model = FakeModel(tokenizer.vocab_size)
     sched = Scheduler(FakeEngine(model, tokenizer), parallel=1, queue=1)  # not started: nothing is admitted
     sched.slots[0].req = object()  # the one slot is busy
+    sched.check_room()  # room in the queue: no refusal
     sched.submit(Request([40], 1, lambda e: None))
+    with pytest.raises(Overloaded):  # what a request would get, said before it is prepared
+        sched.check_room()
     with pytest.raises(Overloaded):
         sched.submit(Request([41], 1, lambda e: None))
     with pytest.raises(ValueError, match="context"):

@@ -371,6 +371,9 @@ def test_beyond_the_slots_and_the_queue_requests_get_503(tiny_model_factory, tmp
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=model, prompt="hello", max_tokens=2)
         assert e.value.status_code == 503 and e.value.code == "overloaded"
+        with pytest.raises(openai.APIStatusError) as e:  # refused before its template is rendered
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "overloaded"
         busy.close()
         deadline = time.monotonic() + 10
         while _health(url)[1]["slots_busy"] and time.monotonic() < deadline:
