@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_checks import check_ffn_token
 from tests.fixtures.kernel_checks import BATCHES, matvec_tol
 from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, random_kquant, write_tensors
 
@@ -180,34 +181,8 @@ def own_range(t: T, which: str) -> range:
 @pytest.mark.parametrize("which", ["all", "middle", "last"])
 def test_ffn_token(ffn, isa, fast, which):
     t, m, w = ffn
-    HIDDEN, N_FF, _ = ffn_dims(t)
-    own = own_range(t, which)
-    rng = np.random.default_rng(4)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    x64 = torch.from_numpy(x.astype(np.float64))[None]
-    owned = torch.zeros(N_FF, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    g = torch.nn.functional.silu(x64 @ w["gate"].T)[0]
-    if fast:  # which neurons pass depends on the gate with 8-bit x: the kernel's own gate product
-        g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=True).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    cases = {"dense": (None, None, owned),
-             "threshold": (float((mid[gap] + mid[gap + 1]) / 2), None, None),
-             "mask": (None, (rng.random(N_FF) < 0.3).astype(np.uint8), None),
-             "nothing active": (1e9, None, owned * 0)}
-    for name, (thr, mask, active) in cases.items():
-        if thr is not None and active is None:
-            active = ((g.abs() > thr).double() * owned)
-        if mask is not None:
-            active = torch.from_numpy(mask.astype(np.float64)) * owned
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=thr, mask=mask, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        scale = np.abs(want).max() + 1e-3
-        assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale, name
+    check_ffn_token(m, w, own_range(t, which), np.random.default_rng(4), fast,
+                    0.05 if fast and t not in FLOAT_TYPES else 1e-5)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T, quants
 from sparsecore import kernels as K
 from tests.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
+from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
 from tests.fixtures.kernel_checks import BATCHES, matvec_tol, q8_values
 from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, write_tensors
 
@@ -211,41 +212,14 @@ def as_q8(x: np.ndarray, fast: bool) -> torch.Tensor:
     return torch.from_numpy(q8_values(x) if fast else x.astype(np.float64))[None]
 
 
-def assert_ffn_close(y, want, tol: float, what: str = ""):
-    scale = np.abs(want).max() + 1e-3
-    assert np.abs(y - want).max() <= tol * scale, what
-
-
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("which", ["all", "middle", "last"])
 def test_ffn_token(ffn, isa, fast, which):
+    """fast: the reference takes x's 8-bit blocks (the error left is h's 8-bit blocks, down's
+    products); which neurons pass depends on the gate's product in the mode used: the kernel's own"""
     types, m, w = ffn
-    hidden, n_ff, _ = ffn_dims(types)
-    own = own_range(types, which)
-    rng = np.random.default_rng(8)
-    scratch = K.FfnScratch(hidden, len(own))
-    x = rng.standard_normal(hidden).astype(np.float32)
-    x64 = as_q8(x, fast)  # fast: the error left is h's 8-bit blocks (down's products)
-    owned = torch.zeros(n_ff, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    # which neurons pass depends on the gate's product in the mode used: the kernel's own
-    g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=fast).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    thr = float((mid[gap] + mid[gap + 1]) / 2)
-    mask = (rng.random(n_ff) < 0.3).astype(np.uint8)
-    cases = {"dense": (None, None, owned),
-             "threshold": (thr, None, (g.abs() > thr).double() * owned),
-             "mask": (None, mask, torch.from_numpy(mask.astype(np.float64)) * owned),
-             "nothing active": (1e9, None, owned * 0),
-             "empty mask": (None, np.zeros(n_ff, np.uint8), owned * 0)}
-    for name, (t, mk, active) in cases.items():
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=t, mask=mk, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        assert 0 < int(active.sum()) or not y.any(), name
-        assert_ffn_close(y, want, 0.02 if fast else 1e-5, name)
+    check_ffn_token(m, w, own_range(types, which), np.random.default_rng(8), fast, 0.02 if fast else 1e-5,
+                    kernel_inputs=True, empty_mask=True)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
