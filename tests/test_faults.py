@@ -37,9 +37,9 @@ from coordinator.engine import Engine, EngineOptions
 from coordinator.worker_pool import WorkerError
 from protocol.shm_layout import SHM_PREFIX
 from tests.conftest import HANG_S, shm_segments
+from tests.fixtures.mock_pool import MOCK, expected_dense, make_pool, run_ffn, write_x
 from tests.fixtures.tiny_gguf import write_garbage_files
 
-MOCK_WORKER = Path(__file__).resolve().parent / "mock_worker.py"
 _BIN = Path(sys.executable).parent / "sparseinfer"
 SPARSEINFER = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "coordinator"]
 PROMPT = "hi"
@@ -486,7 +486,7 @@ def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
         if shard.role == "cpu":
             argv = cpu_argv
         else:
-            argv = [sys.executable, str(MOCK_WORKER), "--role", shard.role]
+            argv = [sys.executable, str(MOCK), "--role", shard.role]
         return [*argv, "--endpoint", endpoint, "--worker-id", str(shard.worker_id)]
 
     # bounded by the engine's own startup timeout, whose "timed out" error the callers' checks refuse
@@ -539,7 +539,6 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
 
 def _mock_pool(behaviors=None, **kw):
     from coordinator.placement import static_plan
-    from tests.test_worker_pool_mock import make_pool
     return make_pool(static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=1), behaviors, **kw)
 
 
@@ -559,7 +558,6 @@ def test_forged_messages_cannot_end_a_run(no_leaks, transport):
     forged WorkerFailed, a Hello with a wrong secret, several frames: all ignored, the run goes on."""
     import zmq
     from protocol.messages import Hello, WorkerFailed, encode
-    from tests.test_worker_pool_mock import expected_dense, run_ffn, write_x
     import numpy as np
 
     p = _mock_pool(transport=transport, startup_timeout_s=60)
