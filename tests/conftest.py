@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.model_fetch import default_model_path
 from protocol.shm_layout import SHM_PREFIX
+from tests.fixtures import procs
 from tests.fixtures.tiny_gguf import write_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,16 +141,10 @@ def shm_segments() -> set[str]:
 def children_of(pid: int) -> list[int]:
     """Live descendants of `pid`, read from /proc (no psutil needed)."""
     parents: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(d)] = int(fields[1])
-        except (OSError, IndexError):
-            continue
+    for child in procs.pids():
+        fields = procs.stat_fields(child)
+        if fields is not None and fields[0] != "Z":
+            parents[child] = int(fields[1])
     out, frontier = [], [pid]
     while frontier:
         p = frontier.pop()
@@ -173,7 +168,7 @@ def orphaned_segments(candidates: set[str]) -> set[str]:
     out = set()
     for name in candidates:
         pid = segment_owner_pid(name)
-        if pid is None or pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+        if pid is None or pid == os.getpid() or not procs.exists(pid):
             out.add(name)
     return out
 
