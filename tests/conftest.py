@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -110,19 +112,21 @@ def tiny_model_factory(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_pwri(tmp_path_factory, tiny_model_factory) -> Path:
-    """A tiny PowerInfer file (PWRI: ReLU, ffn_down_t, Q4_0 predictors marking about 30 % of
-    the neurons active), written by scripts/make_bench_model.py."""
-    import subprocess
-    import sys
-
-    path = tmp_path_factory.mktemp("pwri") / "relu.gguf"
-    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
-            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
+def run_make_bench_model(argv: list[str]) -> subprocess.CompletedProcess:
+    """scripts/make_bench_model.py with `argv`, run to success (its stderr shown if it fails)."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
                        text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="session")
+def tiny_pwri(tmp_path_factory, tiny_model) -> Path:
+    """A tiny PowerInfer file (PWRI: ReLU, ffn_down_t, Q4_0 predictors marking about 30 % of
+    the neurons active), written by scripts/make_bench_model.py, tiny_model's tokenizer."""
+    path = tmp_path_factory.mktemp("pwri") / "relu.gguf"
+    run_make_bench_model(["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3",
+                          "--tokenizer-from", str(tiny_model), "-o", str(path)])
     return path
 
 
