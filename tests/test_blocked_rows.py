@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures.kernel_checks import check_product
 from tests.fixtures.kernel_files import deq, ffn_file, write_tensors
 

@@ -451,7 +451,7 @@ sys.exit(main(argv=sys.argv[1:]))
 
 def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
     """Start an Engine whose cpu worker 1 runs `cpu_argv` and whose gpu worker 0 is the torch-free
-    tests/mock_worker.py (it starts fast and says Hello; the real gpu worker is covered above);
+    tests/fixtures/mock_worker.py (it starts fast and says Hello; the real gpu worker is covered above);
     return (the WorkerError's message, the workers' endpoint)."""
     endpoints = []
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from coordinator.placement import static_plan
-from tests.exchange_rig import Rig
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.exchange_rig import Rig
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import ACTIVATIONS
 from tests.conftest import shm_segments
 from tests.fixtures.ffn_checks import assert_close, read_ffn_weights, threshold_with_gap

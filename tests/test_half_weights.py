@@ -17,7 +17,7 @@ from coordinator.tools.observe import coordinator_bytes_per_token
 from coordinator.engine import Engine, EngineOptions
 from coordinator.placement import neuron_bytes
 from coordinator.sampling import SamplingParams
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)
 from tests.fixtures.ffn_checks import (assert_close, check_float32_steps, ffn_rows, rows_reference, rows_rig,

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.kernel_checks import BATCHES, interleaved_shard
 from tests.fixtures.kernel_files import ffn_matrices, ffn_shapes

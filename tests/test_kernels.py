@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures.ffn_checks import check_ffn_token
 from tests.fixtures.kernel_checks import BATCHES, matvec_tol
 from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, random_kquant, write_tensors

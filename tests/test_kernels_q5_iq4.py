@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
 from tests.fixtures.kernel_checks import BATCHES, matvec_tol, q8_values

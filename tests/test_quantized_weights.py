@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.engine import Engine, EngineOptions
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import ACTIVATIONS, Int8Rows, ffn_partial, ffn_partial_threshold, quantize_rows
 from tests.fixtures.ffn_checks import (assert_close, check_float32_steps, ffn_rows, rows_reference, rows_rig,
                                        run_rig, threshold_with_gap)

@@ -1,5 +1,5 @@
 """coordinator.worker_pool.WorkerPool and the exchange of coordinator.sparse_ffn against mock workers
-(tests/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
+(tests/fixtures/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
 a known function, so the handshake, x/mask handoff, both the spinning and the sleeping doorbell,
 slot summation, failure reporting and cleanup are tested without real weights."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from coordinator.worker_pool import WorkerError, WorkerPool
 from tests.conftest import children_of, hang_guard, shm_segments
 from tests.fixtures.mock_pool import (HIDDEN, MAX_TOKENS, MODEL, expected_dense, ffn_of, make_pool, run_ffn,
                                      shuffled_plan, write_x)
-from tests.mock_worker import compute_us
+from tests.fixtures.mock_worker import compute_us
 
 
 def assert_all_gone(pool: WorkerPool) -> None:
