@@ -17,7 +17,7 @@ from sparsecore import kernels as K
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
-from tests.fixtures.kernel_checks import BATCHES, matvec_tol, q8_values
+from tests.fixtures.kernel_checks import BATCHES, as_q8, matvec_tol
 from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, write_tensors
 
 TYPES = list(Q.TYPES)
@@ -205,11 +205,6 @@ def ffn(request, tmp_path_factory):
 def own_range(types, which: str) -> range:
     _, _, b = ffn_dims(types)
     return {"all": range(0, 4 * b), "middle": range(b, 3 * b), "last": range(3 * b, 4 * b)}[which]
-
-
-def as_q8(x: np.ndarray, fast: bool) -> torch.Tensor:
-    """x as the products see it, float64 (1, n): fast mode's 8-bit blocks dequantized, else x"""
-    return torch.from_numpy(q8_values(x) if fast else x.astype(np.float64))[None]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
