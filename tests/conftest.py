@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from coordinator.model_fetch import default_model_path
 from protocol.shm_layout import SHM_PREFIX
+from tests.fixtures import procs
 from tests.fixtures.tiny_gguf import write_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,19 +112,21 @@ def tiny_model_factory(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_pwri(tmp_path_factory, tiny_model_factory) -> Path:
-    """A tiny PowerInfer file (PWRI: ReLU, ffn_down_t, Q4_0 predictors marking about 30 % of
-    the neurons active), written by scripts/make_bench_model.py."""
-    import subprocess
-    import sys
-
-    path = tmp_path_factory.mktemp("pwri") / "relu.gguf"
-    argv = ["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3", "--tokenizer-from",
-            str(tiny_model_factory(tensor_type="F32", seed=0)), "-o", str(path)]
+def run_make_bench_model(argv: list[str]) -> subprocess.CompletedProcess:
+    """scripts/make_bench_model.py with `argv`, run to success (its stderr shown if it fails)."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_bench_model.py"), *argv], capture_output=True,
                        text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="session")
+def tiny_pwri(tmp_path_factory, tiny_model) -> Path:
+    """A tiny PowerInfer file (PWRI: ReLU, ffn_down_t, Q4_0 predictors marking about 30 % of
+    the neurons active), written by scripts/make_bench_model.py, tiny_model's tokenizer."""
+    path = tmp_path_factory.mktemp("pwri") / "relu.gguf"
+    run_make_bench_model(["--shape", "tiny", "--quiet", "--type", "q4_0", "--relu", "--active", "0.3",
+                          "--tokenizer-from", str(tiny_model), "-o", str(path)])
     return path
 
 
@@ -140,16 +145,10 @@ def shm_segments() -> set[str]:
 def children_of(pid: int) -> list[int]:
     """Live descendants of `pid`, read from /proc (no psutil needed)."""
     parents: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(d)] = int(fields[1])
-        except (OSError, IndexError):
-            continue
+    for child in procs.pids():
+        fields = procs.stat_fields(child)
+        if fields is not None and fields[0] != "Z":
+            parents[child] = int(fields[1])
     out, frontier = [], [pid]
     while frontier:
         p = frontier.pop()
@@ -173,7 +172,7 @@ def orphaned_segments(candidates: set[str]) -> set[str]:
     out = set()
     for name in candidates:
         pid = segment_owner_pid(name)
-        if pid is None or pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+        if pid is None or pid == os.getpid() or not procs.exists(pid):
             out.add(name)
     return out
 

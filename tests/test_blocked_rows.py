@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
-from tests.test_interleaved import check_product, ffn_file
-from tests.test_kernels import deq, write_tensors
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from tests.fixtures.kernel_checks import check_product
+from tests.fixtures.kernel_files import deq, ffn_file, write_tensors
 
 R16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 COLS = [32 * 16, 32 * 38, 32 * 8]  # whole runs; two runs and a run of 6; one run of 8

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import HANG_S, REPO, children_of
+from tests.fixtures import procs
 
 CORES = len(os.sched_getaffinity(0))
 # Runs the CLI as `python -m coordinator` does, then says on stdout whether torch was imported:
@@ -172,6 +173,6 @@ def test_ctrl_c_works_when_started_with_sigint_ignored(tiny_model_factory):
     assert rc == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
     deadline = time.monotonic() + HANG_S  # they are gone at once; this only catches one that stays
-    while any(os.path.exists(f"/proc/{w}") for w in workers) and time.monotonic() < deadline:
+    while any(procs.exists(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [w for w in workers if os.path.exists(f"/proc/{w}")], "a worker outlived the interrupted run"
+    assert not [w for w in workers if procs.exists(w)], "a worker outlived the interrupted run"

@@ -1,6 +1,6 @@
 """End to end on tiny synthetic models: real coordinator + worker processes vs an oracle.
 
-The oracle (tests/reference_llama.py) shares no code with the engine, so agreement checks the
+The oracle (tests/fixtures/reference_llama.py) shares no code with the engine, so agreement checks the
 GGUF reading, Q/K handling, RoPE, GQA attention, KV cache, the FFN split across workers and
 the summation of their shared-memory slots all at once.
 """
@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.engine import Engine, EngineOptions
 from coordinator.sampling import SamplingParams
-from tests.reference_llama import ReferenceLlama
+from tests.fixtures.reference_llama import ReferenceLlama
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 

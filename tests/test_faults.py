@@ -37,9 +37,10 @@ from coordinator.engine import Engine, EngineOptions
 from coordinator.worker_pool import WorkerError
 from protocol.shm_layout import SHM_PREFIX
 from tests.conftest import HANG_S, shm_segments
+from tests.fixtures import procs
+from tests.fixtures.mock_pool import MOCK, expected_dense, make_pool, run_ffn, write_x
 from tests.fixtures.tiny_gguf import write_garbage_files
 
-MOCK_WORKER = Path(__file__).resolve().parent / "mock_worker.py"
 _BIN = Path(sys.executable).parent / "sparseinfer"
 SPARSEINFER = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "coordinator"]
 PROMPT = "hi"
@@ -52,51 +53,24 @@ EXIT_TIMEOUT_S = HANG_S  # any wait for an exit (honest ones: a few seconds): a 
 
 # --------------------------------------------------------------------------- /proc helpers
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _pids() -> list[int]:
-    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
-
-
-def _alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _session_members(sid: int) -> list[int]:
     """Live (non-zombie) processes of session `sid`."""
     out = []
-    for pid in _pids():
-        st = _stat(pid)
+    for pid in procs.pids():
+        st = procs.stat_fields(pid)
         if st is not None and st[0] not in ("Z", "X") and int(st[3]) == sid:
             out.append(pid)
     return out
 
 
 def _procs_mentioning(text: str) -> list[int]:
-    return [p for p in _pids() if p != os.getpid() and text in _cmdline(p) and _alive(p)]
+    return [p for p in procs.pids() if p != os.getpid() and text in procs.cmdline(p) and procs.alive(p)]
 
 
 def _mapped_segments(pid: int | str) -> set[str]:
     """Names of /dev/shm/sparseinfer_* segments that process `pid` has mapped."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+        lines = procs.maps(pid).splitlines()
     except OSError:
         return set()
     out = set()
@@ -113,7 +87,7 @@ def _leaked_segments(before: set[str]) -> set[str]:
     if not new:
         return set()
     mapped = set()
-    for pid in _pids():
+    for pid in procs.pids():
         mapped |= _mapped_segments(pid)
     return new - mapped
 
@@ -166,7 +140,7 @@ class Generate:
     def find_workers(self) -> dict[str, tuple[int, int]]:
         found = {}
         for pid in _session_members(self.pid):
-            m = re.search(r"-m (cpu|gpu)_worker .*--worker-id (\d+)", _cmdline(pid))
+            m = re.search(r"-m (cpu|gpu)_worker .*--worker-id (\d+)", procs.cmdline(pid))
             if m:
                 found.setdefault(m.group(1), (int(m.group(2)), pid))
         return found
@@ -198,7 +172,7 @@ class Generate:
             pytest.fail(f"generate did not exit within {timeout}s; stderr:\n{self.stderr}")
 
     def leftovers(self) -> list[str]:
-        return [f"{p}: {_cmdline(p)}" for p in _session_members(self.pid) if p != self.pid]
+        return [f"{p}: {procs.cmdline(p)}" for p in _session_members(self.pid) if p != self.pid]
 
     def assert_clean(self, timeout: float = HANG_S) -> None:
         """No process of the run, none of its segments, no private runtime dir."""
@@ -367,7 +341,7 @@ def test_normal_exit_leaves_nothing_behind(tiny_model):
     shm_before = shm_segments()
     with Generate(tiny_model, *WORKERS, "-n", "4") as run:
         workers = run.wait_workers()
-        endpoint = re.search(r"--endpoint (\S+)", _cmdline(workers["cpu"][1])).group(1)
+        endpoint = re.search(r"--endpoint (\S+)", procs.cmdline(workers["cpu"][1])).group(1)
         run_dir = Path(endpoint.removeprefix("ipc://")).parent
         assert run_dir.parent == run.tmp and run_dir.name.startswith("sparseinfer-"), endpoint
         rc = run.wait()
@@ -389,8 +363,8 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
         run.wait()
         t_kill = time.monotonic()
         # Workers: PR_SET_PDEATHSIG (and their parent check) end them.
-        assert _wait_for(lambda: not any(_alive(p) for p in worker_pids), HANG_S), \
-            f"workers still alive {HANG_S:g} s after the coordinator died: {[p for p in worker_pids if _alive(p)]}"
+        assert _wait_for(lambda: not any(procs.alive(p) for p in worker_pids), HANG_S), \
+            f"workers still alive {HANG_S:g} s after the coordinator died: {[p for p in worker_pids if procs.alive(p)]}"
         print(f"workers gone {time.monotonic() - t_kill:.2f}s after the coordinator's SIGKILL")
         assert _wait_for(lambda: not run.leftovers(), HANG_S), f"left behind: {run.leftovers()}"
         # The segment: the coordinator's multiprocessing resource tracker unlinks it when the
@@ -452,7 +426,7 @@ def test_coordinator_sigkill_while_workers_start(long_model):
         # They finish importing torch first (seconds on a loaded machine), then exit at once.
         assert _wait_for(lambda: not run.leftovers(), HANG_S, 0.2), \
             f"orphaned workers still alive {HANG_S:g} s after the coordinator died: {run.leftovers()}"
-        assert not any(_alive(p) for p in worker_pids)
+        assert not any(procs.alive(p) for p in worker_pids)
         assert segments and not (segments & shm_segments()), f"shared memory left behind: {segments}"
 
 
@@ -478,7 +452,7 @@ sys.exit(main(argv=sys.argv[1:]))
 
 def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
     """Start an Engine whose cpu worker 1 runs `cpu_argv` and whose gpu worker 0 is the torch-free
-    tests/mock_worker.py (it starts fast and says Hello; the real gpu worker is covered above);
+    tests/fixtures/mock_worker.py (it starts fast and says Hello; the real gpu worker is covered above);
     return (the WorkerError's message, the workers' endpoint)."""
     endpoints = []
 
@@ -487,7 +461,7 @@ def _engine_failure(model, cpu_argv: list[str]) -> tuple[str, str]:
         if shard.role == "cpu":
             argv = cpu_argv
         else:
-            argv = [sys.executable, str(MOCK_WORKER), "--role", shard.role]
+            argv = [sys.executable, str(MOCK), "--role", shard.role]
         return [*argv, "--endpoint", endpoint, "--worker-id", str(shard.worker_id)]
 
     # bounded by the engine's own startup timeout, whose "timed out" error the callers' checks refuse
@@ -540,7 +514,6 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
 
 def _mock_pool(behaviors=None, **kw):
     from coordinator.placement import static_plan
-    from tests.test_worker_pool_mock import make_pool
     return make_pool(static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=1), behaviors, **kw)
 
 
@@ -560,7 +533,6 @@ def test_forged_messages_cannot_end_a_run(no_leaks, transport):
     forged WorkerFailed, a Hello with a wrong secret, several frames: all ignored, the run goes on."""
     import zmq
     from protocol.messages import Hello, WorkerFailed, encode
-    from tests.test_worker_pool_mock import expected_dense, run_ffn, write_x
     import numpy as np
 
     p = _mock_pool(transport=transport, startup_timeout_s=60)

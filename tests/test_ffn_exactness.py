@@ -11,56 +11,20 @@ import pytest
 import torch
 
 from coordinator.placement import static_plan
-from tests.exchange_rig import Rig
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.exchange_rig import Rig
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import ACTIVATIONS
 from tests.conftest import shm_segments
+from tests.fixtures.ffn_checks import assert_close, read_ffn_weights, threshold_with_gap
 
 MAX_TOKENS = 8
 GPU_SHARE, N_CPU = 0.4, 2
-
-
-def read_ffn_weights(path) -> tuple[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], int, int, str]:
-    """{layer: (gate (n_ff, hidden), up (n_ff, hidden), down (hidden, n_ff))}, hidden, n_ff, activation."""
-    r = gguf.GGUFReader(path)
-    by_name = {t.name: t for t in r.tensors}
-
-    def mat(name):
-        t = by_name[name]
-        return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
-            tuple(int(d) for d in reversed(t.shape)))
-
-    act_field = r.fields.get("sparseinfer.activation")
-    activation = "silu" if act_field is None else bytes(act_field.parts[-1]).decode()
-    n_layers = int(r.fields["llama.block_count"].parts[-1][0])
-    weights = {l: (mat(f"blk.{l}.ffn_gate.weight"), mat(f"blk.{l}.ffn_up.weight"), mat(f"blk.{l}.ffn_down.weight"))
-               for l in range(n_layers)}
-    n_ff, hidden = weights[0][0].shape
-    assert weights[0][2].shape == (hidden, n_ff)
-    return weights, hidden, n_ff, activation
 
 
 def reference(weights, layer: int, x: np.ndarray, activation: str, mask: np.ndarray | None) -> np.ndarray:
     gate, up, down = (torch.from_numpy(a) for a in weights[layer])
     m = None if mask is None else torch.from_numpy(mask.astype(np.float64))
     return ffn_dense_reference(torch.from_numpy(x.astype(np.float64)), gate, up, down, activation, m).numpy()
-
-
-def threshold_with_gap(g: np.ndarray) -> float:
-    """A threshold near the median of |g| in the widest gap between neighbouring values, so
-    float32 vs float64 rounding cannot move a neuron across it."""
-    v = np.sort(np.abs(g).ravel())
-    lo, hi = len(v) // 4, 3 * len(v) // 4
-    k = lo + int(np.argmax(np.diff(v[lo:hi + 1])))
-    return float((v[k] + v[k + 1]) / 2)
-
-
-def assert_close(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.shape == want.shape
-    scale = float(np.abs(want).max())
-    assert scale > 0
-    err = float(np.abs(got - want).max())
-    assert err <= 1e-4 * scale, f"max abs error {err:.3g} vs output scale {scale:.3g}"
 
 
 COORDINATOR_SHARE = 0.3  # the "+coordinator" setups: the coordinator computes this share itself

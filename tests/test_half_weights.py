@@ -15,14 +15,13 @@ import torch
 
 from coordinator.tools.observe import coordinator_bytes_per_token
 from coordinator.engine import Engine, EngineOptions
-from coordinator.placement import neuron_bytes, static_plan
+from coordinator.placement import neuron_bytes
 from coordinator.sampling import SamplingParams
-from tests.exchange_rig import Rig
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)
-from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
-from tests.test_quantized_weights import _run, check_float32_steps
+from tests.fixtures.ffn_checks import (assert_close, check_float32_steps, ffn_rows, rows_reference, rows_rig,
+                                       run_rig, threshold_with_gap)
 
 ONE_TOKEN_TOL = 2e-3  # float16 rounding of x, of the products and of h: ~2**-11 each
 
@@ -53,16 +52,9 @@ def test_half_rows_layout():
 @pytest.fixture(scope="module")
 def rows():
     rng = np.random.default_rng(0)
-    n, hidden = 96, 40
-    w = [rng.standard_normal((n, hidden)) * 0.1 for _ in range(3)]
+    w = ffn_rows(rng)
     half = [quantize_rows(torch.from_numpy(a).float(), "f16", for_h_w=(i == 2)) for i, a in enumerate(w)]
     return half, [_h64(a) for a in w], [torch.from_numpy(a) for a in w], rng
-
-
-def _ref(w64, x, mask=None):
-    gate, up, down_t = w64
-    m = None if mask is None else torch.from_numpy(mask.astype(np.float64))
-    return ffn_dense_reference(torch.from_numpy(x).double(), gate, up, down_t.T, "silu", m).numpy()
 
 
 def test_batches_are_float32_on_the_half_weights(rows):
@@ -77,7 +69,7 @@ def test_one_token_steps_run_in_float16(rows):
         x = rng.standard_normal((1, 40)).astype(np.float32)
         active = None if p == 1.0 else torch.from_numpy(np.flatnonzero(mask))
         got = ffn_partial(torch.from_numpy(x), *half, "silu", active).numpy()
-        want = _ref(w64, x, None if p == 1.0 else mask)
+        want = rows_reference(w64, x, None if p == 1.0 else mask)
         assert got.dtype == np.float32
         assert 1e-6 < _rel(got, want) < ONE_TOKEN_TOL  # float16 products: not float32, but close
         assert np.array_equal(got.astype(np.float16).astype(np.float32), got)  # the last product's rounding
@@ -96,15 +88,8 @@ def test_one_token_steps_run_in_float16(rows):
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_factory):
-    path = tiny_model_factory(tensor_type="Q8_0")
-    weights, hidden, n_ff, activation = read_ffn_weights(path)
-    half = {l: tuple(_h64(a).numpy() for a in w) for l, w in weights.items()}
-    p = Rig(path, static_plan(len(weights), n_ff, 0.4, 2), hidden=hidden, max_tokens=8,
-                   threads_per_worker=1, weights="f16")
-    try:
-        yield p, half, activation
-    finally:
-        p.close()
+    with rows_rig(tiny_model_factory(tensor_type="Q8_0"), "f16") as (p, weights, activation):
+        yield p, {l: tuple(_h64(a).numpy() for a in w) for l, w in weights.items()}, activation
 
 
 def test_workers_hold_float16(pool):
@@ -126,10 +111,10 @@ def test_worker_steps_match_half_reference(pool):
                                                     pytest.fail(f"relative error {_rel(a, b):.2e}"))):
             x = rng.standard_normal((n_tokens, g.shape[1])).astype(np.float32)
             x64 = torch.from_numpy(x).double()
-            check(_run(p, layer, x), ffn_dense_reference(x64, gq, uq, dq, act).numpy())
+            check(run_rig(p, layer, x), ffn_dense_reference(x64, gq, uq, dq, act).numpy())
             mask = (rng.random(p.plan.n_ff) < 0.5).astype(np.uint8)
             want = ffn_dense_reference(x64, gq, uq, dq, act, torch.from_numpy(mask.astype(np.float64)))
-            check(_run(p, layer, x, mask), want.numpy())
+            check(run_rig(p, layer, x, mask), want.numpy())
 
 
 def test_engine_decodes_like_f32(tiny_model):

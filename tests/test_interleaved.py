@@ -11,14 +11,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
-from tests.test_kernels import deq, random_kquant, write_tensors
+from tests.fixtures.kernel_checks import BATCHES, check_product, interleaved_shard
+from tests.fixtures.kernel_files import deq, ffn_file, random_kquant, write_tensors
 
 X16_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 KTYPES = (T.Q4_K, T.Q6_K)
 QTYPES = (T.IQ4_NL, T.IQ4_XS)  # random valid blocks of tests/fixtures/quant_q5_iq4 (gguf-py cannot quantize to them)
-BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +39,6 @@ def col_ranges(m: K.FileMatrix) -> list[range]:
     """held column ranges on the type's blocks: from the second block on, and one block inside"""
     b = m.block
     return [range(b, m.cols), range(2 * b, 3 * b) if m.cols >= 3 * b else range(b, 2 * b)]
-
-
-def q8_values(x: np.ndarray) -> np.ndarray:
-    """x as fast mode's kernels see it: 8-bit blocks of 32 times their scale, float64"""
-    d, _, q = K.quantize_q8(x)
-    return (q.astype(np.float64) * d.astype(np.float64)[:, None]).reshape(-1)
-
-
-def check_product(got: np.ndarray, w: np.ndarray, x: np.ndarray) -> None:
-    """The integer block sums are exact: what is left is float32 rounding of a few products and
-    sums per block (the 8-bit activations are the reference's own inputs)."""
-    want = w @ q8_values(x)
-    scale = np.abs(w).sum(axis=1).max(initial=0) * np.abs(x).max()
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
 
 
 @pytest.mark.parametrize("t", X16_TYPES, ids=lambda t: t.name)
@@ -168,24 +154,9 @@ def test_what_interleaved_rows_refuse(mats):
 HIDDEN, N_FF = 96, 160
 
 
-def ffn_file(folder, t, hidden: int, n_ff: int, seed: int, scale: float) -> tuple[dict, dict]:
-    """gate, up and down of type t with random weights: FileMatrix each, and their dequantized
-    values (float64 tensors)"""
-    rng = np.random.default_rng(seed)
-    shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff)}
-    ts = write_tensors(folder / "ffn.gguf", {n: (rng.standard_normal(s) * scale, t) for n, s in shapes.items()})
-    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
-
-
 @pytest.fixture(scope="module", params=[T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def ffn(request, tmp_path_factory):
     return ffn_file(tmp_path_factory.mktemp("xf"), request.param, HIDDEN, N_FF, 44, 0.3)
-
-
-def interleaved_shard(m: dict, own: range) -> tuple:
-    """gate and up rows `own`, down columns `own`, all interleaved (as FileLayer holds them)"""
-    return (m["gate"].keep_rows(own).interleave(), m["up"].keep_rows(own).interleave(),
-            m["down"].keep_columns(own).interleave())
 
 
 @pytest.mark.parametrize("own", [range(0, N_FF), range(32, 96), range(128, 160)], ids=str)

@@ -15,9 +15,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
-from tests.test_interleaved import check_product, q8_values
-from tests.test_kernels_k_low import deq, quantized, random_blocks, write_tensors
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from tests.fixtures.kernel_checks import check_product
+from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, k_low_matrices, write_tensors
 
 TYPES = [T.Q2_K, T.Q3_K]
 SOURCES = ["quantized", "random"]
@@ -28,11 +28,7 @@ LEVELS = ("generic", "avx2", "avxvnni", "avx512vnni")
 
 @pytest.fixture(scope="module")
 def mats(tmp_path_factory):
-    rng = np.random.default_rng(60)
-    arrays = {}
-    for t in TYPES:
-        arrays[f"{t.name}.quantized"] = (quantized(rng, ROWS, COLS, t), t)
-        arrays[f"{t.name}.random"] = (random_blocks(rng, ROWS, COLS, t), t)
+    arrays = k_low_matrices(np.random.default_rng(60), ROWS, COLS)
     return write_tensors(tmp_path_factory.mktemp("x16k") / "m.gguf", arrays)
 
 
@@ -147,11 +143,10 @@ def ffn(request, tmp_path_factory):
     their dequantized values (float64 tensors)"""
     from tests.fixtures.tiny_gguf import quantize_k
     rng = np.random.default_rng(64)
-    tg, tu, td = MIXES[request.param]
-    shapes = {"gate": ((N_FF, HIDDEN), tg), "up": ((N_FF, HIDDEN), tu), "down": ((HIDDEN, N_FF), td)}
-    arrays = {n: (quantize_k((rng.standard_normal(s) * 0.2).astype(np.float32), t), t) for n, (s, t) in shapes.items()}
-    ts = write_tensors(tmp_path_factory.mktemp("xf") / "ffn.gguf", arrays)
-    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    types = dict(zip(("gate", "up", "down"), MIXES[request.param]))
+    arrays = {n: (quantize_k((rng.standard_normal(s) * 0.2).astype(np.float32), types[n]), types[n])
+              for n, s in ffn_shapes(HIDDEN, N_FF).items()}
+    return ffn_matrices(tmp_path_factory.mktemp("xf") / "ffn.gguf", arrays)
 
 
 @pytest.mark.parametrize("own", [range(0, N_FF), range(256, N_FF)], ids=str)

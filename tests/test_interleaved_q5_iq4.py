@@ -11,10 +11,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
-from tests.test_interleaved import BATCHES, interleaved_shard
-from tests.test_kernels_q5_iq4 import deq, write_tensors
+from tests.fixtures.kernel_checks import BATCHES, interleaved_shard
+from tests.fixtures.kernel_files import ffn_matrices, ffn_shapes
 
 # (hidden, n_ff, the shards' own neurons): IQ4_XS's rows of 256 values, its down columns held by whole blocks
 SHAPES = {T.Q5_0: (96, 160, [range(0, 160), range(32, 96)]),
@@ -29,10 +29,9 @@ def ffns(tmp_path_factory):
     rng = np.random.default_rng(44)
     out = {}
     for t, (hidden, n_ff, _) in SHAPES.items():
-        shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff)}
-        ts = write_tensors(tmp_path_factory.mktemp(t.name) / "ffn.gguf",
-                           {n: (Q.quantize(rng.standard_normal(s) * 0.3, t), t) for n, s in shapes.items()})
-        out[t] = ({n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts})
+        out[t] = ffn_matrices(tmp_path_factory.mktemp(t.name) / "ffn.gguf",
+                              {n: (Q.quantize(rng.standard_normal(s) * 0.3, t), t)
+                               for n, s in ffn_shapes(hidden, n_ff).items()})
     return out
 
 

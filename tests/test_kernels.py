@@ -9,57 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter, quants
+from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_checks import check_ffn_token
+from tests.fixtures.kernel_checks import BATCHES, matvec_tol
+from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, random_kquant, write_tensors
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0]
 KTYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-
-
-def random_kquant(rng, rows: int, cols: int, t: T, size: float = 0.3) -> np.ndarray:
-    """Random valid blocks of K-quant type t for a (rows, cols) matrix, as the raw uint8 bytes
-    (rows, cols / 256 * block bytes): random quants, scales and mins; d (and dmin) small positive
-    f16 values so that the dequantized values are about +-size."""
-    nb = rows * cols // 256
-    blocks = rng.integers(0, 256, size=(nb, quants.GGML_QUANT_SIZES[t][1]), dtype=np.uint8)
-
-    def f16(scale):  # (nb, 2) bytes of f16 values in [scale / 2, scale)
-        return (rng.uniform(0.5, 1.0, nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
-
-    if t == T.Q6_K:  # ql, qh, int8 scales, then d: |value| <= 128 * 32 * d
-        blocks[:, 208:210] = f16(size / (128 * 32))
-    else:  # d, dmin, packed 6-bit scales and mins, (qh,) qs: value <= 63 * qmax * d, min <= 63 * dmin
-        qmax = 15 if t == T.Q4_K else 31
-        blocks[:, 0:2] = f16(size / (63 * qmax))
-        blocks[:, 2:4] = f16(size / (2 * 63))
-    return blocks.reshape(rows, -1)
-
-
-def write_tensors(path, arrays: dict[str, tuple[np.ndarray, T]]):
-    w = GGUFWriter(path, "llama")
-    for name, (a, t) in arrays.items():
-        if a.dtype == np.uint8:  # raw blocks (K-quants): the writer takes the byte shape
-            w.add_tensor(name, a, raw_dtype=t)
-        elif t == T.F32:
-            w.add_tensor(name, a.astype(np.float32))
-        elif t == T.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            w.add_tensor(name, quants.quantize(a.astype(np.float32), t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    r = GGUFReader(path)
-    return {t.name: t for t in r.tensors}
-
-
-def deq(t) -> np.ndarray:
-    return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
-        int(np.prod(t.shape[1:])), int(t.shape[0]))
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +31,7 @@ def mats(tmp_path_factory):
 
 def tol(fast: bool, t: T, x, w) -> float:
     """Exact mode: float32 summation error. Fast mode: 8-bit activations (llama.cpp's error)."""
-    scale = np.abs(w).sum(axis=1).max() * np.abs(x).max()
-    quantized = fast and t not in FLOAT_TYPES
-    return scale * (1 / 127 if quantized else 1e-6)
+    return matvec_tol(fast and t not in FLOAT_TYPES, x, w)
 
 
 def check_matvec(m: K.FileMatrix, w: np.ndarray, x: np.ndarray, t: T, fast: bool, col_ranges) -> None:
@@ -205,13 +163,12 @@ def ffn(request, tmp_path_factory):
     t = request.param
     rng = np.random.default_rng(3)
     hidden, n_ff, _ = ffn_dims(t)
-    shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff), "down_t": (n_ff, hidden)}
+    shapes = ffn_shapes(hidden, n_ff, down_t=True)
     if t in KTYPES:
         arrays = {n: (random_kquant(rng, *s, t, size=0.2), t) for n, s in shapes.items()}
     else:
         arrays = {n: (rng.standard_normal(s) * 0.2, t) for n, s in shapes.items()}
-    ts = write_tensors(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
-    return t, {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    return (t, *ffn_matrices(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays))
 
 
 def own_range(t: T, which: str) -> range:
@@ -224,34 +181,8 @@ def own_range(t: T, which: str) -> range:
 @pytest.mark.parametrize("which", ["all", "middle", "last"])
 def test_ffn_token(ffn, isa, fast, which):
     t, m, w = ffn
-    HIDDEN, N_FF, _ = ffn_dims(t)
-    own = own_range(t, which)
-    rng = np.random.default_rng(4)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    x64 = torch.from_numpy(x.astype(np.float64))[None]
-    owned = torch.zeros(N_FF, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    g = torch.nn.functional.silu(x64 @ w["gate"].T)[0]
-    if fast:  # which neurons pass depends on the gate with 8-bit x: the kernel's own gate product
-        g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=True).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    cases = {"dense": (None, None, owned),
-             "threshold": (float((mid[gap] + mid[gap + 1]) / 2), None, None),
-             "mask": (None, (rng.random(N_FF) < 0.3).astype(np.uint8), None),
-             "nothing active": (1e9, None, owned * 0)}
-    for name, (thr, mask, active) in cases.items():
-        if thr is not None and active is None:
-            active = ((g.abs() > thr).double() * owned)
-        if mask is not None:
-            active = torch.from_numpy(mask.astype(np.float64)) * owned
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=thr, mask=mask, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        scale = np.abs(want).max() + 1e-3
-        assert np.abs(y - want).max() <= (0.05 if fast and t not in FLOAT_TYPES else 1e-5) * scale, name
+    check_ffn_token(m, w, own_range(t, which), np.random.default_rng(4), fast,
+                    0.05 if fast and t not in FLOAT_TYPES else 1e-5)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
@@ -344,9 +275,6 @@ def test_fast_down_transposed_rows_of_odd_block_counts(tmp_path, isa):
 
 # ---- small batches (continuous batching): the batch kernels against stacked one-token calls ----
 # They promise the one-token kernel's float operations in its order, per token: equality is exact.
-
-BATCHES = [1, 2, 3, 5, 8, 9, 16]  # 8, 9: a whole VNNI tile of tokens, and one more
-
 
 @pytest.mark.parametrize("t", TYPES + KTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

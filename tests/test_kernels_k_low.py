@@ -10,14 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter, quants
+from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
-from tests.fixtures.quant_k_low import quantize_q2_k, quantize_q3_k
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_checks import check_ffn_token
+from tests.fixtures.kernel_checks import matvec_tol
+from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, k_low_matrices, write_tensors
+from tests.fixtures.quant_k_low import QUANTIZE, quantize_q2_k, quantize_q3_k
 
 TYPES = [T.Q2_K, T.Q3_K]
-QUANTIZE = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k}
 BATCHES = [1, 2, 3, 4, 5, 8, 9, 16]  # tiles of 4 tokens, and matmul's tiles of 8
 ROW_SETS = (None, range(5, 12), [36], [3, 0, 36, 17, 3], [])
 ROWS, COLS = 37, 768
@@ -110,60 +112,13 @@ def test_quantizers_use_every_level():
 
 # ---- matrices for the kernels -------------------------------------------------------------------
 
-def random_blocks(rng, rows: int, cols: int, t: T, size: float = 0.3) -> np.ndarray:
-    """Random valid blocks (rows, cols / 256 * block bytes): random quants, scales, mins, high
-    bits; d (and dmin) small positive f16 values so that the values are about +-size."""
-    nb = rows * cols // 256
-    blocks = rng.integers(0, 256, size=(nb, quants.GGML_QUANT_SIZES[t][1]), dtype=np.uint8)
-
-    def f16(scale):  # (nb, 2) bytes of f16 values in [scale / 2, scale)
-        return (rng.uniform(0.5, 1.0, nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
-
-    if t == T.Q2_K:  # value in [-15 dmin, 45 d]
-        blocks[:, 80:82], blocks[:, 82:84] = f16(size / 45), f16(size / 15)
-    else:  # |value| <= 32 * 4 d
-        blocks[:, 108:110] = f16(size / 128)
-    return blocks.reshape(rows, -1)
-
-
-def quantized(rng, rows: int, cols: int, t: T, size: float = 0.3) -> np.ndarray:
-    x = (rng.standard_normal((rows, cols)) * size / 3).astype(np.float32)
-    x[: rows // 3] += size / 6  # some rows off zero (Q2_K's mins)
-    return QUANTIZE[t](x.reshape(-1, 256)).reshape(rows, -1)
-
-
-def write_tensors(path, arrays: dict[str, tuple[np.ndarray, T]]):
-    w = GGUFWriter(path, "llama")
-    for name, (a, t) in arrays.items():
-        w.add_tensor(name, a, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def deq(t) -> np.ndarray:
-    return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
-        int(np.prod(t.shape[1:])), int(t.shape[0]))
-
-
 SOURCES = ["quantized", "random"]
 
 
 @pytest.fixture(scope="module")
 def mats(tmp_path_factory):
-    rng = np.random.default_rng(10)
-    arrays = {}
-    for t in TYPES:
-        arrays[f"{t.name}.quantized"] = (quantized(rng, ROWS, COLS, t), t)
-        arrays[f"{t.name}.random"] = (random_blocks(rng, ROWS, COLS, t), t)
+    arrays = k_low_matrices(np.random.default_rng(10), ROWS, COLS)
     return write_tensors(tmp_path_factory.mktemp("klow") / "k.gguf", arrays)
-
-
-def tol(fast: bool, x, w) -> float:
-    """Exact mode: float32 summation error. Fast mode: 8-bit activations (llama.cpp's error)."""
-    return np.abs(w).sum(axis=1).max() * np.abs(x).max() * (1 / 127 if fast else 1e-6)
 
 
 def test_block_sizes(mats):
@@ -187,12 +142,12 @@ def test_matvec_rows_and_columns(mats, isa, t, src, fast):
         got = m.matvec(x, rows=rows, fast=fast)
         want = (w if rows is None else w[list(rows)]) @ x.astype(np.float64)
         assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=0, atol=tol(fast, x, w), err_msg=str(rows))
+        np.testing.assert_allclose(got, want, rtol=0, atol=matvec_tol(fast, x, w), err_msg=str(rows))
     for cols in (range(256, 768), range(256, 512), range(0, 256)):
         xc = x[cols.start:cols.stop]
         got = m.matvec(xc, rows=[0, 36, 7], cols=cols, fast=fast)
         want = w[[0, 36, 7], cols.start:cols.stop] @ xc.astype(np.float64)
-        np.testing.assert_allclose(got, want, rtol=0, atol=tol(fast, x, w), err_msg=str(cols))
+        np.testing.assert_allclose(got, want, rtol=0, atol=matvec_tol(fast, x, w), err_msg=str(cols))
     with pytest.raises(ValueError, match="whole blocks of 256"):
         m.matvec(x[:32], cols=range(0, 32))
 
@@ -259,7 +214,7 @@ def test_matmul_equals_stacked_matvec(mats, isa, t, fast):
                 assert got.shape == want.shape
                 np.testing.assert_array_equal(got, want, err_msg=f"B={B} rows={rows} cols={cols}")
         ref = X.astype(np.float64) @ w.T
-        np.testing.assert_allclose(m.matmul(X, fast=fast), ref, rtol=0, atol=tol(fast, X, w))
+        np.testing.assert_allclose(m.matmul(X, fast=fast), ref, rtol=0, atol=matvec_tol(fast, X, w))
         call = m.prepare_batch(rows=[3, 0, 36], fast=fast)
         np.testing.assert_array_equal(call(X), np.stack([m.matvec(X[b], rows=[3, 0, 36], fast=fast) for b in range(B)]))
 
@@ -277,11 +232,10 @@ def ffn(request, tmp_path_factory):
     from tests.fixtures.tiny_gguf import quantize_k
     rng = np.random.default_rng(3)
     tg, tu, td = MIXES[request.param]
-    shapes = {"gate": ((N_FF, HIDDEN), tg), "up": ((N_FF, HIDDEN), tu), "down": ((HIDDEN, N_FF), td),
-              "down_t": ((N_FF, HIDDEN), td)}
-    arrays = {n: (quantize_k((rng.standard_normal(s) * 0.2).astype(np.float32), t), t) for n, (s, t) in shapes.items()}
-    ts = write_tensors(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
-    return {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    types = {"gate": tg, "up": tu, "down": td, "down_t": td}
+    arrays = {n: (quantize_k((rng.standard_normal(s) * 0.2).astype(np.float32), types[n]), types[n])
+              for n, s in ffn_shapes(HIDDEN, N_FF, down_t=True).items()}
+    return ffn_matrices(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
 
 
 OWN = {"all": range(0, N_FF), "middle": range(256, 768), "last": range(768, N_FF)}
@@ -293,35 +247,7 @@ def test_ffn_token(ffn, isa, fast, which):
     """Dense, thresholded, masked and nothing active, against the dense float64 FFN with the
     inactive neurons zeroed."""
     m, w = ffn
-    own = OWN[which]
-    rng = np.random.default_rng(4)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    x64 = torch.from_numpy(x.astype(np.float64))[None]
-    owned = torch.zeros(N_FF, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    g = torch.nn.functional.silu(x64 @ w["gate"].T)[0]
-    if fast:  # which neurons pass depends on the gate with 8-bit x: the kernel's own gate product
-        g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=True).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    cases = {"dense": (None, None, owned),
-             "threshold": (float((mid[gap] + mid[gap + 1]) / 2), None, None),
-             "mask": (None, (rng.random(N_FF) < 0.3).astype(np.uint8), None),
-             "nothing active": (1e9, None, owned * 0)}
-    for name, (thr, mask, active) in cases.items():
-        if thr is not None and active is None:
-            active = (g.abs() > thr).double() * owned
-        if mask is not None:
-            active = torch.from_numpy(mask.astype(np.float64)) * owned
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=thr, mask=mask, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        scale = np.abs(want).max() + 1e-3
-        assert np.abs(y - want).max() <= (0.05 if fast else 1e-5) * scale, name
-        if name == "nothing active":
-            assert (y == 0).all()
+    check_ffn_token(m, w, OWN[which], np.random.default_rng(4), fast, 0.05 if fast else 1e-5)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

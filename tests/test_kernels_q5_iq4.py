@@ -11,42 +11,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter, quants
+from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
+from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
+from tests.fixtures.kernel_checks import BATCHES, as_q8, matvec_tol
+from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, write_tensors
 
 TYPES = list(Q.TYPES)
 ROWS = 37
-BATCHES = [1, 2, 3, 5, 8, 9, 16]
 
 
 def cols_of(t: T) -> int:
     """an odd number of blocks per row: 25 of 32, or 3 of 256"""
     return 768 if Q.block_values(t) == 256 else 800
-
-
-def write_tensors(path, arrays: dict[str, tuple[np.ndarray, T]]):
-    """name -> (raw uint8 blocks, type) into a GGUF file; its tensors read back by gguf-py"""
-    w = GGUFWriter(path, "llama")
-    for name, (a, t) in arrays.items():
-        w.add_tensor(name, a, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def deq(t) -> np.ndarray:
-    return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(
-        int(np.prod(t.shape[1:])), int(t.shape[0]))
-
-
-def tol(fast: bool, x, w) -> float:
-    """Exact mode: float32 summation error. Fast mode: 8-bit activations (llama.cpp's error)."""
-    return np.abs(w).sum(axis=1).max() * np.abs(x).max() * (1 / 127 if fast else 1e-6)
 
 
 # ---- the quantizers write what gguf-py reads ------------------------------------------------
@@ -112,12 +92,12 @@ def test_matvec_rows_and_columns(mats, isa, t, src, fast):
         got = m.matvec(x, rows=rows, fast=fast)
         sel = w if rows is None else w[list(rows)]
         assert got.shape == (len(sel),)
-        np.testing.assert_allclose(got, sel @ x.astype(np.float64), rtol=0, atol=tol(fast, x, w))
+        np.testing.assert_allclose(got, sel @ x.astype(np.float64), rtol=0, atol=matvec_tol(fast, x, w))
     for cols in col_ranges(t):
         xc = x[cols.start:cols.stop]
         got = m.matvec(xc, rows=[36, 0, 7], cols=cols, fast=fast)
         np.testing.assert_allclose(got, w[[36, 0, 7], cols.start:cols.stop] @ xc.astype(np.float64), rtol=0,
-                                   atol=tol(fast, x, w))
+                                   atol=matvec_tol(fast, x, w))
     with pytest.raises(ValueError, match="whole blocks"):
         m.matvec(x[:16], cols=range(0, 16), fast=fast)
 
@@ -217,10 +197,9 @@ def ffn(request, tmp_path_factory):
     types = FFN_CASES[request.param]
     rng = np.random.default_rng(7)
     hidden, n_ff, b = ffn_dims(types)
-    shapes = {"gate": (n_ff, hidden), "up": (n_ff, hidden), "down": (hidden, n_ff), "down_t": (n_ff, hidden)}
+    shapes = ffn_shapes(hidden, n_ff, down_t=True)
     arrays = {n: (Q.quantize(rng.standard_normal(s) * 0.2, t), t) for (n, s), t in zip(shapes.items(), types)}
-    ts = write_tensors(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays)
-    return types, {n: K.FileMatrix(ts[n]) for n in ts}, {n: torch.from_numpy(deq(ts[n])) for n in ts}
+    return (types, *ffn_matrices(tmp_path_factory.mktemp("f") / "ffn.gguf", arrays))
 
 
 def own_range(types, which: str) -> range:
@@ -228,49 +207,14 @@ def own_range(types, which: str) -> range:
     return {"all": range(0, 4 * b), "middle": range(b, 3 * b), "last": range(3 * b, 4 * b)}[which]
 
 
-def as_q8(x: np.ndarray, fast: bool) -> torch.Tensor:
-    """x as the products see it, float64 (1, n): fast mode's 8-bit blocks dequantized, else x"""
-    if fast:
-        d, _, q = K.quantize_q8(x)
-        x = (q.astype(np.float64) * d.astype(np.float64)[:, None]).reshape(-1)
-    return torch.from_numpy(x.astype(np.float64))[None]
-
-
-def assert_ffn_close(y, want, tol: float, what: str = ""):
-    scale = np.abs(want).max() + 1e-3
-    assert np.abs(y - want).max() <= tol * scale, what
-
-
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("which", ["all", "middle", "last"])
 def test_ffn_token(ffn, isa, fast, which):
+    """fast: the reference takes x's 8-bit blocks (the error left is h's 8-bit blocks, down's
+    products); which neurons pass depends on the gate's product in the mode used: the kernel's own"""
     types, m, w = ffn
-    hidden, n_ff, _ = ffn_dims(types)
-    own = own_range(types, which)
-    rng = np.random.default_rng(8)
-    scratch = K.FfnScratch(hidden, len(own))
-    x = rng.standard_normal(hidden).astype(np.float32)
-    x64 = as_q8(x, fast)  # fast: the error left is h's 8-bit blocks (down's products)
-    owned = torch.zeros(n_ff, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    # which neurons pass depends on the gate's product in the mode used: the kernel's own
-    g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=fast).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    thr = float((mid[gap] + mid[gap + 1]) / 2)
-    mask = (rng.random(n_ff) < 0.3).astype(np.uint8)
-    cases = {"dense": (None, None, owned),
-             "threshold": (thr, None, (g.abs() > thr).double() * owned),
-             "mask": (None, mask, torch.from_numpy(mask.astype(np.float64)) * owned),
-             "nothing active": (1e9, None, owned * 0),
-             "empty mask": (None, np.zeros(n_ff, np.uint8), owned * 0)}
-    for name, (t, mk, active) in cases.items():
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=t, mask=mk, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        assert 0 < int(active.sum()) or not y.any(), name
-        assert_ffn_close(y, want, 0.02 if fast else 1e-5, name)
+    check_ffn_token(m, w, own_range(types, which), np.random.default_rng(8), fast, 0.02 if fast else 1e-5,
+                    kernel_inputs=True, empty_mask=True)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

@@ -19,7 +19,7 @@ from coordinator.engine import Engine, EngineOptions
 from coordinator.worker_pool import WorkerError
 from sparsecore import kernels
 from tests.conftest import hang_guard
-from tests.test_split_attention import _decode  # greedy tokens and each step's logits
+from tests.fixtures.decoding import greedy_decode
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46]]
 
@@ -65,10 +65,10 @@ def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor
     wide = dict(hidden=512, n_ff=512) if tensor_type == "Q4_K" else {}
     path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2, **wide)
     with _engine(path, fast, lockstep=False) as layered:
-        want = [_decode(layered, p) for p in PROMPTS]
+        want = [greedy_decode(layered, p) for p in PROMPTS]
         assert not layered.ffn.stats.lockstep_us
     with _engine(path, fast, lockstep=True) as locked:
-        got = [_decode(locked, p) for p in PROMPTS]
+        got = [greedy_decode(locked, p) for p in PROMPTS]
         assert len(locked.ffn.stats.lockstep_us) == 6 * len(PROMPTS)
     for (wt, wl), (gt, gl) in zip(want, got):
         # the same floats: both paths norm the FFN input in the same kernel (model.ffn_input_norm)
@@ -108,7 +108,7 @@ def test_lockstep_applies_thresholds(tiny_model_factory, no_leaks):
             eng.ffn.set_thresholds([0.5] * eng.cfg.n_layers)
             st = eng.ffn.stats
             st.clear_counts()
-            toks, rows = _decode(eng, PROMPTS[0], steps=5)
+            toks, rows = greedy_decode(eng, PROMPTS[0], steps=5)
             dense = sum(st.tokens.values()) * eng.cfg.n_ff
             results.append((toks, rows, sum(st.active.values()) / dense))
     (wt, wl, wf), (gt, gl, gf) = results
@@ -124,7 +124,7 @@ def test_lockstep_with_predictors_in_the_shards(tiny_pwri, no_leaks):
     for lockstep in (False, True):
         with _engine(path, False, lockstep=lockstep) as eng:
             assert eng.ffn.shard_predictors is not None
-            toks, rows = _decode(eng, [5, 6, 7], steps=4)
+            toks, rows = greedy_decode(eng, [5, 6, 7], steps=4)
             results.append((toks, rows, len(eng.ffn.stats.lockstep_us)))
     (wt, wl, wn), (gt, gl, gn) = results
     assert wn == 0 and gn == 4

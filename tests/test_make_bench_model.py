@@ -17,7 +17,7 @@ from coordinator.predictor import Predictors
 from coordinator.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
-from tests.conftest import REPO
+from tests.conftest import REPO, run_make_bench_model
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_bench_model as mbm  # noqa: E402
@@ -29,27 +29,20 @@ OPTS = dict(cpu_workers=1, threads=1, gpu_share=0.0)
 ACTIVE, ACTIVE_TOL = 0.1, 0.03  # requested fraction, and the absolute tolerance we accept
 
 
-def _make(tmp_path, tok_src, name, *extra) -> tuple[object, object]:
+def _make(tmp_path, tiny_model, name, *extra) -> tuple[object, object]:
     out = tmp_path / name
-    argv = [*TINY, "--tokenizer-from", str(tok_src), "-o", str(out), *extra]
-    r = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr
+    argv = [*TINY, "--tokenizer-from", str(tiny_model), "-o", str(out), *extra]
+    r = run_make_bench_model(argv)
     assert r.stdout.startswith(f"wrote {out}: ") and " s\n" in r.stdout  # size and time printed
     return out, mbm.parse_args(argv)
-
-
-@pytest.fixture(scope="module")
-def tok_src(tmp_path_factory):
-    from tests.fixtures.tiny_gguf import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("tok") / "tok.gguf", tensor_type="F32", seed=0)
 
 
 def _types(path) -> dict[str, QT]:
     return {t.name: t.tensor_type for t in open_gguf(path).tensors}
 
 
-def test_q4_k_m_mixes_types_like_llama_cpp(tmp_path, tok_src):
-    path, args = _make(tmp_path, tok_src, "km.gguf", "--type", "q4_k_m")
+def test_q4_k_m_mixes_types_like_llama_cpp(tmp_path, tiny_model):
+    path, args = _make(tmp_path, tiny_model, "km.gguf", "--type", "q4_k_m")
     types = _types(path)
     assert types["output.weight"] == QT.Q6_K and types["token_embd.weight"] == QT.Q4_K
     # use_more_bits(i, 4) = i < 0 or i >= 3 or i % 3 == 2: layers 2 and 3 get Q6_K
@@ -61,11 +54,11 @@ def test_q4_k_m_mixes_types_like_llama_cpp(tmp_path, tok_src):
     assert mbm.tensor_type("blk.0.ffn_up.weight", "q4_k_m", 5, 26, 3200) == QT.Q5_0  # 3200 % 256: fallback
 
 
-def test_written_data_is_each_tensors_own(tmp_path, tok_src):
+def test_written_data_is_each_tensors_own(tmp_path, tiny_model):
     """Tensor by tensor writing kept table and data in step: every tensor dequantizes to the
     values its spec makes, within its type's rounding."""
-    path, args = _make(tmp_path, tok_src, "q4.gguf", "--type", "q4_0")
-    args.vocab = len(open_gguf(tok_src).fields["tokenizer.ggml.tokens"].contents())
+    path, args = _make(tmp_path, tiny_model, "q4.gguf", "--type", "q4_0")
+    args.vocab = len(open_gguf(tiny_model).fields["tokenizer.ggml.tokens"].contents())
     r = open_gguf(path)
     got = {t.name: t for t in r.tensors}
     specs = mbm.tensor_specs(args)
@@ -82,8 +75,8 @@ def test_written_data_is_each_tensors_own(tmp_path, tok_src):
 
 
 @pytest.mark.parametrize("ftype", ["q4_0", "q4_k_m"])
-def test_engine_loads_and_generates_dense(tmp_path, tok_src, ftype, no_leaks):
-    path, _ = _make(tmp_path, tok_src, f"{ftype}.gguf", "--type", ftype)
+def test_engine_loads_and_generates_dense(tmp_path, tiny_model, ftype, no_leaks):
+    path, _ = _make(tmp_path, tiny_model, f"{ftype}.gguf", "--type", ftype)
     with Engine(path, EngineOptions(**OPTS)) as eng:
         assert eng.cfg.activation == "silu" and eng.cfg.n_layers == 4 and eng.predictors is None
         ids = eng.tokenizer.encode("the quick brown fox")
@@ -94,8 +87,8 @@ def test_engine_loads_and_generates_dense(tmp_path, tok_src, ftype, no_leaks):
 
 
 @pytest.fixture(scope="module")
-def pwri(tmp_path_factory, tok_src):
-    return _make(tmp_path_factory.mktemp("pwri"), tok_src, "relu.gguf", "--type", "q4_0", "--relu",
+def pwri(tmp_path_factory, tiny_model):
+    return _make(tmp_path_factory.mktemp("pwri"), tiny_model, "relu.gguf", "--type", "q4_0", "--relu",
                  "--active", str(ACTIVE), "--rank", "64")
 
 
@@ -138,7 +131,7 @@ def test_engine_decodes_relu_file_with_its_predictors(pwri, no_leaks):
     assert abs(float(np.mean(decoded)) - ACTIVE) < ACTIVE_TOL, decoded
 
 
-def test_types_that_need_an_importance_matrix_are_refused_in_one_line(tmp_path, tok_src):
+def test_types_that_need_an_importance_matrix_are_refused_in_one_line(tmp_path, tiny_model):
     r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--type", "iq2_xs", "-o", str(tmp_path / "x.gguf")],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and "importance matrix" in r.stderr.splitlines()[-1]
@@ -149,9 +142,9 @@ def test_types_that_need_an_importance_matrix_are_refused_in_one_line(tmp_path, 
     assert mbm.parse_args([*TINY, "--type", "q4_0"]).quantizer == "own"
 
 
-def test_llama_cpp_types_are_made_by_its_quantizer_and_load(tmp_path, tok_src):
+def test_llama_cpp_types_are_made_by_its_quantizer_and_load(tmp_path, tiny_model):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (scripts/setup-bench) makes these files")
-    path, _ = _make(tmp_path, tok_src, "q3km.gguf", "--type", "q3_k_m")
+    path, _ = _make(tmp_path, tiny_model, "q3km.gguf", "--type", "q3_k_m")
     types = set(_types(path).values())
     assert QT.Q3_K in types and not (tmp_path / "q3km.gguf.f16.tmp").exists()
     with Engine(path, EngineOptions(**OPTS)) as eng:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from coordinator.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, availab
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.kernels import interleaving
 from tests.conftest import REPO
+from tests.fixtures import procs
 
 
 def _plan(path, **kw):
@@ -94,18 +94,12 @@ def test_info_prints_the_plan(tiny_model_factory):
     assert "memory plan (--ctx 2048, 2 processes, serve --parallel 4)" in text and "\n  fits" in text
 
 
-def _rss_anon(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_the_plan_bounds_what_the_processes_hold(smollm2_path):
     """After a prompt and some tokens, the processes' private memory is no more than the plan's
     anonymous bytes, and at least the weights it says they copy."""
     with Engine(smollm2_path, EngineOptions()) as eng:
         list(eng.generate(list(range(5, 200)), 16, stop_at_eos=False))
-        held = _rss_anon(os.getpid()) + sum(_rss_anon(w.pid) for w in eng.pool.workers)
+        held = procs.status_bytes(os.getpid(), "RssAnon") + sum(procs.status_bytes(w.pid, "RssAnon")
+                                                               for w in eng.pool.workers)
         plan = eng.memory
     assert plan.copied + plan.converted <= held <= plan.anonymous, (held, plan.lines())

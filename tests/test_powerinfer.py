@@ -21,7 +21,7 @@ from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
 from tests.conftest import REPO
 from tests.fixtures.tiny_powerinfer import tiny_powerinfer_tensors, write_tiny_powerinfer
-from tests.reference_llama import ReferenceLlama
+from tests.fixtures.reference_llama import ReferenceLlama
 
 N_FF, HIDDEN, RANK = 160, 64, 16
 PROMPT = "the quick brown fox"

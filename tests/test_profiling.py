@@ -17,7 +17,7 @@ from coordinator.sampling import SamplingParams
 from coordinator.tools import corpus, observe
 from coordinator.tools.profile import collect, load_powerinfer_activations, plot_profile, profile_from_powerinfer
 from tests.conftest import REPO
-from tests.reference_llama import ReferenceLlama
+from tests.fixtures.reference_llama import ReferenceLlama
 
 
 def _chunks(eng, n=4, length=48):

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from coordinator.engine import Engine, EngineOptions
-from coordinator.placement import static_plan
-from tests.exchange_rig import Rig
-from tests.ffn_reference import ffn_dense_reference
-from sparsecore.ffn import (ACTIVATIONS, Int8Rows, ffn_partial, ffn_partial_threshold,
-                            quantize_rows)
-from tests.test_ffn_exactness import assert_close, read_ffn_weights, threshold_with_gap
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from sparsecore.ffn import ACTIVATIONS, Int8Rows, ffn_partial, ffn_partial_threshold, quantize_rows
+from tests.fixtures.ffn_checks import (assert_close, check_float32_steps, ffn_rows, rows_reference, rows_rig,
+                                       run_rig, threshold_with_gap)
 
 TOL = 1e-4  # of the output's max |value|, as tests/test_ffn_exactness.py
 
@@ -53,17 +51,10 @@ def test_unknown_format_is_refused():
 @pytest.fixture(scope="module")
 def rows():
     rng = np.random.default_rng(0)
-    n, hidden = 96, 40
-    gate, up, down_t = (rng.standard_normal((n, hidden)) * 0.1 for _ in range(3))
+    gate, up, down_t = ffn_rows(rng)
     q = [Int8Rows.quantize(torch.from_numpy(a).float()) for a in (gate, up, down_t)]
     deq = [w.dequantize().double() for w in q]
     return q, deq, rng, [torch.from_numpy(a) for a in (gate, up, down_t)]
-
-
-def _ref(deq, x, mask=None):
-    gate, up, down_t = deq
-    m = None if mask is None else torch.from_numpy(mask.astype(np.float64))
-    return ffn_dense_reference(torch.from_numpy(x).double(), gate, up, down_t.T, "silu", m).numpy()
 
 
 @pytest.mark.parametrize("n_tokens", [1, 4])
@@ -72,26 +63,13 @@ def test_dense_and_masked_steps(rows, n_tokens):
     check_float32_steps(q, deq, rng, n_tokens, (1.0, 0.5, 0.2, 0.03))
 
 
-def check_float32_steps(rows, ref_weights, rng, n_tokens: int, fractions) -> None:
-    """ffn_partial over `rows` (dense at fraction 1.0, else a random active set of that
-    fraction) returns float32 close to the float64 reference over `ref_weights`."""
-    n, hidden = rows[0].shape
-    for p in fractions:
-        mask = rng.random(n) < p
-        x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
-        active = None if p == 1.0 else torch.from_numpy(np.flatnonzero(mask))
-        got = ffn_partial(torch.from_numpy(x), *rows, "silu", active).numpy()
-        assert got.dtype == np.float32
-        assert_close(got, _ref(ref_weights, x, None if p == 1.0 else mask))
-
-
 def test_result_is_that_of_the_quantized_weights(rows):
     """Not vacuous: the int8 answer is measurably not the float one, and close to it."""
     q, deq, rng, original = rows
     x = rng.standard_normal((1, q[0].shape[1])).astype(np.float32)
     got = ffn_partial(torch.from_numpy(x), *q, "silu").numpy()
-    assert_close(got, _ref(deq, x))
-    orig = _ref(original, x)
+    assert_close(got, rows_reference(deq, x))
+    orig = rows_reference(original, x)
     rel = np.abs(got - orig).max() / np.abs(orig).max()
     assert 1e-5 < rel < 0.05
 
@@ -114,27 +92,10 @@ def test_threshold_steps(rows, n_tokens):
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_factory):
-    path = tiny_model_factory(tensor_type="Q8_0")
-    weights, hidden, n_ff, activation = read_ffn_weights(path)
-    # the reference's int8 weights: gate/up rows and down columns (neurons) quantized one by one
-    qweights = {l: (_q64(g), _q64(u), _q64(d.T).T) for l, (g, u, d) in weights.items()}
-    plan = static_plan(len(weights), n_ff, 0.4, 2)
-    p = Rig(path, plan, hidden=hidden, max_tokens=8, threads_per_worker=1, weights="int8")
-    try:
+    with rows_rig(tiny_model_factory(tensor_type="Q8_0"), "int8") as (p, weights, activation):
+        # the reference's int8 weights: gate/up rows and down columns (neurons) quantized one by one
+        qweights = {l: (_q64(g), _q64(u), _q64(d.T).T) for l, (g, u, d) in weights.items()}
         yield p, weights, qweights, activation
-    finally:
-        p.close()
-
-
-def _run(p, layer, x, mask=None, threshold=None):
-    p.buffers.x[: len(x)] = x
-    if threshold is not None:
-        p.buffers.thresholds[layer] = threshold
-        return p.run_ffn(layer, len(x), dense=False, threshold=True)
-    if mask is None:
-        return p.run_ffn(layer, len(x), dense=True)
-    p.buffers.mask[:] = mask
-    return p.run_ffn(layer, len(x), dense=False)
 
 
 def test_workers_hold_int8(pool):
@@ -155,20 +116,20 @@ def test_worker_steps_match_dequantized_reference(pool):
         for n_tokens in (1, 3):
             x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
             x64 = torch.from_numpy(x).double()
-            assert_close(_run(p, layer, x), ffn_dense_reference(x64, gq, uq, dq, act).numpy())
+            assert_close(run_rig(p, layer, x), ffn_dense_reference(x64, gq, uq, dq, act).numpy())
             for frac in (0.5, 0.2):
                 mask = (rng.random(n_ff) < frac).astype(np.uint8)
                 want = ffn_dense_reference(x64, gq, uq, dq, act, torch.from_numpy(mask.astype(np.float64)))
-                assert_close(_run(p, layer, x, mask), want.numpy())
+                assert_close(run_rig(p, layer, x, mask), want.numpy())
             g = ACTIVATIONS[act](x64 @ gq.T)
             thr = threshold_with_gap(g.numpy())
             keep = g.abs() > thr
             want = (g * keep * (x64 @ uq.T)) @ dq.T
-            assert_close(_run(p, layer, x, threshold=thr), want.numpy())
+            assert_close(run_rig(p, layer, x, threshold=thr), want.numpy())
         # against the original float weights the int8 answer is close but not identical
         x = rng.standard_normal((1, hidden)).astype(np.float32)
         orig = ffn_dense_reference(torch.from_numpy(x).double(), *(torch.from_numpy(a) for a in weights[layer]), act)
-        got = _run(p, layer, x)
+        got = run_rig(p, layer, x)
         rel = np.abs(got - orig.numpy()).max() / np.abs(orig.numpy()).max()
         assert 1e-6 < rel < 0.05
 

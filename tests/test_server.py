@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import HANG_S, REPO, children_of
+from tests.fixtures import procs
 
 KEY = "test-key-123"
 PROMPTS = ["the lazy dog", "a quick brown fox jumps", "once upon a time there", "hello world, hello"]
@@ -320,14 +321,6 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signals_stop_the_server_cleanly_even_started_as_a_background_job(tiny_model, tmp_path, no_leaks, signum):
     """SIGTERM and SIGINT both stop the server and its workers and remove its ready file, also
@@ -340,9 +333,9 @@ def test_signals_stop_the_server_cleanly_even_started_as_a_background_job(tiny_m
         assert server.wait(timeout=30) == (0 if signum == signal.SIGTERM else 130)
         assert ("stopped" if signum == signal.SIGTERM else "interrupted") in server.stderr.read()
         deadline = time.monotonic() + HANG_S  # gone with the server; this only catches one that stays
-        while [p for p in workers if _alive(p)] and time.monotonic() < deadline:
+        while [p for p in workers if procs.alive(p)] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [p for p in workers if _alive(p)]
+        assert not [p for p in workers if procs.alive(p)]
         assert not (tmp_path / "ready").exists()
 
 

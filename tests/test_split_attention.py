@@ -12,6 +12,7 @@ import pytest
 from coordinator.engine import Engine, EngineOptions
 from sparsecore.attn_shard import split_heads
 from sparsecore.kernels import MAX_SMALL_BATCH
+from tests.fixtures.decoding import greedy_decode
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
 
@@ -39,29 +40,16 @@ def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
     return eng
 
 
-def _decode(eng: Engine, prompt: list[int], steps: int = 6) -> tuple[list[int], np.ndarray]:
-    m = eng.model
-    c = m.new_cache()
-    logits = m.forward(prompt, cache=c)[-1].numpy()
-    toks, rows = [], []
-    for _ in range(steps):
-        t = int(np.argmax(logits))
-        toks.append(t)
-        logits = m.forward([t], cache=c)[0].numpy().copy()
-        rows.append(logits)
-    return toks, np.array(rows)
-
-
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "F16", "F32"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type, fast, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2)
     with _engine(path, fast, split=False) as whole:
         assert whole.model.split_attn is None
-        want = [_decode(whole, p) for p in PROMPTS]
+        want = [greedy_decode(whole, p) for p in PROMPTS]
     with _engine(path, fast, split=True) as split:
         calls = len(split.ffn.stats.attn_us)
-        got = [_decode(split, p) for p in PROMPTS]
+        got = [greedy_decode(split, p) for p in PROMPTS]
         # every one-token step of every layer went through the exchange, and the prompts, up to
         # MAX_SMALL_BATCH tokens an exchange
         steps = len(PROMPTS) * 6 + sum(-(-len(p) // MAX_SMALL_BATCH) for p in PROMPTS)
@@ -134,7 +122,7 @@ def test_a_cache_outside_the_pool_decodes_on_the_coordinator(tiny_model_factory,
     with _engine(path, fast=False, split=True, kv_caches=1) as eng:
         m = eng.model
         assert m.cache.index == 0  # the engine's own cache holds the only place
-        want = _decode(eng, PROMPTS[0])  # a new cache: private, so not split
+        want = greedy_decode(eng, PROMPTS[0])  # a new cache: private, so not split
         c = m.new_cache()
         assert c.index is None
         calls = len(eng.ffn.stats.attn_us)
@@ -159,7 +147,7 @@ def test_attention_stays_on_the_coordinator_when_not_split(tiny_model_factory, n
     path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
     with _engine(path, fast=False, split=False) as eng:
         assert eng.kv_pool is None and eng.model.cache.index is None
-        _decode(eng, PROMPTS[0], 2)
+        greedy_decode(eng, PROMPTS[0], 2)
         assert eng.ffn.stats.attn_us == []
 
 

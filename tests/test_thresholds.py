@@ -15,9 +15,9 @@ from coordinator.tools import corpus
 from coordinator.tools.calibrate import calibrate
 from coordinator.tools.perplexity import perplexity
 from sparsecore.ffn import ffn_partial_threshold
-from tests.ffn_reference import ffn_dense_reference
+from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.conftest import REPO
-from tests.reference_llama import ReferenceLlama
+from tests.fixtures.reference_llama import ReferenceLlama
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5])

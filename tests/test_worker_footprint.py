@@ -3,15 +3,14 @@ imports torch: a quarter of a GB resident and about a second of start-up it has 
 Workers holding float copies (--weights f32) do import it: the positive control."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from coordinator.engine import Engine, EngineOptions
+from tests.fixtures import procs
 
 
 def _maps_torch(pid: int) -> bool:
-    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in procs.maps(pid)
 
 
 @pytest.mark.parametrize("weights,fast,imports", [("gguf", False, False), ("gguf", True, False), ("f32", False, True)])

@@ -1,80 +1,23 @@
 """coordinator.worker_pool.WorkerPool and the exchange of coordinator.sparse_ffn against mock workers
-(tests/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
+(tests/fixtures/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
 a known function, so the handshake, x/mask handoff, both the spinning and the sleeping doorbell,
 slot summation, failure reporting and cleanup are tested without real weights."""
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from coordinator.placement import Plan, WorkerShard, static_plan
-from coordinator.sparse_ffn import SparseFfn
 from coordinator import worker_pool
 from coordinator.worker_pool import WorkerError, WorkerPool
 from tests.conftest import children_of, hang_guard, shm_segments
-from tests.mock_worker import compute_us
-
-MOCK = Path(__file__).resolve().parent / "mock_worker.py"
-HIDDEN, MAX_TOKENS = 16, 8
-MODEL = Path("/nonexistent/mock-model.gguf")  # mocks never open it
-
-
-def mock_launcher(behaviors: dict[int, str] | None = None):
-    """Launcher running tests/mock_worker.py; behaviors maps worker_id -> behavior (default ok)."""
-    behaviors = behaviors or {}
-
-    def launch(shard: WorkerShard, endpoint: str) -> list:
-        return [sys.executable, str(MOCK), "--endpoint", endpoint, "--worker-id", str(shard.worker_id),
-                "--role", shard.role, "--behavior", behaviors.get(shard.worker_id, "ok")]
-    return launch
-
-
-def shuffled_plan(n_layers: int = 3, n_ff: int = 40, seed: int = 0) -> Plan:
-    """Different random partitions per layer, and worker ids that differ from slot numbers,
-    so a pool that mixes up layers, slots or ids gives a wrong answer."""
-    rng = np.random.default_rng(seed)
-    ids = [("gpu", 0), ("cpu", 5), ("cpu", 2)]
-    per_worker: list[list[np.ndarray]] = [[] for _ in ids]
-    for _ in range(n_layers):
-        perm = rng.permutation(n_ff)
-        cuts = np.sort(rng.choice(np.arange(1, n_ff), size=len(ids) - 1, replace=False))
-        for w, part in enumerate(np.split(perm, cuts)):
-            per_worker[w].append(np.sort(part).astype(np.int32))
-    plan = Plan(n_layers, n_ff, [WorkerShard(r, i, per_worker[k]) for k, (r, i) in enumerate(ids)])
-    plan.check_partition()
-    return plan
-
-
-def make_pool(plan: Plan, behaviors=None, **kw) -> WorkerPool:
-    return WorkerPool(MODEL, plan, hidden=HIDDEN, max_tokens=MAX_TOKENS, launcher=mock_launcher(behaviors), **kw)
-
-
-_ffns: dict[int, SparseFfn] = {}
-
-
-def ffn_of(pool: WorkerPool) -> SparseFfn:
-    """The exchange over `pool`, as the engine builds it (one per pool)."""
-    return _ffns.setdefault(id(pool), SparseFfn.over(pool))
-
-
-def run_ffn(pool: WorkerPool, layer: int, n_tokens: int, dense: bool = True) -> np.ndarray:
-    return ffn_of(pool).exchange(layer, n_tokens, dense=dense)
-
-
-def expected_dense(pool: WorkerPool, layer: int, n: int) -> np.ndarray:
-    x = pool.buffers.x[:n].astype(np.float64)
-    return sum(x * (s.worker_id + 1) + layer for s in pool.plan.shards)
-
-
-def write_x(pool: WorkerPool, rng, n: int) -> None:
-    pool.buffers.x[:] = np.nan  # rows past n_tokens must not matter
-    pool.buffers.x[:n] = rng.integers(-50, 50, size=(n, HIDDEN)).astype(np.float32)
+from tests.fixtures.mock_pool import (HIDDEN, MAX_TOKENS, MODEL, expected_dense, ffn_of, make_pool, run_ffn,
+                                     shuffled_plan, write_x)
+from tests.fixtures.mock_worker import compute_us
 
 
 def assert_all_gone(pool: WorkerPool) -> None:
