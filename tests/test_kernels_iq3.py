@@ -16,8 +16,10 @@ from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
 from sparsecore.tensors import conversion
-from tests.ffn_reference import ffn_dense_reference
-from tests.test_kernels_q5_iq4 import as_q8, assert_ffn_close, deq, tol, write_tensors
+from tests.fixtures.ffn_checks import assert_ffn_close
+from tests.fixtures.ffn_reference import ffn_dense_reference
+from tests.fixtures.kernel_checks import as_q8, matvec_tol as tol
+from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = [T.IQ3_XXS, T.IQ3_S]
 ROWS = 37
