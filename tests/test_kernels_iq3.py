@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T, quants
 
 from sparsecore import kernels as K
 from sparsecore.tensors import conversion
-from tests.fixtures.ffn_checks import assert_ffn_close
+from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures.kernel_checks import as_q8, matvec_tol as tol
 from tests.fixtures.kernel_files import deq, write_tensors
@@ -199,32 +199,13 @@ def ffn(request, tmp_path_factory):
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("which", ["all", "middle"])
 def test_ffn_token(ffn, isa, fast, which):
+    """fast: the reference takes x's 8-bit blocks; which neurons pass depends on the gate's
+    product in the mode used: the kernel's own (check_ffn_token's kernel_inputs)"""
     types, m, w = ffn
     n_ff, b = 4 * 256, down_block(types)
     own = range(0, n_ff) if which == "all" else range(b, 3 * b)
-    rng = np.random.default_rng(8)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    x64 = as_q8(x, fast)
-    owned = torch.zeros(n_ff, dtype=torch.float64)
-    owned[own.start:own.stop] = 1
-    g = torch.nn.functional.silu(torch.from_numpy(m["gate"].matvec(x, fast=fast).astype(np.float64)))
-    mags = np.sort(g[own.start:own.stop].abs().numpy())
-    mid = mags[len(mags) // 4: 3 * len(mags) // 4]
-    gap = int(np.argmax(np.diff(mid)))  # the widest gap in the middle half: no neuron on the edge
-    thr = float((mid[gap] + mid[gap + 1]) / 2)
-    mask = (rng.random(n_ff) < 0.3).astype(np.uint8)
-    cases = {"dense": (None, None, owned),
-             "threshold": (thr, None, (g.abs() > thr).double() * owned),
-             "mask": (None, mask, torch.from_numpy(mask.astype(np.float64)) * owned),
-             "nothing active": (1e9, None, owned * 0),
-             "empty mask": (None, np.zeros(n_ff, np.uint8), owned * 0)}
-    for name, (t, mk, active) in cases.items():
-        y, n = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, threshold=t, mask=mk, fast=fast)
-        want = ffn_dense_reference(x64, w["gate"], w["up"], w["down"], "silu", active)[0].numpy()
-        assert n == int(active.sum()), name
-        assert 0 < int(active.sum()) or not y.any(), name
-        assert_ffn_close(y, want, 0.02 if fast else 1e-5, name)
+    check_ffn_token(m, w, own, np.random.default_rng(8), fast, 0.02 if fast else 1e-5, kernel_inputs=True,
+                    empty_mask=True)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
