@@ -626,14 +626,7 @@ def _complete(url: str, max_tokens: int = 3) -> int:
 
 def _workers(pid: int) -> list[int]:
     """The server's CPU worker processes (not multiprocessing's resource tracker)."""
-    out = []
-    for p in children_of(pid):
-        try:
-            if b"cpu_worker" in open(f"/proc/{p}/cmdline", "rb").read():
-                out.append(p)
-        except OSError:
-            pass
-    return out
+    return [p for p in children_of(pid) if "cpu_worker" in procs.cmdline(p)]
 
 
 def _wait_for(cond, what: str):
@@ -661,7 +654,7 @@ def test_a_dead_worker_is_restarted_and_a_second_death_exits_non_zero(tiny_model
         assert server.wait(timeout=HANG_S) == 1
         err = server.stderr.read()
         assert "restarting the engine's workers" in err and "exiting" in err.splitlines()[-1]
-        _wait_for(lambda: not [p for p in second if _alive(p)], "workers left behind")
+        _wait_for(lambda: not [p for p in second if procs.alive(p)], "workers left behind")
 
 
 def test_on_worker_death_exit_ends_the_server_at_the_first_death(tiny_model, tmp_path):
