@@ -143,6 +143,7 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
     "mapped", by the rules the loaders follow (FileMatrix.for_fast_products and
     for_row_products; TensorStore's conversions)."""
     from sparsecore.kernels import R16_TYPES, X16_TYPES, blocked_rows, interleaving, supports
+    from sparsecore.tensors import converted_size
 
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     out: dict[str, tuple[str, int]] = {}
@@ -154,7 +155,7 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
             out[name] = ("mapped" if weights == "gguf" else "converted", int(raw.n_bytes if weights == "gguf"
                          else 4 * int(raw.n_elements)))
             continue
-        conv = store.conversion(raw)
+        conv = converted_size(raw)
         t, nbytes = (raw.tensor_type, int(raw.n_bytes)) if conv is None else conv
         if conv is not None:
             out[name] = ("converted", nbytes)

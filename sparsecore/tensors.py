@@ -62,17 +62,25 @@ def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     return dst, lambda raw, src=tt, dst=dst: requantize(raw, src, dst)
 
 
+def converted_size(t) -> tuple[GGMLQuantizationType, int] | None:
+    """(type, bytes) tensor t takes once converted at load (conversion), or None: read as it is."""
+    conv = conversion(t)
+    if conv is None:
+        return None
+    block, size = GGML_QUANT_SIZES[conv[0]]
+    return conv[0], int(t.n_elements) // block * size
+
+
 def conversion_notes(path: Path, tensors) -> list[str]:
     """One line per type in `tensors` the kernels cannot read: how many, their size in the file
     and converted (conversion)."""
     by_type: dict = {}
     for t in tensors:
-        conv = conversion(t)
+        conv = converted_size(t)
         if conv is None:
             continue
-        block, size = GGML_QUANT_SIZES[conv[0]]
         n, have, new = by_type.get((t.tensor_type, conv[0]), (0, 0, 0))
-        by_type[(t.tensor_type, conv[0])] = (n + 1, have + int(t.n_bytes), new + int(t.n_elements) // block * size)
+        by_type[(t.tensor_type, conv[0])] = (n + 1, have + int(t.n_bytes), new + conv[1])
     return [f"note: {Path(path).name}: {n} {src.name} tensor{'s' if n > 1 else ''} ({have / 1e9:.3f} GB) have no "
             f"native kernel: requantized once at load to {dst.name} ({new / 1e9:.3f} GB)"
             for (src, dst), (n, have, new) in sorted(by_type.items(), key=lambda kv: kv[0][0].value)]
@@ -118,14 +126,6 @@ class TensorStore:
         # fused tensors (phi3) under the names of their parts (a fused ffn_up's name means its up half)
         self.by_name.update(fused_aliases(reader, self.by_name))
         self.converted: dict = {}
-
-    def conversion(self, t) -> tuple[GGMLQuantizationType, int] | None:
-        """(type, bytes) t takes once converted at load (conversion), or None: read as it is."""
-        conv = conversion(t)
-        if conv is None:
-            return None
-        block, size = GGML_QUANT_SIZES[conv[0]]
-        return conv[0], int(t.n_elements) // block * size
 
     def _native(self, t):
         """t, or for a type the kernels cannot read (conversion) its values requantized into a

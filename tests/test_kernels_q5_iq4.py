@@ -17,7 +17,7 @@ from sparsecore import kernels as K
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.ffn_checks import assert_ffn_close, check_ffn_token
-from tests.fixtures.kernel_checks import BATCHES, as_q8, matvec_tol
+from tests.fixtures.kernel_checks import BATCHES, as_q8, exact_and_fast_errors, matvec_tol
 from tests.fixtures.kernel_files import deq, ffn_matrices, ffn_shapes, write_tensors
 
 TYPES = list(Q.TYPES)
@@ -107,10 +107,8 @@ def test_exact_mode_is_the_dequantized_product(mats, isa, t):
     """Exact mode is float32 rounding away from float64, far below what 8-bit activations cost."""
     m, w = K.FileMatrix(mats[f"q.{t.name}"]), deq(mats[f"q.{t.name}"])
     x = np.random.default_rng(3).standard_normal(m.cols).astype(np.float32)
-    want = w @ x.astype(np.float64)
-    exact = np.abs(m.matvec(x) - want).max()
-    fast = np.abs(m.matvec(x, fast=True) - want).max()
-    assert exact < 1e-5 * np.abs(want).max() < fast
+    exact, fast, scale = exact_and_fast_errors(m, w, x)
+    assert exact < 1e-5 * scale < fast
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 from coordinator.engine import Engine, EngineOptions
 from sparsecore.gguf_file import SUPPORTED_TYPES, open_gguf
 from sparsecore.kernels import supports
-from sparsecore.tensors import TensorStore, conversion
+from sparsecore.tensors import TensorStore, conversion, converted_size
 from tests.fixtures.tiny_gguf import write_tiny_llama
 
 CONVERTED = [QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.TQ2_0]
@@ -38,7 +38,7 @@ def test_converted_values_are_the_files_within_the_new_types_rounding(tmp_path, 
     assert new.tensor_type in (QT.Q5_0, QT.Q8_0) and supports(new.tensor_type)  # never float32
     bits = 8 * GGML_QUANT_SIZES[t][1] / GGML_QUANT_SIZES[t][0]
     assert new.tensor_type == (QT.Q5_0 if bits <= 4 and supports(QT.Q5_0) else QT.Q8_0)
-    assert store.conversion(raw) == (new.tensor_type, new.n_bytes)
+    assert converted_size(raw) == (new.tensor_type, new.n_bytes)
     want = dequantize(np.asarray(raw.data), t).reshape(512, 256)
     got = dequantize(np.asarray(new.data), new.tensor_type).reshape(512, 256)
     # gguf-py's round to nearest: within one step of each block of 32 (Q5_0: amax / 16, and the
