@@ -39,8 +39,11 @@ def _engine_options(f):
         click.option("--transport", type=click.Choice(["ipc", "tcp"]), default="ipc", show_default=True,
                      help="ZeroMQ transport between coordinator and workers"),
         click.option("--sparsity", type=float, default=None,
-                     help="skip this fraction of FFN neurons per token (calibrated thresholds; see `calibrate`)"),
-    ] + _placement_options + [_predictor_option, _weights_option, _arith_option]
+                     help="skip this fraction of each matrix's inputs per decoded token (calibrated thresholds; "
+                          "see `calibrate`); 0: dense. generate, chat and serve default to the calibrated level "
+                          "within --quality-budget"),
+    ] + _placement_options + [_predictor_option, _weights_option, _arith_option, _sparse_method_option,
+                              _quality_budget_option]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -131,6 +134,52 @@ def _weights_from_context() -> str:
     return ctx.meta.get("sparseinfer.weights", "gguf") if ctx is not None else "gguf"
 
 
+def _remember(key):
+    def callback(ctx, param, value):
+        ctx.meta[key] = value
+        return value
+    return callback
+
+
+_sparse_method_option = click.option(
+    "--sparse-method", type=click.Choice(["input", "cats"]), default="input", show_default=True, expose_value=False,
+    callback=_remember("sparseinfer.sparse_method"),
+    help="how a sparsity level skips weights: input (every matrix skips its small inputs' columns) or cats "
+         "(FFN neurons with small gate activations)")
+_quality_budget_option = click.option(
+    "--quality-budget", type=float, default=0.02, show_default=True, expose_value=False,
+    callback=_remember("sparseinfer.quality_budget"),
+    help="the default sparsity level is the highest whose held-out perplexity stays within this fraction "
+         "over dense (calibrated levels)")
+
+
+def _meta(key, default):
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get(key, default) if ctx is not None else default
+
+
+def _decode_sparsity(path, sparsity):
+    """The level generate, chat and serve decode at: --sparsity as given (0: dense), else the
+    calibrated level within the quality budget (coordinator/sparsity_level.py), saying which in
+    one line. Exact arithmetic (transformers' tokens), predictors and float weights stay dense."""
+    if sparsity is not None:
+        return None if sparsity == 0 else sparsity
+    if _arith_from_context() != "fast" or _weights_from_context() != "gguf" or _predictor_from_context():
+        return None
+    from sparsecore.gguf_file import open_gguf
+
+    from .predictor import has_predictors
+    from .sparsity_level import choose
+
+    if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
+        return None
+    budget = _meta("sparseinfer.quality_budget", 0.02)
+    _check_range("--quality-budget", budget, 0.0, None, "a budget cannot be negative")
+    level, line = choose(Path(path), _meta("sparseinfer.sparse_method", "input"), budget)
+    click.echo(line, err=True)
+    return level
+
+
 def _arith_from_context() -> str:
     ctx = click.get_current_context(silent=True)
     return ctx.meta.get("sparseinfer.arith", DEFAULT_ARITH) if ctx is not None else DEFAULT_ARITH
@@ -154,6 +203,7 @@ def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsit
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                        sparsity=sparsity, predictor=_predictor_from_context(),
+                                                       sparse_method=_meta("sparseinfer.sparse_method", "input"),
                                                        kv_caches=kv_caches, interleave=interleave,
                                                        weights=_weights_from_context(),
                                                        fast=_arith_from_context() == "fast",
@@ -358,6 +408,7 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
     if n_prompt is not None and n_prompt + max_tokens > ctx:
         raise OptionError("-n/--max-tokens", max_tokens, f"the prompt's {n_prompt} tokens + {max_tokens} exceed "
                                                          f"the context of {ctx} tokens (raise --ctx or lower -n)")
+    sparsity = _decode_sparsity(path, sparsity)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         # encode_chat: no second BOS where the template writes one (Gemma's, Llama 3's)
         ids = eng.encode_chat([{"role": "user", "content": prompt}]) if chat else eng.tokenizer.encode(prompt)
@@ -417,6 +468,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{host} is reachable from other machines: give a key ($SPARSEINFER_API_KEY keeps it "
                                  f"out of the process list), or --no-api-key to serve anyone", param_hint="--host")
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    sparsity = _decode_sparsity(path, sparsity)
     from .server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits
@@ -481,6 +533,7 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     sampling = _sampling(temperature, top_k, top_p, seed)
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     _check_tokens("-n/--max-tokens", max_tokens, ctx)
+    sparsity = _decode_sparsity(path, sparsity)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)
 
@@ -516,8 +569,12 @@ def _chunks(eng, corpus, part, chunks, chunk_len):
 @_engine_options
 @_corpus_options
 @click.option("--levels", default=None, help="comma-separated sparsities to store (default 0.1 ... 0.9)")
-def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, levels):
-    """Calibrate per-layer activation thresholds (CATS) for SwiGLU sparsity on calibration text."""
+@click.option("--quality-chunks", type=int, default=8, show_default=True,
+              help="held-out windows (of --chunk-len tokens) the perplexity of each level is measured on; "
+                   "0: none (generate, chat and serve then stay dense by default)")
+def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, levels,
+              quality_chunks):
+    """Calibrate sparsity thresholds (input sparsity and CATS) and measure each level's held-out perplexity."""
     try:
         given = sorted({float(v) for v in levels.split(",")}) if levels else []
     except ValueError:
@@ -530,16 +587,26 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
     from tqdm import tqdm
 
     from .model_files import save_thresholds
-    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
+    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, quality as run_quality
 
     grid = sorted(set(given) if given else set(DEFAULT_LEVELS))
     if sparsity is not None:
         grid = sorted(set(grid) | {sparsity})
+    _check_range("--quality-chunks", quality_chunks, 0, None, "cannot be negative")
     with _open_engine(path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
         data = _chunks(eng, corpus, "calibration", chunks, chunk_len)
         table = run_calibration(eng, tqdm(data, desc="calibrating", unit="chunk"), grid)
+        if quality_chunks:
+            held = _chunks(eng, corpus, "heldout", quality_chunks, chunk_len)
+            with tqdm(total=len(grid) + 1, desc="held-out perplexity", unit="level") as bar:
+                table["quality"] = run_quality(eng, held, table, bar.update)
         path = save_thresholds(eng.path, table)
     click.echo(f"wrote {path} ({table['tokens']} calibration tokens, levels {', '.join(table['levels'])})")
+    q = table.get("quality")
+    if q:
+        click.echo(f"held-out perplexity over {q['tokens']} tokens: dense {q['dense']:.3f}; input sparsity "
+                   + ", ".join(f"{k} {v['ppl']:.3f} ({100 * (v['ppl'] / q['dense'] - 1):+.1f} %)"
+                               for k, v in sorted(q["levels"].items())))
 
 
 @main.command()
@@ -564,7 +631,7 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
     weights = _weights_from_context()
     arith = f" ({_arith_from_context()} arithmetic)" if weights == "gguf" else ""
     click.echo(f"{mode}, {weights} weights{arith}: perplexity {r['ppl']:.4f} over {r['tokens']} tokens "
-               f"({len(data)} x {chunk_len}), FFN neurons computed {100 * r['active_fraction']:.1f}%")
+               f"({len(data)} x {chunk_len}), {r['unit']} {100 * r['active_fraction']:.1f}%")
 
 
 @main.command()

@@ -19,11 +19,13 @@ from sparsecore.attn_shard import head_unit, native_attention, split_heads
 from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
+from protocol.shm_layout import INPUT_SITES
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.kernels import interleaving, supports
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
+from sparsecore.input_sparsity import attach as attach_twins
 from sparsecore.lockstep import Lockstep
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
@@ -37,10 +39,13 @@ from .placement import (default_coordinator_share, default_gpu_share, plan_under
                         split_vocabulary, static_plan)
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
-from .model_files import load_thresholds
+from .model_files import load_input_thresholds, load_thresholds
 from .sparse_ffn import SparseFfn, SplitHead
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
+
+
+SPARSE_METHODS = ("input", "cats")  # EngineOptions.sparse_method
 
 
 @dataclass
@@ -52,7 +57,11 @@ class EngineOptions:
     max_batch: int = 256  # tokens per FFN exchange during prefill
     gpu_device: str = "auto"
     transport: str = "ipc"
-    sparsity: float | None = None  # calibrated CATS threshold level for decoding; None = dense
+    sparsity: float | None = None  # calibrated sparsity level for decoding; None = dense
+    # How decoded tokens skip weights at `sparsity` (coordinator/tools/calibrate.py): "input"
+    # (TEAL: every matrix skips the columns of its small inputs, read from input-major twins),
+    # or "cats" (FFN neurons with small |act(gate x)| skip their up row and down row).
+    sparse_method: str = "input"
     thresholds_file: str | None = None  # default: <model>.thresholds.json
     vram_budget_gb: float | None = None  # GiB for hot neurons on the GPU worker (needs <model>.profile.npz)
     reset_gpu_index: bool = False  # rebuild <model>.generated.gpuidx even if it matches
@@ -152,6 +161,12 @@ class Engine:
         self.chat_template = chat_template_from_reader(reader)
         predictors = self._load_predictors(reader)
         dense = opts.sparsity is None and predictors is None
+        if opts.sparse_method not in SPARSE_METHODS:
+            raise ValueError(f"sparse method {opts.sparse_method!r}: one of {', '.join(SPARSE_METHODS)}")
+        # Which matrices the processes give input-major twins (sparsecore/input_sparsity.py): all
+        # of them for input sparsity, down for CATS (its skipped neurons then skip whole rows).
+        self.input_major = "" if dense or predictors is not None or opts.weights != "gguf" else \
+            "all" if opts.sparse_method == "input" else "down"
         if opts.interleave and not dense:
             raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
@@ -179,7 +194,7 @@ class Engine:
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
                                    attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   else "", interleave=self.row_layout)
+                                   else "", interleave=self.row_layout, input_major=self.input_major)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -201,6 +216,12 @@ class Engine:
                     self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,
                     {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats)
                 self.model.lockstep = self._lockstep(store, cfg, attn_heads)
+            # after the attention's shares are kept (SplitAttention): their twins are the share's
+            own_layers = {} if self.ffn.own is None else {
+                i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+            self.twins = attach_twins(self.pool.buffers.input_thresholds, self.input_major, own_layers,
+                                      self.model.native)
+            self.twins.note("coordinator")
             self.last = RunStats()
             self.sparsity: float | None = None
             self.set_sparsity(opts.sparsity)
@@ -276,7 +297,7 @@ class Engine:
         ffn = sum(any(len(n) for n in s.neurons) for s in self.plan.shards)
         return plan_memory(store, cfg, names, fast=opts.fast, weights=opts.weights, row_layout=self.row_layout,
                            sparse=opts.sparsity is not None or predictors is not None, n_workers=len(workers),
-                           ffn_processes=ffn, kv_shape=kv_shape)
+                           ffn_processes=ffn, kv_shape=kv_shape, input_major=self.input_major)
 
     def _split_heads(self, store: TensorStore) -> dict[int, tuple[int, int]]:
         """KV heads per CPU worker slot and the coordinator's (key -1) for decoded tokens'
@@ -303,17 +324,29 @@ class Engine:
         return None
 
     def set_sparsity(self, sparsity: float | None) -> None:
-        """Use the calibrated thresholds for `sparsity` from now on (None: dense)."""
+        """Decode with the calibrated thresholds of `sparsity` from now on, by the engine's
+        method (EngineOptions.sparse_method); None: dense."""
         if sparsity is not None and self.interleaved:
             raise ValueError("this engine holds its up rows interleaved for dense decoding (EngineOptions.interleave): "
                              "start it with --sparsity, or with interleave=False, to decode sparsely")
         if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
-        if sparsity is not None:
-            path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
-            self.ffn.set_thresholds(load_thresholds(self.path, sparsity, path))
-        else:
+        words = self.pool.buffers.input_thresholds
+        path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
+        if sparsity is None:
             self.ffn.set_thresholds(None)
+            words[:] = -1.0
+        elif self.opts.sparse_method == "input":
+            if self.input_major != "all":
+                raise ValueError("input sparsity needs the input-major twins made at load: start the engine "
+                                 "with a sparsity level")
+            words[:] = np.asarray(load_input_thresholds(self.path, sparsity, path), dtype=np.float32)
+            self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
+        else:
+            self.ffn.set_thresholds(load_thresholds(self.path, sparsity, path))
+            words[:] = -1.0
+            if self.input_major:  # down's twins skip the neurons CATS zeroed (h == 0)
+                words[:, INPUT_SITES.index("ffn_h")] = 0.0
         self.sparsity = sparsity
 
     # ---- public API -------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Where the bytes go (the kinds below are the plan's rows):
   copied     matrices the processes repack into memory of their own (fast mode's interleaved
              layouts: FileMatrix.for_fast_products / for_row_products); the file's pages are
              then dropped, so these bytes count once, split over the processes that hold them;
+  twins      input-major copies of the matrices a sparsity level skips inputs of
+             (sparsecore/input_sparsity.py), as many bytes as the rows they copy;
   converted  tensors of a type with no native kernel, converted at load into one that has
              (sparsecore.tensors.conversion): every process that uses one converts it whole;
   kv         the KV caches (kv_caches of them at full length; pages are only touched as
@@ -13,7 +15,7 @@ Where the bytes go (the kinds below are the plan's rows):
   runtime    each process's interpreter, libraries and scratch (measured: docs/MEMORY.md);
   mapped     the file's pages read in place (page cache: shared by the processes, and clean,
              so the kernel can drop them under pressure, at the price of reading them again).
-The first four are anonymous memory nothing can reclaim: they must fit in what is available
+The first five are anonymous memory nothing can reclaim: they must fit in what is available
 (MemAvailable, and a cgroup's limit less its use). The mapped pages should too, or every token
 reads part of the file from disk again: a one-line notice then, not a refusal.
 
@@ -38,6 +40,7 @@ WORKER_RUNTIME = 64 * MIB
 @dataclass
 class MemoryPlan:
     copied: int = 0
+    twins: int = 0
     converted: int = 0
     kv: int = 0
     runtime: int = 0
@@ -50,7 +53,7 @@ class MemoryPlan:
 
     @property
     def anonymous(self) -> int:
-        return self.copied + self.converted + self.kv + self.runtime
+        return self.copied + self.twins + self.converted + self.kv + self.runtime
 
     @property
     def total(self) -> int:
@@ -59,6 +62,7 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, int, str]]:
         n = self.processes
         return [("copied", self.copied, "weights repacked into each process's memory (interleaved layouts)"),
+                ("twins", self.twins, "input-major copies for sparse decoding"),
                 ("converted", self.converted, "tensors with no native kernel, converted at load"),
                 ("kv", self.kv, "KV caches at full length, rope tables"),
                 ("runtime", self.runtime, f"interpreters, libraries, scratch ({n} process{'es' if n > 1 else ''})"),
@@ -89,7 +93,7 @@ class MemoryPlan:
         return None
 
     def _parts(self) -> str:
-        return ", ".join(f"{b / GB:.2f} GB {k}" for k, b, _ in self.rows()[:4] if b)
+        return ", ".join(f"{b / GB:.2f} GB {k}" for k, b, _ in self.rows()[:5] if b)
 
 
 def _size(text: str) -> int:
@@ -177,12 +181,21 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
 
 
 def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_layout: str, sparse: bool,
-                n_workers: int, ffn_processes: int, kv_shape=None) -> MemoryPlan:
+                n_workers: int, ffn_processes: int, kv_shape=None, input_major: str = "") -> MemoryPlan:
     """The plan for a run: `names` the tensors it reads, `n_workers` the worker processes besides
     the coordinator, `ffn_processes` the processes that hold FFN rows (each converts a converted
     FFN tensor whole), `kv_shape` the shared KV pool's KvShape (None: one private cache the size
-    of cfg at ctx, passed as a KvShape too)."""
+    of cfg at ctx, passed as a KvShape too), `input_major` which matrices get twins
+    (sparsecore/input_sparsity.py: "", "down", "all")."""
+    from sparsecore.kernels import input_major_type
+
     p = MemoryPlan(processes=1 + n_workers)
+    twinned = (".ffn_down.",) if input_major == "down" else (
+        ".ffn_gate.", ".ffn_up.", ".ffn_down.", ".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.") \
+        if input_major == "all" else ()
+    for name in names:
+        if store.has(name) and any(t in name for t in twinned) and input_major_type(store.by_name[name].tensor_type):
+            p.twins += int(store.by_name[name].n_bytes)
     for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1

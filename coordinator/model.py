@@ -237,6 +237,15 @@ class Transformer:
         # attention_split.py), set by the engine once its workers are ready; None: here alone.
         self.split_attn = None
         self.lockstep = None  # LockstepDecode, set by the engine where every process can take part
+        # observer(layer, attention input after attn_norm (T, hidden), attention output before the
+        # output matrix (T, heads x head_dim)): input-sparsity calibration watches both (coordinator/
+        # tools/calibrate.py). While it is set, prompts take the torch attention below, which has them.
+        self.attn_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
+        # input_filter(layer, site, x) -> x: what the attention's products read instead of x,
+        # for the sites "attn_in" and "attn_out" (protocol.shm_layout.INPUT_SITES): the quality
+        # tools emulate input sparsity through it (coordinator/tools/emulate.py). Prompts take
+        # the torch attention while it is set, too.
+        self.input_filter: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
         self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
@@ -312,6 +321,8 @@ class Transformer:
         start = cache.pos
         pos = slice(start, start + T)
         nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if self.input_filter is not None:
+            x = self.input_filter(i, "attn_in", x)
         if isinstance(L.wqkv, list):  # Q, K, V in the file's blocks: three products
             qkv = torch.cat([x_wt(x, w) for w in L.wqkv], dim=1)
         else:
@@ -344,7 +355,12 @@ class Transformer:
             mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
             out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa,
                                                  scale=scale)[0]
-        return x_wt(out.transpose(0, 1).reshape(T, nq * hd), L.wo)
+        out = out.transpose(0, 1).reshape(T, nq * hd)
+        if self.attn_observer is not None:
+            self.attn_observer(i, x.numpy(), out.numpy())
+        if self.input_filter is not None:
+            out = self.input_filter(i, "attn_out", out)
+        return x_wt(out, L.wo)
 
     def _split_for(self, caches: list[KVCache]) -> SplitStep | None:
         """This decode step of `caches`' sequences when their attention is split across the
@@ -375,7 +391,8 @@ class Transformer:
         causal chunk is a batch of one sequence's tokens at consecutive positions (attn_part
         writes each token's key and value before the next token attends)."""
         L = self.layers[i]
-        return (self.native[i] is not None and (L.window is None or cache.pos + T <= L.window)
+        return (self.native[i] is not None and self.attn_observer is None and self.input_filter is None
+                and (L.window is None or cache.pos + T <= L.window)
                 and cache.k.shape == self.cache.k.shape)
 
     def _attend_prompt(self, i: int, h: np.ndarray, cache: KVCache) -> None:
@@ -404,7 +421,7 @@ class Transformer:
         L, eps = self.layers[i], self.cfg.rms_eps
         if L.parallel:
             return self._attend_parallel(i, h, cache)
-        if (h.shape[0] == 1 and self.native[i] is not None
+        if (h.shape[0] == 1 and self.native[i] is not None and self.input_filter is None
                 and (L.window is None or cache.pos < L.window)):  # the window still covers every key
             h = h.contiguous()
             if split is not None:  # heads across the processes

@@ -38,6 +38,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from protocol.shm_layout import INPUT_SITES
+
 THRESHOLDS_FORMAT = "sparseinfer-thresholds/1"
 PROFILE_FORMAT = "sparseinfer-profile/1"
 PREDICTOR_FORMAT = "sparseinfer-predictor/1"
@@ -107,8 +109,7 @@ def level_key(sparsity: float) -> str:
     return f"{sparsity:.2f}"
 
 
-def load_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[float]:
-    path = path or thresholds_path(model)
+def _read_thresholds(model: Path, path: Path, sparsity: float) -> dict:
     if not path.exists():
         raise ValueError(f"{path}: no calibrated thresholds; run `sparseinfer calibrate -m {model} "
                          f"--sparsity {sparsity}` first")
@@ -118,12 +119,51 @@ def load_thresholds(model: Path, sparsity: float, path: Path | None = None) -> l
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if data.get("format") != THRESHOLDS_FORMAT:
         raise ValueError(f"{path}: format {data.get('format')!r}, expected {THRESHOLDS_FORMAT!r}")
+    return data
+
+
+def load_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[float]:
+    """CATS's per-layer thresholds at `sparsity`."""
+    path = path or thresholds_path(model)
+    data = _read_thresholds(model, path, sparsity)
     levels = data.get("levels", {})
     key = level_key(sparsity)
     if key not in levels:
         raise ValueError(f"{path}: no thresholds for sparsity {key} (calibrated: {', '.join(sorted(levels))}); "
                          f"run `sparseinfer calibrate --sparsity {sparsity}`")
     return [float(t) for t in levels[key]]
+
+
+def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[list[float]]:
+    """Input sparsity's thresholds at `sparsity`: per layer, one per protocol.shm_layout.INPUT_SITES."""
+    path = path or thresholds_path(model)
+    data = _read_thresholds(model, path, sparsity)
+    levels = data.get("input_levels")
+    if not levels:
+        raise ValueError(f"{path}: no input-sparsity thresholds (calibrated by an older version); run "
+                         f"`sparseinfer calibrate -m {model}` again")
+    key = level_key(sparsity)
+    if key not in levels:
+        raise ValueError(f"{path}: no thresholds for sparsity {key} (calibrated: {', '.join(sorted(levels))}); "
+                         f"run `sparseinfer calibrate --sparsity {sparsity}`")
+    if data.get("sites") != list(INPUT_SITES):
+        raise ValueError(f"{path}: input sites {data.get('sites')}, expected {list(INPUT_SITES)}; calibrate again")
+    return [[float(t) for t in layer] for layer in levels[key]]
+
+
+def calibrated_levels(model: Path, path: Path | None = None) -> dict | None:
+    """What a calibration stored for the default choice of a level (coordinator/sparsity_choice.py):
+    the table's `quality` entry, or None when there is no calibration file or no quality in it."""
+    path = path or thresholds_path(model)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    if data.get("format") != THRESHOLDS_FORMAT:
+        return None
+    return data.get("quality")
 
 
 def save_thresholds(model: Path, table: dict, path: Path | None = None) -> Path:
@@ -134,6 +174,8 @@ def save_thresholds(model: Path, table: dict, path: Path | None = None) -> Path:
     if old.get("format") == THRESHOLDS_FORMAT and old.get("model_bytes") == table["model_bytes"]:
         old["levels"].update(table["levels"])  # keep levels calibrated earlier
         table = {**table, "levels": old["levels"]}
+        if old.get("input_levels") and old.get("sites") == table.get("sites") and "input_levels" in table:
+            table["input_levels"] = {**old["input_levels"], **table["input_levels"]}
     with _replaced_atomically(path) as tmp:
         tmp.write_text(json.dumps(table, indent=1))
     return path

@@ -23,10 +23,11 @@ from protocol.shm_layout import LOCKSTEP_LAYER, REQ_STEP, SharedBuffers, attn_la
 from sparsecore.attn_shard import AttnShard
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
+from sparsecore.input_sparsity import attach as attach_twins
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
 from sparsecore.lockstep import Abandoned, Lockstep
-from sparsecore.shard import FfnShard
+from sparsecore.shard import FfnShard, FileLayer
 from sparsecore.tensors import TensorStore
 
 IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
@@ -83,6 +84,10 @@ class Worker:
             self.attn = AttnShard.load(store, cfg, self.pool, (a.attn_heads[0], a.attn_heads[1]), a.fast)
             self.lockstep = Lockstep.build(self.buffers, a.slot, self.attn.steps, (self.attn.kv0, self.attn.kv1),
                                            self.shard, store, cfg)
+        if a.input_major:  # after the attention's share is kept: its twins are the share's
+            layers = {i: w for i, w in self.shard.layers.items() if isinstance(w, FileLayer)}
+            attach_twins(self.buffers.input_thresholds, a.input_major, layers,
+                         self.attn.steps if self.attn is not None else None).note(f"worker {a.slot}")
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.

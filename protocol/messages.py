@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 12  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave
+PROTOCOL_VERSION = 13  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse
 
 
 class ProtocolError(Exception):
@@ -73,6 +73,9 @@ class Assign:
     # (FileMatrix.interleave): "" none (the engine picks rows by predictors), "gate" (dense and
     # threshold steps), "gate+up" (the engine only decodes densely). ROW_LAYOUTS.
     interleave: str = ""
+    # Which matrices get input-major twins whose one-token products skip small inputs
+    # (sparsecore/input_sparsity.py, thresholds in shared memory): "" none, "down", "all".
+    input_major: str = ""
 
 
 ROW_LAYOUTS = ("", "gate", "gate+up")

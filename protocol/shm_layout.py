@@ -2,7 +2,8 @@
 and the doorbell words that synchronize each layer without a system call.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
-    [thresholds: f32 n_layers][seq: i64 max_tokens*2][request: i64 x 8][slot 0: i64 x 8]...
+    [thresholds: f32 n_layers][input thresholds: f32 n_layers*INPUT_SITES][seq: i64 max_tokens*2]
+    [request: i64 x 8][slot 0: i64 x 8]...
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
 
@@ -50,6 +51,12 @@ LOCKSTEP_LAYER = 1 << 30
 _ATTN0 = -2  # request[REQ_LAYER] of layer i's attention step: _ATTN0 - i (see attn_layer_code)
 SLEEPING = 1  # value of a sleeping word: ring this side's wake pipe (0: it spins)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line
+# Input sparsity (TEAL): per layer, the threshold on |input| of each group of matrices sharing an
+# input: Q/K/V (the normed residual), O (the attention output), gate/up (the FFN's normed input),
+# down (the FFN's hidden activation). A one-token product skips the inputs at or below it; a
+# negative value: dense. Every process's input-major twins point at these words
+# (sparsecore/kernels: FileMatrix.with_input_major), so the coordinator changes the level for all.
+INPUT_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_h")
 
 
 def attn_layer_code(layer: int) -> int:
@@ -95,8 +102,12 @@ class ShmLayout:
         return _align(self.out_offset + 4 * self.n_slots * self.max_tokens * self.hidden)
 
     @property
-    def seq_offset(self) -> int:
+    def input_thresholds_offset(self) -> int:
         return _align(self.thresholds_offset + 4 * self.n_layers)
+
+    @property
+    def seq_offset(self) -> int:
+        return _align(self.input_thresholds_offset + 4 * self.n_layers * len(INPUT_SITES))
 
     @property
     def request_offset(self) -> int:
@@ -146,7 +157,7 @@ def new_segment_name() -> str:
 
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
-    hidden), thresholds (n_layers,), seq (max_tokens, 2) int64, and the doorbell: request (8,)
+    hidden), thresholds (n_layers,), input_thresholds (n_layers, INPUT_SITES), seq (max_tokens, 2) int64, and the doorbell: request (8,)
     and slots (n_slots, 8) int64."""
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
@@ -157,6 +168,8 @@ class SharedBuffers:
         self.mask = np.ndarray((L.n_ff,), np.uint8, buf, L.mask_offset)
         self.out = np.ndarray((L.n_slots, L.max_tokens, L.hidden), np.float32, buf, L.out_offset)
         self.thresholds = np.ndarray((L.n_layers,), np.float32, buf, L.thresholds_offset)
+        self.input_thresholds = np.ndarray((L.n_layers, len(INPUT_SITES)), np.float32, buf,
+                                           L.input_thresholds_offset)
         self.seq = np.ndarray((L.max_tokens, 2), np.int64, buf, L.seq_offset)
         self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
         self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
@@ -171,7 +184,9 @@ class SharedBuffers:
         name = name or new_segment_name()
         shm = shared_memory.SharedMemory(name, create=True, size=layout.size)
         shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
-        return cls(shm, layout, owner=True)
+        made = cls(shm, layout, owner=True)
+        made.input_thresholds[:] = -1.0  # dense until a level is set
+        return made
 
     @classmethod
     def attach(cls, name: str, expect: ShmLayout | None = None) -> "SharedBuffers":
@@ -211,7 +226,7 @@ class SharedBuffers:
 
     def close(self) -> None:
         # Views must go before the mmap can close.
-        self.x = self.mask = self.out = self.thresholds = self.seq = self.request = self.slots = None
+        self.x = self.mask = self.out = self.thresholds = self.input_thresholds = self.seq = self.request = self.slots = None
         try:
             self.shm.close()
         except BufferError:

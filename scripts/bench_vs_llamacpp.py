@@ -113,7 +113,7 @@ class LlamaCppSide:
 
 class OursSide:
     def __init__(self, model: str, threads: int, n_ctx: int, weights: str, cpu_workers: int,
-                 sparsity: list[float], label: str, dense: bool = True):
+                 sparsity: list[float], label: str, dense: bool = True, sparse_method: str = "input"):
         sys.path.insert(0, str(REPO))
         from coordinator.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
@@ -126,7 +126,11 @@ class OursSide:
         # file's rows: `dense` False, a process of its own for the sparse levels.
         self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads, ctx=n_ctx,
                                                weights="gguf" if fast else weights, fast=fast,
-                                               interleave=None if dense and not sparsity else False))
+                                               interleave=None if dense and not sparsity else False,
+                                               # an engine for sparse levels starts at one: input
+                                               # sparsity's twins are made at load
+                                               sparsity=sparsity[0] if sparsity else None,
+                                               sparse_method=sparse_method))
         own = self.eng.predictors  # a PWRI file's own fc1/fc2, else None
         modes = ([Mode("dense")] if dense else []) + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
         if own is not None:
@@ -457,6 +461,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
                     help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
+    ap.add_argument("--sparse-method", choices=["input", "cats"], default="input",
+                    help="how our sparse levels skip weights (EngineOptions.sparse_method)")
     ap.add_argument("--weights", nargs="+", default=[DEFAULT_WEIGHTS], choices=[*WEIGHT_FORMATS, "gguf-fast"],
                     help="our weight formats, one engine process each (gguf-fast: the engine's default, the "
                          "file's blocks with 8-bit activations; gguf: exact arithmetic; f32: float32 copies; "
@@ -502,7 +508,8 @@ def main():
                 for levels, dense in split:
                     children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
                                                        weights=w, cpu_workers=args.cpu_workers,
-                                                       sparsity=levels, label=label, dense=dense),
+                                                       sparsity=levels, label=label, dense=dense,
+                                                       sparse_method=args.sparse_method),
                                           env=ours_env))
         busy_before = busy_cores()  # everything loaded and idle: should be ~0
         runs = bench(children, prompt, args.tg, args.reps, args.warmup,

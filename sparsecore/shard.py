@@ -155,6 +155,17 @@ class FileLayer:
     def tiled_prefill(self) -> bool:
         return self.fast and min(m.block for m in (self.gate, self.up, self.down)) >= 32
 
+    def add_twins(self, add) -> None:
+        """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
+        the matrix carrying one, or the matrix itself. Gate and up over the owned neurons' rows
+        (input "ffn_in"), down over their columns (input "ffn_h": a skipped neuron skips its whole
+        down row); PowerInfer's down_t is neuron-major already and keeps its rows."""
+        if self.down_t:
+            return
+        self.gate = add(self.gate, self.own, None, "ffn_in")
+        self.up = self.gate if self.gate_mode == "none" else add(self.up, self.own, None, "ffn_in")
+        self.down = add(self.down, None, self.own, "ffn_h")
+
     @staticmethod
     def down_name(store: TensorStore, layer: int) -> str:
         t = f"blk.{layer}.ffn_down_t.weight"

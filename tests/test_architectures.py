@@ -133,7 +133,7 @@ def test_sparsity_runs_and_hits_its_level(calibrated, arch, no_leaks):
     ids = REF["archs"][arch][0]["prompt_ids"]
     tokens = {}
     for weights in ("gguf", "f32"):
-        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights,
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, sparse_method="cats", weights=weights,
                                         fast=False)) as eng:
             text = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
             r = perplexity(eng, corpus.token_chunks(text, 64, 4))

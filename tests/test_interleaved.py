@@ -290,7 +290,7 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     got = {}
     for interleave in (None, False):
         with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True,
-                                        interleave=interleave)) as eng:
+                                        interleave=interleave, sparse_method="cats")) as eng:
             assert eng.interleaved == (interleave is None)
             assert eng.row_layout == ("gate+up" if interleave is None else "gate")
             own = [w for w in eng.ffn.own.layers.values() if isinstance(w, FileLayer)]
@@ -307,7 +307,7 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
                 got["sparse"] = logits(eng)
             with pytest.raises(ValueError, match="predictors cannot pick"):
                 eng.predictors = object()
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, sparsity=0.5)) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, sparsity=0.5, sparse_method="cats")) as eng:
         assert eng.row_layout == "gate"
         got["sparse again"] = logits(eng)
     scale = np.abs(got[False]).max()

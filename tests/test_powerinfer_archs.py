@@ -116,7 +116,7 @@ def test_falcon_gateless_sparsity_calibrates_and_runs(models, no_leaks):
     prompt = REF["archs"]["falcon40b"][0]["prompt_ids"]
     tokens = {}
     for weights in ("gguf", "f32"):
-        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, weights=weights,
+        with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, sparse_method="cats", weights=weights,
                                         fast=False)) as eng:
             text = eng.tokenizer.encode(corpus.load(None, "calibration")[:8000])
             assert perplexity(eng, corpus.token_chunks(text, 64, 4))["active_fraction"] == pytest.approx(0.5, abs=0.03)

@@ -66,7 +66,7 @@ def calibrated(tiny_model_factory):
 def test_calibration_hits_target_sparsity_on_its_own_text(calibrated):
     path, table = calibrated
     assert json.loads(thresholds_path(path).read_text())["levels"].keys() == {"0.30", "0.50"}
-    with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5)) as eng:
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.5, sparse_method="cats")) as eng:
         ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:20000])
         r = perplexity(eng, corpus.token_chunks(ids, 64, 6))
     assert r["active_fraction"] == pytest.approx(0.5, abs=0.02)
@@ -81,7 +81,7 @@ def test_sparse_decoding_matches_oracle_with_same_thresholds(calibrated, coordin
     path, _ = calibrated
     thr = load_thresholds(path, 0.5)
     ref = ReferenceLlama(path)
-    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5,
+    with Engine(path, EngineOptions(cpu_workers=2, threads=2, gpu_share=0.3, sparsity=0.5, sparse_method="cats",
                                     coordinator_share=coordinator_share, fast=False)) as eng:
         assert (eng.pool.own_slot is not None) == (coordinator_share > 0)
         ids = eng.tokenizer.encode("the quick brown fox")

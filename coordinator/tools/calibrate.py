@@ -1,37 +1,109 @@
-"""SwiGLU sparsity without training (CATS, arXiv 2404.08763): per-layer magnitude thresholds.
+"""Sparsity without training: per-layer magnitude thresholds, two ways, from one dense run.
 
-A neuron is skipped for a token when |act(gate x)| is below its layer's threshold, so its up
-row and down column are never read. Calibration runs the dense model over calibration text,
-records every layer's FFN inputs, and sets each layer's threshold at the quantile of
-|act(gate x)| equal to the target sparsity. Thresholds for a grid of sparsities are stored
+- Input sparsity (TEAL, arXiv 2408.14690), the default: a one-token product skips the inputs of
+  a matrix whose |value| is at or below its threshold, so their input-major columns are never
+  read (sparsecore/input_sparsity.py). One threshold per layer for each group of matrices that
+  share an input (protocol.shm_layout.INPUT_SITES): Q/K/V on the normed residual, O on the
+  attention output, gate/up on the FFN's normed input, down on its hidden activation h.
+- CATS (arXiv 2404.08763): an FFN neuron is skipped when |act(gate x)| is below its layer's
+  threshold, so its up row and down column are never read; gate is read in full to decide.
+
+Calibration runs the dense model over calibration text and sets each threshold at the quantile
+of the magnitudes equal to the target sparsity. Thresholds for a grid of sparsities are stored
 beside the model in `<model>.thresholds.json` (coordinator.model_files), so any of them can be
-chosen at run time.
+chosen at run time; `quality` adds the held-out perplexity of each (coordinator/tools/perplexity.py).
 """
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import torch
+
+from protocol.shm_layout import INPUT_SITES
+from sparsecore.ffn import ACTIVATIONS
 
 from ..model_files import THRESHOLDS_FORMAT, level_key
 from . import observe
 
 DEFAULT_LEVELS = tuple(round(0.1 * i, 2) for i in range(1, 10))
+# Token rows kept per layer for the input sites' quantiles (a seeded sample of every chunk's):
+# each row gives `hidden` (or n_ff) magnitudes, so 1024 rows pin a quantile well, and the rows
+# of a 1.1B model's four sites stay a few hundred MB.
+SAMPLE_ROWS = 1024
+
+
+class _RowSample:
+    """Up to `rows` token rows per layer, the same tokens for every site of a layer, chosen
+    uniformly (seeded) from the chunks as they come: each chunk keeps its share."""
+
+    def __init__(self, n_layers: int, per_chunk: int):
+        self.per_chunk = per_chunk
+        self.rows: dict[tuple[int, str], list[np.ndarray]] = {}
+        self.pick: dict[int, np.ndarray] = {}  # layer -> this chunk's rows (set by the first site)
+        self.rng = np.random.default_rng(0)
+
+    def take(self, layer: int, site: str, a: np.ndarray, first: bool) -> None:
+        if first or layer not in self.pick or self.pick[layer].max(initial=-1) >= len(a):
+            n = min(self.per_chunk, len(a))
+            self.pick[layer] = np.sort(self.rng.choice(len(a), n, replace=False))
+        self.rows.setdefault((layer, site), []).append(np.ascontiguousarray(a[self.pick[layer]]))
+
+    def get(self, layer: int, site: str) -> np.ndarray | None:
+        got = self.rows.pop((layer, site), None)
+        return None if not got else np.concatenate(got)
+
+
+def _hidden_activation(gate: torch.Tensor, up: torch.Tensor | None, x: np.ndarray, activation: str,
+                       gate_mode: str) -> torch.Tensor:
+    """h = act(gate x) * (up x), the down matrix's input (sparsecore.ffn.GATE_MODES' variants)."""
+    xt = torch.from_numpy(x)
+    g = ACTIVATIONS[activation](xt @ gate.T)
+    if gate_mode == "none":
+        return g
+    u = xt @ up.T
+    return g * (ACTIVATIONS[activation](u) if gate_mode == "sym" else u)
 
 
 def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
-    """Thresholds per level and layer from the dense model's activations on `chunks`."""
+    """Thresholds per level and layer from the dense model's activations on `chunks`: CATS's
+    (`levels`) and input sparsity's (`input_levels`: per layer, one per INPUT_SITES)."""
     cfg = observe.config(engine)
     path = observe.model_path(engine)
     inputs: dict[int, list[np.ndarray]] = {i: [] for i in range(cfg.n_layers)}
+    sample = _RowSample(cfg.n_layers, max(1, SAMPLE_ROWS // max(1, len(chunks))))  # chunks: a list or tqdm over one
+
+    def on_ffn(layer, x, *_):
+        inputs[layer].append(x.copy())
+        sample.take(layer, "ffn_in", x, first=False)
+
+    def on_attention(layer, x, out):
+        sample.take(layer, "attn_in", x, first=True)
+        sample.take(layer, "attn_out", out, first=False)
+
     t0 = time.perf_counter()
-    n_tokens = observe.dense_run(engine, chunks, lambda layer, x, *_: inputs[layer].append(x.copy()))
+    n_tokens = observe.dense_run(engine, chunks, on_ffn, attention_observer=on_attention)
     gates = observe.GateActivity(engine)
     table = {level_key(s): [] for s in levels}
+    input_table = {level_key(s): [] for s in levels}
     for layer in range(cfg.n_layers):
-        mags = gates(layer, np.concatenate(inputs.pop(layer)))
+        xs = np.concatenate(inputs.pop(layer))
+        mags = gates(layer, xs)
         for s, q in zip(levels, observe.magnitude_quantiles(mags, levels).tolist()):
             table[level_key(s)].append(q)
+        del mags
+        per_site = []
+        for site in INPUT_SITES:
+            if site == "ffn_h":
+                x = sample.get(layer, "ffn_in")
+                up = None if cfg.ffn_gate == "none" else gates.matrix(layer, "ffn_up")
+                vals = _hidden_activation(gates.gate(layer), up, x, cfg.activation, cfg.ffn_gate)
+            else:
+                got = sample.get(layer, site) if site != "ffn_in" else None
+                vals = torch.from_numpy(got if got is not None else xs)
+            per_site.append(observe.magnitude_quantiles(vals.abs(), levels).tolist())
+        for k, s in enumerate(levels):
+            input_table[level_key(s)].append([site[k] for site in per_site])
     return {
         "format": THRESHOLDS_FORMAT,
         "model": path.name,
@@ -40,4 +112,31 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
         "tokens": n_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
         "levels": table,
+        "sites": list(INPUT_SITES),
+        "input_levels": input_table,
     }
+
+
+def quality(engine, chunks: list[list[int]], table: dict, progress=None) -> dict:
+    """Held-out perplexity of the dense model and of input sparsity at each calibrated level of
+    `table` (calibrate's), emulated over whole prompts (coordinator/tools/emulate.py), with the
+    fraction of inputs each level reads: what the engine's default level is chosen from
+    (coordinator/sparsity_level.py). `progress(1)` after each level."""
+    from .emulate import input_sparsity
+    from .perplexity import perplexity
+
+    cfg = observe.config(engine)
+    dense = [[-1.0] * len(INPUT_SITES)] * cfg.n_layers
+    with input_sparsity(engine, dense):  # the same float arithmetic as the levels'
+        base = perplexity(engine, chunks)
+    if progress:
+        progress(1)
+    levels = {}
+    for key in sorted(table["input_levels"]):
+        with input_sparsity(engine, table["input_levels"][key]) as masks:
+            r = perplexity(engine, chunks)
+        kept = masks.kept_fraction().mean(axis=0)
+        levels[key] = {"ppl": round(r["ppl"], 4), "kept": {s: round(float(k), 4) for s, k in zip(INPUT_SITES, kept)}}
+        if progress:
+            progress(1)
+    return {"method": "input", "tokens": base["tokens"], "dense": round(base["ppl"], 4), "levels": levels}

@@ -27,6 +27,9 @@ QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sam
 # An observer: (layer, FFN input after ffn_norm (T, hidden), residual before ffn_norm (T, hidden)),
 # float32 numpy arrays valid only during the call (copy what you keep).
 Observer = Callable[[int, np.ndarray, np.ndarray], None]
+# An attention observer: (layer, attention input after attn_norm (T, hidden), attention output
+# before the output matrix (T, heads x head_dim)), valid only during the call likewise.
+AttentionObserver = Callable[[int, np.ndarray, np.ndarray], None]
 
 
 # ---- what the engine is ------------------------------------------------------------------------
@@ -34,6 +37,11 @@ Observer = Callable[[int, np.ndarray, np.ndarray], None]
 def config(engine):
     """The model's sparsecore.config.ModelConfig."""
     return engine.cfg
+
+
+def model(engine):
+    """The engine's coordinator.model.Transformer (its hooks: attn_observer, input_filter, ffn)."""
+    return engine.model
 
 
 def model_path(engine) -> Path:
@@ -58,6 +66,17 @@ def ffn_neuron_bytes(engine) -> float:
     store = engine.store  # PowerInfer files hold down transposed (ffn_down_t): its rows are the columns
     names = ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", FileLayer.down_name(store, 0)]
     return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
+
+
+def input_thresholds(engine) -> list[list[float]] | None:
+    """The engine's input-sparsity thresholds (per layer, one per INPUT_SITES) at its level, or
+    None when it decodes densely or by another method."""
+    if engine.sparsity is None or engine.opts.sparse_method != "input":
+        return None
+    from ..model_files import load_input_thresholds
+
+    path = Path(engine.opts.thresholds_file) if engine.opts.thresholds_file else None
+    return load_input_thresholds(engine.path, engine.sparsity, path)
 
 
 def predictors(engine):
@@ -96,13 +115,16 @@ def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None
     engine.set_sparsity(sparsity)
 
 
-def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=None) -> int:
+def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=None,
+              attention_observer: AttentionObserver | None = None) -> int:
     """Run each chunk of token ids through the dense model (a fresh KV cache per chunk), calling
-    `observer` with every layer's FFN input; the engine's sparsity and observer are restored
-    afterwards. `progress(1)` after each chunk. Returns the number of tokens run."""
+    `observer` with every layer's FFN input (and `attention_observer` with its attention's input
+    and output); the engine's sparsity and observers are restored afterwards. `progress(1)`
+    after each chunk. Returns the number of tokens run."""
     old_sparsity, old_observer = engine.sparsity, engine.ffn.observer
     engine.set_sparsity(None)
     engine.ffn.observer = observer
+    engine.model.attn_observer = attention_observer
     n = 0
     try:
         for c in chunks:
@@ -112,6 +134,7 @@ def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=
                 progress(1)
     finally:
         engine.ffn.observer = old_observer
+        engine.model.attn_observer = None
         engine.set_sparsity(old_sparsity)
     return n
 
@@ -204,6 +227,16 @@ class GateActivity:
         if self._kept is not None:
             self._kept[layer] = g
         return g
+
+    def down(self, layer: int) -> torch.Tensor:
+        """The layer's down matrix (hidden, n_ff), dequantized (PowerInfer files hold it transposed)."""
+        if self._store.has(f"blk.{layer}.ffn_down_t.weight"):
+            return self.matrix(layer, "ffn_down_t").T.contiguous()
+        return self.matrix(layer, "ffn_down")
+
+    def matrix(self, layer: int, name: str) -> torch.Tensor:
+        """Another FFN matrix of the layer ("ffn_up"), dequantized, read from the file each time."""
+        return torch.from_numpy(self._store.matrix(f"blk.{layer}.{name}.weight"))
 
     def __call__(self, layer: int, x) -> torch.Tensor:
         return gate_activity(self.gate(layer), x, self.activation)

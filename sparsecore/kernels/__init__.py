@@ -71,6 +71,15 @@ def blocked_rows() -> bool:
     return isa() in SIMD_LEVELS
 
 
+# Types whose matrices can carry an input-major twin (FileMatrix.with_input_major)
+INPUT_MAJOR_TYPES = frozenset({2})  # Q4_0
+
+
+def input_major_type(tensor_type) -> bool:
+    """Whether a matrix of this type can have an input-major twin (sparsecore/input_sparsity.py)."""
+    return int(tensor_type) in INPUT_MAJOR_TYPES
+
+
 def isa() -> str:
     """The instruction set the kernels use on this CPU: "avx512vnni" (fast mode's integer dots
     with AVX-512 VNNI, AVX2 for the rest), "avxvnni" (the interleaved layouts' integer sums with
@@ -691,6 +700,29 @@ class AttentionStep:
             self.o_part = self.o_part.for_fast_products()
         self.qkv_part = qkv  # alive as long as the addresses in part_head
         self.part_heads, self.part_head = (kv0, kv1), self._head(*qkv, self.o_part)
+
+    def add_twins(self, add) -> None:
+        """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
+        the matrix carrying one, or the matrix itself. Q, K and V over the rows of the heads this
+        step computes (input "attn_in"), the output matrix over their columns ("attn_out"): the
+        share kept by keep_output_columns, else every head. A one-token product then reads the
+        twin (the kernels' dispatch); prompts and batches the rows as before."""
+        if self.part_heads is not None:
+            kv0, kv1 = self.part_heads
+            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
+            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
+            cols = range(kv0 * self.o_cols_per_kv, kv1 * self.o_cols_per_kv)
+            q, k, v = self.qkv_part
+            self.qkv_part = (add(q, q_rows, None, "attn_in"), add(k, k_rows, None, "attn_in"),
+                             add(v, k_rows, None, "attn_in"))
+            self.o_part = add(self.o_part, None, cols, "attn_out")
+            self.part_head = self._head(*self.qkv_part, self.o_part)
+            return
+        q, k, v, o = self.keep[:4]
+        whole = (add(q, None, None, "attn_in"), add(k, None, None, "attn_in"), add(v, None, None, "attn_in"),
+                 add(o, None, None, "attn_out"))
+        self.keep = (*whole, *self.keep[4:])
+        self.head = self.part_head = self._head(*whole)
 
     def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, kv0: int, kv1: int,
              out: np.ndarray) -> None:

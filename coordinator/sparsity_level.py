@@ -1,0 +1,31 @@
+"""Which sparsity level `generate`, `chat` and `serve` decode at when none is asked for.
+
+`sparseinfer calibrate` stores, beside the thresholds, the held-out perplexity of the dense
+model and of each level (coordinator/tools/calibrate.py: quality). The default is the highest
+level whose perplexity stays within the quality budget (+2 % by default, `--quality-budget`);
+without a calibration the engine decodes densely and says once how to calibrate.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .model_files import calibrated_levels
+
+DEFAULT_QUALITY_BUDGET = 0.02
+
+
+def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> tuple[float | None, str]:
+    """(the level to decode at, or None for dense; the one line that says so)."""
+    q = calibrated_levels(model)
+    name = Path(model).name
+    if q is None or q.get("method") != method or not q.get("levels"):
+        return None, (f"note: decoding densely; `sparseinfer calibrate -m {model}` once (a few minutes) lets "
+                      f"generate, chat and serve skip weights at a level within +{budget:.0%} perplexity")
+    dense = float(q["dense"])
+    within = [(float(k), float(v["ppl"])) for k, v in q["levels"].items() if float(v["ppl"]) <= dense * (1 + budget)]
+    if not within:
+        return None, (f"note: decoding densely: no calibrated level of {name} stays within +{budget:.0%} held-out "
+                      f"perplexity (--quality-budget)")
+    level, ppl = max(within)
+    return level, (f"sparsity {level:.2f} ({method} sparsity, calibrated: held-out perplexity "
+                   f"{100 * (ppl / dense - 1):+.1f} % against dense, budget {budget:.0%}; --sparsity 0 for dense)")

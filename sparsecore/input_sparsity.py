@@ -1,0 +1,100 @@
+"""Input sparsity in one process: the input-major twins of the matrices it computes.
+
+A one-token product on a matrix that carries a twin (sparsecore.kernels: FileMatrix.
+with_input_major) reads only the twin's columns whose input exceeds the twin's threshold: the
+inputs of a matrix skipped, their weights never read (TEAL). Each twin's threshold is a word of
+shared memory (protocol.shm_layout.INPUT_SITES: per layer, Q/K/V's, O's, gate/up's and down's),
+so the coordinator sets the level of every process at once and a negative word means dense;
+prompts and batches of several sequences always read the original rows.
+
+What gets a twin (`which`, protocol.messages.Assign.input_major):
+  "all"   every matrix of the process's FFN neurons and attention heads (input sparsity);
+  "down"  the FFN's down matrix only, neuron-major, threshold 0 on h: CATS steps (which zero
+          the inactive neurons' h) then skip a neuron's whole down row instead of reading down
+          hidden-major, where a block of 32 neurons is read if one of them is active.
+A matrix whose type has no input-major kernel keeps its rows only (noted once per process).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from protocol.shm_layout import INPUT_SITES
+
+TWIN_CHOICES = ("", "down", "all")
+_SITE = {name: k for k, name in enumerate(INPUT_SITES)}
+
+
+def threshold_word(thresholds: np.ndarray, layer: int, site: str) -> np.ndarray:
+    """The one-float view of `site`'s threshold of `layer` (thresholds: the shared (layers,
+    INPUT_SITES) array) that a twin reads at every product."""
+    k = _SITE[site]
+    return thresholds[layer, k:k + 1]
+
+
+class Twins:
+    """The twins one process made: their bytes, and what could not have one."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.skipped: dict[str, int] = {}  # "<type>: <why>" -> matrices left without a twin
+        self.matrices: list = []  # every matrix carrying a twin (for the active-column counters)
+
+    def add(self, m, rows, cols, word: np.ndarray):
+        """m with a twin over rows x cols reading `word`, or m itself where its type has none."""
+        try:
+            twinned = m.with_input_major(rows, cols, word)
+        except ValueError as e:
+            self.skipped[str(e).split(": ", 1)[-1]] = self.skipped.get(str(e).split(": ", 1)[-1], 0) + 1
+            return m
+        self.bytes += twinned.twin_bytes
+        self.matrices.append(twinned)
+        return twinned
+
+    def note(self, who: str) -> None:
+        """One line on stderr per reason a matrix kept its rows only."""
+        for why, n in self.skipped.items():
+            print(f"{who}: {n} matrices read densely ({why})", file=sys.stderr)
+
+
+def _adder(twins: Twins, thresholds: np.ndarray, layer: int, sites: tuple[str, ...]):
+    """add(matrix, rows, cols, site) for one layer's owner (FileLayer.add_twins,
+    AttentionStep.add_twins); sites outside `sites` keep their rows only."""
+    def add(m, rows, cols, site):
+        return twins.add(m, rows, cols, threshold_word(thresholds, layer, site)) if site in sites else m
+    return add
+
+
+def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None) -> Twins:
+    """The twins of one process: its FFN layers' (FileLayer, as sparsecore/shard.py holds them:
+    gate and up over the owned neurons' rows, down over their columns) and, with "all", its
+    native attention steps' (the share of heads a step keeps, else all of them)."""
+    if which not in TWIN_CHOICES:
+        raise ValueError(f"input-major twins {which!r}: one of {TWIN_CHOICES}")
+    twins = Twins()
+    if not which:
+        return twins
+    sites = INPUT_SITES if which == "all" else ("ffn_h",)
+    for layer, w in (ffn_layers or {}).items():
+        w.add_twins(_adder(twins, thresholds, layer, sites))
+    if which == "all":
+        for layer, step in enumerate(attn_steps or []):
+            if step is not None:
+                step.add_twins(_adder(twins, thresholds, layer, sites))
+    return twins
+
+
+def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None) -> Twins:
+    """The twins of one process: its FFN layers' (FileLayer, as sparsecore/shard.py holds them)
+    and, with "all", its attention steps'."""
+    if which not in TWIN_CHOICES:
+        raise ValueError(f"input-major twins {which!r}: one of {TWIN_CHOICES}")
+    twins = Twins()
+    if not which:
+        return twins
+    if ffn_layers:
+        twin_ffn(ffn_layers, thresholds, which, twins)
+    if which == "all" and attn_steps:
+        twin_attention(attn_steps, thresholds, twins)
+    return twins

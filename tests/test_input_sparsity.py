@@ -1,0 +1,158 @@
+"""Input sparsity (TEAL) end to end: calibration of the four input sites, the emulation the
+quality numbers come from, the default level's choice, and sparse decoding through the twins
+(kernels: tests/test_input_major.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.model_files import load_input_thresholds, save_thresholds, thresholds_path
+from coordinator.sampling import SamplingParams
+from coordinator.sparsity_level import choose
+from coordinator.tools import corpus
+from coordinator.tools.calibrate import calibrate, quality
+from coordinator.tools.emulate import InputMasks, input_sparsity
+from coordinator.tools.perplexity import perplexity
+from protocol.shm_layout import INPUT_SITES
+from tests.conftest import REPO
+
+
+def test_masks_zero_what_is_at_or_below_the_threshold_and_count_the_rest():
+    m = InputMasks([[0.5, -1.0, 0.5, 0.5]])
+    x = torch.tensor([[0.125, -0.75, 0.5, 2.0]])
+    assert m(0, "attn_in", x).tolist() == [[0.0, -0.75, 0.0, 2.0]]
+    assert m(0, "attn_out", x) is x  # negative: that site is dense
+    np.testing.assert_allclose(m.kept_fraction()[0], [0.5, 1.0, 1.0, 1.0])
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_model_factory):
+    """A tiny Q4_0 model calibrated at 0.3 and 0.6, with the quality pass."""
+    path = tiny_model_factory(tensor_type="Q4_0", seed=5)
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
+        ids = eng.tokenizer.encode(corpus.load(None, "calibration")[:20000])
+        table = calibrate(eng, corpus.token_chunks(ids, 64, 6), levels=(0.3, 0.6))
+        held = corpus.token_chunks(eng.tokenizer.encode(corpus.load(None, "heldout")[:20000]), 64, 3)
+        table["quality"] = quality(eng, held, table)
+    save_thresholds(path, table)
+    return path, table
+
+
+def test_calibration_stores_a_threshold_per_layer_and_site_rising_with_the_level(calibrated):
+    path, table = calibrated
+    stored = json.loads(thresholds_path(path).read_text())
+    assert stored["sites"] == list(INPUT_SITES) and set(stored["input_levels"]) == {"0.30", "0.60"}
+    t30, t60 = (np.array(load_input_thresholds(path, s)) for s in (0.3, 0.6))
+    assert t30.shape == (2, len(INPUT_SITES)) and (t30 > 0).all()
+    assert (t60 > t30).all()  # more sparsity, higher thresholds, at every site of every layer
+    assert set(stored["levels"]) == {"0.30", "0.60"}  # CATS's from the same run
+
+
+def test_quality_pass_reads_the_level_and_loses_more_at_higher_levels(calibrated):
+    _, table = calibrated
+    q = table["quality"]
+    kept30 = np.mean(list(q["levels"]["0.30"]["kept"].values()))
+    kept60 = np.mean(list(q["levels"]["0.60"]["kept"].values()))
+    # held-out text, thresholds from the calibration half: near the level, not on it
+    assert kept30 == pytest.approx(0.7, abs=0.1) and kept60 == pytest.approx(0.4, abs=0.1)
+    assert q["levels"]["0.60"]["ppl"] > q["dense"]
+
+
+def test_emulated_perplexity_follows_the_engine_level(calibrated):
+    path, _ = calibrated
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2)) as eng:
+        chunks = corpus.token_chunks(eng.tokenizer.encode(corpus.load(None, "heldout")[:20000]), 64, 3)
+        dense = perplexity(eng, chunks)
+        with input_sparsity(eng, load_input_thresholds(path, 0.6)) as masks:
+            sparse = perplexity(eng, chunks)
+        assert masks.kept_fraction().mean() == pytest.approx(0.4, abs=0.1)
+    assert dense["unit"] == sparse["unit"] == "FFN neurons computed"
+    assert sparse["ppl"] != pytest.approx(dense["ppl"], rel=1e-4)
+
+
+def test_the_default_level_is_the_highest_within_the_budget(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    level, line = choose(model, "input")
+    assert level is None and "sparseinfer calibrate" in line  # no calibration: dense, and how to get one
+    table = {"format": "sparseinfer-thresholds/1", "model_bytes": 1, "levels": {},
+             "quality": {"method": "input", "tokens": 100, "dense": 10.0,
+                         "levels": {"0.10": {"ppl": 10.05}, "0.20": {"ppl": 10.19}, "0.30": {"ppl": 10.6}}}}
+    thresholds_path(model).write_text(json.dumps(table))
+    assert choose(model, "input")[0] == 0.2
+    assert choose(model, "input", budget=0.1)[0] == 0.3
+    level, line = choose(model, "input", budget=0.001)
+    assert level is None and "--quality-budget" in line
+    assert choose(model, "cats")[0] is None  # quality measured for another method
+
+
+def test_memory_plan_counts_the_twins(calibrated):
+    path, _ = calibrated
+    dense = Engine(path, EngineOptions(cpu_workers=1, threads=2), plan_only=True).memory
+    sparse = Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3), plan_only=True).memory
+    cats = Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3, sparse_method="cats"),
+                  plan_only=True).memory
+    assert dense.twins == 0 < cats.twins < sparse.twins
+    assert sparse.anonymous - dense.anonymous == sparse.twins
+
+
+def _greedy(eng, ids, n=10):
+    return list(eng.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
+
+
+@pytest.mark.parametrize("coordinator_share", [None, 0.0])
+def test_sparse_decoding_reads_the_twins_and_follows_the_emulation(calibrated, coordinator_share, no_leaks):
+    """Real workers (and the coordinator's share) decode through their twins: the tokens differ
+    from dense, the twins counted what they read, and the first decoded token's logits are the
+    emulation's (float32 over the same masks) within fast mode's 8-bit rounding."""
+    path, _ = calibrated
+    opts = dict(cpu_workers=1, threads=2, coordinator_share=coordinator_share)
+    with Engine(path, EngineOptions(**opts)) as eng:
+        ids = eng.tokenizer.encode("the quick brown fox")
+        dense = _greedy(eng, ids)
+    with Engine(path, EngineOptions(**opts, sparsity=0.6)) as eng:
+        assert eng.input_major == "all"
+        sparse = _greedy(eng, ids)
+        if coordinator_share is None:  # the coordinator holds a share: its twins counted what they read
+            assert eng.twins.matrices and sum(m.twin_active for m in eng.twins.matrices) > 0
+        eng.reset()
+        eng.model.forward(ids[:-1])
+        got = eng.model.forward(ids[-1:])[-1].numpy()
+        with input_sparsity(eng, load_input_thresholds(path, 0.6)):
+            eng.reset()
+            want = eng.model.forward(ids, all_logits=True)[-1].numpy()
+        eng.set_sparsity(None)  # the same engine, dense again: the original rows
+        assert _greedy(eng, ids) == dense
+    assert sparse != dense
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * scale)
+
+
+def test_generate_on_a_calibrated_model_is_sparse_by_default_and_names_the_level(calibrated):
+    path, _ = calibrated
+    run = lambda *a: subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(path), "-p",
+                                     "the quick brown fox", "-n", "6", "-t", "2", "--no-stats", *a],
+                                    capture_output=True, text=True, timeout=180, cwd=REPO)
+    r = run("--quality-budget", "1000")  # a random model: every level is "within" a huge budget
+    assert r.returncode == 0, r.stderr
+    assert "sparsity 0.60 (input sparsity" in r.stderr and "--sparsity 0 for dense" in r.stderr
+    dense = run("--sparsity", "0")
+    assert dense.returncode == 0 and "sparsity" not in dense.stderr
+    assert dense.stdout != r.stdout
+    exact = run("--arith", "exact", "--quality-budget", "1000")  # transformers' arithmetic stays dense
+    assert exact.returncode == 0 and "sparsity" not in exact.stderr and exact.stdout == run(
+        "--arith", "exact", "--sparsity", "0").stdout
+
+
+def test_an_uncalibrated_model_runs_dense_and_says_how_to_calibrate(tiny_model_factory):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=9)
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(path), "-p", "hi", "-n", "2",
+                        "-t", "2", "--no-stats"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "sparseinfer calibrate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
