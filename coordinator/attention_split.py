@@ -42,7 +42,10 @@ class SplitAttention:
     model's native step objects (one per layer), which compute the coordinator's share."""
 
     def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, pool: KvPool, steps: list[AttentionStep],
-                 heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats):
+                 heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats,
+                 every_token: bool = False):
+        """every_token: split every decoded token's step whatever it costs (input sparsity: only
+        the shares carry input-major twins, so the coordinator's whole-head step would read densely)."""
         self.bell, self.buffers, self.pool, self.steps, self.own, self.stats = bell, buffers, pool, steps, own, stats
         self.part = np.array(sorted(heads), dtype=np.intp)
         for s in steps:
@@ -53,6 +56,7 @@ class SplitAttention:
         self.kv_bytes_per_pos = 2 * 4 * s.n_kv * s.head_dim  # keys and values of one position
         self.min_bytes = (MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH)  # (one sequence, several)
         self.max_tokens = min(MAX_SMALL_BATCH, buffers.layout.max_tokens)  # rows of a step in shared memory
+        self.every_token = every_token
 
     def pays(self, pos: np.ndarray, prompt: bool = False) -> bool:
         """Whether splitting a step of tokens at `pos` is worth its extra exchange a layer: one
@@ -60,6 +64,8 @@ class SplitAttention:
         tokens of one, whose products cost about the weights' bytes once per token."""
         if len(pos) > self.max_tokens:
             return False
+        if self.every_token and len(pos) == 1 and not prompt:
+            return True
         work = self.weight_bytes * (len(pos) if prompt else 1) + self.kv_bytes_per_pos * int(pos.sum() + len(pos))
         return work >= self.min_bytes[len(pos) > 1]
 

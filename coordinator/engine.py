@@ -214,7 +214,8 @@ class Engine:
             if attn_heads and all(step is not None for step in self.model.native):
                 self.model.split_attn = SplitAttention(
                     self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,
-                    {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats)
+                    {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats,
+                    every_token=self.input_major == "all")
                 self.model.lockstep = self._lockstep(store, cfg, attn_heads)
             # after the attention's shares are kept (SplitAttention): their twins are the share's
             own_layers = {} if self.ffn.own is None else {

@@ -84,17 +84,3 @@ def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_ste
                 step.add_twins(_adder(twins, thresholds, layer, sites))
     return twins
 
-
-def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None) -> Twins:
-    """The twins of one process: its FFN layers' (FileLayer, as sparsecore/shard.py holds them)
-    and, with "all", its attention steps'."""
-    if which not in TWIN_CHOICES:
-        raise ValueError(f"input-major twins {which!r}: one of {TWIN_CHOICES}")
-    twins = Twins()
-    if not which:
-        return twins
-    if ffn_layers:
-        twin_ffn(ffn_layers, thresholds, which, twins)
-    if which == "all" and attn_steps:
-        twin_attention(attn_steps, thresholds, twins)
-    return twins
