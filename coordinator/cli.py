@@ -851,44 +851,44 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
 def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, tg, reps, warmup, as_json):
     """Prefill and decode speed, dense vs sparse, with sync latency and weight bytes per token.
 
-    Sparse means the model's predictors (or --predictor) when there are any, else CATS
-    thresholds at --sparsity (default: the operating point, calibrated first if needed)."""
+    Sparse means the model's predictors (or --predictor) when there are any, else calibrated
+    thresholds at --sparsity (default 0.2, calibrated first if needed) by --sparse-method."""
     _check_range("-p/--n-prompt", pp, 1, None, "the prompt needs at least 1 token")
     _check_range("-n/--n-gen", tg, 2, None, "decode at least 2 tokens (the first one is prefill's)")
     _check_range("-r/--reps", reps, 1, None, "time at least 1 run")
     _check_range("--warmup", warmup, 0, None, "cannot be negative")
     model, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
                                        need=(f"-p {pp} + -n {tg} + 1", pp + tg + 1))
-    from tqdm import tqdm
-
-    from .model_files import level_key, save_thresholds, thresholds_path
+    from .model_files import level_key, load_input_thresholds, load_thresholds, save_thresholds, thresholds_path
     from .tools import bench as b
-    from .tools import corpus as corpus_mod
     from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
-    from .tools.observe import predictors, worker_layout
+    from .tools.observe import predictors
     from .tools.profile import DEFAULT_SPARSITY
 
-    # dense and sparse decoding on one engine: the file's row layout (EngineOptions.interleave)
-    with _open_engine(model, threads, cpu_workers, gpu_share, max(ctx, pp + tg + 1), transport,
-                      interleave=False) as eng:
-        prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
-        modes = [b.Mode("dense")]
-        if predictors(eng) is not None:
-            modes.append(b.Mode("predictor", predictors=predictors(eng)))
-        else:
-            s = DEFAULT_SPARSITY if sparsity is None else sparsity
+    # dense and sparse decoding on one engine: the file's row layout (EngineOptions.interleave),
+    # started at the sparse level where it is one (input sparsity's twins are made at load)
+    n_ctx = max(ctx, pp + tg + 1)
+    s = DEFAULT_SPARSITY if sparsity is None else sparsity
+    level = None
+    with _open_engine(model, threads, cpu_workers, gpu_share, n_ctx, transport, interleave=False) as eng:
+        if predictors(eng) is None:
+            level = s
             try:
-                eng.set_sparsity(s)
+                load_thresholds(eng.path, s)
+                if _meta("sparseinfer.sparse_method", "input") == "input":
+                    load_input_thresholds(eng.path, s)
             except ValueError:  # not calibrated yet: do it now, as `sparseinfer calibrate` would
                 click.echo(f"no thresholds for sparsity {level_key(s)} in {thresholds_path(eng.path)}: "
                            f"calibrating first", err=True)
                 data = _chunks(eng, None, "calibration", 16, 256)
                 save_thresholds(eng.path, run_calibration(eng, data, sorted(set(DEFAULT_LEVELS) | {s})))
-            modes.append(b.Mode(f"sparse {level_key(s)}", sparsity=s))
-        with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
-            res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
-        info = dict(model=str(eng.path), n_layers=eng.cfg.n_layers, **worker_layout(eng), pp=len(prompt), tg=tg,
-                    reps=reps)
+        else:
+            res, info = _bench_modes(eng, b, pp, tg, reps, warmup, as_json,
+                                     [b.Mode("dense"), b.Mode("predictor", predictors=predictors(eng))])
+    if level is not None:
+        with _open_engine(model, threads, cpu_workers, gpu_share, n_ctx, transport, level, interleave=False) as eng:
+            res, info = _bench_modes(eng, b, pp, tg, reps, warmup, as_json,
+                                     [b.Mode("dense"), b.Mode(f"sparse {level_key(level)}", sparsity=level)])
     bw = b.read_bandwidth_gbs(info["threads"] or os.cpu_count() or 1)
     summary = dict(**info, read_bandwidth_gb_s=bw, results=res, ratios_vs_dense=b.ratios(res, "dense"))
     if as_json:
@@ -902,6 +902,19 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     for name, r in summary["ratios_vs_dense"].items():
         click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "
                    f"prefill {r['pp']:.2f}x tok/s")
+
+
+def _bench_modes(eng, b, pp, tg, reps, warmup, as_json, modes):
+    from tqdm import tqdm
+
+    from .tools import corpus as corpus_mod
+    from .tools.observe import worker_layout
+
+    prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
+    with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
+        res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
+    return res, dict(model=str(eng.path), n_layers=eng.cfg.n_layers, **worker_layout(eng), pp=len(prompt), tg=tg,
+                     reps=reps)
 
 
 if __name__ == "__main__":

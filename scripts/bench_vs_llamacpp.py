@@ -139,14 +139,13 @@ class OursSide:
         self.modes = list(self.by_name)
 
     def run(self, mode: str, prompt: list[int], tg: int) -> dict:
-        from coordinator.tools import observe
-        from coordinator.tools.bench import ffn_bytes_per_token, timed_run
+        from coordinator.tools.bench import timed_run, weight_bytes_per_token
 
         m = self.by_name[mode]
         m.apply(self.eng)
         r = timed_run(self.eng, prompt, tg)
         # weights a decoded token reads, as the kernels read them (each process its share once)
-        read = observe.coordinator_bytes_per_token(self.eng) + ffn_bytes_per_token(self.eng, m, r.active_fraction)
+        read = weight_bytes_per_token(self.eng, m, r.active_fraction, r.twin_read)
         return dict(prefill_s=r.prefill_s, decode_s=r.decode_s, ids=r.ids,
                     active_fraction=r.active_fraction, sync_us=r.sync_us, weight_bytes_read=read)
 

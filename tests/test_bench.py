@@ -40,13 +40,15 @@ def test_ratios_against_the_base_mode():
     assert ratios(res, "dense") == {"sparse": dict(pp=1.0, tg=1.5, ffn_time=0.5)}
 
 
-def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model, tmp_path, no_leaks):
-    """Calibrates when the thresholds are missing, then reports both modes from real runs."""
+@pytest.mark.parametrize("method", ["cats", "input"])
+def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model_factory, tmp_path, method, no_leaks):
+    """Calibrates when the thresholds are missing, then reports both modes from real runs: CATS
+    on float32 matrices, input sparsity on Q4_0 ones (whose twins read less)."""
     model = tmp_path / "tiny.gguf"
-    shutil.copy(tiny_model, model)
+    shutil.copy(tiny_model_factory(tensor_type="F32" if method == "cats" else "Q4_0"), model)
     r = subprocess.run([sys.executable, "-m", "coordinator", "bench", "-m", str(model), "--json",
                         "-p", "12", "-n", "5", "-r", "2", "--warmup", "0", "--sparsity", "0.5",
-                        "--threads", "2", "--cpu-workers", "1"],
+                        "--threads", "2", "--cpu-workers", "1", "--sparse-method", method],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "calibrating first" in r.stderr and thresholds_path(model).exists()

@@ -42,6 +42,7 @@ class RunResult:
     ffn_us_per_token: float  # sum over layers of the exchange wall time, per decoded token
     sync_us: list[float] = field(default_factory=list)  # per-layer overheads while decoding
     active_fraction: float = 1.0  # FFN neurons computed per decoded token / n_ff
+    twin_read: float = 1.0  # input sparsity: the share of the twinned matrices' bytes a decoded token read
 
 
 def timed_run(engine, prompt: list[int], tg: int) -> RunResult:
@@ -51,11 +52,23 @@ def timed_run(engine, prompt: list[int], tg: int) -> RunResult:
     ids = [next(it)]
     t1 = time.perf_counter()
     meter = observe.FfnMeter(engine)
+    observe.twin_counts(engine)  # zeroed: what the decoded tokens read
     ids += list(it)
     t2 = time.perf_counter()
     n_dec = len(ids) - 1
+    read, held = observe.twin_counts(engine)
     return RunResult(t1 - t0, t2 - t1, n_dec, ids, sum(meter.round_trip_us()) / max(1, n_dec),
-                     meter.overhead_us(), meter.active_fraction())
+                     meter.overhead_us(), meter.active_fraction(), read / max(1, held * n_dec) if held else 1.0)
+
+
+def weight_bytes_per_token(engine, mode: Mode, active_fraction: float, twin_read: float = 1.0) -> float:
+    """Weights a decoded token reads, as the kernels read them (each process its share once):
+    the coordinator's (attention, norms, lm_head, an embedding row) and the FFN's; with input
+    sparsity, the twinned matrices (attention and FFN) at the share of their bytes the twins read."""
+    coord = observe.coordinator_bytes_per_token(engine)
+    if mode.sparsity is not None and observe.sparse_method(engine) == "input":  # the FFN's rows as dense, less
+        return coord + ffn_bytes_per_token(engine, Mode("dense"), 1.0) - observe.twinned_bytes(engine) * (1 - twin_read)
+    return coord + ffn_bytes_per_token(engine, mode, active_fraction)
 
 
 def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
@@ -114,7 +127,6 @@ def bench(engine, prompt: list[int], tg: int, modes: list[Mode], reps: int = 3, 
                     progress(1)
     finally:
         modes[0].apply(engine)
-    coord = observe.coordinator_bytes_per_token(engine)
     out = {}
     for m in modes:
         rs = runs[m.name]
@@ -122,7 +134,7 @@ def bench(engine, prompt: list[int], tg: int, modes: list[Mode], reps: int = 3, 
         sync = [u for r in rs for u in r.sync_us]
         active = med(lambda r: r.active_fraction)
         tg_tok_s = med(lambda r: r.decode_tokens / r.decode_s)
-        weights = coord + ffn_bytes_per_token(engine, m, active)
+        weights = weight_bytes_per_token(engine, m, active, med(lambda r: r.twin_read))
         out[m.name] = dict(
             pp_tok_s=med(lambda r: len(prompt) / r.prefill_s), tg_tok_s=tg_tok_s,
             ffn_ms_per_token=med(lambda r: r.ffn_us_per_token) / 1e3,

@@ -68,6 +68,11 @@ def ffn_neuron_bytes(engine) -> float:
     return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
 
 
+def sparse_method(engine) -> str:
+    """How the engine's sparsity level skips weights (EngineOptions.sparse_method)."""
+    return engine.opts.sparse_method
+
+
 def input_thresholds(engine) -> list[list[float]] | None:
     """The engine's input-sparsity thresholds (per layer, one per INPUT_SITES) at its level, or
     None when it decodes densely or by another method."""
@@ -107,6 +112,23 @@ def fc1_readers(engine, predictors) -> int:
     if ffn is None or ffn.shard_predictors is not predictors:
         return 1
     return len({int(s) for part in ffn.sum_slots for s in part})
+
+
+def twin_counts(engine) -> tuple[int, int]:
+    """(bytes the coordinator's input-major twins read since the last call, their bytes), the
+    counters zeroed: a decoded token's share of the twinned matrices it read is the first over
+    the second per token (every process reads about the same share: the same inputs, or its own
+    heads' and neurons' of the same layer)."""
+    twins = getattr(engine, "twins", None)
+    if twins is None:
+        return 0, 0
+    read = sum(m.twin_bytes_read(*m.reset_twin_counts()) for m in twins.matrices)
+    return read, sum(m.twin_bytes for m in twins.matrices)
+
+
+def twinned_bytes(engine) -> int:
+    """Bytes of the matrices every process's twins copy (the file's: the memory plan's twins row)."""
+    return engine.memory.twins
 
 
 def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None:
