@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -182,6 +182,13 @@ class Engine:
         kv_shape = KvShape(max(1, opts.kv_caches) if attn_heads else 1, cfg.n_layers, cfg.n_kv_heads, max_ctx,
                            cfg.head_dim, cfg.rope_dim)
         self.memory = self._plan_memory(store, down_t, predictors, kv_shape)
+        m = self.memory
+        if self.input_major and m.available is not None and m.anonymous - m.twins <= m.available < m.anonymous:
+            # The twins are what does not fit: decode densely rather than refuse to start.
+            print(f"note: {self.path.name}: sparse decoding's input-major copies ({m.twins / 1e9:.2f} GB) do not "
+                  f"fit in the {m.available / 1e9:.2f} GB available: decoding densely", file=sys.stderr)
+            self.input_major, self.opts = "", replace(opts, sparsity=None)
+            self.memory = self._plan_memory(store, down_t, predictors, kv_shape)
         if plan_only:
             return
         notice = self.memory.check(self.path, fit_hints(self.memory, kv_shape, max_ctx, self.memory.processes - 1))
@@ -225,7 +232,7 @@ class Engine:
             self.twins.note("coordinator")
             self.last = RunStats()
             self.sparsity: float | None = None
-            self.set_sparsity(opts.sparsity)
+            self.set_sparsity(self.opts.sparsity)
         except BaseException:
             self.close()
             raise

@@ -157,3 +157,13 @@ def test_an_uncalibrated_model_runs_dense_and_says_how_to_calibrate(tiny_model_f
                         "-t", "2", "--no-stats"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "sparseinfer calibrate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_twins_that_do_not_fit_leave_the_engine_dense(calibrated, monkeypatch, capsys):
+    """Where only the twins do not fit in memory the engine decodes densely and says so."""
+    path, _ = calibrated
+    plan = Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3), plan_only=True).memory
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.twins // 2))
+    eng = Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3), plan_only=True)
+    assert eng.input_major == "" and eng.opts.sparsity is None and eng.memory.twins == 0
+    assert "decoding densely" in capsys.readouterr().err
