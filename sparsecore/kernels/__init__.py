@@ -357,7 +357,7 @@ class FileMatrix:
             raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} (Q4_0, Q4_1, Q8_0 have them)")
         held_r = self.row_range or range(self.rows)
         rows = held_r if rows is None else rows
-        col0, n = self._cols(cols)
+        col0, n = self._cols(self.col_range if cols is None else cols)
         if rows.step != 1 or not 0 <= rows.start < rows.stop <= self.rows:
             raise ValueError(f"{self.name}: twin rows {rows} outside 0..{self.rows}")
         if isinstance(threshold, np.ndarray):

@@ -46,6 +46,7 @@ LV static INLINE int64_t NM(cols_fast_t)(const cols_hdr *h, const q8blk *xq, con
                 __m256i acc[8];
                 for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
                 int64_t o = 64 * l + 32 * half;
+                #pragma GCC unroll 1  /* unrolled over a group's 8 quads, GCC spilled the loads */
                 for (int q = 0; q < n; q += 4) {
                     __m256i X = _mm256_set1_epi32(rd32(xb + q));
                     __m256i A = _mm256_loadu_si256((const __m256i *)(ch[q] + o)), B = _mm256_loadu_si256((const __m256i *)(ch[q + 1] + o));

@@ -140,7 +140,7 @@ static inline uint32_t cols_mask_c(const float *x, float thr) {
  * Each item is a line of every active channel of a group and that line's rows' scales; the
  * SIMD loops ask for the item cols_ahead items ahead (0: none), into L1 (cols_hint 3) or L2 (2).
  * Measured in docs/KERNELS.md (scripts/bench_input_major.py --ahead). */
-static int cols_ahead = 4, cols_hint = 2;
+static int cols_ahead = 16, cols_hint = 2;
 typedef struct {
     const uint8_t *data;
     const uint32_t *masks;
