@@ -49,6 +49,9 @@ MAX_SMALL_BATCH = 16
 # base.c's L_FILE, L_X16, L_R16): the file's rows; rows interleaved 16 by 16
 # (FileMatrix.interleave); each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
 FILE_LAYOUT, X16, R16 = 0, 1, 2
+# Input-major twins (FileMatrix.with_input_major, base.c's L_COLS): the types with their products
+COLS_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+COLS_HEADER = 64  # bytes of a twin's header (cols_generic.c cols_hdr): n_active at 48, n_groups at 56
 X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
@@ -246,10 +249,13 @@ class FileMatrix:
         if not self.data.flags.c_contiguous and self.data.strides[1] != self.data.itemsize:
             raise ValueError(f"tensor {tensor.name}: rows are not contiguous in the file")
         self.row_bytes = self.data.shape[1] * self.data.itemsize
+        self.file_rows = self.data  # the file's rows, whatever this object later holds (with_input_major reads them)
 
     col_range = None  # keep_columns: the only columns held, else all of them
     row_range = None  # keep_rows: the only rows held, else all of them
     interleaved = False  # interleave: 16 rows side by side in memory of the process's own
+    twin = None  # with_input_major: the input-major twin (uint8: its header, then its data), else None
+    twin_rows = twin_cols = None  # the twin's sub-matrix
     blocked = False  # interleave_blocks: each row's blocks 16 side by side, the same
 
     @property
@@ -326,11 +332,13 @@ class FileMatrix:
         return part
 
     @property
-    def args(self) -> tuple[int, int, int, int]:
-        """(base address, row stride, type, layout) for the kernels; worked out once for the data held."""
+    def args(self) -> tuple[int, int, int, int, int]:
+        """(base address, row stride, type, layout, twin header's address or 0) for the kernels;
+        worked out once for the data held."""
         held = self.__dict__.get("_args")
-        if held is not None and held[0] is self.data and held[1] == (self.col_range, self.stride):
+        if held is not None and held[0] is self.data and held[1] == (self.col_range, self.stride) and held[3] is self.twin:
             return held[2]
+        twin = 0 if self.twin is None else _ptr(self.twin)
         base = _ptr(self.data)
         if self.row_range is not None:  # likewise a held row keeps its number (a group: 16 rows)
             base -= self.row_range.start // (16 if self.interleaved else 1) * self.stride
@@ -338,9 +346,104 @@ class FileMatrix:
             # Rows start at column col_range.start: the kernels add (col0 / block) * block bytes
             # to the base, so a held column keeps its number and every call site stays the same.
             base -= self.col_range.start // self.block * (self._x16_block_bytes if self.interleaved else self._block_bytes)
-        a = (base, self.stride, self.type, X16 if self.interleaved else R16 if self.blocked else FILE_LAYOUT)
-        self._args = (self.data, (self.col_range, self.stride), a)
+        a = (base, self.stride, self.type, X16 if self.interleaved else R16 if self.blocked else FILE_LAYOUT, twin)
+        self._args = (self.data, (self.col_range, self.stride), a, self.twin)
         return a
+
+    def with_input_major(self, rows: range | None = None, cols: range | None = None, threshold=None) -> "FileMatrix":
+        """This matrix (a copy of the object, the same data) carrying an input-major twin of rows
+        `rows` (a range; None: the rows held), columns `cols` (whole blocks of 32; None: the
+        columns held): TEAL's input sparsity. A one-token product of exactly those rows and
+        columns then reads only the inputs with |x_j| > threshold (R/2 contiguous bytes each for
+        Q4_0, and each block of 32 inputs' scales once if any of them is active); batches, row
+        lists, other ranges and a negative threshold take this matrix as it is (base.c L_COLS,
+        cols_generic.c). `threshold`: a float32 array of one value (kept alive here: the kernels
+        read it at every product, so its owner may change it between calls, e.g. in shared
+        memory), or the address of one. The twin is memory of its own, repacked from the file's
+        rows at load whatever this object's layout; ValueError for a type without twin products
+        (the caller keeps the matrix dense)."""
+        if self.type not in COLS_TYPES:
+            raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} (Q4_0, Q4_1, Q8_0 have them)")
+        held_r = self.row_range or range(self.rows)
+        rows = held_r if rows is None else rows
+        col0, n = self._cols(self.col_range if cols is None else cols)
+        if rows.step != 1 or not 0 <= rows.start < rows.stop <= self.rows:
+            raise ValueError(f"{self.name}: twin rows {rows} outside 0..{self.rows}")
+        if isinstance(threshold, np.ndarray):
+            if threshold.dtype != np.float32 or threshold.size != 1:
+                raise ValueError(f"{self.name}: the twin's threshold is one float32 value")
+            keep, thr_ptr = threshold, _ptr(threshold)
+        elif isinstance(threshold, int) and threshold:
+            keep, thr_ptr = None, threshold
+        else:
+            raise ValueError(f"{self.name}: the twin needs a threshold (a float32 array of one value, or its address)")
+        nbytes = _kernels.cols_bytes(self.type, len(rows), n)
+        buf = _anonymous(COLS_HEADER + nbytes)
+        src = self.file_rows
+        _kernels.cols_repack(_ptr(src), src.strides[0], self.type, rows.start, len(rows), col0, n, thr_ptr, _ptr(buf))
+        if not np.may_share_memory(self.data, src):  # a held copy: the file's pages just read are not this one's
+            _unmap_file_pages(src[rows.start:rows.stop])
+        part = copy.copy(self)
+        part.twin, part.twin_rows, part.twin_cols, part._twin_thr = buf, rows, range(col0, col0 + n), keep
+        return part
+
+    def _twin_counter(self, offset: int) -> np.ndarray:
+        if self.twin is None:
+            raise ValueError(f"{self.name}: no input-major twin")
+        return self.twin[offset:offset + 8].view(np.int64)
+
+    @property
+    def twin_active(self) -> int:
+        """Active inputs (channels) the twin's products have read since the last reset, summed"""
+        return int(self._twin_counter(48)[0])
+
+    @property
+    def twin_groups(self) -> int:
+        """Blocks of 32 inputs with an active one (each read its rows' scales), likewise"""
+        return int(self._twin_counter(56)[0])
+
+    def reset_twin_counts(self) -> tuple[int, int]:
+        """(twin_active, twin_groups), then both zeroed"""
+        out = (self.twin_active, self.twin_groups)
+        self._twin_counter(48)[0] = 0
+        self._twin_counter(56)[0] = 0
+        return out
+
+    @property
+    def twin_bytes(self) -> int:
+        """The twin's data bytes (its header apart): the sub-matrix's bytes in the file, plus
+        zero rows up to a multiple of 128 (Q4) or 64 (Q8_0) rows"""
+        return len(self.twin) - COLS_HEADER if self.twin is not None else 0
+
+    @property
+    def twin_channel_bytes(self) -> int:
+        """Bytes one active input costs (its channel row: Rp/2 for Q4, Rp for Q8_0; cols_generic.c)"""
+        rp = self._twin_rp
+        return rp if self.type == 8 else rp // 2
+
+    @property
+    def twin_scale_bytes(self) -> int:
+        """Bytes each block of 32 inputs with an active one costs: its rows' f16 scales (Q4_1: and mins)"""
+        return (4 if self.type == 3 else 2) * self._twin_rp
+
+    def twin_bytes_read(self, active: int, groups: int) -> int:
+        """The bytes products read for `active` channels in `groups` blocks (reset_twin_counts)"""
+        return active * self.twin_channel_bytes + groups * self.twin_scale_bytes
+
+    @property
+    def _twin_rp(self) -> int:
+        if self.twin is None:
+            raise ValueError(f"{self.name}: no input-major twin")
+        k = 64 if self.type == 8 else 128
+        return -(-len(self.twin_rows) // k) * k
+
+    def twin_dequantize(self) -> np.ndarray:
+        """The twin's values as float32 (len(twin_rows), len(twin_cols)): the file's, exactly"""
+        if self.twin is None:
+            raise ValueError(f"{self.name}: no input-major twin")
+        out = np.empty((len(self.twin_rows), len(self.twin_cols)), np.float32)
+        _kernels.cols_dequant(_ptr(self.twin), _ptr(out))
+        return out
 
     @property
     def _x16_block_bytes(self) -> int:

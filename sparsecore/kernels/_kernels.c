@@ -34,7 +34,10 @@
 #include "interleaved_generic.c" /* the repacked layouts X16 and R16: bytes, repacking, portable lanes, dequant, prefetch */
 #include "interleaved_256.c"     /* their 256-bit tiles and runs (interleaved_avx2.c): AVX2, AVX-VNNI */
 #include "interleaved_avx512.c"  /* their AVX-512 VNNI tiles and runs */
-#include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows */
+#include "cols_generic.c"        /* input-major twins (L_COLS): header, bytes, repacking, masks, portable products, prefetch */
+#include "cols_256.c"            /* their fast products on 256-bit registers (cols_avx2.c): AVX2, AVX-VNNI */
+#include "cols_avx512.c"         /* their fast products with AVX-512 VNNI */
+#include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */
 #include "attention_generic.c"   /* RoPE and softmax attention, portable */

@@ -125,13 +125,22 @@ typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
  *     every 16 consecutive blocks of it (512 values) are laid out as X16 lays out 16 rows'
  *     block, the block standing for the row.
  * The type is the file's in every layout (its block size, a row's bytes: R16's rows are the
- * file's size). */
-enum { L_FILE = 0, L_X16 = 1, L_R16 = 2 };
+ * file's size).
+ *   L_COLS: an input-major copy of a sub-matrix (rows [r0, r0 + R), columns [c0, c0 + C)) of a
+ *     Q4_0, Q4_1 or Q8_0 matrix, held beside the matrix in any of the layouts above as its
+ *     "twin" (mat.cols; cols_generic.c says its bytes): per block of 32 columns the R rows'
+ *     scales, then 32 channel rows, each one input's R values, so that a one-token product
+ *     whose input j is skipped (|x_j| <= the twin's threshold: TEAL's input sparsity) skips
+ *     that channel's R/2 contiguous bytes. Never a matrix's own layout: the dispatch
+ *     (row_loops.c's cols_take) runs a product on the twin where it applies, on `base`
+ *     otherwise. */
+enum { L_FILE = 0, L_X16 = 1, L_R16 = 2, L_COLS = 3 };
 
 typedef struct {  /* one matrix: rows of `stride` bytes, values in the file's type `t`, laid out as `layout` */
     const uint8_t *base;
     int64_t stride;
     int t, layout;
+    const void *cols;  /* its input-major twin's header (cols_hdr, layout L_COLS), or NULL */
 } mat;
 
 static inline int is_x16(mat m) { return m.layout == L_X16; }

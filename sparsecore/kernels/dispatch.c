@@ -176,3 +176,39 @@ static void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const
     else r16_rows_avx2(m, rows, start, n, x, nb, y);
 }
 #endif
+
+/* One token's product on the twin h (cols_take said it applies), at the level in use: y (R
+ * floats) for the twin's rows, x (its C inputs) and, fast, their q8 blocks xq. The threshold is
+ * read once here (its owner may change it between calls); the active channels and groups are
+ * added to the header's counters. Returns the active channels, or -1 (no memory for a few KB:
+ * the caller takes the original path). Exact mode runs the portable loop at every level. */
+static int64_t cols_products(const cols_hdr *h, const float *x, const q8blk *xq, int fast, float *y) {
+    int t = h->t;
+    float thr = *h->thr;
+    int64_t G = h->C / QK, rp = cols_rp(t, h->R), n_groups = 0, n;
+    uint32_t *masks = grown(&cm_buf, &cm_cap, sizeof(uint32_t) * G);
+    float *acc = rp == h->R ? y : grown(&cy_buf, &cy_cap, sizeof(float) * rp);
+    if (!masks || !acc) return -1;
+    for (int64_t g = 0; g < G; g++) {
+#if HAVE_X86
+        if (use_vnni) masks[g] = cols_mask_vnni(x + g * QK, thr);
+        else if (use_avx2) masks[g] = cols_mask_avx2(x + g * QK, thr);
+        else
+#endif
+        masks[g] = cols_mask_c(x + g * QK, thr);
+        n_groups += masks[g] != 0;
+    }
+#if HAVE_X86
+    if (fast && use_vnni) n = cols_fast_vnni(h, xq, masks, acc);
+    else if (fast && use_dp256 == 1) n = cols_fast_avxvnni(h, xq, masks, acc);
+    else if (fast && use_dp256 == 2) n = cols_fast_vnni256(h, xq, masks, acc);
+    else if (fast && use_avx2) n = cols_fast_avx2(h, xq, masks, acc);
+    else
+#endif
+    n = cols_products_c(h, x, xq, fast, thr, masks, acc);
+    if (acc != y) memcpy(y, acc, sizeof(float) * h->R);
+    cols_hdr *counts = (cols_hdr *)h;  /* the owner's memory: the counters are the header's only writable part */
+    __atomic_fetch_add(&counts->n_active, n, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&counts->n_groups, n_groups, __ATOMIC_RELAXED);
+    return n;
+}

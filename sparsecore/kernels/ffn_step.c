@@ -77,12 +77,42 @@ static int gate_x16(const ffn_call *c, int sparse) {
     return 1;
 }
 
+/* TEAL's branch of ffn_token (input sparsity): gate, up and down each carry an input-major twin
+ * (mat.cols) over the shard (gate's and up's rows [own0, own0 + n_own) of all hidden columns,
+ * down's columns [own0, own0 + n_own) of all hidden rows) with a threshold >= 0. Then
+ *     g = gate x, u = up x     over x's inputs above each twin's threshold
+ *     h = act(g) * u           (act(g) * act(u) for ACT_SYM; act(g) for ACT_NOGATE)
+ *     y = down h               over the neurons with |h| above down's threshold
+ * so a skipped neuron skips its whole down row (PowerInfer's ffn_down_t, here from the file's
+ * hidden-major down). Returns the active neurons (down's active inputs), or -3 where the twins
+ * do not all apply (then ffn_token goes on as without them). */
+static int64_t ffn_teal(const ffn_call *c) {
+    mat gate = c->gate, up = c->up, down = c->down;
+    int hidden = c->hidden, act = c->act & ACT_MASK, mode = c->act & ~ACT_MASK, fast = c->fast;
+    int64_t own0 = c->own0, n_own = c->n_own;
+    const cols_hdr *tg = cols_take(gate, NULL, own0, n_own, 0, hidden);
+    const cols_hdr *tu = mode == ACT_NOGATE ? tg : cols_take(up, NULL, own0, n_own, 0, hidden);
+    const cols_hdr *td = cols_take(down, NULL, 0, hidden, own0, n_own);
+    if (c->down_t || c->mask || !tg || !tu || !td || n_own % QK) return -3;
+    float *h = c->h, *u = up_scratch(n_own);
+    if (!u) return -1;
+    if (fast) quantize_q8(c->x, hidden, c->xq);
+    if (cols_products(tg, c->x, c->xq, fast, h) < 0) return -1;
+    if (mode != ACT_NOGATE && cols_products(tu, c->x, c->xq, fast, u) < 0) return -1;
+    for (int64_t i = 0; i < n_own; i++) {
+        float g = act_fn(act, h[i]);
+        h[i] = mode == ACT_NOGATE ? g : g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);
+    }
+    if (fast) quantize_q8(h, (int)n_own, c->hq);
+    return cols_products(td, h, c->hq, fast, c->y);
+}
+
 /* THE hot function: one token's partial FFN over owned neurons [own0, own0 + n_own) of the layer
  * (a contiguous range on whole blocks of down's rows, 32 or 256, as the static plan hands them
  * out; any range with down_t). Active: dense (threshold < 0 and no mask), a predictor's mask
  * over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own floats; hq: scratch
  * of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks. Returns the number of active
- * neurons. */
+ * neurons. With input-major twins on gate, up and down: ffn_teal. */
 static int64_t ffn_token(const ffn_call *c) {
     mat gate = c->gate, up = c->up, down = c->down;
     int down_t = c->down_t, hidden = c->hidden, act = c->act, fast = c->fast;
@@ -92,6 +122,11 @@ static int64_t ffn_token(const ffn_call *c) {
     const float *x = c->x;
     float *h = c->h, *y = c->y;
     q8blk *xq = c->xq, *hq = c->hq;
+    /* twins on gate, up and down with thresholds >= 0: TEAL's input sparsity, whatever the
+     * CATS threshold says (the twins' thresholds are the caller's choice of method); a
+     * predictor's mask picks rows, which a twin cannot, and keeps the paths below */
+    int64_t teal = gate.cols ? ffn_teal(c) : -3;
+    if (teal != -3) return teal;
     int32_t *live = neuron_list(n_own);
     if (!live) return -1;
     if (fast) quantize_q8(x, hidden, xq);

@@ -3,17 +3,24 @@
 
 /* ---- Python entry points: pointers travel as integers, checked by the Python side ------------ */
 
-/* A matrix as FileMatrix.args hands it over: (ptr, stride, type, layout), MAT_ARGS values */
-#define MAT_ARGS 4
+/* A matrix as FileMatrix.args hands it over: (ptr, stride, type, layout, twin|0), MAT_ARGS values;
+ * twin: the address of its input-major twin's header (cols_hdr) or 0 */
+#define MAT_ARGS 5
 static int get_mat(PyObject *const *a, mat *m) {
     m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
     m->stride = PyLong_AsLongLong(a[1]);
     m->t = (int)PyLong_AsLong(a[2]);
     m->layout = (int)PyLong_AsLong(a[3]);
+    m->cols = PyLong_AsVoidPtr(a[4]);
     if (PyErr_Occurred()) return -1;
     if (!type_bytes(m->t) || !(m->layout == L_FILE || (m->layout == L_X16 && x16_type(m->t))
                                || (m->layout == L_R16 && r16_type(m->t)))) {
         PyErr_Format(PyExc_ValueError, "unsupported tensor type %d in layout %d", m->t, m->layout);
+        return -1;
+    }
+    const cols_hdr *h = m->cols;
+    if (h && (h->magic != COLS_MAGIC || h->t != m->t || !h->thr)) {
+        PyErr_SetString(PyExc_ValueError, "not an input-major twin of this matrix");
         return -1;
     }
     return 0;
@@ -22,18 +29,19 @@ static int get_mat(PyObject *const *a, mat *m) {
 #define ARG_PTR(i) PyLong_AsVoidPtr(args[i])
 #define ARG_LL(i) PyLong_AsLongLong(args[i])
 
-/* matvec(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
+/* matvec(<mat: MAT_ARGS>, rows_ptr|0, start, n_rows, col0, n, x_ptr, fast, xq_ptr, y_ptr) */
 static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) { PyErr_SetString(PyExc_TypeError, "matvec takes 13 arguments"); return NULL; }
+    if (nargs != MAT_ARGS + 9) { PyErr_Format(PyExc_TypeError, "matvec takes %d arguments", MAT_ARGS + 9); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(4);
-    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
-    int n = (int)ARG_LL(8);
-    const float *x = ARG_PTR(9);
-    int fast = (int)ARG_LL(10);
-    q8blk *xq = ARG_PTR(11);
-    float *y = ARG_PTR(12);
+    args += MAT_ARGS;
+    const int32_t *rows = ARG_PTR(0);
+    int64_t start = ARG_LL(1), n_rows = ARG_LL(2), col0 = ARG_LL(3);
+    int n = (int)ARG_LL(4);
+    const float *x = ARG_PTR(5);
+    int fast = (int)ARG_LL(6);
+    q8blk *xq = ARG_PTR(7);
+    float *y = ARG_PTR(8);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (fast && is_quant(m.t)) quantize_q8(x, n, xq);
@@ -43,11 +51,11 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 /* ffn_token and ffn_batch take the same FFN_ARGS arguments, read into one ffn_call:
- *   gate(4), up(4), down(4), down_t, hidden, own0, n_own, act, threshold, thr_ptr|0, mask_ptr|0,
+ *   gate(MAT_ARGS), up(MAT_ARGS), down(MAT_ARGS), down_t, hidden, own0, n_own, act, threshold, thr_ptr|0, mask_ptr|0,
  *   x_ptr, B, fast, h_ptr, any_ptr|0, xq_ptr, hq_ptr, counts_ptr|0, y_ptr
  * ffn_token reads threshold and one token (B 1), ffn_batch thr, any and counts (ffn_step.c's
  * ffn_call says what each is). */
-#define FFN_ARGS 29
+#define FFN_ARGS (3 * MAT_ARGS + 17)
 static int get_ffn_call(const char *name, PyObject *const *args, Py_ssize_t nargs, ffn_call *c) {
     if (nargs != FFN_ARGS) { PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, FFN_ARGS); return -1; }
     if (get_mat(args, &c->gate) || get_mat(args + MAT_ARGS, &c->up) || get_mat(args + 2 * MAT_ARGS, &c->down)) return -1;
@@ -91,21 +99,22 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n_active);
 }
 
-/* matmul(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
+/* matmul(<mat: MAT_ARGS>, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
  * xq: room for B (n/32 rounded up) q8 blocks */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 16) { PyErr_SetString(PyExc_TypeError, "matmul takes 16 arguments"); return NULL; }
+    if (nargs != MAT_ARGS + 12) { PyErr_Format(PyExc_TypeError, "matmul takes %d arguments", MAT_ARGS + 12); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(4);
-    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
-    int n = (int)ARG_LL(8);
-    const float *x = ARG_PTR(9);
-    int64_t ldx = ARG_LL(10);
-    int B = (int)ARG_LL(11), fast = (int)ARG_LL(12);
-    q8blk *xq = ARG_PTR(13);
-    float *y = ARG_PTR(14);
-    int64_t ldy = ARG_LL(15);
+    args += MAT_ARGS;
+    const int32_t *rows = ARG_PTR(0);
+    int64_t start = ARG_LL(1), n_rows = ARG_LL(2), col0 = ARG_LL(3);
+    int n = (int)ARG_LL(4);
+    const float *x = ARG_PTR(5);
+    int64_t ldx = ARG_LL(6);
+    int B = (int)ARG_LL(7), fast = (int)ARG_LL(8);
+    q8blk *xq = ARG_PTR(9);
+    float *y = ARG_PTR(10);
+    int64_t ldy = ARG_LL(11);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "matmul: %d tokens, at most %d", B, MAXB); return NULL; }
     int64_t ldq = (n + QK - 1) / QK;
@@ -128,15 +137,16 @@ static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n_active);
 }
 
-/* dequant(ptr, stride, type, layout, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
+/* dequant(<mat: MAT_ARGS>, rows_ptr|0, start, n_rows, col0, n, out_ptr) */
 static PyObject *py_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) { PyErr_SetString(PyExc_TypeError, "dequant takes 10 arguments"); return NULL; }
+    if (nargs != MAT_ARGS + 6) { PyErr_Format(PyExc_TypeError, "dequant takes %d arguments", MAT_ARGS + 6); return NULL; }
     mat m;
     if (get_mat(args, &m)) return NULL;
-    const int32_t *rows = ARG_PTR(4);
-    int64_t start = ARG_LL(5), n_rows = ARG_LL(6), col0 = ARG_LL(7);
-    int n = (int)ARG_LL(8);
-    float *out = ARG_PTR(9);
+    args += MAT_ARGS;
+    const int32_t *rows = ARG_PTR(0);
+    int64_t start = ARG_LL(1), n_rows = ARG_LL(2), col0 = ARG_LL(3);
+    int n = (int)ARG_LL(4);
+    float *out = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS
     dequant_rows(m, rows, start, n_rows, col0, n, out);
@@ -210,6 +220,61 @@ static PyObject *repack(PyObject *const *args, Py_ssize_t nargs, int blocks) {
 static PyObject *py_interleave(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 0); }
 static PyObject *py_interleave_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return repack(args, nargs, 1); }
 
+/* cols_bytes(type, R, C) -> the bytes of an input-major twin's data (its 64-byte header apart),
+ * or 0 for a type without L_COLS products */
+static PyObject *py_cols_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "cols_bytes takes 3 arguments"); return NULL; }
+    int t = (int)ARG_LL(0);
+    int64_t R = ARG_LL(1), C = ARG_LL(2);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(cols_type(t) && R > 0 && C > 0 && C % QK == 0 ? cols_bytes(t, R, C) : 0);
+}
+
+/* cols_repack(src_ptr, stride, type, r0, R, c0, C, thr_ptr, dst_ptr): the twin of the file's rows
+ * at src (row 0, column 0) into dst (64-byte aligned: the header, then cols_bytes) */
+static PyObject *py_cols_repack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "cols_repack takes 9 arguments"); return NULL; }
+    const uint8_t *src = ARG_PTR(0);
+    int64_t stride = ARG_LL(1), r0 = ARG_LL(3), R = ARG_LL(4), c0 = ARG_LL(5), C = ARG_LL(6);
+    int t = (int)ARG_LL(2);
+    const float *thr = ARG_PTR(7);
+    uint8_t *dst = ARG_PTR(8);
+    if (PyErr_Occurred()) return NULL;
+    if (!cols_type(t) || R <= 0 || C <= 0 || C % QK || c0 % QK || !thr || ((uintptr_t)dst & 63)) {
+        PyErr_SetString(PyExc_ValueError, "cols_repack: Q4_0, Q4_1 or Q8_0, whole blocks, a threshold, dst aligned");
+        return NULL;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = cols_repack(t, src, stride, r0, R, c0, C, thr, dst);
+    Py_END_ALLOW_THREADS
+    if (err) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* cols_dequant(hdr_ptr, out_ptr): the twin's values as float32 (R x C), for the tests */
+static PyObject *py_cols_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "cols_dequant takes 2 arguments"); return NULL; }
+    const cols_hdr *h = ARG_PTR(0);
+    float *out = ARG_PTR(1);
+    if (PyErr_Occurred()) return NULL;
+    if (!h || h->magic != COLS_MAGIC) { PyErr_SetString(PyExc_ValueError, "not a twin"); return NULL; }
+    cols_dequant(h, out);
+    Py_RETURN_NONE;
+}
+
+/* cols_tune(ahead, hint) -> the previous (ahead, hint): the twins' prefetch distance in (group,
+ * line) items (0: none) and where to (3: L1, 2: L2), for scripts/bench_input_major.py */
+static PyObject *py_cols_tune(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "cols_tune takes 2 arguments"); return NULL; }
+    int ahead = (int)ARG_LL(0), hint = (int)ARG_LL(1);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *old = Py_BuildValue("(ii)", cols_ahead, cols_hint);
+    if (ahead >= 0) cols_ahead = ahead;
+    if (hint == 2 || hint == 3) cols_hint = hint;
+    return old;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_dp256 ? "avxvnni" : use_avx2 ? "avx2" : "generic");
 }
@@ -246,8 +311,10 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     return py_isa(self, NULL);
 }
 
-/* The attention layer's arguments attn_token and attn_batch share, args[0..26]:
- * q(4), q_rows, k(4), k_rows, v(4), o(4), norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_ptr, sin_ptr */
+/* The attention layer's arguments attn_token and attn_batch share, args[0..ATTN_ARGS):
+ * q(MAT_ARGS), q_rows, k(MAT_ARGS), k_rows, v(MAT_ARGS), o(MAT_ARGS), norm_w, eps, hidden, n_heads,
+ * n_kv, hd, d, cos_ptr, sin_ptr */
+#define ATTN_ARGS (4 * MAT_ARGS + 11)
 typedef struct {
     mat wq, wk, wv, wo;
     const int32_t *q_rows, *k_rows;
@@ -257,14 +324,17 @@ typedef struct {
 } attn_layer;
 
 static int get_attn_layer(PyObject *const *args, attn_layer *L) {
-    if (get_mat(args, &L->wq) || get_mat(args + 5, &L->wk) || get_mat(args + 10, &L->wv) || get_mat(args + 14, &L->wo))
+    const int K = MAT_ARGS + 1;  /* a matrix and its row order */
+    if (get_mat(args, &L->wq) || get_mat(args + K, &L->wk) || get_mat(args + 2 * K, &L->wv)
+        || get_mat(args + 2 * K + MAT_ARGS, &L->wo))
         return -1;
-    L->q_rows = ARG_PTR(4), L->k_rows = ARG_PTR(9);
-    L->norm_w = ARG_PTR(18);
-    L->eps = (float)PyFloat_AsDouble(args[19]);
-    L->hidden = (int)ARG_LL(20), L->n_heads = (int)ARG_LL(21), L->n_kv = (int)ARG_LL(22);
-    L->hd = (int)ARG_LL(23), L->d = (int)ARG_LL(24);
-    L->cos_r = ARG_PTR(25), L->sin_r = ARG_PTR(26);
+    L->q_rows = ARG_PTR(MAT_ARGS), L->k_rows = ARG_PTR(K + MAT_ARGS);
+    args += 4 * MAT_ARGS + 2;
+    L->norm_w = ARG_PTR(0);
+    L->eps = (float)PyFloat_AsDouble(args[1]);
+    L->hidden = (int)ARG_LL(2), L->n_heads = (int)ARG_LL(3), L->n_kv = (int)ARG_LL(4);
+    L->hd = (int)ARG_LL(5), L->d = (int)ARG_LL(6);
+    L->cos_r = ARG_PTR(7), L->sin_r = ARG_PTR(8);
     if (PyErr_Occurred()) return -1;
     if (L->d > 1024 || L->d > L->hd || L->n_kv <= 0 || L->n_heads % L->n_kv) {
         PyErr_SetString(PyExc_ValueError, "attention: bad head or rope arguments");
@@ -273,18 +343,19 @@ static int get_attn_layer(PyObject *const *args, attn_layer *L) {
     return 0;
 }
 
-/* attn_token(<attn layer: 27>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
- *            x, q, k, v, att, out, xq, oq, h): 41 arguments; cos/sin: the whole tables */
+/* attn_token(<attn layer: ATTN_ARGS>, pos, k_cache_ptr, v_cache_ptr, max_ctx, fast,
+ *            x, q, k, v, att, out, xq, oq, h): ATTN_ARGS + 14 arguments; cos/sin: the whole tables */
 static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 41) { PyErr_SetString(PyExc_TypeError, "attn_token takes 41 arguments"); return NULL; }
+    if (nargs != ATTN_ARGS + 14) { PyErr_Format(PyExc_TypeError, "attn_token takes %d arguments", ATTN_ARGS + 14); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int pos = (int)ARG_LL(27);
-    float *kc = ARG_PTR(28), *vc = ARG_PTR(29);
-    int max_ctx = (int)ARG_LL(30), fast = (int)ARG_LL(31);
-    attn_scratch sc = {ARG_PTR(32), ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39)};
-    float *h = ARG_PTR(40);
+    args += ATTN_ARGS;
+    int pos = (int)ARG_LL(0);
+    float *kc = ARG_PTR(1), *vc = ARG_PTR(2);
+    int max_ctx = (int)ARG_LL(3), fast = (int)ARG_LL(4);
+    attn_scratch sc = {ARG_PTR(5), ARG_PTR(6), ARG_PTR(7), ARG_PTR(8), ARG_PTR(9), ARG_PTR(10), ARG_PTR(11), ARG_PTR(12)};
+    float *h = ARG_PTR(13);
     if (PyErr_Occurred()) return NULL;
     if (pos < 0 || pos >= max_ctx) { PyErr_SetString(PyExc_ValueError, "attn_token: position outside the cache"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
@@ -294,19 +365,20 @@ static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* attn_batch(<attn layer: 27, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
- *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): 42 arguments */
+/* attn_batch(<attn layer: ATTN_ARGS, cos/sin: the whole tables>, B, pos_ptr (B int64), k_cache_ptrs (B int64),
+ *            v_cache_ptrs, max_ctx, fast, x, q, k, v, att, out, xq, oq, h): ATTN_ARGS + 15 arguments */
 static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 42) { PyErr_SetString(PyExc_TypeError, "attn_batch takes 42 arguments"); return NULL; }
+    if (nargs != ATTN_ARGS + 15) { PyErr_Format(PyExc_TypeError, "attn_batch takes %d arguments", ATTN_ARGS + 15); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int B = (int)ARG_LL(27);
-    const int64_t *pos = ARG_PTR(28);
-    float *const *kcs = ARG_PTR(29), *const *vcs = ARG_PTR(30);
-    int max_ctx = (int)ARG_LL(31), fast = (int)ARG_LL(32);
-    attn_scratch sc = {ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39), ARG_PTR(40)};
-    float *h = ARG_PTR(41);
+    args += ATTN_ARGS;
+    int B = (int)ARG_LL(0);
+    const int64_t *pos = ARG_PTR(1);
+    float *const *kcs = ARG_PTR(2), *const *vcs = ARG_PTR(3);
+    int max_ctx = (int)ARG_LL(4), fast = (int)ARG_LL(5);
+    attn_scratch sc = {ARG_PTR(6), ARG_PTR(7), ARG_PTR(8), ARG_PTR(9), ARG_PTR(10), ARG_PTR(11), ARG_PTR(12), ARG_PTR(13)};
+    float *h = ARG_PTR(14);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_batch: %d tokens, at most %d", B, MAXB); return NULL; }
     for (int b = 0; b < B; b++)
@@ -321,20 +393,21 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* attn_part(<attn_batch's 42 arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): 45 arguments */
+/* attn_part(<attn_batch's arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): ATTN_ARGS + 18 arguments */
 static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 45) { PyErr_SetString(PyExc_TypeError, "attn_part takes 45 arguments"); return NULL; }
+    if (nargs != ATTN_ARGS + 18) { PyErr_Format(PyExc_TypeError, "attn_part takes %d arguments", ATTN_ARGS + 18); return NULL; }
     attn_layer L;
     if (get_attn_layer(args, &L)) return NULL;
-    int B = (int)ARG_LL(27);
-    const int64_t *pos = ARG_PTR(28);
-    float *const *kcs = ARG_PTR(29), *const *vcs = ARG_PTR(30);
-    int max_ctx = (int)ARG_LL(31), fast = (int)ARG_LL(32);
-    attn_scratch sc = {ARG_PTR(33), ARG_PTR(34), ARG_PTR(35), ARG_PTR(36), ARG_PTR(37), ARG_PTR(38), ARG_PTR(39), ARG_PTR(40)};
-    const float *h = ARG_PTR(41);
-    int kv0 = (int)ARG_LL(42), kv1 = (int)ARG_LL(43);
-    float *part = ARG_PTR(44);
+    args += ATTN_ARGS;
+    int B = (int)ARG_LL(0);
+    const int64_t *pos = ARG_PTR(1);
+    float *const *kcs = ARG_PTR(2), *const *vcs = ARG_PTR(3);
+    int max_ctx = (int)ARG_LL(4), fast = (int)ARG_LL(5);
+    attn_scratch sc = {ARG_PTR(6), ARG_PTR(7), ARG_PTR(8), ARG_PTR(9), ARG_PTR(10), ARG_PTR(11), ARG_PTR(12), ARG_PTR(13)};
+    const float *h = ARG_PTR(14);
+    int kv0 = (int)ARG_LL(15), kv1 = (int)ARG_LL(16);
+    float *part = ARG_PTR(17);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_part: %d tokens, at most %d", B, MAXB); return NULL; }
     if (kv0 < 0 || kv1 <= kv0 || kv1 > L.n_kv
@@ -367,6 +440,10 @@ static PyMethodDef methods[] = {
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
+    {"cols_bytes", (PyCFunction)(void (*)(void))py_cols_bytes, METH_FASTCALL, "an input-major twin's bytes"},
+    {"cols_repack", (PyCFunction)(void (*)(void))py_cols_repack, METH_FASTCALL, "a sub-matrix's input-major twin"},
+    {"cols_dequant", (PyCFunction)(void (*)(void))py_cols_dequant, METH_FASTCALL, "a twin's values as float32"},
+    {"cols_tune", (PyCFunction)(void (*)(void))py_cols_tune, METH_FASTCALL, "the twins' prefetch distance and level"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_isa", py_set_isa, METH_O, "use 'avx512vnni', 'avxvnni' or 'avx2' (where supported) or 'generic'"},
     {NULL, NULL, 0, NULL}};

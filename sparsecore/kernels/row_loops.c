@@ -14,9 +14,12 @@ static inline void prefetch_row_l2(const uint8_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
-/* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows */
+/* y[i] = row(rows[i] or start + i)[col0 : col0 + n] . x for i < n_rows; on m's input-major
+ * twin where it applies (cols_take: no row list, the twin's ranges, its threshold >= 0) */
 static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, const q8blk *xq, int fast, float *y) {
+    const cols_hdr *tw = cols_take(m, rows, start, n_rows, col0, n);  /* its input-major twin, where it applies */
+    if (tw && cols_products(tw, x, xq, fast, y) >= 0) return;
     if (is_x16(m)) { x16_products(m, start, n_rows, col0, n, xq, 0, 1, y, 1); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;
@@ -40,6 +43,10 @@ static void matvec(mat m, const int32_t *rows, int64_t start, int64_t n_rows, in
  * its outputs at y + b ldy. Per token the same float operations as matvec. */
 static void matmul(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n,
                    const float *x, int64_t ldx, const q8blk *xq, int64_t ldq, int B, int fast, float *y, int64_t ldy) {
+    if (B == 1) {  /* one token: matvec's twin (a batch reads every input of the original, densely) */
+        const cols_hdr *tw = cols_take(m, rows, start, n_rows, col0, n);
+        if (tw && cols_products(tw, x, xq, fast, y) >= 0) return;
+    }
     if (is_x16(m)) { x16_products(m, start, n_rows, col0, n, xq, ldq, B, y, ldy); return; }
     int64_t bytes = (int64_t)n / block_size(m.t) * type_bytes(m.t);
     int partial = n * type_bytes(m.t) / block_size(m.t) < m.stride || rows != NULL;

@@ -1,0 +1,170 @@
+"""One token's products on input-major twins (TEAL's input sparsity) against the dense fast
+product on the best layout today, from memory: the tables in docs/KERNELS.md under
+"Input-major twins (input sparsity)".
+
+    python scripts/bench_input_major.py [--layers 6 --reps 9 --isas avx512vnni,avx2]
+    python scripts/bench_input_major.py --sweep      # prefetch distance and target per level
+
+Writes `--layers` layers of the 1.1B shape's matrices (q, o 2048 x 2048; k, v 256 x 2048; gate,
+up 5632 x 2048; down 2048 x 5632; random Q4_0 blocks) to a temporary GGUF file, holds each
+once for fast mode's dense products (FileMatrix.for_fast_products: X16) and once with a twin
+(FileMatrix.with_input_major), and times one token through every layer's seven products,
+dense and twin interleaved (dense, twin, twin, dense ...), medians of `--reps`; the layers
+cycle so that every read comes from memory. Each matrix's input is random normal and its
+threshold the quantile that leaves the asked fraction active (independent per input, as
+TEAL's magnitudes nearly are). Prints, per level and active fraction, the twin's time as a
+fraction of dense, per matrix kind and for the layer, and GB/s of the bytes each side read
+(the twin's counted by its counters: active channels' rows and active groups' scales). One
+core; nothing here is asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sparsecore import kernels as K  # noqa: E402
+
+SHAPES = {"q": (2048, 2048), "k": (256, 2048), "v": (256, 2048), "o": (2048, 2048),
+          "gate": (5632, 2048), "up": (5632, 2048), "down": (2048, 5632)}
+
+
+def random_q4_0(rng, rows: int, cols: int) -> np.ndarray:
+    """Random valid Q4_0 blocks (rows, cols / 32 * 18): random nibbles, f16 scales about 0.01"""
+    nb = rows * cols // 32
+    b = rng.integers(0, 256, size=(nb, 18), dtype=np.uint8)
+    b[:, :2] = (rng.uniform(0.005, 0.015, nb).astype(np.float16)).view(np.uint8).reshape(nb, 2)
+    return b.reshape(rows, -1)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def build(tmp: Path, layers: int, rng):
+    path = tmp / "layers.gguf"
+    w = GGUFWriter(str(path), "llama")
+    q4_0 = GGMLQuantizationType.Q4_0
+    for i in range(layers):
+        for name, (r, c) in SHAPES.items():
+            w.add_tensor(f"blk.{i}.{name}", random_q4_0(rng, r, c), raw_dtype=q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ts = {t.name: t for t in GGUFReader(path).tensors}
+    out = []
+    t0 = time.perf_counter()
+    for i in range(layers):
+        layer = {}
+        for name in SHAPES:
+            m = K.FileMatrix(ts[f"blk.{i}.{name}"])
+            thr = np.zeros(1, np.float32)
+            twin = m.with_input_major(None, None, thr)
+            layer[name] = (m.for_fast_products(), twin, thr)
+        out.append(layer)
+    repack_s = time.perf_counter() - t0
+    return out, repack_s
+
+
+def measure(layers, frac: float, reps: int, rng):
+    """(median dense s, median twin s per matrix kind and layer, bytes each side read per token)"""
+    calls, dense_bytes, xs = [], {k: 0 for k in SHAPES}, []
+    for layer in layers:
+        dense_fns, twin_fns = [], []
+        for name, (dense, twin, thr) in layer.items():
+            r, c = SHAPES[name]
+            x = rng.standard_normal(c).astype(np.float32)
+            thr[0] = np.quantile(np.abs(x), 1 - frac) if frac < 1 else 0.0
+            pd, pt = dense.prepare(range(r), None, fast=True), twin.prepare(range(r), None, fast=True)
+            dense_fns.append((name, lambda p=pd, x=x: p(x)))
+            twin_fns.append((name, lambda p=pt, x=x: p(x)))
+            dense_bytes[name] += r * c // 32 * 18
+            xs.append(x)
+        calls.append((dense_fns, twin_fns))
+    per = {side: {k: [] for k in [*SHAPES, "layer"]} for side in (0, 1)}
+    for layer in layers:
+        for _, twin, _ in layer.values():
+            twin.reset_twin_counts()
+    for rep in range(reps):
+        order = (0, 1) if rep % 2 == 0 else (1, 0)
+        for side in order:
+            tot = {k: 0.0 for k in SHAPES}
+            for fns in calls:
+                for name, f in fns[side]:
+                    t0 = time.perf_counter()
+                    f()
+                    tot[name] += time.perf_counter() - t0
+            for k in SHAPES:
+                per[side][k].append(tot[k])
+            per[side]["layer"].append(sum(tot.values()))
+    twin_bytes = {k: 0 for k in SHAPES}
+    for layer in layers:
+        for name, (_, twin, _) in layer.items():
+            twin_bytes[name] += twin.twin_bytes_read(*twin.reset_twin_counts()) / reps
+    n = len(layers)
+    med = {side: {k: float(np.median(v)) / n for k, v in per[side].items()} for side in (0, 1)}
+    return med, {k: v / n for k, v in dense_bytes.items()}, {k: v / n for k, v in twin_bytes.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--isas", default="avx512vnni,avx2")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.7, 0.5, 0.3, 0.1])
+    ap.add_argument("--sweep", action="store_true", help="prefetch distance (items ahead) and target, at 50 and 30 %%")
+    ap.add_argument("--aheads", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    a = ap.parse_args()
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        layers, repack_s = build(Path(tmp), a.layers, rng)
+        print(f"{cpu_name()}, one core; {a.layers} layers of the 1.1B shape (Q4_0), twins repacked in {repack_s:.2f} s "
+              f"({repack_s / a.layers * 1000:.0f} ms a layer)")
+        for level in a.isas.split(","):
+            if K.set_isa(level) != level:
+                print(f"this CPU cannot run {level}")
+                continue
+            if a.sweep:
+                default = K._kernels.cols_tune(-1, 0)
+                print(f"\nlevel {level}: twin time / dense (X16) time for the layer, by prefetch distance (items) and target")
+                print("| ahead | " + " | ".join(f"{f:.0%} L2 | {f:.0%} L1" for f in (0.5, 0.3)) + " |")
+                print("|---" * 5 + "|")
+                for ahead in a.aheads:
+                    cells = []
+                    for frac in (0.5, 0.3):
+                        for hint in (2, 3):
+                            K._kernels.cols_tune(ahead, hint)
+                            med, _, _ = measure(layers, frac, a.reps, rng)
+                            cells.append(f"{med[1]['layer'] / med[0]['layer']:.3f}")
+                    print(f"| {ahead} | " + " | ".join(cells) + " |")
+                K._kernels.cols_tune(*default)
+                continue
+            print(f"\nlevel {level} ({cpu_name()}): twin time / dense X16 time (medians of {a.reps}, interleaved); "
+                  f"GB/s of bytes read")
+            print("| active | " + " | ".join(SHAPES) + " | layer | dense µs | twin µs | dense GB/s | twin GB/s |")
+            print("|---" * (len(SHAPES) + 6) + "|")
+            for frac in a.fractions:
+                med, db, tb = measure(layers, frac, a.reps, rng)
+                ratios = [f"{med[1][k] / med[0][k]:.2f}" for k in SHAPES]
+                dgb = sum(db.values()) / med[0]["layer"] / 1e9
+                tgb = sum(tb.values()) / med[1]["layer"] / 1e9
+                print(f"| {frac:.0%} | " + " | ".join(ratios) + f" | **{med[1]['layer'] / med[0]['layer']:.2f}** | "
+                      f"{med[0]['layer'] * 1e6:.0f} | {med[1]['layer'] * 1e6:.0f} | {dgb:.1f} | {tgb:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Input-major twins (FileMatrix.with_input_major, _kernels.c L_COLS: TEAL's input sparsity):
+lossless copies of a sub-matrix, one-token products over the inputs above a threshold read at
+every call, the original path bit for bit where the twin does not apply, ffn_token's TEAL
+branch and the attention step on twins. Every ISA level this CPU runs, exact and fast mode,
+against float64 products of gguf-py's dequantized blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from sparsecore import kernels as K
+from tests.fixtures.kernel_checks import q8_values
+from tests.fixtures.kernel_files import deq, write_tensors
+
+TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+ROWS, COLS = 300, 256  # 300 rows: not a multiple of 16, 64 or 128 (the twins pad to 128 / 64)
+
+
+@pytest.fixture(scope="module")
+def mats(tmp_path_factory):
+    """Per type: the FileMatrix of a (ROWS, COLS) matrix and its float64 values"""
+    rng = np.random.default_rng(7)
+    arrays = {t.name: (rng.standard_normal((ROWS, COLS)).astype(np.float32), t) for t in TYPES}
+    ts = write_tensors(tmp_path_factory.mktemp("twins") / "m.gguf", arrays)
+    return {t: (K.FileMatrix(ts[t.name]), deq(ts[t.name])) for t in TYPES}
+
+
+def threshold(v: float = 0.0) -> np.ndarray:
+    return np.full(1, v, np.float32)
+
+
+def want(w: np.ndarray, x: np.ndarray, thr: float, fast: bool) -> np.ndarray:
+    """w (float64) times x's inputs above thr, as the twin sees them (fast: x's 8-bit blocks;
+    the decision on the float x)"""
+    xs = q8_values(x) if fast else x.astype(np.float64)
+    return w @ np.where(np.abs(x) > thr, xs, 0.0)
+
+
+def check(got: np.ndarray, w: np.ndarray, x: np.ndarray, thr: float, fast: bool, what: str) -> None:
+    """Fast mode's integer sums are exact (the error left is float32 rounding of a few products
+    per block); exact mode's float32 sums"""
+    scale = np.abs(w).sum(axis=1).max(initial=0) * np.abs(x).max()
+    np.testing.assert_allclose(got, want(w, x, thr, fast), rtol=0, atol=(3e-6 if fast else 2e-6) * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_twin_is_lossless(mats, t):
+    """The twin holds the file's values exactly, and the file's bytes (rows a multiple of 128)"""
+    m, w = mats[t]
+    tw = m.with_input_major(range(10, 300), range(64, 256), threshold())
+    np.testing.assert_array_equal(tw.twin_dequantize(), w[10:300, 64:256].astype(np.float32))
+    whole = m.with_input_major(range(0, 256), None, threshold())
+    assert whole.twin_bytes == 256 * m.row_bytes
+    assert tw.twin_channel_bytes * 32 + tw.twin_scale_bytes == tw.twin_bytes // 6  # 6 groups of 32 inputs
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_products(mats, t, fast, isa):
+    """Active sets from none to all over sub-ranges, one group, odd row counts, on every level"""
+    m, w = mats[t]
+    rng = np.random.default_rng(int(t) * 10 + fast)
+    for rows, cols in ((range(10, 300), range(64, 256)), (range(0, ROWS), None), (range(5, 53), range(32, 64)),
+                       (range(128, 256), range(0, 128))):
+        thr = threshold()
+        tw = m.with_input_major(rows, cols, thr)
+        c = cols or range(COLS)
+        ws = w[rows.start:rows.stop, c.start:c.stop]
+        x = rng.standard_normal(len(c)).astype(np.float32)
+        x[np.abs(x) < 1e-3] = 1e-3  # no zero input: thr 0 is everything
+        run = lambda: tw.matvec(x, rows=rows, cols=cols, fast=fast)  # noqa: E731
+        thr[0] = np.abs(x).max() + 1  # none active: nothing read, exact zeros
+        assert not run().any()
+        assert tw.reset_twin_counts() == (0, 0)
+        thr[0] = 0.0  # all: the dense product
+        y = run()
+        check(y, ws, x, 0.0, fast, f"all {rows} {cols}")
+        dense = m.matvec(x, rows=rows, cols=cols, fast=fast)
+        np.testing.assert_allclose(y, dense, rtol=0, atol=(3e-6 if fast else 2e-6) * np.abs(ws).sum(axis=1).max()
+                                   * np.abs(x).max())
+        assert tw.reset_twin_counts() == (len(c), len(c) // 32)
+        mags = np.sort(np.abs(x))
+        cases = {"one": mags[-2] / 2 + mags[-1] / 2}  # the largest input alone
+        for frac in (0.13, 0.5, 0.9):
+            k = int(len(c) * (1 - frac))
+            cases[f"{frac:.0%}"] = (mags[k - 1] + mags[k]) / 2
+        for name, v in cases.items():
+            thr[0] = v
+            check(run(), ws, x, v, fast, f"{name} {rows} {cols}")
+            active = np.abs(x) > v
+            assert tw.reset_twin_counts() == (int(active.sum()), int(active.reshape(-1, 32).any(axis=1).sum())), name
+        # one input per group, at a different place in each
+        x1 = np.zeros(len(c), np.float32)
+        x1[np.arange(0, len(c), 32) + np.arange(len(c) // 32) % 32] = rng.standard_normal(len(c) // 32) + 3
+        thr[0] = 0.5
+        check(tw.matvec(x1, rows=rows, cols=cols, fast=fast), ws, x1, 0.5, fast, f"one a group {rows} {cols}")
+        assert tw.reset_twin_counts() == (len(c) // 32, len(c) // 32)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_where_the_twin_does_not_apply(mats, t, isa):
+    """A negative threshold, other ranges, row lists and batches run the original path, bit for bit"""
+    m, _ = mats[t]
+    rng = np.random.default_rng(3)
+    rows, cols = range(10, 300), range(64, 256)
+    thr = threshold(-1.0)
+    tw = m.with_input_major(rows, cols, thr)
+    x = rng.standard_normal(len(cols)).astype(np.float32)
+    xb = rng.standard_normal((3, len(cols))).astype(np.float32)
+    for fast in (False, True):
+        for v in (-1.0, 0.5):
+            thr[0] = v
+            if v < 0:
+                assert np.array_equal(tw.matvec(x, rows=rows, cols=cols, fast=fast), m.matvec(x, rows=rows, cols=cols, fast=fast))
+            assert np.array_equal(tw.matvec(x, rows=range(10, 299), cols=cols, fast=fast),
+                                  m.matvec(x, rows=range(10, 299), cols=cols, fast=fast))
+            idx = np.arange(10, 300)
+            assert np.array_equal(tw.matvec(x, rows=idx, cols=cols, fast=fast), m.matvec(x, rows=idx, cols=cols, fast=fast))
+            assert np.array_equal(tw.matmul(xb, rows=rows, cols=cols, fast=fast), m.matmul(xb, rows=rows, cols=cols, fast=fast))
+    assert tw.reset_twin_counts() == (0, 0)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_threshold_read_at_every_call(mats, fast, isa):
+    """The owner changes the threshold between calls of a prepared product (addresses fixed once)
+    and every layout of the original keeps its twin (separate memory): keep_columns, X16, R16"""
+    m, w = mats[T.Q4_0]
+    rng = np.random.default_rng(5)
+    thr = threshold(0.0)
+    # name: (the original, the twin's columns (None: the columns held), the columns the calls ask for)
+    bases = {"file": (m, range(64, 192), range(64, 192)),
+             "keep_columns": (m.keep_columns(range(64, 192)), None, range(64, 192)),
+             "x16": (m.keep_rows(range(0, 256)).interleave(), range(64, 192), range(64, 192)),
+             "r16": (m.interleave_blocks(), None, None)}  # R16 takes whole rows only
+    for name, (base, cols, ask) in bases.items():
+        tw = base.with_input_major(range(0, 256), cols, thr)
+        c = ask or range(COLS)
+        x = rng.standard_normal(len(c)).astype(np.float32)
+        ws = w[0:256, c.start:c.stop]
+        f = fast or name in ("x16", "r16")  # the repacked layouts take fast-mode products only
+        call = tw.prepare(range(0, 256), ask, fast=f)
+        for v in (0.0, 1.0, 0.3, 2.5):
+            thr[0] = v
+            check(call(x), ws, x, v, f, f"{name} at {v}")
+        thr[0] = -1.0  # the original's own product again
+        assert np.array_equal(call(x), base.prepare(range(0, 256), ask, fast=f)(x)), name
+
+
+def test_types_without_twins(tmp_path):
+    ts = write_tensors(tmp_path / "f.gguf", {"blk.0.ffn_gate.weight": (np.ones((32, 32), np.float32), T.F16)})
+    with pytest.raises(ValueError, match="blk.0.ffn_gate.weight"):
+        K.FileMatrix(ts["blk.0.ffn_gate.weight"]).with_input_major(None, None, threshold())
+
+
+# ---- the FFN step's TEAL branch ------------------------------------------------------------------
+
+HIDDEN, N_FF = 128, 192
+
+
+@pytest.fixture(scope="module")
+def ffn(tmp_path_factory):
+    rng = np.random.default_rng(11)
+    shapes = {"gate": (N_FF, HIDDEN), "up": (N_FF, HIDDEN), "down": (HIDDEN, N_FF)}
+    arrays = {n: ((rng.standard_normal(s) * 0.3).astype(np.float32), T.Q4_0) for n, s in shapes.items()}
+    ts = write_tensors(tmp_path_factory.mktemp("ffn") / "ffn.gguf", arrays)
+    return {n: K.FileMatrix(ts[n]) for n in shapes}, {n: deq(ts[n]) for n in shapes}
+
+
+def act(name: str, v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v)) if name == "silu" else np.maximum(v, 0)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("gate_mode", ["par", "sym"])
+def test_ffn_token_teal(ffn, fast, gate_mode, isa):
+    """down[:, own] @ (act(gate[own] x_g) * (up[own] x_u)) over |h| > t_down, each twin its own
+    threshold; the count is the active neurons; a CATS threshold given beside the twins is
+    ignored (the twins are the caller's method); negative twin thresholds: the dense step"""
+    m, w = ffn
+    rng = np.random.default_rng(13 + fast)
+    own = range(64, 192)
+    activation = "silu" if gate_mode == "par" else "relu"
+    tg, tu, td = threshold(0.4), threshold(0.6), threshold(0.0)
+    gate = m["gate"].with_input_major(own, None, tg)
+    up = m["up"].with_input_major(own, None, tu)
+    down = m["down"].with_input_major(None, own, td)
+    scratch = K.FfnScratch(HIDDEN, len(own))
+    x = rng.standard_normal(HIDDEN).astype(np.float32)
+    g = want(w["gate"][own.start:own.stop], x, 0.4, fast)
+    u = want(w["up"][own.start:own.stop], x, 0.6, fast)
+    h_ref = act(activation, g) * (act(activation, u) if gate_mode == "sym" else u)
+    for t_down in (0.0, float(np.median(np.abs(h_ref))), 1e9):
+        td[0] = t_down
+        y, n = K.ffn_token(gate, up, down, x, own, activation, scratch, threshold=0.5 if t_down else None,
+                           fast=fast, gate_mode=gate_mode)
+        h = scratch.h[:len(own)].copy()  # the kernel's h: the down step's input and its decisions
+        np.testing.assert_allclose(h, h_ref, rtol=0, atol=(2e-2 if fast else 1e-5) * np.abs(h_ref).max())
+        assert n == int((np.abs(h) > t_down).sum())
+        check(y, w["down"][:, own.start:own.stop], h, t_down, fast, f"down at {t_down}")
+    tg[0] = tu[0] = td[0] = -1.0  # the twins off: the original step
+    y, n = K.ffn_token(gate, up, down, x, own, activation, scratch, fast=fast, gate_mode=gate_mode)
+    y0, n0 = K.ffn_token(m["gate"], m["up"], m["down"], x, own, activation, scratch, fast=fast, gate_mode=gate_mode)
+    assert n == n0 == len(own) and np.array_equal(y, y0)
+
+
+# ---- attention on twins --------------------------------------------------------------------------
+
+def test_attention_on_twins(tmp_path, isa):
+    """AttentionStep whose Q, K, V and output matrices carry twins: at threshold 0 the step without
+    them (within the products' rounding), above 0 another result (the twins are what runs)"""
+    n_heads, n_kv, hd, max_ctx = 4, 2, 32, 8
+    hidden = n_heads * hd
+    rng = np.random.default_rng(17)
+    shapes = {"q": (hidden, hidden), "k": (n_kv * hd, hidden), "v": (n_kv * hd, hidden), "o": (hidden, hidden)}
+    ts = write_tensors(tmp_path / "attn.gguf", {n: ((rng.standard_normal(s) * 0.2).astype(np.float32), T.Q4_0)
+                                                for n, s in shapes.items()})
+    plain = {n: K.FileMatrix(ts[n]) for n in shapes}
+    thr = threshold(0.0)
+    twins = {n: mm.with_input_major(None, None, thr) for n, mm in plain.items()}
+    ang = np.arange(max_ctx)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None].repeat(2, 0).reshape(1, -1)
+    cos = np.cos(ang).astype(np.float32)
+    sin = (np.sin(ang) * np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])).astype(np.float32)
+    norm = np.ones(hidden, np.float32)
+    h0 = rng.standard_normal(hidden).astype(np.float32)
+    for fast in (False, True):
+        def run(ms):
+            kc, vc = (np.zeros((n_kv, max_ctx, hd), np.float32) for _ in range(2))
+            step = K.AttentionStep(ms["q"], np.arange(hidden), ms["k"], np.arange(n_kv * hd), ms["v"], ms["o"], norm,
+                                   1e-6, n_heads, n_kv, hd, hd, cos, sin, kc, vc, fast)
+            h = h0.copy()
+            for pos in range(3):
+                step(h, pos)
+            return h
+        thr[0] = 0.0
+        for t in twins.values():
+            t.reset_twin_counts()
+        base, same = run(plain), run(twins)
+        np.testing.assert_allclose(same, base, rtol=0, atol=1e-4 * np.abs(base).max())
+        counts = {n: t.reset_twin_counts()[0] for n, t in twins.items()}
+        assert counts == {"q": 3 * hidden, "k": 3 * hidden, "v": 3 * hidden, "o": 3 * hidden}, counts
+        thr[0] = 0.5
+        assert np.abs(run(twins) - base).max() > 1e-3
+        counts = {n: t.reset_twin_counts()[0] for n, t in twins.items()}
+        assert 0 < counts["q"] < 3 * hidden and counts["k"] == counts["v"] < 3 * hidden, counts
