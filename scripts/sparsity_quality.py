@@ -89,7 +89,7 @@ def main():
         dense_bytes = other + sum(n for n, _ in per.values())
         held = corpus.token_chunks(eng.tokenizer.encode(corpus.load(None, "heldout")), args.chunk_len, args.chunks)
         base = perplexity(eng, held)
-        rows.append(dict(method="dense", level=0.0, ppl=base["ppl"], rel=0.0, read=1.0, mb=dense_bytes / 1e6))
+        rows.append(dict(method="dense", level=0.0, ppl=base["ppl"], rel=0.0, read=0.0, mb=dense_bytes / 1e6))
         for s in levels:
             key = f"{s:.2f}"
             if key in q["levels"]:

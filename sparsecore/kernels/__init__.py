@@ -74,13 +74,10 @@ def blocked_rows() -> bool:
     return isa() in SIMD_LEVELS
 
 
-# Types whose matrices can carry an input-major twin (FileMatrix.with_input_major)
-INPUT_MAJOR_TYPES = frozenset({2})  # Q4_0
-
-
 def input_major_type(tensor_type) -> bool:
-    """Whether a matrix of this type can have an input-major twin (sparsecore/input_sparsity.py)."""
-    return int(tensor_type) in INPUT_MAJOR_TYPES
+    """Whether a matrix of this type can have an input-major twin (FileMatrix.with_input_major;
+    sparsecore/input_sparsity.py)."""
+    return int(tensor_type) in COLS_TYPES
 
 
 def isa() -> str:
