@@ -167,6 +167,8 @@ class Engine:
         # of them for input sparsity, down for CATS (its skipped neurons then skip whole rows).
         self.input_major = "" if dense or predictors is not None or opts.weights != "gguf" else \
             "all" if opts.sparse_method == "input" else "down"
+        if opts.sparsity is not None:  # the thresholds exist before any worker starts (one clear error)
+            self._thresholds(opts.sparsity)
         if opts.interleave and not dense:
             raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
@@ -229,7 +231,7 @@ class Engine:
                 i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
             self.twins = attach_twins(self.pool.buffers.input_thresholds, self.input_major, own_layers,
                                       self.model.native)
-            self.twins.note("coordinator")
+            self.twins.note()
             self.last = RunStats()
             self.sparsity: float | None = None
             self.set_sparsity(self.opts.sparsity)
@@ -331,6 +333,14 @@ class Engine:
             return Predictors.load(self.path, self.cfg, reader, self.opts.weights == "gguf", self.opts.fast)
         return None
 
+    def _thresholds(self, sparsity: float) -> list:
+        """The calibrated thresholds of `sparsity` by the engine's method (ValueError naming the
+        file and how to calibrate when they are missing)."""
+        path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
+        if self.opts.sparse_method == "input":
+            return load_input_thresholds(self.path, sparsity, path)
+        return load_thresholds(self.path, sparsity, path)
+
     def set_sparsity(self, sparsity: float | None) -> None:
         """Decode with the calibrated thresholds of `sparsity` from now on, by the engine's
         method (EngineOptions.sparse_method); None: dense."""
@@ -340,7 +350,6 @@ class Engine:
         if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         words = self.pool.buffers.input_thresholds
-        path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
         if sparsity is None:
             self.ffn.set_thresholds(None)
             words[:] = -1.0
@@ -348,10 +357,10 @@ class Engine:
             if self.input_major != "all":
                 raise ValueError("input sparsity needs the input-major twins made at load: start the engine "
                                  "with a sparsity level")
-            words[:] = np.asarray(load_input_thresholds(self.path, sparsity, path), dtype=np.float32)
+            words[:] = np.asarray(self._thresholds(sparsity), dtype=np.float32)
             self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
         else:
-            self.ffn.set_thresholds(load_thresholds(self.path, sparsity, path))
+            self.ffn.set_thresholds(self._thresholds(sparsity))
             words[:] = -1.0
             if self.input_major:  # down's twins skip the neurons CATS zeroed (h == 0)
                 words[:, INPUT_SITES.index("ffn_h")] = 0.0

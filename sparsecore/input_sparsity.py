@@ -19,8 +19,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from protocol.shm_layout import INPUT_SITES
+
+from .kernels import input_major_type
 
 TWIN_CHOICES = ("", "down", "all")
 _SITE = {name: k for k, name in enumerate(INPUT_SITES)}
@@ -38,24 +41,27 @@ class Twins:
 
     def __init__(self):
         self.bytes = 0
-        self.skipped: dict[str, int] = {}  # "<type>: <why>" -> matrices left without a twin
+        self.skipped: dict[str, int] = {}  # type name -> matrices (of this process) left without a twin
         self.matrices: list = []  # every matrix carrying a twin (for the active-column counters)
 
     def add(self, m, rows, cols, word: np.ndarray):
         """m with a twin over rows x cols reading `word`, or m itself where its type has none."""
-        try:
-            twinned = m.with_input_major(rows, cols, word)
-        except ValueError as e:
-            self.skipped[str(e).split(": ", 1)[-1]] = self.skipped.get(str(e).split(": ", 1)[-1], 0) + 1
+        if not input_major_type(m.type):
+            name = GGMLQuantizationType(m.type).name
+            self.skipped[name] = self.skipped.get(name, 0) + 1
             return m
+        twinned = m.with_input_major(rows, cols, word)
         self.bytes += twinned.twin_bytes
         self.matrices.append(twinned)
         return twinned
 
-    def note(self, who: str) -> None:
-        """One line on stderr per reason a matrix kept its rows only."""
-        for why, n in self.skipped.items():
-            print(f"{who}: {n} matrices read densely ({why})", file=sys.stderr)
+    def note(self) -> None:
+        """One line on stderr naming the types whose matrices kept their rows only (the
+        coordinator says it for every process: the workers' matrices are of the same types)."""
+        if self.skipped:
+            kinds = ", ".join(f"{n} {t}" for t, n in self.skipped.items())
+            print(f"note: sparse decoding reads these matrices densely (no input-major kernels for their types): "
+                  f"{kinds}", file=sys.stderr)
 
 
 def _adder(twins: Twins, thresholds: np.ndarray, layer: int, sites: tuple[str, ...]):
