@@ -90,6 +90,9 @@ def test_the_default_level_is_the_highest_within_the_budget(tmp_path):
     level, line = choose(model, "input", budget=0.001)
     assert level is None and "--quality-budget" in line
     assert choose(model, "cats")[0] is None  # quality measured for another method
+    table["quality"]["levels"]["0.40"] = {"ppl": 10.0}  # lucky past a level that failed: not taken
+    thresholds_path(model).write_text(json.dumps(table))
+    assert choose(model, "input", budget=0.05)[0] == 0.2
 
 
 def test_memory_plan_counts_the_twins(calibrated):
