@@ -39,7 +39,7 @@ from .placement import (default_coordinator_share, default_gpu_share, plan_under
                         split_vocabulary, static_plan)
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
-from .model_files import load_input_thresholds, load_thresholds
+from .model_files import load_head_threshold, load_input_thresholds, load_thresholds
 from .sparse_ffn import SparseFfn, SplitHead
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
@@ -229,8 +229,9 @@ class Engine:
             # after the attention's shares are kept (SplitAttention): their twins are the share's
             own_layers = {} if self.ffn.own is None else {
                 i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+            head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
             self.twins = attach_twins(self.pool.buffers.input_thresholds, self.input_major, own_layers,
-                                      self.model.native)
+                                      self.model.native, head, self.pool.buffers.head_threshold)
             self.twins.note()
             self.last = RunStats()
             self.sparsity: float | None = None
@@ -350,6 +351,7 @@ class Engine:
         if sparsity is not None and self.ffn.predictors is not None:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         words = self.pool.buffers.input_thresholds
+        self.pool.buffers.head_threshold[0] = -1.0
         if sparsity is None:
             self.ffn.set_thresholds(None)
             words[:] = -1.0
@@ -358,6 +360,8 @@ class Engine:
                 raise ValueError("input sparsity needs the input-major twins made at load: start the engine "
                                  "with a sparsity level")
             words[:] = np.asarray(self._thresholds(sparsity), dtype=np.float32)
+            path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
+            self.pool.buffers.head_threshold[0] = load_head_threshold(self.path, sparsity, path)
             self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
         else:
             self.ffn.set_thresholds(self._thresholds(sparsity))

@@ -193,8 +193,11 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
     twinned = (".ffn_down.",) if input_major == "down" else (
         ".ffn_gate.", ".ffn_up.", ".ffn_down.", ".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.") \
         if input_major == "all" else ()
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     for name in names:
-        if store.has(name) and any(t in name for t in twinned) and input_major_type(store.by_name[name].tensor_type):
+        if not store.has(name) or not input_major_type(store.by_name[name].tensor_type):
+            continue
+        if any(t in name for t in twinned) or (input_major == "all" and name == head):
             p.twins += int(store.by_name[name].n_bytes)
     for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
         if kind == "converted":

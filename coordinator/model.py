@@ -18,6 +18,7 @@ from sparsecore.attn_shard import attention_step, qk_order
 from sparsecore.config import ModelConfig
 from sparsecore.ffn import FileRows, HalfRows, rows_nbytes, x_wt
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
+from sparsecore.lm_head import HeadCandidates
 from sparsecore.kernels import rms_norm as native_rms_norm
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
@@ -111,10 +112,19 @@ class LmHead:
         self.split = split
         # in_file (--weights gguf): the file's blocks through the native kernels, no float copy
         self.file = FileRows(FileMatrix(t), None, fast) if in_file and supports(t.tensor_type) else None
+        self.fast, self.candidates = fast, None
         self.weight = self.q8 = None
         if self.file is None:
             self.weight = embed.weight if cfg.tied_embeddings and embed.weight is not None else _tensor(store.matrix(name))
             self.q8 = Q8Head.from_tensor(t)
+
+    def add_twin(self, add, word: np.ndarray) -> None:
+        """Input sparsity for a token this head computes whole (not split): as HeadRows.add_twin."""
+        if self.file is None or self.split is not None:
+            return
+        m = add(self.file.m, None, None)
+        if m is not self.file.m:
+            self.candidates = HeadCandidates(FileRows(m, None, self.fast), self.file.m, 0, word, self.fast)
 
     @property
     def bytes_per_token(self) -> int:
@@ -128,7 +138,7 @@ class LmHead:
             return self.split(h)
         if h.shape[0] == 1:
             if self.file is not None:  # a copy: the kernel's output buffer is reused next token
-                return torch.from_numpy(self.file.matvec(h.numpy()[0]).copy())[None]
+                return torch.from_numpy((self.candidates or self.file.matvec)(h.numpy()[0]).copy())[None]
             if self.q8 is not None:
                 return self.q8(h)
         return x_wt(h, self.file if self.file is not None else self.weight)

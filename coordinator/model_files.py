@@ -151,6 +151,14 @@ def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None
     return [[float(t) for t in layer] for layer in levels[key]]
 
 
+def load_head_threshold(model: Path, sparsity: float, path: Path | None = None) -> float:
+    """The lm_head input's threshold at `sparsity` (sparsecore/lm_head.py: HeadCandidates), or -1
+    (dense) where the calibration has none."""
+    path = path or thresholds_path(model)
+    got = _read_thresholds(model, path, sparsity).get("head_levels", {}).get(level_key(sparsity))
+    return -1.0 if got is None else float(got)
+
+
 def calibrated_levels(model: Path, path: Path | None = None) -> dict | None:
     """What a calibration stored for the default choice of a level (coordinator/sparsity_choice.py):
     the table's `quality` entry, or None when there is no calibration file or no quality in it."""
@@ -176,6 +184,7 @@ def save_thresholds(model: Path, table: dict, path: Path | None = None) -> Path:
         table = {**table, "levels": old["levels"]}
         if old.get("input_levels") and old.get("sites") == table.get("sites") and "input_levels" in table:
             table["input_levels"] = {**old["input_levels"], **table["input_levels"]}
+            table["head_levels"] = {**old.get("head_levels", {}), **table.get("head_levels", {})}
     with _replaced_atomically(path) as tmp:
         tmp.write_text(json.dumps(table, indent=1))
     return path

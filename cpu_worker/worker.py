@@ -87,7 +87,8 @@ class Worker:
         if a.input_major:  # after the attention's share is kept: its twins are the share's
             layers = {i: w for i, w in self.shard.layers.items() if isinstance(w, FileLayer)}
             attach_twins(self.buffers.input_thresholds, a.input_major, layers,
-                         self.attn.steps if self.attn is not None else None)
+                         self.attn.steps if self.attn is not None else None, self.shard.head,
+                         self.buffers.head_threshold)
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.

@@ -2,7 +2,7 @@
 and the doorbell words that synchronize each layer without a system call.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
-    [thresholds: f32 n_layers][input thresholds: f32 n_layers*INPUT_SITES][seq: i64 max_tokens*2]
+    [thresholds: f32 n_layers][input thresholds: f32 n_layers*INPUT_SITES + 1][seq: i64 max_tokens*2]
     [request: i64 x 8][slot 0: i64 x 8]...
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
@@ -57,6 +57,9 @@ LINE_WORDS = 8  # int64 words in one 64-byte cache line
 # negative value: dense. Every process's input-major twins point at these words
 # (sparsecore/kernels: FileMatrix.with_input_major), so the coordinator changes the level for all.
 INPUT_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_h")
+# The lm_head's input (the final normed hidden state) has one more word after them: its twin
+# scores every vocabulary row from the inputs above it, then the best candidates exactly
+# (sparsecore/lm_head.py).
 
 
 def attn_layer_code(layer: int) -> int:
@@ -107,7 +110,7 @@ class ShmLayout:
 
     @property
     def seq_offset(self) -> int:
-        return _align(self.input_thresholds_offset + 4 * self.n_layers * len(INPUT_SITES))
+        return _align(self.input_thresholds_offset + 4 * (self.n_layers * len(INPUT_SITES) + 1))
 
     @property
     def request_offset(self) -> int:
@@ -157,7 +160,8 @@ def new_segment_name() -> str:
 
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
-    hidden), thresholds (n_layers,), input_thresholds (n_layers, INPUT_SITES), seq (max_tokens, 2) int64, and the doorbell: request (8,)
+    hidden), thresholds (n_layers,), input_thresholds (n_layers, INPUT_SITES), head_threshold (1,),
+    seq (max_tokens, 2) int64, and the doorbell: request (8,)
     and slots (n_slots, 8) int64."""
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
@@ -170,6 +174,8 @@ class SharedBuffers:
         self.thresholds = np.ndarray((L.n_layers,), np.float32, buf, L.thresholds_offset)
         self.input_thresholds = np.ndarray((L.n_layers, len(INPUT_SITES)), np.float32, buf,
                                            L.input_thresholds_offset)
+        self.head_threshold = np.ndarray((1,), np.float32, buf,
+                                         L.input_thresholds_offset + 4 * L.n_layers * len(INPUT_SITES))
         self.seq = np.ndarray((L.max_tokens, 2), np.int64, buf, L.seq_offset)
         self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
         self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
@@ -186,6 +192,7 @@ class SharedBuffers:
         shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
         made = cls(shm, layout, owner=True)
         made.input_thresholds[:] = -1.0  # dense until a level is set
+        made.head_threshold[:] = -1.0
         return made
 
     @classmethod
@@ -226,7 +233,8 @@ class SharedBuffers:
 
     def close(self) -> None:
         # Views must go before the mmap can close.
-        self.x = self.mask = self.out = self.thresholds = self.input_thresholds = self.seq = self.request = self.slots = None
+        self.x = self.mask = self.out = self.thresholds = self.input_thresholds = self.head_threshold = None
+        self.seq = self.request = self.slots = None
         try:
             self.shm.close()
         except BufferError:

@@ -30,14 +30,15 @@ from protocol.shm_layout import INPUT_SITES  # noqa: E402
 from sparsecore.kernels import input_major_type  # noqa: E402
 
 SITE_OF = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "attn_out",
-           "ffn_gate": "ffn_in", "ffn_up": "ffn_in", "ffn_down": "ffn_h"}
+           "ffn_gate": "ffn_in", "ffn_up": "ffn_in", "ffn_down": "ffn_h", "head": "head_in"}
+HEAD_EXACT = 512  # rows the lm_head's candidates read again exactly (2 processes x HEAD_CANDIDATES)
 # Bytes of a block of 32 inputs' scales per row against the block's bytes (what a twin reads
 # once per block with an active input): Q4_0 2 of 18, Q4_1 4 of 20, Q8_0 2 of 34
 SCALE_SHARE = {2: 2 / 18, 3: 4 / 20, 8: 2 / 34}
 
 
 def tensor_bytes(store, n_layers: int) -> tuple[dict, int]:
-    """({(layer, kind): (bytes, type)}, bytes of everything else a token reads: lm_head, norms)."""
+    """({(layer, kind): (bytes, type)}, with the lm_head as (-1, "head"))."""
     per = {}
     for i in range(n_layers):
         for kind in SITE_OF:
@@ -45,17 +46,19 @@ def tensor_bytes(store, n_layers: int) -> tuple[dict, int]:
             if store.has(name):
                 t = store.by_name[name]
                 per[(i, kind)] = (int(t.n_bytes), int(t.tensor_type))
-    head = "output.weight" if store.has("output.weight") else "token_embd.weight"
-    other = int(store.by_name[head].n_bytes)
-    return per, other
+    head = store.by_name["output.weight" if store.has("output.weight") else "token_embd.weight"]
+    per[(-1, "head")] = (int(head.n_bytes), int(head.tensor_type))
+    return per, 0
 
 
-def input_bytes(per: dict, other: int, kept: dict) -> float:
+def input_bytes(per: dict, other: int, kept: dict, n_vocab: int) -> float:
     b = other
     for (_, kind), (n, t) in per.items():
-        if input_major_type(t) and t in SCALE_SHARE:
+        if input_major_type(t) and t in SCALE_SHARE and kept.get(SITE_OF[kind], 1.0) < 1.0:
             s = SCALE_SHARE[t]
             b += n * (s + (1 - s) * kept[SITE_OF[kind]])
+            if kind == "head":
+                b += n * HEAD_EXACT / n_vocab
         else:
             b += n
     return b
@@ -94,9 +97,10 @@ def main():
             key = f"{s:.2f}"
             if key in q["levels"]:
                 v = q["levels"][key]
-                b = input_bytes(per, other, v["kept"])
+                b = input_bytes(per, other, v["kept"], eng.store.shape("output.weight" if eng.store.has(
+                    "output.weight") else "token_embd.weight")[0])
                 rows.append(dict(method="input", level=s, ppl=v["ppl"], rel=v["ppl"] / q["dense"] - 1,
-                                 read=1 - sum(v["kept"].values()) / len(INPUT_SITES), mb=b / 1e6))
+                                 read=1 - sum(v["kept"][k] for k in INPUT_SITES) / len(INPUT_SITES), mb=b / 1e6))
             eng.set_sparsity(s)
             r = perplexity(eng, held)
             eng.set_sparsity(None)

@@ -72,10 +72,12 @@ def _adder(twins: Twins, thresholds: np.ndarray, layer: int, sites: tuple[str, .
     return add
 
 
-def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None) -> Twins:
+def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None,
+           head=None, head_word: np.ndarray | None = None) -> Twins:
     """The twins of one process: its FFN layers' (FileLayer, as sparsecore/shard.py holds them:
     gate and up over the owned neurons' rows, down over their columns) and, with "all", its
-    native attention steps' (the share of heads a step keeps, else all of them)."""
+    native attention steps' (the share of heads a step keeps, else all of them) and its lm_head
+    rows' (`head`: sparsecore.lm_head.HeadRows or the coordinator's LmHead, reading `head_word`)."""
     if which not in TWIN_CHOICES:
         raise ValueError(f"input-major twins {which!r}: one of {TWIN_CHOICES}")
     twins = Twins()
@@ -88,5 +90,7 @@ def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_ste
         for layer, step in enumerate(attn_steps or []):
             if step is not None:
                 step.add_twins(_adder(twins, thresholds, layer, sites))
+        if head is not None:
+            head.add_twin(lambda m, rows, cols: twins.add(m, rows, cols, head_word), head_word)
     return twins
 

@@ -83,6 +83,35 @@ class Q8Head:
         return partial.mul_(self.scales).sum(0, keepdim=True)
 
 
+# Vocabulary rows a process scores exactly after its input-sparse pass (HeadCandidates): the
+# approximate logits of the rest only matter where a token falls outside every process's best
+# ones (sampling's tail; perplexity's rare tokens).
+HEAD_CANDIDATES = 256
+
+
+class HeadCandidates:
+    """A one-token lm_head over rows [start, stop) with input sparsity: every row's logit from
+    the inputs above the threshold (`twinned`: FileRows over a matrix carrying an input-major
+    twin; sparsecore/input_sparsity.py), then the HEAD_CANDIDATES highest rows again, exactly,
+    on the file's rows (`exact`: their FileMatrix), so the likely tokens' logits are the dense
+    ones. Below zero the threshold word means dense: the twinned rows then read densely too."""
+
+    def __init__(self, twinned: FileRows, exact: FileMatrix, start: int, word: np.ndarray, fast: bool):
+        self.twinned, self.exact, self.start, self.word, self.fast = twinned, exact, start, word, fast
+        self.n_rows = len(twinned.rows)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (hidden,) float32 -> (rows,) logits, in a buffer the next call overwrites."""
+        if self.word[0] >= 0 and self.n_rows <= HEAD_CANDIDATES:  # every row is a candidate
+            return self.exact.matvec(x, rows=range(self.start, self.start + self.n_rows), fast=self.fast)
+        logits = self.twinned.matvec(x)
+        if self.word[0] < 0:
+            return logits
+        best = np.argpartition(logits, -HEAD_CANDIDATES)[-HEAD_CANDIDATES:].astype(np.int32)
+        logits[best] = self.exact.matvec(x, rows=best + self.start, fast=self.fast)
+        return logits
+
+
 def head_tensor_name(tied_embeddings: bool) -> str:
     return "token_embd.weight" if tied_embeddings else "output.weight"
 
@@ -97,9 +126,10 @@ class HeadRows:
         t = store.info(name)
         # in_file (--weights gguf): the rows stay in the file's blocks, read by the native kernel;
         # in fast mode interleaved 16 by 16 where they can be (FileMatrix.interleave)
-        self.file = None
+        self.file = self.candidates = None
+        self.fast = fast
         if in_file and supports(t.tensor_type):
-            m = FileMatrix(t)
+            self.rows_m = m = FileMatrix(t)  # the file's rows: any of them by number (HeadCandidates)
             self.file = FileRows(m.for_fast_products(range(start, stop)) if fast else m, range(start, stop), fast)
         self.q8 = None if self.file is not None else Q8Head.from_tensor(t, slice(start, stop))
         self.w = None
@@ -107,6 +137,17 @@ class HeadRows:
             import torch
 
             self.w = torch.from_numpy(np.ascontiguousarray(store.rows(name, np.arange(start, stop))))
+
+    def add_twin(self, add, word: np.ndarray) -> None:
+        """Input sparsity for one token (HeadCandidates): add(matrix, rows, cols) gives the matrix
+        carrying an input-major twin of these rows that reads the threshold `word`
+        (sparsecore/input_sparsity.py), or the matrix itself (its type has none)."""
+        if self.file is None:
+            return
+        m = add(self.file.m, range(self.start, self.stop), None)
+        if m is not self.file.m:
+            self.candidates = HeadCandidates(FileRows(m, range(self.start, self.stop), self.fast), self.rows_m,
+                                             self.start, word, self.fast)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +160,9 @@ class HeadRows:
         for one token, (T, stop - start) for several (sequences decoded together; up to
         MAX_SMALL_BATCH in the file's blocks read once for all, more through a GEMM)."""
         if self.file is not None:
-            return self.file.matvec(x[0]) if len(x) == 1 else self.file.x_wt(x)
+            if len(x) == 1:
+                return (self.candidates or self.file.matvec)(x[0])
+            return self.file.x_wt(x)
         import torch
 
         t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))

@@ -129,6 +129,7 @@ def test_sparse_decoding_reads_the_twins_and_follows_the_emulation(calibrated, c
         got = eng.model.forward(ids[-1:])[-1].numpy()  # a decoded token: sparse
         eng.reset()
         eng.model.forward(ids[:-1])
+        # the head's rows, split in two, are fewer than HEAD_CANDIDATES each: all scored exactly
         with input_sparsity(eng, load_input_thresholds(path, 0.6)):
             want = eng.model.forward(ids[-1:])[-1].numpy()
         eng.set_sparsity(None)  # the same engine, dense again: the original rows
@@ -170,3 +171,29 @@ def test_twins_that_do_not_fit_leave_the_engine_dense(calibrated, monkeypatch, c
     eng = Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3), plan_only=True)
     assert eng.input_major == "" and eng.opts.sparsity is None and eng.memory.twins == 0
     assert "decoding densely" in capsys.readouterr().err
+
+
+def test_head_candidates_score_every_row_sparsely_then_the_best_exactly(tiny_model_factory):
+    """HeadRows with a twin: rows outside the HEAD_CANDIDATES best get the logits of the inputs
+    above the threshold, the best ones the dense logits; below zero the head is dense."""
+    from sparsecore.gguf_file import open_gguf
+    from sparsecore.lm_head import HEAD_CANDIDATES, HeadRows
+    from sparsecore.tensors import TensorStore
+
+    path = tiny_model_factory(tensor_type="Q8_0", vocab_size=1200, seed=2)
+    store = TensorStore(path, open_gguf(path))
+    start, stop = 100, 1100
+    head = HeadRows(store, "output.weight", start, stop, in_file=True, fast=False)
+    word = np.array([-1.0], np.float32)
+    head.add_twin(lambda m, rows, cols: m.with_input_major(rows, cols, word), word)
+    w = store.matrix("output.weight")[start:stop].astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((1, w.shape[1])).astype(np.float32)
+    np.testing.assert_allclose(head(x), w @ x[0], rtol=0, atol=1e-3)  # dense
+    word[0] = np.quantile(np.abs(x), 0.6)
+    got = head(x).copy()
+    approx = w @ (x[0] * (np.abs(x[0]) > word[0]))
+    best = np.argsort(approx)[-HEAD_CANDIDATES:]  # chosen by the sparse scores
+    np.testing.assert_allclose(got[best], (w @ x[0])[best], rtol=0, atol=1e-3)
+    rest = np.setdiff1d(np.arange(len(got)), best)
+    np.testing.assert_allclose(got[rest], approx[rest], rtol=0, atol=1e-3)
+    assert np.abs(approx - w @ x[0]).max() > 0.1  # the threshold took effect

@@ -81,8 +81,14 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
         sample.take(layer, "attn_in", x, first=True)
         sample.take(layer, "attn_out", out, first=False)
 
+    heads: list[np.ndarray] = []
+    per_chunk = sample.per_chunk
+
+    def on_head(h):
+        heads.append(h[sample.rng.choice(len(h), min(per_chunk, len(h)), replace=False)].copy())
+
     t0 = time.perf_counter()
-    n_tokens = observe.dense_run(engine, chunks, on_ffn, attention_observer=on_attention)
+    n_tokens = observe.dense_run(engine, chunks, on_ffn, attention_observer=on_attention, head_observer=on_head)
     gates = observe.GateActivity(engine)
     table = {level_key(s): [] for s in levels}
     input_table = {level_key(s): [] for s in levels}
@@ -104,6 +110,7 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
             per_site.append(observe.magnitude_quantiles(vals.abs(), levels).tolist())
         for k, s in enumerate(levels):
             input_table[level_key(s)].append([site[k] for site in per_site])
+    head_q = observe.magnitude_quantiles(torch.from_numpy(np.concatenate(heads)).abs(), levels).tolist()
     return {
         "format": THRESHOLDS_FORMAT,
         "model": path.name,
@@ -114,6 +121,7 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
         "levels": table,
         "sites": list(INPUT_SITES),
         "input_levels": input_table,
+        "head_levels": {level_key(s): q for s, q in zip(levels, head_q)},
     }
 
 
@@ -133,10 +141,11 @@ def quality(engine, chunks: list[list[int]], table: dict, progress=None) -> dict
         progress(1)
     levels = {}
     for key in sorted(table["input_levels"]):
-        with input_sparsity(engine, table["input_levels"][key]) as masks:
+        with input_sparsity(engine, table["input_levels"][key], table.get("head_levels", {}).get(key)) as masks:
             r = perplexity(engine, chunks)
         kept = masks.kept_fraction().mean(axis=0)
         levels[key] = {"ppl": round(r["ppl"], 4), "kept": {s: round(float(k), 4) for s, k in zip(INPUT_SITES, kept)}}
+        levels[key]["kept"]["head_in"] = round(masks.head_kept(), 4)
         if progress:
             progress(1)
     return {"method": "input", "tokens": base["tokens"], "dense": round(base["ppl"], 4), "levels": levels}

@@ -19,6 +19,7 @@ import torch
 
 from protocol.shm_layout import INPUT_SITES
 from sparsecore.ffn import ACTIVATIONS
+from sparsecore.lm_head import HEAD_CANDIDATES
 
 from . import observe
 
@@ -32,6 +33,7 @@ class InputMasks:
         self.t = np.asarray(thresholds, dtype=np.float32)  # (layers, INPUT_SITES)
         self.kept = np.zeros(self.t.shape, np.int64)
         self.seen = np.zeros(self.t.shape, np.int64)
+        self.head = None  # the CandidateHead, where the lm_head is emulated too
 
     def __call__(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         k = INPUT_SITES.index(site)
@@ -42,6 +44,10 @@ class InputMasks:
         self.kept[layer, k] += int(keep.sum())
         self.seen[layer, k] += keep.numel()
         return x * keep
+
+    def head_kept(self) -> float:
+        """The share of the lm_head's inputs read (1 where the head is dense)."""
+        return self.head.kept / max(1, self.head.seen) if self.head is not None else 1.0
 
     def kept_fraction(self) -> np.ndarray:
         """(layers, INPUT_SITES): the fraction of inputs read (1 where nothing was seen)."""
@@ -77,15 +83,41 @@ class MaskedFfn:
         return self.masks(layer, "ffn_h", h) @ down.T
 
 
+class CandidateHead:
+    """The lm_head as sparsecore.lm_head.HeadCandidates computes it: every row's logit from the
+    inputs above the threshold, then the HEAD_CANDIDATES best exactly. One list of candidates
+    for the whole vocabulary, where each process that holds rows keeps its own HEAD_CANDIDATES:
+    this emulation is the stricter one."""
+
+    def __init__(self, engine, threshold: float):
+        self.w, self.t = observe.GateActivity(engine).head(), float(threshold)
+        self.kept = self.seen = 0
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        keep = h.abs() > self.t
+        self.kept += int(keep.sum())
+        self.seen += keep.numel()
+        logits = (h * keep) @ self.w.T
+        best = logits.topk(min(HEAD_CANDIDATES, logits.shape[1]), dim=1).indices
+        exact = torch.einsum("th,tkh->tk", h, self.w[best])
+        return logits.scatter_(1, best, exact)
+
+
 @contextlib.contextmanager
-def input_sparsity(engine, thresholds: list[list[float]]) -> Iterator[InputMasks]:
+def input_sparsity(engine, thresholds: list[list[float]], head: float | None = None) -> Iterator[InputMasks]:
     """Within the block the engine's prompts run with input sparsity at `thresholds` (per layer,
-    one per INPUT_SITES; negative: that site dense), emulated; yields the masks' counters."""
+    one per INPUT_SITES; negative: that site dense) and, with `head`, the lm_head's candidates
+    (CandidateHead), emulated; yields the masks' counters (`head_kept`: the head's share read)."""
     masks = InputMasks(thresholds)
     model = observe.model(engine)
     old_ffn = model.ffn
     model.ffn, model.input_filter = MaskedFfn(engine, masks), masks
     try:
-        yield masks
+        with contextlib.ExitStack() as stack:
+            if head is not None and head >= 0:
+                cand = CandidateHead(engine, head)
+                stack.enter_context(observe.head_replaced(engine, cand))
+                masks.head = cand
+            yield masks
     finally:
         model.ffn, model.input_filter = old_ffn, None

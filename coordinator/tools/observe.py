@@ -73,15 +73,16 @@ def sparse_method(engine) -> str:
     return engine.opts.sparse_method
 
 
-def input_thresholds(engine) -> list[list[float]] | None:
-    """The engine's input-sparsity thresholds (per layer, one per INPUT_SITES) at its level, or
-    None when it decodes densely or by another method."""
+def input_thresholds(engine) -> tuple[list[list[float]], float] | None:
+    """The engine's input-sparsity thresholds at its level: (per layer, one per INPUT_SITES; the
+    lm_head input's), or None when it decodes densely or by another method."""
     if engine.sparsity is None or engine.opts.sparse_method != "input":
         return None
-    from ..model_files import load_input_thresholds
+    from ..model_files import load_head_threshold, load_input_thresholds
 
     path = Path(engine.opts.thresholds_file) if engine.opts.thresholds_file else None
-    return load_input_thresholds(engine.path, engine.sparsity, path)
+    return (load_input_thresholds(engine.path, engine.sparsity, path),
+            load_head_threshold(engine.path, engine.sparsity, path))
 
 
 def predictors(engine):
@@ -137,12 +138,41 @@ def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None
     engine.set_sparsity(sparsity)
 
 
+@contextlib.contextmanager
+def head_replaced(engine, head: Callable) -> Iterator[None]:
+    """Within the block the model's logits come from head(h) (h: the final normed hidden states,
+    (T, hidden) tensor) instead of the engine's lm_head; a soft cap still applies after it."""
+    model = engine.model
+    outer = model.head
+    capped = hasattr(outer, "cap")  # coordinator.model._SoftCapped around the lm_head
+    if capped:
+        inner, outer.head = outer.head, head
+    else:
+        model.head = head
+    try:
+        yield
+    finally:
+        if capped:
+            outer.head = inner
+        else:
+            model.head = outer
+
+
 def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=None,
-              attention_observer: AttentionObserver | None = None) -> int:
+              attention_observer: AttentionObserver | None = None, head_observer=None) -> int:
     """Run each chunk of token ids through the dense model (a fresh KV cache per chunk), calling
     `observer` with every layer's FFN input (and `attention_observer` with its attention's input
-    and output); the engine's sparsity and observers are restored afterwards. `progress(1)`
-    after each chunk. Returns the number of tokens run."""
+    and output, `head_observer` with the lm_head's input, (T, hidden) float32); the engine's
+    sparsity and observers are restored afterwards. `progress(1)` after each chunk. Returns the
+    number of tokens run."""
+    with contextlib.ExitStack() as stack:
+        if head_observer is not None:
+            head = engine.head
+            stack.enter_context(head_replaced(engine, lambda h: (head_observer(h.numpy()), head(h))[1]))
+        return _dense_run(engine, chunks, observer, progress, attention_observer)
+
+
+def _dense_run(engine, chunks, observer, progress, attention_observer) -> int:
     old_sparsity, old_observer = engine.sparsity, engine.ffn.observer
     engine.set_sparsity(None)
     engine.ffn.observer = observer
@@ -249,6 +279,11 @@ class GateActivity:
         if self._kept is not None:
             self._kept[layer] = g
         return g
+
+    def head(self) -> torch.Tensor:
+        """The lm_head (n_vocab, hidden), dequantized (tied: the embedding), read from the file."""
+        name = "output.weight" if self._store.has("output.weight") else "token_embd.weight"
+        return torch.from_numpy(self._store.matrix(name))
 
     def down(self, layer: int) -> torch.Tensor:
         """The layer's down matrix (hidden, n_ff), dequantized (PowerInfer files hold it transposed)."""

@@ -21,7 +21,7 @@ def perplexity(engine, chunks: list[list[int]], progress=None) -> dict:
     if thresholds is not None:
         from .emulate import input_sparsity
 
-        with input_sparsity(engine, thresholds) as masks:
+        with input_sparsity(engine, *thresholds) as masks:
             r = _perplexity(engine, chunks, progress)
         return {**r, "active_fraction": float(masks.kept_fraction().mean()), "unit": "inputs read"}
     return _perplexity(engine, chunks, progress)
