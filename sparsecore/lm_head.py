@@ -94,7 +94,8 @@ class HeadCandidates:
     the inputs above the threshold (`twinned`: FileRows over a matrix carrying an input-major
     twin; sparsecore/input_sparsity.py), then the HEAD_CANDIDATES highest rows again, exactly,
     on the file's rows (`exact`: their FileMatrix), so the likely tokens' logits are the dense
-    ones. Below zero the threshold word means dense: the twinned rows then read densely too."""
+    ones (about HEAD_CANDIDATES: _best_rows). Below zero the threshold word means dense: the
+    twinned rows then read densely too."""
 
     def __init__(self, twinned: FileRows, exact: FileMatrix, start: int, word: np.ndarray, fast: bool):
         self.twinned, self.exact, self.start, self.word, self.fast = twinned, exact, start, word, fast
@@ -107,9 +108,24 @@ class HeadCandidates:
         logits = self.twinned.matvec(x)
         if self.word[0] < 0:
             return logits
-        best = np.argpartition(logits, -HEAD_CANDIDATES)[-HEAD_CANDIDATES:].astype(np.int32)
+        best = _best_rows(logits)
         logits[best] = self.exact.matvec(x, rows=best + self.start, fast=self.fast)
         return logits
+
+
+def _best_rows(logits: np.ndarray) -> np.ndarray:
+    """About 1.5 x HEAD_CANDIDATES rows with the highest logits, the highest always among them
+    (int32): those at or above a threshold taken from every 16th logit, which costs a tenth of
+    an exact selection (np.argpartition over SmolLM2's 24576 rows a process: 220 us, more than
+    the sparse pass saved); an exact selection where the sample misjudged the count."""
+    n, step = len(logits), 16
+    sample = logits[::step]
+    k = min(len(sample) - 1, HEAD_CANDIDATES * 3 // (2 * step))
+    t = np.partition(sample, -k - 1)[-k - 1]
+    best = np.flatnonzero(logits >= t)
+    if not HEAD_CANDIDATES // 2 <= len(best) <= 4 * HEAD_CANDIDATES:
+        best = np.argpartition(logits, -min(n, HEAD_CANDIDATES))[-min(n, HEAD_CANDIDATES):]
+    return best.astype(np.int32)
 
 
 def head_tensor_name(tied_embeddings: bool) -> str:

@@ -192,8 +192,9 @@ def test_head_candidates_score_every_row_sparsely_then_the_best_exactly(tiny_mod
     word[0] = np.quantile(np.abs(x), 0.6)
     got = head(x).copy()
     approx = w @ (x[0] * (np.abs(x[0]) > word[0]))
-    best = np.argsort(approx)[-HEAD_CANDIDATES:]  # chosen by the sparse scores
-    np.testing.assert_allclose(got[best], (w @ x[0])[best], rtol=0, atol=1e-3)
-    rest = np.setdiff1d(np.arange(len(got)), best)
-    np.testing.assert_allclose(got[rest], approx[rest], rtol=0, atol=1e-3)
-    assert np.abs(approx - w @ x[0]).max() > 0.1  # the threshold took effect
+    exact = w @ x[0]
+    is_exact = np.abs(got - exact) < 1e-3
+    assert (is_exact | (np.abs(got - approx) < 1e-3)).all()  # every row one or the other
+    assert HEAD_CANDIDATES // 2 <= is_exact.sum() <= 4 * HEAD_CANDIDATES
+    assert is_exact[np.argsort(approx)[-HEAD_CANDIDATES // 2:]].all()  # the best by the sparse scores
+    assert np.abs(approx - exact).max() > 0.1  # the threshold took effect
