@@ -685,9 +685,12 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel):
     """The memory plan an engine with these options makes (Engine(plan_only=True): no process
     started, nothing loaded but the tensor table)."""
     from .engine import Engine, EngineOptions
+    from .sparsity_level import choose
 
+    # generate's and serve's default level, where the model is calibrated: its twins count
+    level = choose(Path(path), "input")[0] if _weights_from_context() == "gguf" else None
     opts = EngineOptions(threads=threads, cpu_workers=cpu_workers, ctx=ctx, weights=_weights_from_context(),
-                         kv_caches=parallel + 1 if parallel else 2)
+                         kv_caches=parallel + 1 if parallel else 2, sparsity=level)
     return Engine(path, opts, plan_only=True).memory
 
 
