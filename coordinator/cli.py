@@ -59,10 +59,21 @@ def _sampling_options(f):
         click.option("--chat/--raw", default=False, show_default=True,
                      help="wrap the prompt in the model's chat template as a user message"),
         click.option("--ignore-eos", is_flag=True, help="keep generating past the end-of-sequence token"),
-    ]
+    ] + [click.option(name, type=kind, default=None, expose_value=False, callback=_remember(f"sparseinfer.{key}"),
+                      help=why) for name, key, kind, why in _PENALTY_OPTIONS]
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+# Sampling options beyond the four every command spells out: (option, SamplingParams field, type, help)
+_PENALTY_OPTIONS = [
+    ("--min-p", "min_p", float, "drop tokens below this fraction of the likeliest one's probability (0 = off)"),
+    ("--repeat-penalty", "repeat_penalty", float, "divide the logits of recent tokens by this (1 = off)"),
+    ("--presence-penalty", "presence_penalty", float, "subtract this from the logits of recent tokens (0 = off)"),
+    ("--frequency-penalty", "frequency_penalty", float, "subtract this per occurrence of a recent token (0 = off)"),
+    ("--repeat-last-n", "repeat_last_n", int, "how many recent tokens the penalties look at (default 64)"),
+]
 
 
 def _remember_placement(ctx, param, value):
@@ -174,7 +185,6 @@ def _decode_sparsity(path, sparsity):
     if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
         return None
     budget = _meta("sparseinfer.quality_budget", 0.02)
-    _check_range("--quality-budget", budget, 0.0, None, "a budget cannot be negative")
     level, line = choose(Path(path), _meta("sparseinfer.sparse_method", "input"), budget)
     click.echo(line, err=True)
     return level
@@ -260,10 +270,19 @@ def _seed(seed: int | None) -> int | None:
     return None if seed == -1 else seed
 
 
-def _sampling(temperature, top_k, top_p, seed):
+def _sampling(temperature, top_k, top_p, seed, defaults: dict | None = None):
+    """SamplingParams from the options; `defaults` (chat's: the model's recommended sampling)
+    replace the options the user did not give."""
     from .sampling import SamplingParams
 
-    sampling = SamplingParams(temperature, top_k, top_p, _seed(seed))
+    d = defaults or {}
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = {k: (v if _explicit(k) or k not in d else d[k]) for k, v in given.items()}
+    for _, key, _, _ in _PENALTY_OPTIONS:
+        v = _meta(f"sparseinfer.{key}", None)
+        if v is not None or key in d:
+            kw[key] = v if v is not None else d[key]
+    sampling = SamplingParams(seed=_seed(seed), **kw)
     sampling.validate()
     return sampling
 
@@ -293,6 +312,8 @@ def _check_engine_args(model, threads, cpu_workers, ctx, gpu_share=None, sparsit
     _check_range("--gpu-share", gpu_share, 0.0, 1.0)
     if sparsity is not None and not 0.0 <= sparsity < 1.0:
         raise OptionError("--sparsity", sparsity, "choose a fraction in [0, 1)")
+    _check_range("--quality-budget", _meta("sparseinfer.quality_budget", None), 0.0, None,
+                 "a budget cannot be negative")
     placement = _placement_from_context()
     share = placement.get("coordinator_share")
     if share is not None and not 0.0 <= share < 1.0:  # the engine's own words (static_plan)
@@ -505,6 +526,9 @@ def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt
     url = url or DEFAULT_URL
     body = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                 ignore_eos=ignore_eos)
+    for _, key, _, _ in _PENALTY_OPTIONS:
+        if _meta(f"sparseinfer.{key}", None) is not None:
+            body[key] = _meta(f"sparseinfer.{key}", None)
     if chat:
         body["messages"] = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
@@ -526,12 +550,20 @@ def prompt(max_tokens, temperature, top_k, top_p, seed, chat, ignore_eos, prompt
 @click.option("--system", default=None, help="system prompt")
 def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k, top_p,
          seed, chat, ignore_eos, system):
-    """Talk with the model: a multi-turn chat in the terminal (/reset, /exit; Ctrl-C stops a reply)."""
+    """Talk with the model: a multi-turn chat in the terminal (/reset, /exit; Ctrl-C stops a reply).
+
+    Sampling options not given take the model's recommended sampling (general.sampling.* in the
+    GGUF), else llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05."""
     from .chat_repl import run_chat
 
     _check_text("--system", system)
-    sampling = _sampling(temperature, top_k, top_p, seed)
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    from sparsecore.gguf_file import open_gguf
+
+    from .sampling import chat_defaults
+
+    # a conversation samples as llama.cpp's and ollama's do: the model's own recommendation
+    sampling = _sampling(temperature, top_k, top_p, seed, chat_defaults(open_gguf(path)))
     _check_tokens("-n/--max-tokens", max_tokens, ctx)
     sparsity = _decode_sparsity(path, sparsity)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from gguf import GGUFValueType
 
 
 @dataclass
@@ -46,6 +47,35 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                                            or self.frequency_penalty != 0.0)
+
+
+# A conversation's sampling where the model recommends none: llama.cpp's defaults
+CHAT_DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+# GGUF keys of a model's recommended sampling (gguf.Keys.General.SAMPLING_*) -> SamplingParams fields
+_RECOMMENDED = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                "general.sampling.penalty_repeat": "repeat_penalty", "general.sampling.penalty_last_n": "repeat_last_n"}
+
+
+_NOT_NUMBERS = (GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.BOOL)
+
+
+def chat_defaults(reader) -> dict:
+    """CHAT_DEFAULTS with what the GGUF's general.sampling.* keys recommend over them (values of
+    the wrong kind ignored: the file is not trusted)."""
+    out = dict(CHAT_DEFAULTS)
+    for key, name in _RECOMMENDED.items():
+        field = reader.fields.get(key)
+        if field is None or not field.data or not field.types or field.types[0] in _NOT_NUMBERS:
+            continue
+        try:
+            v = field.parts[field.data[0]][0].item()
+        except (IndexError, AttributeError, ValueError):
+            continue
+        kind = int if name in ("top_k", "repeat_last_n") else float
+        if isinstance(v, (int, float)) and np.isfinite(v):
+            out[name] = kind(v)
+    return out
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -65,6 +65,11 @@ BAD_GENERATE = [
     (["--vram-budget", "-1"], "--vram-budget -1"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--top-p", "0"], "top-p must be in (0, 1]"),
+    (["--min-p", "1.5"], "min-p must be in [0, 1]"),
+    (["--repeat-penalty", "0"], "repeat penalty must be in (0, 10]"),
+    (["--presence-penalty", "3"], "presence penalty must be in [-2, 2]"),
+    (["--repeat-last-n", "-1"], "repeat-last-n must be >= 0"),
+    (["--quality-budget", "-0.5"], "--quality-budget -0.5"),
 ]
 
 

@@ -74,3 +74,30 @@ def test_penalties_follow_llama_cpp():
 def test_bad_new_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw).validate()
+
+
+def test_chat_samples_as_the_model_recommends_else_as_llama_cpp_does():
+    """chat_defaults: llama.cpp's defaults, with the GGUF's general.sampling.* over them; values
+    of the wrong kind in the file are ignored."""
+    import gguf
+
+    from coordinator.sampling import CHAT_DEFAULTS, chat_defaults
+
+    def reader(tmp, **kv):
+        w = gguf.GGUFWriter(tmp, "llama")
+        for k, v in kv.items():
+            (w.add_float32 if isinstance(v, float) else w.add_uint32 if isinstance(v, int) else w.add_string)(k, v)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+        w.close()
+        return gguf.GGUFReader(tmp)
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        assert chat_defaults(reader(f"{d}/a.gguf")) == CHAT_DEFAULTS == dict(temperature=0.8, top_k=40, top_p=0.95,
+                                                                              min_p=0.05)
+        got = chat_defaults(reader(f"{d}/b.gguf", **{"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
+                                                     "general.sampling.penalty_repeat": 1.1,
+                                                     "general.sampling.top_p": "lots"}))
+    assert got["temperature"] == pytest.approx(0.6) and got["top_k"] == 20 and isinstance(got["top_k"], int)
+    assert got["repeat_penalty"] == pytest.approx(1.1) and got["top_p"] == 0.95 and got["min_p"] == 0.05
+    SamplingParams(**got).validate()
