@@ -169,25 +169,29 @@ def _meta(key, default):
     return ctx.meta.get(key, default) if ctx is not None else default
 
 
-def _decode_sparsity(path, sparsity):
-    """The level generate, chat and serve decode at: --sparsity as given (0: dense), else the
-    calibrated level within the quality budget (coordinator/sparsity_level.py), saying which in
-    one line. Exact arithmetic (transformers' tokens), predictors and float weights stay dense."""
+def _decode_sparsity(path, sparsity) -> tuple[float | None, str]:
+    """(the level generate, chat and serve decode at, the line that says which, or ""):
+    --sparsity as given (0: dense), else the calibrated level within the quality budget
+    (coordinator/sparsity_level.py). Exact arithmetic (transformers' tokens), predictors and float
+    weights stay dense. The caller prints the line once the engine has loaded (a file it refuses
+    gets its one error line only)."""
     if sparsity is not None:
-        return None if sparsity == 0 else sparsity
+        return (None if sparsity == 0 else sparsity), ""
     if _arith_from_context() != "fast" or _weights_from_context() != "gguf" or _predictor_from_context():
-        return None
+        return None, ""
     from sparsecore.gguf_file import open_gguf
 
     from .predictor import has_predictors
     from .sparsity_level import choose
 
     if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
-        return None
-    budget = _meta("sparseinfer.quality_budget", 0.02)
-    level, line = choose(Path(path), _meta("sparseinfer.sparse_method", "input"), budget)
-    click.echo(line, err=True)
-    return level
+        return None, ""
+    return choose(Path(path), _meta("sparseinfer.sparse_method", "input"), _meta("sparseinfer.quality_budget", 0.02))
+
+
+def _say(line: str) -> None:
+    if line:
+        click.echo(line, err=True)
 
 
 def _arith_from_context() -> str:
@@ -429,8 +433,9 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
     if n_prompt is not None and n_prompt + max_tokens > ctx:
         raise OptionError("-n/--max-tokens", max_tokens, f"the prompt's {n_prompt} tokens + {max_tokens} exceed "
                                                          f"the context of {ctx} tokens (raise --ctx or lower -n)")
-    sparsity = _decode_sparsity(path, sparsity)
+    sparsity, line = _decode_sparsity(path, sparsity)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
+        _say(line)
         # encode_chat: no second BOS where the template writes one (Gemma's, Llama 3's)
         ids = eng.encode_chat([{"role": "user", "content": prompt}]) if chat else eng.tokenizer.encode(prompt)
         stream = StreamDecoder(eng.tokenizer, skip_special=True)
@@ -489,7 +494,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{host} is reachable from other machines: give a key ($SPARSEINFER_API_KEY keeps it "
                                  f"out of the process list), or --no-api-key to serve anyone", param_hint="--host")
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
-    sparsity = _decode_sparsity(path, sparsity)
+    sparsity, line = _decode_sparsity(path, sparsity)
     from .server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits
@@ -499,7 +504,9 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
 
     def load():  # on the loader thread: the click context is this thread's, so pass it along
         with click_ctx:
-            return _open_engine(path, **opts)
+            eng = _open_engine(path, **opts)
+            _say(line)
+            return eng
     try:
         serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace,
                    on_worker_death)
@@ -565,8 +572,9 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     # a conversation samples as llama.cpp's and ollama's do: the model's own recommendation
     sampling = _sampling(temperature, top_k, top_p, seed, chat_defaults(open_gguf(path)))
     _check_tokens("-n/--max-tokens", max_tokens, ctx)
-    sparsity = _decode_sparsity(path, sparsity)
+    sparsity, line = _decode_sparsity(path, sparsity)
     with _open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
+        _say(line)
         run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)
 
 

@@ -10,8 +10,11 @@
 Every writer writes a temporary file in the same directory and renames it over the target, so a
 crash or Ctrl-C never leaves a half-written file under the real name.
 
-Thresholds: `{"format", "model", "model_bytes", "activation", "tokens", "seconds", "levels"}`,
-levels mapping "0.50" to one threshold per layer.
+Thresholds: `{"format", "model", "model_bytes", "activation", "tokens", "seconds", "levels",
+"sites", "input_levels", "head_levels", "quality"}`: levels maps "0.50" to CATS's threshold per
+layer; input_levels to input sparsity's, per layer one per site (`sites`, protocol.shm_layout.
+INPUT_SITES); head_levels to the lm_head input's; quality holds the held-out perplexity of dense
+and of each input level (coordinator/tools/calibrate.py), which the default level is chosen from.
 
 Profile: one float32 array `layer_N` of activation frequencies in [0, 1] per layer, and
 `metadata`, a JSON document stored as a one-element string array, so that the file loads with

@@ -4,7 +4,7 @@
 model and of each level (coordinator/tools/calibrate.py: quality). The default is the highest
 level whose perplexity, and every lower level's, stays within the quality budget (+2 % by
 default, `--quality-budget`);
-without a calibration the engine decodes densely and says once how to calibrate.
+without a calibration the engine decodes densely and says how to calibrate, once per model file.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> 
     q = calibrated_levels(model)
     name = Path(model).name
     if q is None or q.get("method") != method or not q.get("levels"):
+        if not _first_time(Path(model)):
+            return None, ""
         return None, (f"note: decoding densely; `sparseinfer calibrate -m {model}` once (a few minutes) lets "
                       f"generate, chat and serve skip weights at a level within +{budget:.0%} perplexity")
     dense = float(q["dense"])
@@ -37,3 +39,21 @@ def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> 
     level, ppl = max(within)
     return level, (f"sparsity {level:.2f} ({method} sparsity, calibrated: held-out perplexity "
                    f"{100 * (ppl / dense - 1):+.1f} % against dense, budget {budget:.0%}; --sparsity 0 for dense)")
+
+
+def _first_time(model: Path) -> bool:
+    """Whether the hint to calibrate `model` has not been given yet (it is given once per model
+    file: the files told are listed in the cache directory); True where that list cannot be kept."""
+    from .model_fetch import cache_dir
+
+    told = cache_dir() / "calibrate-hints.txt"
+    key = str(model.resolve())
+    try:
+        if told.exists() and key in told.read_text().splitlines():
+            return False
+        told.parent.mkdir(parents=True, exist_ok=True)
+        with open(told, "a") as f:
+            f.write(key + "\n")
+    except OSError:
+        pass
+    return True

@@ -4,6 +4,7 @@ quality numbers come from, the default level's choice, and sparse decoding throu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,11 +77,13 @@ def test_emulated_perplexity_follows_the_engine_level(calibrated):
     assert sparse["ppl"] != pytest.approx(dense["ppl"], rel=1e-4)
 
 
-def test_the_default_level_is_the_highest_within_the_budget(tmp_path):
+def test_the_default_level_is_the_highest_within_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEINFER_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
     level, line = choose(model, "input")
     assert level is None and "sparseinfer calibrate" in line  # no calibration: dense, and how to get one
+    assert choose(model, "input") == (None, "")  # said once per model file
     table = {"format": "sparseinfer-thresholds/1", "model_bytes": 1, "levels": {},
              "quality": {"method": "input", "tokens": 100, "dense": 10.0,
                          "levels": {"0.10": {"ppl": 10.05}, "0.20": {"ppl": 10.19}, "0.30": {"ppl": 10.6}}}}
@@ -155,12 +158,17 @@ def test_generate_on_a_calibrated_model_is_sparse_by_default_and_names_the_level
         "--arith", "exact", "--sparsity", "0").stdout
 
 
-def test_an_uncalibrated_model_runs_dense_and_says_how_to_calibrate(tiny_model_factory):
+def test_an_uncalibrated_model_runs_dense_and_says_once_how_to_calibrate(tiny_model_factory, tmp_path):
     path = tiny_model_factory(tensor_type="Q4_0", seed=9)
-    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(path), "-p", "hi", "-n", "2",
-                        "-t", "2", "--no-stats"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    env = {**os.environ, "SPARSEINFER_CACHE": str(tmp_path / "cache")}
+    run = lambda: subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(path), "-p", "hi",
+                                  "-n", "2", "-t", "2", "--no-stats"], capture_output=True, text=True, timeout=120,
+                                 cwd=REPO, env=env)
+    r = run()
     assert r.returncode == 0, r.stderr
     assert "sparseinfer calibrate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    again = run()
+    assert again.returncode == 0 and again.stderr.strip() == ""
 
 
 def test_twins_that_do_not_fit_leave_the_engine_dense(calibrated, monkeypatch, capsys):
