@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over the continuous-batching `Scheduler`.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not; SSE ends with [DONE])
-    GET  /v1/models, GET /health, POST /tokenize, POST /detokenize
+    GET  /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus)
 
 The socket is bound before the model loads (a taken port fails at once, in one line); the
 engine loads on a thread while /health answers 503 "loading"; requests then go to the
@@ -23,11 +23,12 @@ from typing import Callable
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .sampling import SamplingParams
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
@@ -56,6 +57,7 @@ class ServerState:
     scheduler: Scheduler | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     exit_status: int = 0  # non-zero: the server stopped because its engine failed for good
+    metrics: object = None  # coordinator.metrics.ServerMetrics, made with the app
 
     def ready(self) -> Scheduler:
         if self.status == "ok" and self.scheduler is not None and self.scheduler.error is not None:
@@ -154,6 +156,10 @@ def header_timeout_protocol(seconds: float):
     return HeaderDeadline
 
 
+# the routes requests are counted by (coordinator/metrics.py); any other path counts as "other"
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+
+
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="sparseinfer", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -186,11 +192,23 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         given = request.headers.get("authorization", "")
         return api_key is None or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
+    metrics = state.metrics = ServerMetrics(state)
+
     @app.middleware("http")
     async def _auth(request: HttpRequest, call_next):
-        if request.url.path != "/health" and not authorized(request):
+        path = request.url.path
+        endpoint = path if path in ROUTES else "other"  # labels stay few whatever clients ask for
+        if path != "/health" and not authorized(request):
+            metrics.request(endpoint, 401)
             return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+        response = await call_next(request)
+        metrics.request(endpoint, response.status_code)
+        return response
+
+    @app.get("/metrics")
+    async def prometheus():
+        """Prometheus text format (coordinator/metrics.py), behind the key like every route but /health."""
+        return Response(metrics.text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health(request: HttpRequest):
@@ -317,7 +335,8 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
         except RuntimeError:  # the loop has closed: the server is going away
             pass
 
-    req = Request(ids, max_tokens or room, on_event, sampling, body.stop, not body.ignore_eos, logprobs)
+    req = Request(ids, max_tokens or room, state.metrics.watch(on_event), sampling, body.stop, not body.ignore_eos,
+                  logprobs)
     try:
         sched.submit(req)
     except Overloaded as e:

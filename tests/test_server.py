@@ -664,3 +664,47 @@ def test_on_worker_death_exit_ends_the_server_at_the_first_death(tiny_model, tmp
         os.kill(workers[0], signal.SIGKILL)
         assert server.wait(timeout=HANG_S) == 1
         assert server.stderr.read().splitlines()[-1].startswith("error: ")
+
+
+def _metrics(url: str, key: str | None = KEY) -> tuple[int, dict[str, float]]:
+    """/metrics' status and its samples, {"name{labels}": value}, parsed by prometheus-client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return 200, out
+
+
+def test_metrics_are_scraped_and_move(served, client, model_id):
+    """GET /metrics (Prometheus text, behind the key): request counts by endpoint and status,
+    tokens, latency histograms and the live gauges move with a request."""
+    assert _metrics(served[1], key="wrong")[0] == 401
+    status, before = _metrics(served[1])
+    assert status == 200 and before["sparseinfer_slots"] == 4 and before["sparseinfer_requests_waiting"] == 0
+    r = client.completions.create(model=model_id, prompt="the quick brown fox", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    _, after = _metrics(served[1])
+    ok = "sparseinfer_requests_total{endpoint=/v1/completions,status=200}"
+    assert after[ok] == before.get(ok, 0) + 1
+    nf = "sparseinfer_requests_total{endpoint=/v1/completions,status=404}"
+    assert after[nf] == before.get(nf, 0) + 1
+    assert after["sparseinfer_generated_tokens_total"] - before.get("sparseinfer_generated_tokens_total", 0) == 6
+    assert after["sparseinfer_prompt_tokens_total"] > before.get("sparseinfer_prompt_tokens_total", 0)
+    ttft = "sparseinfer_time_to_first_token_seconds_count"
+    assert after[ttft] == before.get(ttft, 0) + 1
+    tpot = "sparseinfer_time_per_output_token_seconds_count"
+    assert after[tpot] == before.get(tpot, 0) + 5
+    assert after["sparseinfer_decode_steps_total"] >= before["sparseinfer_decode_steps_total"] + 5
+    assert after["sparseinfer_ffn_neurons_computed_total"] > before["sparseinfer_ffn_neurons_computed_total"]
