@@ -342,7 +342,8 @@ def test_signals_stop_the_server_cleanly_even_started_as_a_background_job(tiny_m
 def test_chat_repl_keeps_history_and_resets(tiny_model):
     """`sparseinfer chat` reads turns from stdin: a second turn continues the conversation
     (its KV cache is reused), /reset starts over (the same first reply again), /exit ends."""
-    r = _run(["chat", "-m", str(tiny_model), "-t", "2", "--cpu-workers", "1", "-n", "6", "--system", "be brief"],
+    r = _run(["chat", "-m", str(tiny_model), "-t", "2", "--cpu-workers", "1", "-n", "6", "--system", "be brief",
+              "--temperature", "0"],  # greedy: the same first reply after /reset (chat samples by default)
              input="hello there\nand more\n/reset\nhello there\n/exit\nnever read\n")
     assert r.returncode == 0, r.stderr
     replies = r.stdout.splitlines()

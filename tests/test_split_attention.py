@@ -156,17 +156,20 @@ def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
 
     from coordinator.attention_split import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, SplitAttention
 
-    small = SimpleNamespace(weight_bytes=550_000, kv_bytes_per_pos=1536, min_bytes=(MIN_SPLIT_BYTES,
-                                                                                   MIN_SPLIT_BYTES_BATCH), max_tokens=16)
+    small = SimpleNamespace(every_token=False, weight_bytes=550_000, kv_bytes_per_pos=1536,
+                            min_bytes=(MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH), max_tokens=16)
     pays = lambda sa, *pos: SplitAttention.pays(sa, np.array(pos, np.int64))  # noqa: E731
     assert not pays(small, 10)  # SmolLM2-sized layer, short context: the exchange costs more
     assert pays(small, 1200)  # its cache grew past the weights
     assert pays(small, 120, 130, 140, 150)  # a batch: every sequence's cache splits too
-    large = SimpleNamespace(weight_bytes=5_300_000, kv_bytes_per_pos=2048, min_bytes=small.min_bytes, max_tokens=16)
+    large = SimpleNamespace(**{**vars(small), "weight_bytes": 5_300_000, "kv_bytes_per_pos": 2048})
     assert pays(large, 0)  # a 1.1B-sized layer always pays
     # a prompt's chunk: each token's products cost the weights' bytes, so SmolLM2's pay from 2
     prompt = lambda sa, *pos: SplitAttention.pays(sa, np.array(pos, np.int64), prompt=True)  # noqa: E731
     assert prompt(small, 0, 1) and not pays(small, 0, 1)
-    tiny = SimpleNamespace(weight_bytes=9_000, kv_bytes_per_pos=256, min_bytes=small.min_bytes, max_tokens=16)
+    tiny = SimpleNamespace(**{**vars(small), "weight_bytes": 9_000, "kv_bytes_per_pos": 256})
     assert not prompt(tiny, *range(16))  # a test model's layer: never
     assert not pays(SimpleNamespace(**{**vars(large), "max_tokens": 7}), *range(8))  # more rows than shared memory holds
+    # input sparsity: only the shares carry twins, so every decoded token's step splits
+    every = SimpleNamespace(**{**vars(tiny), "every_token": True})
+    assert pays(every, 3) and not pays(every, 3, 4) and not prompt(every, 3, 4)
