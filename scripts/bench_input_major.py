@@ -4,6 +4,7 @@ product on the best layout today, from memory: the tables in docs/KERNELS.md und
 
     python scripts/bench_input_major.py [--layers 6 --reps 9 --isas avx512vnni,avx2]
     python scripts/bench_input_major.py --sweep      # prefetch distance and target per level
+    python scripts/bench_input_major.py --shares     # one process's share, separate and fused twins
 
 Writes `--layers` layers of the 1.1B shape's matrices (q, o 2048 x 2048; k, v 256 x 2048; gate,
 up 5632 x 2048; down 2048 x 5632; random Q4_0 blocks) to a temporary GGUF file, holds each
@@ -80,6 +81,65 @@ def build(tmp: Path, layers: int, rng):
     return out, repack_s
 
 
+# One process's share of the 1.1B shape split over two (half the heads, half the neurons), as
+# the engine holds it: Q, K, V rows of its heads, the output's columns of them, gate and up rows
+# of its neurons, down's columns of them; fused, Q|K|V and gate|up stacked (one twin each)
+SHARES = {"q": (1024, 2048), "k": (128, 2048), "v": (128, 2048), "o": (2048, 1024),
+          "gate": (2816, 2048), "up": (2816, 2048), "down": (2048, 2816)}
+FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gateup": ("gate", "up"), "down": ("down",)}
+
+
+def shares(tmp: Path, layers: int, reps: int, fractions: list[float], rng) -> None:
+    """Per level and active fraction: the share's layer on separate twins and on fused ones,
+    against dense X16, one token, every read from memory (the layers cycle), interleaved"""
+    path = tmp / "shares.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for i in range(layers):
+        blocks = {name: random_q4_0(rng, r, c) for name, (r, c) in SHARES.items()}
+        for name, b in blocks.items():
+            w.add_tensor(f"blk.{i}.{name}", b, raw_dtype=GGMLQuantizationType.Q4_0)
+        for name, parts in FUSED.items():  # a fused twin is the twin of its parts' rows stacked
+            if len(parts) > 1:
+                w.add_tensor(f"blk.{i}.{name}", np.concatenate([blocks[n] for n in parts]),
+                             raw_dtype=GGMLQuantizationType.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ts = {t.name: t for t in GGUFReader(path).tensors}
+    thr = np.zeros(1, np.float32)
+    sides = {"dense": [], "separate": [], "fused": []}
+    for i in range(layers):
+        x = {n: rng.standard_normal(c).astype(np.float32) for n, (_, c) in SHARES.items()}
+        for n, (r, _) in SHARES.items():
+            m = K.FileMatrix(ts[f"blk.{i}.{n}"])
+            sides["dense"].append((m.for_fast_products().prepare(range(r), None, fast=True), x[n]))
+            sides["separate"].append((m.with_input_major(None, None, thr).prepare(range(r), None, fast=True), x[n]))
+        for name, parts in FUSED.items():
+            m = K.FileMatrix(ts[f"blk.{i}.{name}"])
+            sides["fused"].append((m.with_input_major(None, None, thr).prepare(range(m.rows), None, fast=True),
+                                   x[parts[0]]))
+    for level in ("avx512vnni", "avx2"):
+        if K.set_isa(level) != level:
+            continue
+        print(f"\nlevel {level}: one process's share (two processes), {layers} layers; layer time / dense X16 "
+              f"(medians of {reps}, interleaved)")
+        print("| active | dense µs | separate twins | fused twins |")
+        print("|---|---|---|---|")
+        for frac in fractions:
+            thr[0] = np.quantile(np.abs(rng.standard_normal(1 << 16)), 1 - frac) if frac < 1 else 0.0
+            times = {k: [] for k in sides}
+            for rep in range(reps):
+                for k in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+                    t0 = time.perf_counter()
+                    for f, xx in sides[k]:
+                        f(xx)
+                    times[k].append(time.perf_counter() - t0)
+            med = {k: float(np.median(v)) for k, v in times.items()}
+            print(f"| {frac:.0%} | {med['dense'] / layers * 1e6:.0f} | {med['separate'] / med['dense']:.2f} | "
+                  f"**{med['fused'] / med['dense']:.2f}** |")
+
+
 def measure(layers, frac: float, reps: int, rng):
     """(median dense s, median twin s per matrix kind and layer, bytes each side read per token)"""
     calls, dense_bytes, xs = [], {k: 0 for k in SHAPES}, []
@@ -128,9 +188,14 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.7, 0.5, 0.3, 0.1])
     ap.add_argument("--sweep", action="store_true", help="prefetch distance (items ahead) and target, at 50 and 30 %%")
     ap.add_argument("--aheads", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    ap.add_argument("--shares", action="store_true", help="one process's share: separate and fused twins")
     a = ap.parse_args()
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
+        if a.shares:
+            print(f"{cpu_name()}, one core")
+            shares(Path(tmp), a.layers, a.reps, [f for f in a.fractions if f < 1] or [0.5], rng)
+            return
         layers, repack_s = build(Path(tmp), a.layers, rng)
         print(f"{cpu_name()}, one core; {a.layers} layers of the 1.1B shape (Q4_0), twins repacked in {repack_s:.2f} s "
               f"({repack_s / a.layers * 1000:.0f} ms a layer)")

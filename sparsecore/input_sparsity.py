@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 
 from protocol.shm_layout import INPUT_SITES
 
-from .kernels import input_major_type
+from .kernels import FileMatrix, input_major_type
 
 TWIN_CHOICES = ("", "down", "all")
 _SITE = {name: k for k, name in enumerate(INPUT_SITES)}
@@ -55,6 +55,18 @@ class Twins:
         self.matrices.append(twinned)
         return twinned
 
+    def add_fused(self, parts: list, cols, word: np.ndarray) -> list:
+        """The matrices of parts [(m, rows), ...] (one input, one threshold) with one fused twin
+        (FileMatrix.fuse_input_major: carried by the first, counted once), or each with its own
+        (add) where their types or widths differ."""
+        ms = [m for m, _ in parts]
+        if not all(input_major_type(m.type) and m.type == ms[0].type and m.cols == ms[0].cols for m in ms):
+            return [self.add(m, rows, cols, word) for m, rows in parts]
+        out = FileMatrix.fuse_input_major(parts, cols, word)
+        self.bytes += out[0].twin_bytes
+        self.matrices.append(out[0])
+        return out
+
     def note(self) -> None:
         """One line on stderr naming the types whose matrices kept their rows only (the
         coordinator says it for every process: the workers' matrices are of the same types)."""
@@ -69,6 +81,13 @@ def _adder(twins: Twins, thresholds: np.ndarray, layer: int, sites: tuple[str, .
     AttentionStep.add_twins); sites outside `sites` keep their rows only."""
     def add(m, rows, cols, site):
         return twins.add(m, rows, cols, threshold_word(thresholds, layer, site)) if site in sites else m
+
+    def fused(parts, cols, site):
+        """add's for matrices of one input (parts: [(m, rows), ...]): one fused twin"""
+        if site not in sites:
+            return [m for m, _ in parts]
+        return twins.add_fused(parts, cols, threshold_word(thresholds, layer, site))
+    add.fused = fused
     return add
 
 

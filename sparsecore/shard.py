@@ -158,12 +158,17 @@ class FileLayer:
     def add_twins(self, add) -> None:
         """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
         the matrix carrying one, or the matrix itself. Gate and up over the owned neurons' rows
-        (input "ffn_in"), down over their columns (input "ffn_h": a skipped neuron skips its whole
-        down row); PowerInfer's down_t is neuron-major already and keeps its rows."""
+        (input "ffn_in"; one fused twin, gate's rows then up's, where add has `fused`), down over
+        their columns (input "ffn_h": a skipped neuron skips its whole down row); PowerInfer's
+        down_t is neuron-major already and keeps its rows."""
         if self.down_t:
             return
-        self.gate = add(self.gate, self.own, None, "ffn_in")
-        self.up = self.gate if self.gate_mode == "none" else add(self.up, self.own, None, "ffn_in")
+        fused = getattr(add, "fused", None)
+        if fused is not None and self.gate_mode != "none":  # gate's rows then up's: one twin (ffn_teal)
+            self.gate, self.up = fused([(self.gate, self.own), (self.up, self.own)], None, "ffn_in")
+        else:
+            self.gate = add(self.gate, self.own, None, "ffn_in")
+            self.up = self.gate if self.gate_mode == "none" else add(self.up, self.own, None, "ffn_in")
         self.down = add(self.down, None, self.own, "ffn_h")
 
     @staticmethod

@@ -148,6 +148,24 @@ def _anonymous(n: int) -> np.ndarray:
     return np.frombuffer(m, np.uint8)
 
 
+_TWIN_CHUNK = 64 << 20  # bytes of address space per arena map (untouched pages cost nothing)
+_twin_arena: list = [None, 0]  # the current map and its next free byte
+
+
+def _twin_buffer(n: int) -> np.ndarray:
+    """n bytes (64-byte aligned, on a 4 KB page) for an input-major twin, carved from maps of
+    anonymous memory in transparent huge pages (_anonymous), one after another: a twin under
+    2 MB (a process's Q|K|V or output columns of the 1.1B shape: 1.2-1.5 MB) in pages of its
+    own would take 4 KB pages, and its products, whose channel rows jump pages at every
+    active input, ran 10-15 % slower (one core, from memory: 104 -> 93 us a layer at 50 %)."""
+    need = -(-n // 4096) * 4096
+    m, off = _twin_arena
+    if m is None or off + need > len(m):
+        m, off = _anonymous(max(_TWIN_CHUNK, -(-need // (1 << 21)) * (1 << 21))), 0
+    _twin_arena[:] = m, off + need
+    return m[off:off + n]
+
+
 def _ptr(a: np.ndarray) -> int:
     """The address of a's first element. Through ctypes for a writable array (0.5 us); the
     array interface, which builds a dict (1.5 us), only for a read-only one (a file's map):
@@ -253,6 +271,7 @@ class FileMatrix:
     interleaved = False  # interleave: 16 rows side by side in memory of the process's own
     twin = None  # with_input_major: the input-major twin (uint8: its header, then its data), else None
     twin_rows = twin_cols = None  # the twin's sub-matrix
+    twin_parts = None  # a fused twin (fuse_input_major): ((name, rows), ...) of the matrices stacked in it
     blocked = False  # interleave_blocks: each row's blocks 16 side by side, the same
 
     @property
@@ -347,6 +366,26 @@ class FileMatrix:
         self._args = (self.data, (self.col_range, self.stride), a, self.twin)
         return a
 
+    @staticmethod
+    def _twin_threshold(name: str, threshold):
+        if isinstance(threshold, np.ndarray):
+            if threshold.dtype != np.float32 or threshold.size != 1:
+                raise ValueError(f"{name}: the twin's threshold is one float32 value")
+            return threshold, _ptr(threshold)
+        if isinstance(threshold, int) and threshold:
+            return None, threshold
+        raise ValueError(f"{name}: the twin needs a threshold (a float32 array of one value, or its address)")
+
+    def _twin_part(self, rows: range | None, cols: range | None) -> tuple[range, int, int]:
+        if self.type not in COLS_TYPES:
+            raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} (Q4_0, Q4_1, Q8_0 have them)")
+        held_r = self.row_range or range(self.rows)
+        rows = held_r if rows is None else rows
+        col0, n = self._cols(self.col_range if cols is None else cols)
+        if rows.step != 1 or not 0 <= rows.start < rows.stop <= self.rows:
+            raise ValueError(f"{self.name}: twin rows {rows} outside 0..{self.rows}")
+        return rows, col0, n
+
     def with_input_major(self, rows: range | None = None, cols: range | None = None, threshold=None) -> "FileMatrix":
         """This matrix (a copy of the object, the same data) carrying an input-major twin of rows
         `rows` (a range; None: the rows held), columns `cols` (whole blocks of 32; None: the
@@ -359,30 +398,54 @@ class FileMatrix:
         memory), or the address of one. The twin is memory of its own, repacked from the file's
         rows at load whatever this object's layout; ValueError for a type without twin products
         (the caller keeps the matrix dense)."""
-        if self.type not in COLS_TYPES:
-            raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} (Q4_0, Q4_1, Q8_0 have them)")
-        held_r = self.row_range or range(self.rows)
-        rows = held_r if rows is None else rows
-        col0, n = self._cols(self.col_range if cols is None else cols)
-        if rows.step != 1 or not 0 <= rows.start < rows.stop <= self.rows:
-            raise ValueError(f"{self.name}: twin rows {rows} outside 0..{self.rows}")
-        if isinstance(threshold, np.ndarray):
-            if threshold.dtype != np.float32 or threshold.size != 1:
-                raise ValueError(f"{self.name}: the twin's threshold is one float32 value")
-            keep, thr_ptr = threshold, _ptr(threshold)
-        elif isinstance(threshold, int) and threshold:
-            keep, thr_ptr = None, threshold
-        else:
-            raise ValueError(f"{self.name}: the twin needs a threshold (a float32 array of one value, or its address)")
+        rows, col0, n = self._twin_part(rows, cols)
+        keep, thr_ptr = self._twin_threshold(self.name, threshold)
         nbytes = _kernels.cols_bytes(self.type, len(rows), n)
-        buf = _anonymous(COLS_HEADER + nbytes)
+        buf = _twin_buffer(COLS_HEADER + nbytes)
         src = self.file_rows
         _kernels.cols_repack(_ptr(src), src.strides[0], self.type, rows.start, len(rows), col0, n, thr_ptr, _ptr(buf))
         if not np.may_share_memory(self.data, src):  # a held copy: the file's pages just read are not this one's
             _unmap_file_pages(src[rows.start:rows.stop])
         part = copy.copy(self)
         part.twin, part.twin_rows, part.twin_cols, part._twin_thr = buf, rows, range(col0, col0 + n), keep
+        part.twin_parts = None
         return part
+
+    @staticmethod
+    def fuse_input_major(parts: list, cols: range | None = None, threshold=None) -> list["FileMatrix"]:
+        """One input-major twin for several matrices that read the same input with one threshold
+        (parts: [(matrix, rows), ...], rows a range or None as with_input_major's): their rows
+        stacked in that order, so that a one-token product streams one channel row of all of them
+        per active input (cols_generic.c COLS_MAGIC_FUSED). Returns the matrices: the first a
+        copy carrying the fused twin (twin_rows: its own rows; twin_parts: every part's), the
+        others as they were. Only callers that know the parts read it: ffn_token (gate | up of
+        the owned neurons) and the attention step (Q | K | V of its heads, one token); every
+        other product of these matrices, the first's included, reads their rows. The parts share
+        a type and the columns `cols` (None: all)."""
+        first = parts[0][0]
+        spans = []
+        for m, rows in parts:
+            if m.type != first.type or m.cols != first.cols:
+                raise ValueError(f"{m.name}: fused with {first.name}, of another type or width")
+            spans.append((m, *m._twin_part(rows, cols)))
+        col0, n = spans[0][2], spans[0][3]
+        if any((c, k) != (col0, n) for _, _, c, k in spans):
+            raise ValueError(f"{first.name}: fused twins read the same columns")
+        keep, thr_ptr = FileMatrix._twin_threshold(first.name, threshold)
+        stacked = np.concatenate([m.file_rows[r.start:r.stop] for m, r, _, _ in spans])
+        total = len(stacked)
+        nbytes = _kernels.cols_bytes(first.type, total, n)
+        buf = _twin_buffer(COLS_HEADER + nbytes)
+        _kernels.cols_repack(_ptr(stacked), stacked.strides[0], first.type, 0, total, col0, n, thr_ptr, _ptr(buf),
+                             spans[0][1].start)
+        del stacked
+        for m, r, _, _ in spans:
+            if not np.may_share_memory(m.data, m.file_rows):
+                _unmap_file_pages(m.file_rows[r.start:r.stop])
+        part = copy.copy(first)
+        part.twin, part.twin_rows, part.twin_cols, part._twin_thr = buf, spans[0][1], range(col0, col0 + n), keep
+        part.twin_parts = tuple((m.name, r) for m, r, _, _ in spans)
+        return [part, *(m for m, _, _, _ in spans[1:])]
 
     def _twin_counter(self, offset: int) -> np.ndarray:
         if self.twin is None:
@@ -432,13 +495,18 @@ class FileMatrix:
         if self.twin is None:
             raise ValueError(f"{self.name}: no input-major twin")
         k = 64 if self.type == 8 else 128
-        return -(-len(self.twin_rows) // k) * k
+        return -(-self._twin_R // k) * k
+
+    @property
+    def _twin_R(self) -> int:  # the twin's rows: a fused one's parts stacked
+        return sum(len(r) for _, r in self.twin_parts) if self.twin_parts else len(self.twin_rows)
 
     def twin_dequantize(self) -> np.ndarray:
-        """The twin's values as float32 (len(twin_rows), len(twin_cols)): the file's, exactly"""
+        """The twin's values as float32 (len(twin_rows), len(twin_cols)): the file's, exactly (a
+        fused twin: its parts' rows stacked)"""
         if self.twin is None:
             raise ValueError(f"{self.name}: no input-major twin")
-        out = np.empty((len(self.twin_rows), len(self.twin_cols)), np.float32)
+        out = np.empty((self._twin_R, len(self.twin_cols)), np.float32)
         _kernels.cols_dequant(_ptr(self.twin), _ptr(out))
         return out
 
@@ -804,7 +872,8 @@ class AttentionStep:
     def add_twins(self, add) -> None:
         """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
         the matrix carrying one, or the matrix itself. Q, K and V over the rows of the heads this
-        step computes (input "attn_in"), the output matrix over their columns ("attn_out"): the
+        step computes (input "attn_in"; one fused twin, Q's rows then K's then V's, where add has
+        `fused`), the output matrix over their columns ("attn_out"): the
         share kept by keep_output_columns, else every head. A one-token product then reads the
         twin (the kernels' dispatch); prompts and batches the rows as before."""
         if self.part_heads is not None:
@@ -813,14 +882,20 @@ class AttentionStep:
             k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
             cols = range(kv0 * self.o_cols_per_kv, kv1 * self.o_cols_per_kv)
             q, k, v = self.qkv_part
-            self.qkv_part = (add(q, q_rows, None, "attn_in"), add(k, k_rows, None, "attn_in"),
-                             add(v, k_rows, None, "attn_in"))
+            fused = getattr(add, "fused", None)
+            if fused is not None:  # Q's rows, K's, V's: one twin (attn_part's one-token products)
+                self.qkv_part = tuple(fused([(q, q_rows), (k, k_rows), (v, k_rows)], None, "attn_in"))
+            else:
+                self.qkv_part = (add(q, q_rows, None, "attn_in"), add(k, k_rows, None, "attn_in"),
+                                 add(v, k_rows, None, "attn_in"))
             self.o_part = add(self.o_part, None, cols, "attn_out")
             self.part_head = self._head(*self.qkv_part, self.o_part)
             return
         q, k, v, o = self.keep[:4]
-        whole = (add(q, None, None, "attn_in"), add(k, None, None, "attn_in"), add(v, None, None, "attn_in"),
-                 add(o, None, None, "attn_out"))
+        fused = getattr(add, "fused", None)
+        qkv = fused([(q, None), (k, None), (v, None)], None, "attn_in") if fused is not None else \
+            [add(q, None, None, "attn_in"), add(k, None, None, "attn_in"), add(v, None, None, "attn_in")]
+        whole = (*qkv, add(o, None, None, "attn_out"))
         self.keep = (*whole, *self.keep[4:])
         self.head = self.part_head = self._head(*whole)
 

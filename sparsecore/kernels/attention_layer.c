@@ -56,6 +56,11 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
     }
 }
 
+/* a fused Q|K|V twin's products (attn_part, one token), per thread, grown on demand */
+static _Thread_local void *qkv_buf;
+static _Thread_local int64_t qkv_cap;
+static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(float) * n); }
+
 /* The attention of KV heads [kv0, kv1) (and their query heads) for B sequences decoded together
  * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
  * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
@@ -80,6 +85,16 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
         rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
         if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
     }
+    /* One token with Q, K and V of these heads in one fused twin (cols_generic.c
+     * COLS_MAGIC_FUSED: their rows stacked, Q's then K's then V's): one product, each active
+     * input's channel one stream of the three matrices' values (K's and V's alone: a line) */
+    const cols_hdr *fused = B == 1 ? cols_take_fused(wq, q0, nq + 2 * nk, 0, hidden) : NULL;
+    float *qkv = fused ? qkv_scratch(nq + 2 * nk) : NULL;
+    if (qkv && cols_products(fused, sc.x, sc.xq, fast, qkv) >= 0) {
+        for (int64_t i = 0; i < nq; i++) sc.q[i] = qkv[q_rows[q0 + i] - q0];
+        for (int64_t i = 0; i < nk; i++) sc.k[i] = qkv[nq + k_rows[k0 + i] - k0];
+        memcpy(sc.v, qkv + nq + nk, sizeof(float) * nk);
+    } else {
     /* Q's rows in the file's order (one stream: rows visited out of order cost 15 % more), into
      * out for now, then reordered per head (q_rows permutes rows within each head only) */
     products(wq, NULL, q0, nq, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.out, nq);
@@ -90,6 +105,7 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     for (int b = 0; b < B; b++)
         for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] = sc.v[b * nk + k_rows[k0 + i] - k0];
     products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
+    }
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
         attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,

@@ -32,6 +32,13 @@
  * = -8 sum xq_j (Q4_0) or -128 sum xq_j (Q8_0 as u), and Q4_1's y_i += m_i (d_x sum xq_j). */
 
 #define COLS_MAGIC 0x4e495754u /* "TWIN" */
+/* A fused twin ("TWNF"): the rows of several matrices that read the same input, stacked (gate's
+ * owned rows then up's; Q's rows of some heads then K's then V's), one twin of R = their sum:
+ * each channel row is their values for one input, so a product streams one longer row per active
+ * input, makes one mask pass and one pass of prefetches. r0 is the first part's first row (the
+ * caller checks it and R); no matrix's own product takes it (cols_take), only the caller that
+ * knows the parts (ffn_teal: gate | up; attn_part: Q | K | V), through cols_take_fused. */
+#define COLS_MAGIC_FUSED 0x464e5754u /* "TWNF" */
 typedef struct {
     uint32_t magic;
     int32_t t;           /* the file's type */
@@ -59,7 +66,16 @@ static inline int cols_byte(int r) { return 16 * ((r >> 2) & 3) + 4 * ((r >> 4) 
  * m's twin: rows not listed, the twin's ranges exactly, its threshold >= 0 now. */
 static inline const cols_hdr *cols_take(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int64_t n) {
     const cols_hdr *h = m.cols;
-    if (!h || rows || start != h->r0 || n_rows != h->R || col0 != h->c0 || n != h->C) return NULL;
+    if (!h || h->magic != COLS_MAGIC || rows || start != h->r0 || n_rows != h->R || col0 != h->c0 || n != h->C)
+        return NULL;
+    return *h->thr >= 0.f ? h : NULL;
+}
+
+/* m's fused twin where it is the one of parts stacked from row r0 on, R rows in all, columns
+ * [c0, c0 + C), with its threshold >= 0 now; else NULL (the caller computes the parts as before) */
+static inline const cols_hdr *cols_take_fused(mat m, int64_t r0, int64_t R, int64_t c0, int64_t C) {
+    const cols_hdr *h = m.cols;
+    if (!h || h->magic != COLS_MAGIC_FUSED || h->r0 != r0 || h->R != R || h->c0 != c0 || h->C != C) return NULL;
     return *h->thr >= 0.f ? h : NULL;
 }
 

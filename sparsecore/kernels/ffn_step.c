@@ -78,7 +78,7 @@ static int gate_x16(const ffn_call *c, int sparse) {
 }
 
 /* TEAL's branch of ffn_token (input sparsity): gate, up and down each carry an input-major twin
- * (mat.cols) over the shard (gate's and up's rows [own0, own0 + n_own) of all hidden columns,
+ * (mat.cols; gate's may be gate and up fused, up's then none) over the shard (gate's and up's rows [own0, own0 + n_own) of all hidden columns,
  * down's columns [own0, own0 + n_own) of all hidden rows) with a threshold >= 0. Then
  *     g = gate x, u = up x     over x's inputs above each twin's threshold
  *     h = act(g) * u           (act(g) * act(u) for ACT_SYM; act(g) for ACT_NOGATE)
@@ -90,15 +90,24 @@ static int64_t ffn_teal(const ffn_call *c) {
     mat gate = c->gate, up = c->up, down = c->down;
     int hidden = c->hidden, act = c->act & ACT_MASK, mode = c->act & ~ACT_MASK, fast = c->fast;
     int64_t own0 = c->own0, n_own = c->n_own;
-    const cols_hdr *tg = cols_take(gate, NULL, own0, n_own, 0, hidden);
-    const cols_hdr *tu = mode == ACT_NOGATE ? tg : cols_take(up, NULL, own0, n_own, 0, hidden);
+    /* gate's rows then up's in one fused twin (cols_generic.c COLS_MAGIC_FUSED): one product of
+     * 2 n_own rows, each active input's channel one stream of both matrices' values */
+    const cols_hdr *tgu = mode == ACT_NOGATE ? NULL : cols_take_fused(gate, own0, 2 * n_own, 0, hidden);
+    const cols_hdr *tg = tgu ? tgu : cols_take(gate, NULL, own0, n_own, 0, hidden);
+    const cols_hdr *tu = tgu ? tgu : mode == ACT_NOGATE ? tg : cols_take(up, NULL, own0, n_own, 0, hidden);
     const cols_hdr *td = cols_take(down, NULL, 0, hidden, own0, n_own);
     if (c->down_t || c->mask || !tg || !tu || !td || n_own % QK) return -3;
-    float *h = c->h, *u = up_scratch(n_own);
+    float *h = c->h, *u = up_scratch(tgu ? 2 * n_own : n_own);
     if (!u) return -1;
     if (fast) quantize_q8(c->x, hidden, c->xq);
-    if (cols_products(tg, c->x, c->xq, fast, h) < 0) return -1;
-    if (mode != ACT_NOGATE && cols_products(tu, c->x, c->xq, fast, u) < 0) return -1;
+    if (tgu) {  /* u: gate x, then up x */
+        if (cols_products(tgu, c->x, c->xq, fast, u) < 0) return -1;
+        memcpy(h, u, sizeof(float) * n_own);
+        u += n_own;
+    } else {
+        if (cols_products(tg, c->x, c->xq, fast, h) < 0) return -1;
+        if (mode != ACT_NOGATE && cols_products(tu, c->x, c->xq, fast, u) < 0) return -1;
+    }
     for (int64_t i = 0; i < n_own; i++) {
         float g = act_fn(act, h[i]);
         h[i] = mode == ACT_NOGATE ? g : g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);

@@ -19,7 +19,7 @@ static int get_mat(PyObject *const *a, mat *m) {
         return -1;
     }
     const cols_hdr *h = m->cols;
-    if (h && (h->magic != COLS_MAGIC || h->t != m->t || !h->thr)) {
+    if (h && ((h->magic != COLS_MAGIC && h->magic != COLS_MAGIC_FUSED) || h->t != m->t || !h->thr)) {
         PyErr_SetString(PyExc_ValueError, "not an input-major twin of this matrix");
         return -1;
     }
@@ -230,10 +230,12 @@ static PyObject *py_cols_bytes(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLongLong(cols_type(t) && R > 0 && C > 0 && C % QK == 0 ? cols_bytes(t, R, C) : 0);
 }
 
-/* cols_repack(src_ptr, stride, type, r0, R, c0, C, thr_ptr, dst_ptr): the twin of the file's rows
- * at src (row 0, column 0) into dst (64-byte aligned: the header, then cols_bytes) */
+/* cols_repack(src_ptr, stride, type, r0, R, c0, C, thr_ptr, dst_ptr[, fused_r0]): the twin of the
+ * file's rows at src (row 0, column 0) into dst (64-byte aligned: the header, then cols_bytes).
+ * With fused_r0: a fused twin (COLS_MAGIC_FUSED) of the rows at src, which the caller stacked
+ * (the parts' rows, one after the other), labelled with r0 = fused_r0 (its first part's row) */
 static PyObject *py_cols_repack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "cols_repack takes 9 arguments"); return NULL; }
+    if (nargs != 9 && nargs != 10) { PyErr_SetString(PyExc_TypeError, "cols_repack takes 9 or 10 arguments"); return NULL; }
     const uint8_t *src = ARG_PTR(0);
     int64_t stride = ARG_LL(1), r0 = ARG_LL(3), R = ARG_LL(4), c0 = ARG_LL(5), C = ARG_LL(6);
     int t = (int)ARG_LL(2);
@@ -249,6 +251,12 @@ static PyObject *py_cols_repack(PyObject *self, PyObject *const *args, Py_ssize_
     err = cols_repack(t, src, stride, r0, R, c0, C, thr, dst);
     Py_END_ALLOW_THREADS
     if (err) return PyErr_NoMemory();
+    if (nargs == 10) {
+        int64_t label = ARG_LL(9);
+        if (PyErr_Occurred()) return NULL;
+        cols_hdr *h = (cols_hdr *)dst;
+        h->magic = COLS_MAGIC_FUSED, h->r0 = label;
+    }
     Py_RETURN_NONE;
 }
 
@@ -258,7 +266,10 @@ static PyObject *py_cols_dequant(PyObject *self, PyObject *const *args, Py_ssize
     const cols_hdr *h = ARG_PTR(0);
     float *out = ARG_PTR(1);
     if (PyErr_Occurred()) return NULL;
-    if (!h || h->magic != COLS_MAGIC) { PyErr_SetString(PyExc_ValueError, "not a twin"); return NULL; }
+    if (!h || (h->magic != COLS_MAGIC && h->magic != COLS_MAGIC_FUSED)) {
+        PyErr_SetString(PyExc_ValueError, "not a twin");
+        return NULL;
+    }
     cols_dequant(h, out);
     Py_RETURN_NONE;
 }
