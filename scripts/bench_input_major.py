@@ -45,6 +45,23 @@ def random_q4_0(rng, rows: int, cols: int) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
+# --type: random valid blocks of the type, (bytes per block of 256 values or 32, values per block,
+# where its f16 scales lie: (offset, scale)): values about +-0.1
+TYPES = {"Q4_0": (18, 32, ((0, 0.01),)), "Q5_0": (22, 32, ((0, 0.005),)),
+         "Q4_K": (144, 256, ((0, 0.0005), (2, 0.001))), "Q6_K": (210, 256, ((208, 0.00005),))}
+
+
+def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
+    """Random valid blocks of `kind` (rows, cols / block * bytes): random quants and packed
+    scales, small positive f16 scales"""
+    size, block, scales = TYPES[kind]
+    nb = rows * cols // block
+    b = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    for off, v in scales:
+        b[:, off:off + 2] = (rng.uniform(v / 2, v, nb).astype(np.float16)).view(np.uint8).reshape(nb, 2)
+    return b.reshape(rows, -1)
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -55,13 +72,14 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def build(tmp: Path, layers: int, rng):
+def build(tmp: Path, layers: int, rng, kind: str = "Q4_0"):
     path = tmp / "layers.gguf"
     w = GGUFWriter(str(path), "llama")
-    q4_0 = GGMLQuantizationType.Q4_0
+    qt = GGMLQuantizationType[kind]
     for i in range(layers):
         for name, (r, c) in SHAPES.items():
-            w.add_tensor(f"blk.{i}.{name}", random_q4_0(rng, r, c), raw_dtype=q4_0)
+            w.add_tensor(f"blk.{i}.{name}", random_q4_0(rng, r, c) if kind == "Q4_0" else random_blocks(rng, r, c, kind),
+                         raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -152,7 +170,7 @@ def measure(layers, frac: float, reps: int, rng):
             pd, pt = dense.prepare(range(r), None, fast=True), twin.prepare(range(r), None, fast=True)
             dense_fns.append((name, lambda p=pd, x=x: p(x)))
             twin_fns.append((name, lambda p=pt, x=x: p(x)))
-            dense_bytes[name] += r * c // 32 * 18
+            dense_bytes[name] += r * c // dense.block * dense._block_bytes
             xs.append(x)
         calls.append((dense_fns, twin_fns))
     per = {side: {k: [] for k in [*SHAPES, "layer"]} for side in (0, 1)}
@@ -189,6 +207,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="prefetch distance (items ahead) and target, at 50 and 30 %%")
     ap.add_argument("--aheads", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     ap.add_argument("--shares", action="store_true", help="one process's share: separate and fused twins")
+    ap.add_argument("--type", default="Q4_0", choices=sorted(TYPES), help="the matrices' type (random valid blocks)")
     a = ap.parse_args()
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,8 +215,8 @@ def main() -> None:
             print(f"{cpu_name()}, one core")
             shares(Path(tmp), a.layers, a.reps, [f for f in a.fractions if f < 1] or [0.5], rng)
             return
-        layers, repack_s = build(Path(tmp), a.layers, rng)
-        print(f"{cpu_name()}, one core; {a.layers} layers of the 1.1B shape (Q4_0), twins repacked in {repack_s:.2f} s "
+        layers, repack_s = build(Path(tmp), a.layers, rng, a.type)
+        print(f"{cpu_name()}, one core; {a.layers} layers of the 1.1B shape ({a.type}), twins repacked in {repack_s:.2f} s "
               f"({repack_s / a.layers * 1000:.0f} ms a layer)")
         for level in a.isas.split(","):
             if K.set_isa(level) != level:

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 
 from protocol.shm_layout import INPUT_SITES
 
-from .kernels import FileMatrix, input_major_type
+from .kernels import FUSED_TYPES, FileMatrix, input_major_type
 
 TWIN_CHOICES = ("", "down", "all")
 _SITE = {name: k for k, name in enumerate(INPUT_SITES)}
@@ -60,7 +60,7 @@ class Twins:
         (FileMatrix.fuse_input_major: carried by the first, counted once), or each with its own
         (add) where their types or widths differ."""
         ms = [m for m, _ in parts]
-        if not all(input_major_type(m.type) and m.type == ms[0].type and m.cols == ms[0].cols for m in ms):
+        if not all(m.type in FUSED_TYPES and m.type == ms[0].type and m.cols == ms[0].cols for m in ms):
             return [self.add(m, rows, cols, word) for m, rows in parts]
         out = FileMatrix.fuse_input_major(parts, cols, word)
         self.bytes += out[0].twin_bytes

@@ -315,7 +315,13 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     # its 8-bit values rounds the other way, down's product moves by about one quantization step
     # (on AVX2 the tiny Q4_0 model's first token: 0.005 of 1.8); a wrong row moves far more
     np.testing.assert_allclose(got[None], got[False], rtol=0, atol=2e-2 * scale)
-    np.testing.assert_array_equal(got["sparse"], got["sparse again"])
+    # sparsity at load gives down an input-major twin (CATS's zeroed neurons skip its rows); a
+    # Q4_0 twin's sums are the dense kernel's, float for float; a K-quant twin's per-block floats
+    # come in another order (cols_kquants_generic.c): the last bits differ
+    if tensor_type == "Q4_0":
+        np.testing.assert_array_equal(got["sparse"], got["sparse again"])
+    else:
+        np.testing.assert_allclose(got["sparse"], got["sparse again"], rtol=0, atol=1e-5 * scale)
     assert np.abs(got["sparse"] - got[False]).max() > 1e-4 * scale  # the thresholds took effect
     with pytest.raises(ValueError, match="dense decoding only"):
         Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,

@@ -50,7 +50,8 @@ MAX_SMALL_BATCH = 16
 # (FileMatrix.interleave); each row's blocks interleaved 16 by 16 (FileMatrix.interleave_blocks)
 FILE_LAYOUT, X16, R16 = 0, 1, 2
 # Input-major twins (FileMatrix.with_input_major, base.c's L_COLS): the types with their products
-COLS_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+COLS_TYPES = (2, 3, 8, 6, 7, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+FUSED_TYPES = (2, 3, 8)  # those whose twins also fuse (FileMatrix.fuse_input_major): Q4_0, Q4_1, Q8_0
 COLS_HEADER = 64  # bytes of a twin's header (cols_generic.c cols_hdr): n_active at 48, n_groups at 56
 X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
@@ -378,7 +379,8 @@ class FileMatrix:
 
     def _twin_part(self, rows: range | None, cols: range | None) -> tuple[range, int, int]:
         if self.type not in COLS_TYPES:
-            raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} (Q4_0, Q4_1, Q8_0 have them)")
+            raise ValueError(f"tensor {self.name}: no input-major kernels for type {self.type} "
+                             "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K have them)")
         held_r = self.row_range or range(self.rows)
         rows = held_r if rows is None else rows
         col0, n = self._cols(self.col_range if cols is None else cols)
@@ -423,6 +425,8 @@ class FileMatrix:
         other product of these matrices, the first's included, reads their rows. The parts share
         a type and the columns `cols` (None: all)."""
         first = parts[0][0]
+        if first.type not in FUSED_TYPES:
+            raise ValueError(f"{first.name}: no fused input-major kernels for type {first.type}")
         spans = []
         for m, rows in parts:
             if m.type != first.type or m.cols != first.cols:
@@ -459,7 +463,8 @@ class FileMatrix:
 
     @property
     def twin_groups(self) -> int:
-        """Blocks of 32 inputs with an active one (each read its rows' scales), likewise"""
+        """Groups (twin_group inputs: 32, a K-quant's 256) with an active input (each read its rows'
+        scales), likewise"""
         return int(self._twin_counter(56)[0])
 
     def reset_twin_counts(self) -> tuple[int, int]:
@@ -472,30 +477,35 @@ class FileMatrix:
     @property
     def twin_bytes(self) -> int:
         """The twin's data bytes (its header apart): the sub-matrix's bytes in the file, plus
-        zero rows up to a multiple of 128 (Q4) or 64 (Q8_0) rows"""
+        zero rows up to a multiple of 128 (Q8_0: 64) rows"""
         return len(self.twin) - COLS_HEADER if self.twin is not None else 0
 
     @property
+    def twin_group(self) -> int:
+        """Inputs that share their rows' scales (a group: 32, the K-quants' super-block 256)"""
+        return self._twin_sizes[0]
+
+    @property
     def twin_channel_bytes(self) -> int:
-        """Bytes one active input costs (its channel row: Rp/2 for Q4, Rp for Q8_0; cols_generic.c)"""
-        rp = self._twin_rp
-        return rp if self.type == 8 else rp // 2
+        """Bytes one active input costs: its channel row (Rp/2 for Q4, Rp for Q8_0, Rp/2 + Rp/8
+        for Q5_0, Q5_1, Q5_K, Rp/2 + Rp/4 for Q6_K; cols_generic.c, cols_kquants_generic.c)"""
+        return self._twin_sizes[1]
 
     @property
     def twin_scale_bytes(self) -> int:
-        """Bytes each block of 32 inputs with an active one costs: its rows' f16 scales (Q4_1: and mins)"""
-        return (4 if self.type == 3 else 2) * self._twin_rp
+        """Bytes each group (twin_group inputs) with an active input costs: its rows' scale fields
+        (f16 scales, mins; the K-quants' packed 6-bit or int8 scales)"""
+        return self._twin_sizes[2]
 
     def twin_bytes_read(self, active: int, groups: int) -> int:
-        """The bytes products read for `active` channels in `groups` blocks (reset_twin_counts)"""
+        """The bytes products read for `active` channels in `groups` groups (reset_twin_counts)"""
         return active * self.twin_channel_bytes + groups * self.twin_scale_bytes
 
     @property
-    def _twin_rp(self) -> int:
+    def _twin_sizes(self) -> tuple[int, int, int]:
         if self.twin is None:
             raise ValueError(f"{self.name}: no input-major twin")
-        k = 64 if self.type == 8 else 128
-        return -(-self._twin_R // k) * k
+        return _kernels.cols_sizes(self.type, self._twin_R)
 
     @property
     def _twin_R(self) -> int:  # the twin's rows: a fused one's parts stacked

@@ -37,6 +37,9 @@
 #include "cols_generic.c"        /* input-major twins (L_COLS): header, bytes, repacking, masks, portable products, prefetch */
 #include "cols_256.c"            /* their fast products on 256-bit registers (cols_avx2.c): AVX2, AVX-VNNI */
 #include "cols_avx512.c"         /* their fast products with AVX-512 VNNI */
+#include "cols_kquants_generic.c" /* Q5_0, Q5_1 and K-quant twins: bytes, repacking, dequant, portable products, prefetch */
+#include "cols_kquants_avx2.c"    /* their fast products on 256-bit registers (AVX2, AVX-VNNI) */
+#include "cols_kquants_avx512.c"  /* their fast products with AVX-512 VNNI; kq_products, their level dispatch */
 #include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */

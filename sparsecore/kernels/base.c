@@ -127,7 +127,7 @@ typedef struct { _Alignas(64) int8_t q[2 * QK]; } xpair;
  * The type is the file's in every layout (its block size, a row's bytes: R16's rows are the
  * file's size).
  *   L_COLS: an input-major copy of a sub-matrix (rows [r0, r0 + R), columns [c0, c0 + C)) of a
- *     Q4_0, Q4_1 or Q8_0 matrix, held beside the matrix in any of the layouts above as its
+ *     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K matrix, held beside the matrix in any of the layouts above as its
  *     "twin" (mat.cols; cols_generic.c says its bytes): per block of 32 columns the R rows'
  *     scales, then 32 channel rows, each one input's R values, so that a one-token product
  *     whose input j is skipped (|x_j| <= the twin's threshold: TEAL's input sparsity) skips

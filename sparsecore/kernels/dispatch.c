@@ -183,6 +183,7 @@ static void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const
  * added to the header's counters. Returns the active channels, or -1 (no memory for a few KB:
  * the caller takes the original path). Exact mode runs the portable loop at every level. */
 static int64_t cols_products(const cols_hdr *h, const float *x, const q8blk *xq, int fast, float *y) {
+    if (kq_type(h->t)) return kq_products(h, x, xq, fast, y);  /* Q5_0, Q5_1, the K-quants: cols_kquants_*.c */
     int t = h->t;
     float thr = *h->thr;
     int64_t G = h->C / QK, rp = cols_rp(t, h->R), n_groups = 0, n;

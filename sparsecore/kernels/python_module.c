@@ -227,6 +227,7 @@ static PyObject *py_cols_bytes(PyObject *self, PyObject *const *args, Py_ssize_t
     int t = (int)ARG_LL(0);
     int64_t R = ARG_LL(1), C = ARG_LL(2);
     if (PyErr_Occurred()) return NULL;
+    if (kq_type(t)) return PyLong_FromLongLong(R > 0 && C > 0 && C % kq_inputs(t) == 0 ? kq_bytes(t, R, C) : 0);
     return PyLong_FromLongLong(cols_type(t) && R > 0 && C > 0 && C % QK == 0 ? cols_bytes(t, R, C) : 0);
 }
 
@@ -242,16 +243,18 @@ static PyObject *py_cols_repack(PyObject *self, PyObject *const *args, Py_ssize_
     const float *thr = ARG_PTR(7);
     uint8_t *dst = ARG_PTR(8);
     if (PyErr_Occurred()) return NULL;
-    if (!cols_type(t) || R <= 0 || C <= 0 || C % QK || c0 % QK || !thr || ((uintptr_t)dst & 63)) {
-        PyErr_SetString(PyExc_ValueError, "cols_repack: Q4_0, Q4_1 or Q8_0, whole blocks, a threshold, dst aligned");
+    int gi = kq_type(t) ? kq_inputs(t) : QK;  /* inputs per group: the twin's columns are whole groups */
+    if (!(cols_type(t) || kq_type(t)) || R <= 0 || C <= 0 || C % gi || c0 % gi || !thr || ((uintptr_t)dst & 63)) {
+        PyErr_SetString(PyExc_ValueError, "cols_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, whole blocks, "
+                                          "a threshold, dst aligned");
         return NULL;
     }
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = cols_repack(t, src, stride, r0, R, c0, C, thr, dst);
+    err = kq_type(t) ? kq_repack(t, src, stride, r0, R, c0, C, thr, dst) : cols_repack(t, src, stride, r0, R, c0, C, thr, dst);
     Py_END_ALLOW_THREADS
     if (err) return PyErr_NoMemory();
-    if (nargs == 10) {
+    if (nargs == 10) {  /* fused products exist for the Q4/Q8 twins only (FileMatrix.fuse_input_major checks) */
         int64_t label = ARG_LL(9);
         if (PyErr_Occurred()) return NULL;
         cols_hdr *h = (cols_hdr *)dst;
@@ -270,7 +273,20 @@ static PyObject *py_cols_dequant(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "not a twin");
         return NULL;
     }
-    cols_dequant(h, out);
+    if (kq_type(h->t)) kq_dequant(h, out);
+    else cols_dequant(h, out);
+    Py_RETURN_NONE;
+}
+
+/* cols_sizes(type, R) -> (inputs per group, bytes of one active input's channel row, bytes of a
+ * group's head: its rows' scales), or None for a type without twin products */
+static PyObject *py_cols_sizes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "cols_sizes takes 2 arguments"); return NULL; }
+    int t = (int)ARG_LL(0);
+    int64_t R = ARG_LL(1);
+    if (PyErr_Occurred()) return NULL;
+    if (kq_type(t)) return Py_BuildValue("(iLL)", kq_inputs(t), (long long)kq_chan_bytes(t, kq_rp(R)), (long long)kq_head_bytes(t, kq_rp(R)));
+    if (cols_type(t)) return Py_BuildValue("(iLL)", QK, (long long)cols_chan_bytes(t, cols_rp(t, R)), (long long)cols_head_bytes(t, cols_rp(t, R)));
     Py_RETURN_NONE;
 }
 
@@ -454,6 +470,7 @@ static PyMethodDef methods[] = {
     {"cols_bytes", (PyCFunction)(void (*)(void))py_cols_bytes, METH_FASTCALL, "an input-major twin's bytes"},
     {"cols_repack", (PyCFunction)(void (*)(void))py_cols_repack, METH_FASTCALL, "a sub-matrix's input-major twin"},
     {"cols_dequant", (PyCFunction)(void (*)(void))py_cols_dequant, METH_FASTCALL, "a twin's values as float32"},
+    {"cols_sizes", (PyCFunction)(void (*)(void))py_cols_sizes, METH_FASTCALL, "a twin's group, channel and head bytes"},
     {"cols_tune", (PyCFunction)(void (*)(void))py_cols_tune, METH_FASTCALL, "the twins' prefetch distance and level"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_isa", py_set_isa, METH_O, "use 'avx512vnni', 'avxvnni' or 'avx2' (where supported) or 'generic'"},

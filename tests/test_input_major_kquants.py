@@ -1,0 +1,207 @@
+"""Input-major twins of Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (cols_kquants_*.c): lossless
+copies (the file's values exactly, as many bytes as the file), one-token products over the
+inputs above a threshold at every ISA level in exact and fast mode against float64 products of
+gguf-py's dequantized blocks, the original path bit for bit where the twin does not apply, the
+counters (a group: 32 inputs, a K-quant's super-block of 256), and ffn_token's TEAL branch on
+Q4_K gate and up with a Q6_K down."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from sparsecore import kernels as K
+from tests.fixtures.kernel_files import deq, random_kquant, write_tensors
+from tests.fixtures.twin_checks import check, one_per_group, threshold, threshold_cases, want
+
+TYPES = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+ROWS, COLS = 300, 768  # 300 rows: not a multiple of 128 (the twins pad to 128); 3 super-blocks
+
+
+def group(t) -> int:
+    return 256 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+
+
+@pytest.fixture(scope="module")
+def mats(tmp_path_factory):
+    """Per type: the FileMatrix of a (ROWS, COLS) matrix and its float64 values (Q5_0, Q5_1:
+    normal values quantized by gguf-py; K-quants: random valid blocks, every bit pattern)"""
+    rng = np.random.default_rng(23)
+    arrays = {}
+    for t in TYPES:
+        if group(t) == 32:
+            arrays[t.name] = (rng.standard_normal((ROWS, COLS)).astype(np.float32), t)
+        else:
+            arrays[t.name] = (random_kquant(rng, ROWS, COLS, t), t)
+    ts = write_tensors(tmp_path_factory.mktemp("kq_twins") / "m.gguf", arrays)
+    return {t: (K.FileMatrix(ts[t.name]), deq(ts[t.name])) for t in TYPES}
+
+
+def test_input_major_types():
+    assert all(K.input_major_type(t) for t in TYPES)
+    assert not K.input_major_type(T.Q3_K) and not K.input_major_type(T.IQ4_XS)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_twin_is_lossless(mats, t):
+    """The twin holds the file's values exactly, in as many bytes as the file (rows a multiple
+    of 128); the bytes per group are what twin_channel_bytes and twin_scale_bytes say"""
+    m, w = mats[t]
+    g = group(t)
+    tw = m.with_input_major(range(10, 300), range(256, 768), threshold())
+    np.testing.assert_array_equal(tw.twin_dequantize(), w[10:300, 256:768].astype(np.float32))
+    whole = m.with_input_major(range(0, 256), None, threshold())
+    np.testing.assert_array_equal(whole.twin_dequantize(), w[0:256].astype(np.float32))
+    assert whole.twin_bytes == 256 * m.row_bytes
+    assert tw.twin_group == g
+    assert tw.twin_channel_bytes * g + tw.twin_scale_bytes == tw.twin_bytes // (512 // g)
+
+
+@pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+def test_whole_super_blocks(mats, t):
+    m, _ = mats[t]
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        m.with_input_major(None, range(0, 288), threshold())
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_products(mats, t, fast, isa):
+    """Active sets from none to all over sub-ranges (r0, c0 != 0 on whole groups), odd row
+    counts, one channel, one per block of 32, on every level; the counters"""
+    m, w = mats[t]
+    g = group(t)
+    rng = np.random.default_rng(int(t) * 10 + fast)
+    for rows, cols in ((range(10, 300), range(256, 768)), (range(0, ROWS), None), (range(5, 53), range(512, 768)),
+                       (range(128, 256), range(0, 256))):
+        thr = threshold()
+        tw = m.with_input_major(rows, cols, thr)
+        c = cols or range(COLS)
+        ws = w[rows.start:rows.stop, c.start:c.stop]
+        x = rng.standard_normal(len(c)).astype(np.float32)
+        x[np.abs(x) < 1e-3] = 1e-3  # no zero input: thr 0 is everything
+        run = lambda: tw.matvec(x, rows=rows, cols=cols, fast=fast)  # noqa: E731
+        thr[0] = np.abs(x).max() + 1  # none active: nothing read, exact zeros
+        assert not run().any()
+        assert tw.reset_twin_counts() == (0, 0)
+        thr[0] = 0.0  # all: the dense product
+        y = run()
+        check(y, ws, x, 0.0, fast, f"all {rows} {cols}")
+        dense = m.matvec(x, rows=rows, cols=cols, fast=fast)
+        np.testing.assert_allclose(y, dense, rtol=0, atol=(3e-6 if fast else 2e-6) * np.abs(ws).sum(axis=1).max()
+                                   * np.abs(x).max())
+        assert tw.reset_twin_counts() == (len(c), len(c) // g)
+        for name, v in threshold_cases(x).items():
+            thr[0] = v
+            check(run(), ws, x, v, fast, f"{name} {rows} {cols}")
+            active = np.abs(x) > v
+            assert tw.reset_twin_counts() == (int(active.sum()), int(active.reshape(-1, g).any(axis=1).sum())), name
+        x1 = one_per_group(rng, len(c))
+        thr[0] = 0.5
+        check(tw.matvec(x1, rows=rows, cols=cols, fast=fast), ws, x1, 0.5, fast, f"one a block {rows} {cols}")
+        assert tw.reset_twin_counts() == (len(c) // 32, len(c) // g)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+def test_random_sets(mats, t, fast, isa):
+    """Random active sets (13 %, 50 %, 90 % of the inputs picked at random, not by magnitude):
+    Q6_K's half blocks of 16 with one side empty, super-blocks with few sub-blocks active"""
+    m, w = mats[t]
+    rng = np.random.default_rng(31 + fast)
+    thr = threshold(0.5)
+    tw = m.with_input_major(None, None, thr)
+    for frac in (0.13, 0.5, 0.9):
+        x = (rng.standard_normal(COLS) * 0.1).astype(np.float32)
+        on = rng.random(COLS) < frac
+        x[on] = np.sign(rng.standard_normal(on.sum())) * (1 + rng.random(on.sum()))
+        x[:16] = 0.0  # the first half block empty
+        check(tw.matvec(x, fast=fast), w, x, 0.5, fast, f"{frac}")
+        assert tw.reset_twin_counts() == (int((np.abs(x) > 0.5).sum()), int((np.abs(x) > 0.5).reshape(-1, 256).any(1).sum()))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_where_the_twin_does_not_apply(mats, t, isa):
+    """A negative threshold, other ranges, row lists and batches run the original path, bit for bit"""
+    m, _ = mats[t]
+    rng = np.random.default_rng(3)
+    rows, cols = range(10, 300), range(256, 768)
+    thr = threshold(-1.0)
+    tw = m.with_input_major(rows, cols, thr)
+    x = rng.standard_normal(len(cols)).astype(np.float32)
+    xb = rng.standard_normal((3, len(cols))).astype(np.float32)
+    for fast in (False, True):
+        for v in (-1.0, 0.5):
+            thr[0] = v
+            if v < 0:
+                assert np.array_equal(tw.matvec(x, rows=rows, cols=cols, fast=fast), m.matvec(x, rows=rows, cols=cols, fast=fast))
+            assert np.array_equal(tw.matvec(x, rows=range(10, 299), cols=cols, fast=fast),
+                                  m.matvec(x, rows=range(10, 299), cols=cols, fast=fast))
+            idx = np.arange(10, 300)
+            assert np.array_equal(tw.matvec(x, rows=idx, cols=cols, fast=fast), m.matvec(x, rows=idx, cols=cols, fast=fast))
+            assert np.array_equal(tw.matmul(xb, rows=rows, cols=cols, fast=fast), m.matmul(xb, rows=rows, cols=cols, fast=fast))
+    assert tw.reset_twin_counts() == (0, 0)
+
+
+@pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+def test_twin_beside_other_layouts(mats, t, isa):
+    """X16 (fast mode's dense layout) and keep_columns keep their twin (separate memory); the
+    threshold read at every call of a prepared product"""
+    m, w = mats[t]
+    rng = np.random.default_rng(5)
+    thr = threshold(0.0)
+    bases = {"keep_columns": (m.keep_columns(range(256, 768)), None, range(256, 768)),
+             "x16": (m.keep_rows(range(0, 256)).interleave(), range(256, 768), range(256, 768))}
+    for name, (base, cols, ask) in bases.items():
+        tw = base.with_input_major(range(0, 256), cols, thr)
+        x = rng.standard_normal(len(ask)).astype(np.float32)
+        call = tw.prepare(range(0, 256), ask, fast=True)
+        for v in (0.0, 1.0, 0.3):
+            thr[0] = v
+            check(call(x), w[0:256, ask.start:ask.stop], x, v, True, f"{name} at {v}")
+        thr[0] = -1.0
+        assert np.array_equal(call(x), base.prepare(range(0, 256), ask, fast=True)(x)), name
+
+
+# ---- the FFN step's TEAL branch: Q4_K gate and up, Q6_K down ------------------------------------
+
+HIDDEN, N_FF = 256, 512
+
+
+@pytest.fixture(scope="module")
+def ffn(tmp_path_factory):
+    rng = np.random.default_rng(11)
+    shapes = {"gate": ((N_FF, HIDDEN), T.Q4_K), "up": ((N_FF, HIDDEN), T.Q4_K), "down": ((HIDDEN, N_FF), T.Q6_K)}
+    arrays = {n: (random_kquant(rng, *s, t), t) for n, (s, t) in shapes.items()}
+    ts = write_tensors(tmp_path_factory.mktemp("kq_ffn") / "ffn.gguf", arrays)
+    return {n: K.FileMatrix(ts[n]) for n in shapes}, {n: deq(ts[n]) for n in shapes}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_ffn_token_teal(ffn, fast, isa):
+    """down[:, own] @ (silu(gate[own] x_g) * (up[own] x_u)) over |h| > t_down on K-quant twins;
+    the count is the active neurons; negative twin thresholds: the dense step, bit for bit"""
+    m, w = ffn
+    rng = np.random.default_rng(13 + fast)
+    own = range(256, 512)
+    tg, tu, td = threshold(0.4), threshold(0.6), threshold(0.0)
+    gate = m["gate"].with_input_major(own, None, tg)
+    up = m["up"].with_input_major(own, None, tu)
+    down = m["down"].with_input_major(None, own, td)
+    scratch = K.FfnScratch(HIDDEN, len(own))
+    x = rng.standard_normal(HIDDEN).astype(np.float32)
+    g = want(w["gate"][own.start:own.stop], x, 0.4, fast)
+    u = want(w["up"][own.start:own.stop], x, 0.6, fast)
+    h_ref = g / (1 + np.exp(-g)) * u
+    for t_down in (0.0, float(np.median(np.abs(h_ref))), 1e9):
+        td[0] = t_down
+        y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
+        h = scratch.h[:len(own)].copy()
+        np.testing.assert_allclose(h, h_ref, rtol=0, atol=(2e-2 if fast else 1e-5) * np.abs(h_ref).max())
+        assert n == int((np.abs(h) > t_down).sum())
+        check(y, w["down"][:, own.start:own.stop], h, t_down, fast, f"down at {t_down}")
+    assert down.reset_twin_counts()[1] == 2  # one super-block active at 0 and at the median, none at 1e9
+    tg[0] = tu[0] = td[0] = -1.0
+    y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
+    y0, n0 = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, fast=fast)
+    assert n == n0 == len(own) and np.array_equal(y, y0)
