@@ -96,7 +96,8 @@ class EngineOptions:
     # (FileMatrix.interleave: a third of the vector work per token, shared by a batch): down
     # always, gate unless predictors pick rows, and up too if this says so, which then serves
     # dense steps only. None: up too when the engine starts dense (no `sparsity`, no
-    # predictors); False: never up, for tools that switch to threshold steps at run time.
+    # predictors) or with input sparsity (its sparse steps read twins); False: never up, for
+    # tools that switch to CATS steps at run time.
     interleave: bool | None = None
 
 
@@ -169,13 +170,16 @@ class Engine:
             "all" if opts.sparse_method == "input" else "down"
         if opts.sparsity is not None:  # the thresholds exist before any worker starts (one clear error)
             self._thresholds(opts.sparsity)
-        if opts.interleave and not dense:
-            raise ValueError("interleaved up rows serve dense decoding only: not with --sparsity or predictors")
+        # Rows that only dense steps read whole: every step's with input sparsity, whose sparse
+        # steps read the twins (prompts and batches then keep the dense engine's layout).
+        rows_dense = dense or (self.input_major == "all" and opts.sparsity is not None)
+        if opts.interleave and not rows_dense:
+            raise ValueError("interleaved up rows serve dense decoding only: not with CATS thresholds or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
         # with fast arithmetic whatever this says (every step reads them whole). Where the CPU
         # takes no interleaved layout (kernels.interleaving) nothing is, and nothing refused.
         self.row_layout = "" if not (opts.fast and opts.weights == "gguf" and interleaving()) or \
-            predictors is not None else "gate+up" if dense and opts.interleave is not False else "gate"
+            predictors is not None else "gate+up" if rows_dense and opts.interleave is not False else "gate"
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
@@ -345,7 +349,7 @@ class Engine:
     def set_sparsity(self, sparsity: float | None) -> None:
         """Decode with the calibrated thresholds of `sparsity` from now on, by the engine's
         method (EngineOptions.sparse_method); None: dense."""
-        if sparsity is not None and self.interleaved:
+        if sparsity is not None and self.interleaved and self.opts.sparse_method != "input":
             raise ValueError("this engine holds its up rows interleaved for dense decoding (EngineOptions.interleave): "
                              "start it with --sparsity, or with interleave=False, to decode sparsely")
         if sparsity is not None and self.ffn.predictors is not None:

@@ -126,7 +126,8 @@ class OursSide:
         # file's rows: `dense` False, a process of its own for the sparse levels.
         self.eng = Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads, ctx=n_ctx,
                                                weights="gguf" if fast else weights, fast=fast,
-                                               interleave=None if dense and not sparsity else False,
+                                               interleave=None if (dense and not sparsity) or sparse_method == "input"
+                                               else False,
                                                # an engine for sparse levels starts at one: input
                                                # sparsity's twins are made at load
                                                sparsity=sparsity[0] if sparsity else None,

@@ -325,7 +325,7 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     assert np.abs(got["sparse"] - got[False]).max() > 1e-4 * scale  # the thresholds took effect
     with pytest.raises(ValueError, match="dense decoding only"):
         Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,
-                                   sparsity=0.5))
+                                   sparsity=0.5, sparse_method="cats"))
 
 
 # ---- a shard's predictor rows, read whole, interleaved -------------------------------------------
