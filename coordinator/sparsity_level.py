@@ -13,6 +13,10 @@ from pathlib import Path
 from .model_files import calibrated_levels
 
 DEFAULT_QUALITY_BUDGET = 0.02
+# Below this level the twins' work per input read costs more than the bytes they skip: decode
+# on the 2-core Zen 4 EPYC (2026-11-25, docs/SPARSITY.md): SmolLM2 0.92x dense at 0.2 and 0.91x at
+# 0.3, 1.11x at 0.5; the 1.1B Q4_0 shape 1.20-1.37x at 0.5. A default below it stays dense.
+MIN_PAYING_LEVEL = 0.4
 
 
 def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> tuple[float | None, str]:
@@ -37,6 +41,10 @@ def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> 
         return None, (f"note: decoding densely: no calibrated level of {name} stays within +{budget:.0%} held-out "
                       f"perplexity (--quality-budget)")
     level, ppl = max(within)
+    if level < MIN_PAYING_LEVEL:
+        return None, (f"note: decoding densely: {name}'s highest level within +{budget:.0%} perplexity, "
+                      f"{level:.2f}, is below {MIN_PAYING_LEVEL:.2f}, where skipping starts to pay "
+                      f"(--sparsity {level:.2f} asks for it anyway)")
     return level, (f"sparsity {level:.2f} ({method} sparsity, calibrated: held-out perplexity "
                    f"{100 * (ppl / dense - 1):+.1f} % against dense, budget {budget:.0%}; --sparsity 0 for dense)")
 

@@ -84,18 +84,20 @@ def test_the_default_level_is_the_highest_within_the_budget(tmp_path, monkeypatc
     level, line = choose(model, "input")
     assert level is None and "sparseinfer calibrate" in line  # no calibration: dense, and how to get one
     assert choose(model, "input") == (None, "")  # said once per model file
+    levels = {"0.30": {"ppl": 10.05}, "0.40": {"ppl": 10.1}, "0.50": {"ppl": 10.19}, "0.60": {"ppl": 10.6}}
     table = {"format": "sparseinfer-thresholds/1", "model_bytes": 1, "levels": {},
-             "quality": {"method": "input", "tokens": 100, "dense": 10.0,
-                         "levels": {"0.10": {"ppl": 10.05}, "0.20": {"ppl": 10.19}, "0.30": {"ppl": 10.6}}}}
+             "quality": {"method": "input", "tokens": 100, "dense": 10.0, "levels": levels}}
     thresholds_path(model).write_text(json.dumps(table))
-    assert choose(model, "input")[0] == 0.2
-    assert choose(model, "input", budget=0.1)[0] == 0.3
+    assert choose(model, "input")[0] == 0.5
+    assert choose(model, "input", budget=0.1)[0] == 0.6
     level, line = choose(model, "input", budget=0.001)
     assert level is None and "--quality-budget" in line
+    level, line = choose(model, "input", budget=0.006)  # 0.30 is within it, but too low a level to pay
+    assert level is None and "where skipping starts to pay" in line
     assert choose(model, "cats")[0] is None  # quality measured for another method
-    table["quality"]["levels"]["0.40"] = {"ppl": 10.0}  # lucky past a level that failed: not taken
+    table["quality"]["levels"]["0.70"] = {"ppl": 10.0}  # lucky past a level that failed: not taken
     thresholds_path(model).write_text(json.dumps(table))
-    assert choose(model, "input", budget=0.05)[0] == 0.2
+    assert choose(model, "input", budget=0.05)[0] == 0.5
 
 
 def test_memory_plan_counts_the_twins(calibrated):
