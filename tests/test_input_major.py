@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.kernel_checks import q8_values
+from tests.fixtures.twin_checks import check, check_not_applied, threshold, want
 from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
@@ -24,24 +25,6 @@ def mats(tmp_path_factory):
     arrays = {t.name: (rng.standard_normal((ROWS, COLS)).astype(np.float32), t) for t in TYPES}
     ts = write_tensors(tmp_path_factory.mktemp("twins") / "m.gguf", arrays)
     return {t: (K.FileMatrix(ts[t.name]), deq(ts[t.name])) for t in TYPES}
-
-
-def threshold(v: float = 0.0) -> np.ndarray:
-    return np.full(1, v, np.float32)
-
-
-def want(w: np.ndarray, x: np.ndarray, thr: float, fast: bool) -> np.ndarray:
-    """w (float64) times x's inputs above thr, as the twin sees them (fast: x's 8-bit blocks;
-    the decision on the float x)"""
-    xs = q8_values(x) if fast else x.astype(np.float64)
-    return w @ np.where(np.abs(x) > thr, xs, 0.0)
-
-
-def check(got: np.ndarray, w: np.ndarray, x: np.ndarray, thr: float, fast: bool, what: str) -> None:
-    """Fast mode's integer sums are exact (the error left is float32 rounding of a few products
-    per block); exact mode's float32 sums"""
-    scale = np.abs(w).sum(axis=1).max(initial=0) * np.abs(x).max()
-    np.testing.assert_allclose(got, want(w, x, thr, fast), rtol=0, atol=(3e-6 if fast else 2e-6) * scale, err_msg=what)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -102,23 +85,7 @@ def test_products(mats, t, fast, isa):
 def test_where_the_twin_does_not_apply(mats, t, isa):
     """A negative threshold, other ranges, row lists and batches run the original path, bit for bit"""
     m, _ = mats[t]
-    rng = np.random.default_rng(3)
-    rows, cols = range(10, 300), range(64, 256)
-    thr = threshold(-1.0)
-    tw = m.with_input_major(rows, cols, thr)
-    x = rng.standard_normal(len(cols)).astype(np.float32)
-    xb = rng.standard_normal((3, len(cols))).astype(np.float32)
-    for fast in (False, True):
-        for v in (-1.0, 0.5):
-            thr[0] = v
-            if v < 0:
-                assert np.array_equal(tw.matvec(x, rows=rows, cols=cols, fast=fast), m.matvec(x, rows=rows, cols=cols, fast=fast))
-            assert np.array_equal(tw.matvec(x, rows=range(10, 299), cols=cols, fast=fast),
-                                  m.matvec(x, rows=range(10, 299), cols=cols, fast=fast))
-            idx = np.arange(10, 300)
-            assert np.array_equal(tw.matvec(x, rows=idx, cols=cols, fast=fast), m.matvec(x, rows=idx, cols=cols, fast=fast))
-            assert np.array_equal(tw.matmul(xb, rows=rows, cols=cols, fast=fast), m.matmul(xb, rows=rows, cols=cols, fast=fast))
-    assert tw.reset_twin_counts() == (0, 0)
+    check_not_applied(m, range(64, 256))
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.kernel_files import deq, random_kquant, write_tensors
-from tests.fixtures.twin_checks import check, one_per_group, threshold, threshold_cases, want
+from tests.fixtures.twin_checks import check, check_not_applied, one_per_group, threshold, threshold_cases, want
 
 TYPES = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS, COLS = 300, 768  # 300 rows: not a multiple of 128 (the twins pad to 128); 3 super-blocks
@@ -124,23 +124,7 @@ def test_random_sets(mats, t, fast, isa):
 def test_where_the_twin_does_not_apply(mats, t, isa):
     """A negative threshold, other ranges, row lists and batches run the original path, bit for bit"""
     m, _ = mats[t]
-    rng = np.random.default_rng(3)
-    rows, cols = range(10, 300), range(256, 768)
-    thr = threshold(-1.0)
-    tw = m.with_input_major(rows, cols, thr)
-    x = rng.standard_normal(len(cols)).astype(np.float32)
-    xb = rng.standard_normal((3, len(cols))).astype(np.float32)
-    for fast in (False, True):
-        for v in (-1.0, 0.5):
-            thr[0] = v
-            if v < 0:
-                assert np.array_equal(tw.matvec(x, rows=rows, cols=cols, fast=fast), m.matvec(x, rows=rows, cols=cols, fast=fast))
-            assert np.array_equal(tw.matvec(x, rows=range(10, 299), cols=cols, fast=fast),
-                                  m.matvec(x, rows=range(10, 299), cols=cols, fast=fast))
-            idx = np.arange(10, 300)
-            assert np.array_equal(tw.matvec(x, rows=idx, cols=cols, fast=fast), m.matvec(x, rows=idx, cols=cols, fast=fast))
-            assert np.array_equal(tw.matmul(xb, rows=rows, cols=cols, fast=fast), m.matmul(xb, rows=rows, cols=cols, fast=fast))
-    assert tw.reset_twin_counts() == (0, 0)
+    check_not_applied(m, range(256, 768))
 
 
 @pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K), ids=lambda t: t.name)
