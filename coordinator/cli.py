@@ -728,7 +728,7 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel):
     from .sparsity_level import choose
 
     # generate's and serve's default level, where the model is calibrated: its twins count
-    level = choose(Path(path), "input")[0] if _weights_from_context() == "gguf" else None
+    level = choose(Path(path), "input", say=False)[0] if _weights_from_context() == "gguf" else None
     opts = EngineOptions(threads=threads, cpu_workers=cpu_workers, ctx=ctx, weights=_weights_from_context(),
                          kv_caches=parallel + 1 if parallel else 2, sparsity=level)
     return Engine(path, opts, plan_only=True).memory

@@ -39,7 +39,7 @@ from .placement import (default_coordinator_share, default_gpu_share, plan_under
                         split_vocabulary, static_plan)
 from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
-from .model_files import load_head_threshold, load_input_thresholds, load_thresholds
+from .model_files import load_input_level, load_thresholds
 from .sparse_ffn import SparseFfn, SplitHead
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
@@ -172,7 +172,7 @@ class Engine:
             self._thresholds(opts.sparsity)
         # Rows that only dense steps read whole: every step's with input sparsity, whose sparse
         # steps read the twins (prompts and batches then keep the dense engine's layout).
-        rows_dense = dense or (self.input_major == "all" and opts.sparsity is not None)
+        rows_dense = dense or self.input_major == "all"
         if opts.interleave and not rows_dense:
             raise ValueError("interleaved up rows serve dense decoding only: not with CATS thresholds or predictors")
         # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
@@ -339,11 +339,12 @@ class Engine:
         return None
 
     def _thresholds(self, sparsity: float) -> list:
-        """The calibrated thresholds of `sparsity` by the engine's method (ValueError naming the
-        file and how to calibrate when they are missing)."""
+        """The calibrated thresholds of `sparsity` by the engine's method: CATS's per layer, or
+        input sparsity's (per layer and site, the lm_head's); ValueError naming the file and how
+        to calibrate when they are missing."""
         path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
         if self.opts.sparse_method == "input":
-            return load_input_thresholds(self.path, sparsity, path)
+            return load_input_level(self.path, sparsity, path)
         return load_thresholds(self.path, sparsity, path)
 
     def set_sparsity(self, sparsity: float | None) -> None:
@@ -363,9 +364,9 @@ class Engine:
             if self.input_major != "all":
                 raise ValueError("input sparsity needs the input-major twins made at load: start the engine "
                                  "with a sparsity level")
-            words[:] = np.asarray(self._thresholds(sparsity), dtype=np.float32)
-            path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
-            self.pool.buffers.head_threshold[0] = load_head_threshold(self.path, sparsity, path)
+            per_layer, head = self._thresholds(sparsity)
+            words[:] = np.asarray(per_layer, dtype=np.float32)
+            self.pool.buffers.head_threshold[0] = head
             self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
         else:
             self.ffn.set_thresholds(self._thresholds(sparsity))

@@ -137,8 +137,10 @@ def load_thresholds(model: Path, sparsity: float, path: Path | None = None) -> l
     return [float(t) for t in levels[key]]
 
 
-def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[list[float]]:
-    """Input sparsity's thresholds at `sparsity`: per layer, one per protocol.shm_layout.INPUT_SITES."""
+def load_input_level(model: Path, sparsity: float, path: Path | None = None) -> tuple[list[list[float]], float]:
+    """Input sparsity's thresholds at `sparsity`, from one read of the file: per layer, one per
+    protocol.shm_layout.INPUT_SITES; and the lm_head input's (sparsecore/lm_head.py:
+    HeadCandidates), -1 (dense) where the calibration has none."""
     path = path or thresholds_path(model)
     data = _read_thresholds(model, path, sparsity)
     levels = data.get("input_levels")
@@ -151,15 +153,13 @@ def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None
                          f"run `sparseinfer calibrate --sparsity {sparsity}`")
     if data.get("sites") != list(INPUT_SITES):
         raise ValueError(f"{path}: input sites {data.get('sites')}, expected {list(INPUT_SITES)}; calibrate again")
-    return [[float(t) for t in layer] for layer in levels[key]]
+    head = data.get("head_levels", {}).get(key)
+    return [[float(t) for t in layer] for layer in levels[key]], -1.0 if head is None else float(head)
 
 
-def load_head_threshold(model: Path, sparsity: float, path: Path | None = None) -> float:
-    """The lm_head input's threshold at `sparsity` (sparsecore/lm_head.py: HeadCandidates), or -1
-    (dense) where the calibration has none."""
-    path = path or thresholds_path(model)
-    got = _read_thresholds(model, path, sparsity).get("head_levels", {}).get(level_key(sparsity))
-    return -1.0 if got is None else float(got)
+def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[list[float]]:
+    """The per-layer part of load_input_level."""
+    return load_input_level(model, sparsity, path)[0]
 
 
 def calibrated_levels(model: Path, path: Path | None = None) -> dict | None:

@@ -19,12 +19,14 @@ DEFAULT_QUALITY_BUDGET = 0.02
 MIN_PAYING_LEVEL = 0.4
 
 
-def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET) -> tuple[float | None, str]:
-    """(the level to decode at, or None for dense; the one line that says so)."""
+def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET,
+           say: bool = True) -> tuple[float | None, str]:
+    """(the level to decode at, or None for dense; the one line that says so). `say` False: only
+    the level (`info`'s plan), the hint to calibrate not counted as given."""
     q = calibrated_levels(model)
     name = Path(model).name
     if q is None or q.get("method") != method or not q.get("levels"):
-        if not _first_time(Path(model)):
+        if not say or not _first_time(Path(model)):
             return None, ""
         return None, (f"note: decoding densely; `sparseinfer calibrate -m {model}` once (a few minutes) lets "
                       f"generate, chat and serve skip weights at a level within +{budget:.0%} perplexity")

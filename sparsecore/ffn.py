@@ -26,8 +26,9 @@ ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu_tanh": lambda g: F.gelu(g, 
 GATE_MODES = ("par", "sym", "none")
 
 
-def _combine(g: torch.Tensor, x: torch.Tensor, up, activation: str, gate_mode: str) -> torch.Tensor:
-    """h from g = act(gate x): times up x, times act(up x), or g itself."""
+def combine(g: torch.Tensor, x: torch.Tensor, up, activation: str, gate_mode: str) -> torch.Tensor:
+    """h from g = act(gate x): times up x, times act(up x), or g itself (the down matrix's input;
+    the quality tools compute it for calibration and emulation too)."""
     if gate_mode == "none":
         return g
     u = x_wt(x, up)
@@ -191,7 +192,7 @@ def ffn_partial(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
             return x.new_zeros(x.shape)
         gate, down_t = gate.index_select(0, active), down_t.index_select(0, active)
         up = up if gate_mode == "none" else up.index_select(0, active)
-    h = _combine(ACTIVATIONS[activation](x_wt(x, gate)), x, up, activation, gate_mode)
+    h = combine(ACTIVATIONS[activation](x_wt(x, gate)), x, up, activation, gate_mode)
     return _h_w(h, down_t)
 
 
@@ -222,8 +223,8 @@ def ffn_partial_threshold(x: torch.Tensor, gate: Rows, up: Rows, down_t: Rows,
         return x.new_zeros(x.shape), 0
     if x.shape[0] == 1 and n < GATHER_BELOW * g.shape[1]:
         active = keep[0].nonzero().squeeze(1)
-        h = _combine(g[:, active], x, up if gate_mode == "none" else up.index_select(0, active), activation, gate_mode)
+        h = combine(g[:, active], x, up if gate_mode == "none" else up.index_select(0, active), activation, gate_mode)
         return _h_w(h, down_t.index_select(0, active)), n
     if gate_mode != "par":
-        return _h_w(_combine(g.mul_(keep), x, up, activation, gate_mode), down_t), n
+        return _h_w(combine(g.mul_(keep), x, up, activation, gate_mode), down_t), n
     return _h_w(g.mul_(keep).mul_(x_wt(x, up)), down_t), n  # in place: g is ours

@@ -40,7 +40,6 @@ class Twins:
     """The twins one process made: their bytes, and what could not have one."""
 
     def __init__(self):
-        self.bytes = 0
         self.skipped: dict[str, int] = {}  # type name -> matrices (of this process) left without a twin
         self.matrices: list = []  # every matrix carrying a twin (for the active-column counters)
 
@@ -51,7 +50,6 @@ class Twins:
             self.skipped[name] = self.skipped.get(name, 0) + 1
             return m
         twinned = m.with_input_major(rows, cols, word)
-        self.bytes += twinned.twin_bytes
         self.matrices.append(twinned)
         return twinned
 
@@ -63,9 +61,13 @@ class Twins:
         if not all(m.type in FUSED_TYPES and m.type == ms[0].type and m.cols == ms[0].cols for m in ms):
             return [self.add(m, rows, cols, word) for m, rows in parts]
         out = FileMatrix.fuse_input_major(parts, cols, word)
-        self.bytes += out[0].twin_bytes
         self.matrices.append(out[0])
         return out
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the twins hold (the file's bytes of what they copy, padding included)."""
+        return sum(m.twin_bytes for m in self.matrices)
 
     def note(self) -> None:
         """One line on stderr naming the types whose matrices kept their rows only (the

@@ -51,7 +51,7 @@ class LLM:
             return None
         from coordinator.sparsity_level import choose
 
-        return choose(path, options.get("sparse_method", "input"))[0]
+        return choose(path, options.get("sparse_method", "input"), say=False)[0]
 
     # ---- text ------------------------------------------------------------------------------
 

@@ -10,8 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.fixtures.kernel_checks import q8_values
-from tests.fixtures.twin_checks import check, check_not_applied, threshold, want
+from tests.fixtures.twin_checks import check, check_active_sets, check_not_applied, threshold, want
 from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
@@ -46,39 +45,7 @@ def test_products(mats, t, fast, isa):
     rng = np.random.default_rng(int(t) * 10 + fast)
     for rows, cols in ((range(10, 300), range(64, 256)), (range(0, ROWS), None), (range(5, 53), range(32, 64)),
                        (range(128, 256), range(0, 128))):
-        thr = threshold()
-        tw = m.with_input_major(rows, cols, thr)
-        c = cols or range(COLS)
-        ws = w[rows.start:rows.stop, c.start:c.stop]
-        x = rng.standard_normal(len(c)).astype(np.float32)
-        x[np.abs(x) < 1e-3] = 1e-3  # no zero input: thr 0 is everything
-        run = lambda: tw.matvec(x, rows=rows, cols=cols, fast=fast)  # noqa: E731
-        thr[0] = np.abs(x).max() + 1  # none active: nothing read, exact zeros
-        assert not run().any()
-        assert tw.reset_twin_counts() == (0, 0)
-        thr[0] = 0.0  # all: the dense product
-        y = run()
-        check(y, ws, x, 0.0, fast, f"all {rows} {cols}")
-        dense = m.matvec(x, rows=rows, cols=cols, fast=fast)
-        np.testing.assert_allclose(y, dense, rtol=0, atol=(3e-6 if fast else 2e-6) * np.abs(ws).sum(axis=1).max()
-                                   * np.abs(x).max())
-        assert tw.reset_twin_counts() == (len(c), len(c) // 32)
-        mags = np.sort(np.abs(x))
-        cases = {"one": mags[-2] / 2 + mags[-1] / 2}  # the largest input alone
-        for frac in (0.13, 0.5, 0.9):
-            k = int(len(c) * (1 - frac))
-            cases[f"{frac:.0%}"] = (mags[k - 1] + mags[k]) / 2
-        for name, v in cases.items():
-            thr[0] = v
-            check(run(), ws, x, v, fast, f"{name} {rows} {cols}")
-            active = np.abs(x) > v
-            assert tw.reset_twin_counts() == (int(active.sum()), int(active.reshape(-1, 32).any(axis=1).sum())), name
-        # one input per group, at a different place in each
-        x1 = np.zeros(len(c), np.float32)
-        x1[np.arange(0, len(c), 32) + np.arange(len(c) // 32) % 32] = rng.standard_normal(len(c) // 32) + 3
-        thr[0] = 0.5
-        check(tw.matvec(x1, rows=rows, cols=cols, fast=fast), ws, x1, 0.5, fast, f"one a group {rows} {cols}")
-        assert tw.reset_twin_counts() == (len(c) // 32, len(c) // 32)
+        check_active_sets(m, w, rows, cols, fast, rng, 32)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.kernel_files import deq, random_kquant, write_tensors
-from tests.fixtures.twin_checks import check, check_not_applied, one_per_group, threshold, threshold_cases, want
+from tests.fixtures.twin_checks import check, check_active_sets, check_not_applied, threshold, want
 
 TYPES = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS, COLS = 300, 768  # 300 rows: not a multiple of 128 (the twins pad to 128); 3 super-blocks
@@ -74,32 +74,7 @@ def test_products(mats, t, fast, isa):
     rng = np.random.default_rng(int(t) * 10 + fast)
     for rows, cols in ((range(10, 300), range(256, 768)), (range(0, ROWS), None), (range(5, 53), range(512, 768)),
                        (range(128, 256), range(0, 256))):
-        thr = threshold()
-        tw = m.with_input_major(rows, cols, thr)
-        c = cols or range(COLS)
-        ws = w[rows.start:rows.stop, c.start:c.stop]
-        x = rng.standard_normal(len(c)).astype(np.float32)
-        x[np.abs(x) < 1e-3] = 1e-3  # no zero input: thr 0 is everything
-        run = lambda: tw.matvec(x, rows=rows, cols=cols, fast=fast)  # noqa: E731
-        thr[0] = np.abs(x).max() + 1  # none active: nothing read, exact zeros
-        assert not run().any()
-        assert tw.reset_twin_counts() == (0, 0)
-        thr[0] = 0.0  # all: the dense product
-        y = run()
-        check(y, ws, x, 0.0, fast, f"all {rows} {cols}")
-        dense = m.matvec(x, rows=rows, cols=cols, fast=fast)
-        np.testing.assert_allclose(y, dense, rtol=0, atol=(3e-6 if fast else 2e-6) * np.abs(ws).sum(axis=1).max()
-                                   * np.abs(x).max())
-        assert tw.reset_twin_counts() == (len(c), len(c) // g)
-        for name, v in threshold_cases(x).items():
-            thr[0] = v
-            check(run(), ws, x, v, fast, f"{name} {rows} {cols}")
-            active = np.abs(x) > v
-            assert tw.reset_twin_counts() == (int(active.sum()), int(active.reshape(-1, g).any(axis=1).sum())), name
-        x1 = one_per_group(rng, len(c))
-        thr[0] = 0.5
-        check(tw.matvec(x1, rows=rows, cols=cols, fast=fast), ws, x1, 0.5, fast, f"one a block {rows} {cols}")
-        assert tw.reset_twin_counts() == (len(c) // 32, len(c) // g)
+        check_active_sets(m, w, rows, cols, fast, rng, g)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

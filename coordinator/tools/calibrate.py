@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from protocol.shm_layout import INPUT_SITES
-from sparsecore.ffn import ACTIVATIONS
+from sparsecore.ffn import ACTIVATIONS, combine
 
 from ..model_files import THRESHOLDS_FORMAT, level_key
 from . import observe
@@ -52,17 +52,6 @@ class _RowSample:
     def get(self, layer: int, site: str) -> np.ndarray | None:
         got = self.rows.pop((layer, site), None)
         return None if not got else np.concatenate(got)
-
-
-def _hidden_activation(gate: torch.Tensor, up: torch.Tensor | None, x: np.ndarray, activation: str,
-                       gate_mode: str) -> torch.Tensor:
-    """h = act(gate x) * (up x), the down matrix's input (sparsecore.ffn.GATE_MODES' variants)."""
-    xt = torch.from_numpy(x)
-    g = ACTIVATIONS[activation](xt @ gate.T)
-    if gate_mode == "none":
-        return g
-    u = xt @ up.T
-    return g * (ACTIVATIONS[activation](u) if gate_mode == "sym" else u)
 
 
 def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
@@ -103,7 +92,9 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
             if site == "ffn_h":
                 x = sample.get(layer, "ffn_in")
                 up = None if cfg.ffn_gate == "none" else gates.matrix(layer, "ffn_up")
-                vals = _hidden_activation(gates.gate(layer), up, x, cfg.activation, cfg.ffn_gate)
+                xt = torch.from_numpy(x)
+                vals = combine(ACTIVATIONS[cfg.activation](xt @ gates.gate(layer).T), xt, up, cfg.activation,
+                               cfg.ffn_gate)
             else:
                 got = sample.get(layer, site) if site != "ffn_in" else None
                 vals = torch.from_numpy(got if got is not None else xs)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from protocol.shm_layout import INPUT_SITES
-from sparsecore.ffn import ACTIVATIONS
+from sparsecore.ffn import ACTIVATIONS, combine
 from sparsecore.lm_head import HEAD_CANDIDATES
 
 from . import observe
@@ -59,7 +59,7 @@ class MaskedFfn:
 
     def __init__(self, engine, masks: InputMasks):
         cfg = observe.config(engine)
-        self.masks, self.act, self.mode = masks, ACTIVATIONS[cfg.activation], cfg.ffn_gate
+        self.masks, self.act, self.activation, self.mode = masks, ACTIVATIONS[cfg.activation], cfg.activation, cfg.ffn_gate
         # every layer's float matrices kept where they are small (SmolLM2: 0.3 GB), else read
         # from the file at each use
         self.keep = cfg.n_layers * 3 * cfg.hidden * cfg.n_ff * 4 <= KEEP_BYTES
@@ -78,8 +78,7 @@ class MaskedFfn:
     def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor, decode=None) -> torch.Tensor:
         up, down = self._up_down(layer)
         x = self.masks(layer, "ffn_in", x)
-        g = self.act(x @ self.gates.gate(layer).T)
-        h = g if self.mode == "none" else g * (self.act(x @ up.T) if self.mode == "sym" else x @ up.T)
+        h = combine(self.act(x @ self.gates.gate(layer).T), x, up, self.activation, self.mode)
         return self.masks(layer, "ffn_h", h) @ down.T
 
 

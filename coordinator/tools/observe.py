@@ -78,11 +78,10 @@ def input_thresholds(engine) -> tuple[list[list[float]], float] | None:
     lm_head input's), or None when it decodes densely or by another method."""
     if engine.sparsity is None or engine.opts.sparse_method != "input":
         return None
-    from ..model_files import load_head_threshold, load_input_thresholds
+    from ..model_files import load_input_level
 
     path = Path(engine.opts.thresholds_file) if engine.opts.thresholds_file else None
-    return (load_input_thresholds(engine.path, engine.sparsity, path),
-            load_head_threshold(engine.path, engine.sparsity, path))
+    return load_input_level(engine.path, engine.sparsity, path)
 
 
 def predictors(engine):
