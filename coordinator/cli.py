@@ -76,6 +76,15 @@ _PENALTY_OPTIONS = [
 ]
 
 
+def _remember(key):
+    """A click callback that keeps an option's value in the context's meta under `key` (options
+    with expose_value=False, read where the engine is opened)."""
+    def callback(ctx, param, value):
+        ctx.meta[key] = value
+        return value
+    return callback
+
+
 def _remember_placement(ctx, param, value):
     ctx.meta.setdefault("sparseinfer.placement", {})[param.name] = value
     return value
@@ -98,34 +107,19 @@ _placement_options = [
 ]
 
 
-def _remember_predictor(ctx, param, value):
-    ctx.meta["sparseinfer.predictor"] = value
-    return value
-
-
 # Passed like the placement options, through the click context.
 _predictor_option = click.option(
-    "--predictor", default=None, metavar="FILE", expose_value=False, callback=_remember_predictor,
+    "--predictor", default=None, metavar="FILE", expose_value=False, callback=_remember("sparseinfer.predictor"),
     help="activation predictor GGUF (default: the model's own fc1/fc2, if any; 'none': off)")
-
-
-def _remember_weights(ctx, param, value):
-    ctx.meta["sparseinfer.weights"] = value
-    return value
 
 
 # Passed like the placement options, through the click context.
 _weights_option = click.option(
     "--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="gguf", show_default=True, expose_value=False,
-    callback=_remember_weights,
+    callback=_remember("sparseinfer.weights"),
     help="how processes keep weights in memory: float32 (exact), int8 with one scale per neuron row "
          "(a quarter of the memory), float16 (half the bytes read per token), or gguf: the file's "
          "own blocks, memory-mapped, computed on by the native kernels (no copy; see docs/KERNELS.md)")
-
-
-def _remember_arith(ctx, param, value):
-    ctx.meta["sparseinfer.arith"] = value
-    return value
 
 
 # Passed like the placement options, through the click context.
@@ -134,22 +128,14 @@ def _remember_arith(ctx, param, value):
 DEFAULT_ARITH = "fast"
 _arith_option = click.option(
     "--arith", type=click.Choice(["exact", "fast"]), default=DEFAULT_ARITH, show_default=True, expose_value=False,
-    callback=_remember_arith,
+    callback=_remember("sparseinfer.arith"),
     help="with --weights gguf: fast (activations quantized to 8 bits per block of 32, as llama.cpp) or "
          "exact (float32 activations times the dequantized blocks: what transformers computes, token for "
          "token); other --weights ignore it")
 
 
 def _weights_from_context() -> str:
-    ctx = click.get_current_context(silent=True)
-    return ctx.meta.get("sparseinfer.weights", "gguf") if ctx is not None else "gguf"
-
-
-def _remember(key):
-    def callback(ctx, param, value):
-        ctx.meta[key] = value
-        return value
-    return callback
+    return _meta("sparseinfer.weights", "gguf")
 
 
 _sparse_method_option = click.option(
@@ -195,13 +181,11 @@ def _say(line: str) -> None:
 
 
 def _arith_from_context() -> str:
-    ctx = click.get_current_context(silent=True)
-    return ctx.meta.get("sparseinfer.arith", DEFAULT_ARITH) if ctx is not None else DEFAULT_ARITH
+    return _meta("sparseinfer.arith", DEFAULT_ARITH)
 
 
 def _predictor_from_context() -> str | None:
-    ctx = click.get_current_context(silent=True)
-    return ctx.meta.get("sparseinfer.predictor") if ctx is not None else None
+    return _meta("sparseinfer.predictor", None)
 
 
 def _placement_from_context() -> dict:
