@@ -5,7 +5,7 @@ completions); top_k, min_p and repeat_penalty are llama.cpp's extensions. Unknow
 ignored, as OpenAI-compatible servers do, so clients that send more still work."""
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -19,6 +19,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: Union[dict, bool] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -37,6 +50,12 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # Structured output (coordinator/structured_output.py): OpenAI's response_format, or
+    # llama.cpp's json_schema and grammar (GBNF or Lark) fields, or a regex.
+    response_format: ResponseFormat | None = None
+    json_schema: Any = None  # checked by structured_output.grammar_for, which names what is wrong
+    grammar: str | None = None
+    regex: str | None = None
 
     @field_validator("seed")
     @classmethod

@@ -8,8 +8,9 @@ The `Scheduler` owns the engine's model on one thread. Each step it
      chunk's time);
   3. decodes one token for every running sequence together (`Transformer.decode_batch`: the
      FFN and the head see all rows at once, attention runs per sequence on its own cache);
-  4. samples each sequence's next token, checks EOS, stop strings (across token boundaries)
-     and lengths, and hands the text to the request's `on_event` callback.
+  4. samples each sequence's next token (from what its grammar allows, for structured output),
+     checks EOS, stop strings (across token boundaries), a completed grammar and lengths, and
+     hands the text to the request's `on_event` callback.
 A cancelled request (its client went away) leaves its slot at the next step. Requests beyond
 the slots wait in a bounded queue; beyond that `submit` raises `Overloaded`.
 """
@@ -24,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .sampling import Sampler, SamplingParams, log_softmax
+from .structured_output import Constraint, GrammarError
 from .tokenizer import GGUFTokenizer, StreamDecoder
 
 MAX_TOP_LOGPROBS = 20
@@ -66,6 +68,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stop_at_eos: bool = True
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    constraint: Constraint | None = None  # structured output: the grammar this sequence follows
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -281,9 +284,19 @@ class Scheduler:
     def _take(self, s: Slot, logits: np.ndarray) -> None:
         """Sample the next token of slot s from its logits and pass it on, or end the sequence."""
         req = s.req
-        tok = s.sampler(logits, s.history)
+        grammar = req.constraint
+        try:
+            if grammar is not None:  # what is sampled, and reported as logprobs, is what the grammar allows
+                logits = grammar.restrict(logits)
+            tok = s.sampler(logits, s.history)
+            if grammar is not None and tok not in self.tokenizer.eos_ids:
+                grammar.accept(tok)
+        except GrammarError as e:  # this request's grammar, not the engine: end it alone
+            s.free()
+            req.on_event(FailedEvent(f"structured output: {e}"))
+            return
         s.history.append(tok)
-        if req.stop_at_eos and tok in self.tokenizer.eos_ids:
+        if (req.stop_at_eos or grammar is not None) and tok in self.tokenizer.eos_ids:
             self._finish(s, "stop")
             return
         s.generated += 1
@@ -295,11 +308,13 @@ class Scheduler:
             if k:
                 best = np.argpartition(-lp, k - 1)[:k]
                 best = best[np.argsort(-lp[best], kind="stable")]
-                top = [(int(i), float(lp[i])) for i in best]
+                top = [(int(i), float(lp[i])) for i in best if np.isfinite(lp[i])]  # not a token the grammar forbids
         text, stopped = s.stops.push(s.text.push(tok))
         req.on_event(TokenEvent(tok, text, logprob, top))
         if stopped:
             self._finish(s, "stop", flush=False)
+        elif grammar is not None and grammar.complete:  # nothing but the end can follow
+            self._finish(s, "stop")
         elif s.generated >= req.max_tokens or len(s.tokens) >= self.max_ctx:
             self._finish(s, "length")
         else:

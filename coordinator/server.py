@@ -30,6 +30,7 @@ from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, Token
 from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .sampling import SamplingParams
+from .structured_output import Constraint, GrammarError, TokenTable, grammar_for
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
 HEADER_TIMEOUT_S = 10.0  # a connection's time to deliver a request's headers (idle and slowloris ones)
@@ -324,6 +325,7 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
         raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({want}) exceeds the context size "
                             f"{sched.max_ctx}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")
+    constraint = await _constraint(state, body)
     sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed, body.min_p,
                               body.repeat_penalty, body.presence_penalty, body.frequency_penalty)
     loop = asyncio.get_running_loop()
@@ -336,7 +338,7 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
             pass
 
     req = Request(ids, max_tokens or room, state.metrics.watch(on_event), sampling, body.stop, not body.ignore_eos,
-                  logprobs)
+                  logprobs, constraint)
     try:
         sched.submit(req)
     except Overloaded as e:
@@ -372,6 +374,23 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
     finally:
         req.cancelled.set()  # a no-op once done; frees the slot if this handler was cancelled
     return fmt.whole("".join(text), infos, done)
+
+
+async def _constraint(state: ServerState, body) -> Constraint | None:
+    """The request's grammar, compiled off the event loop (the vocabulary's table is built on
+    first use); a grammar or schema that cannot be used is a 400 naming the field."""
+    rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
+    try:
+        grammar = grammar_for(response_format=rf, json_schema=body.json_schema, grammar=body.grammar, regex=body.regex)
+        if grammar is None:
+            return None
+        eng = state.engine
+        return await run_in_threadpool(lambda: Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), grammar))
+    except GrammarError as e:
+        msg = str(e)
+        param = msg.split(":")[0] if msg.split(":")[0] in ("response_format", "json_schema", "grammar", "regex") \
+            or msg.startswith("response_format.") else None
+        raise ApiError(400, msg, param=param.split(" ")[0] if param else None) from None
 
 
 async def _stream(req: Request, events: asyncio.Queue, fmt: "_Format", include_usage: bool, http: HttpRequest):

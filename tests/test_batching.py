@@ -3,6 +3,7 @@ prompt caching, stop strings, cancellation, the bounded queue, engine failures."
 from __future__ import annotations
 
 import queue
+import re
 import threading
 
 import numpy as np
@@ -119,6 +120,43 @@ def test_sequences_decode_together_and_each_gets_its_own_tokens(tokenizer):
             assert toks == [start + 2 + i for i in range(5)]
             assert events[-1].reason == "length" and events[-1].completion_tokens == 5
         assert max(model.batches) == 4  # one pass for all four sequences
+    finally:
+        sched.stop()
+
+
+def test_a_constrained_sequence_follows_its_grammar_and_leaves_its_neighbours_alone(tokenizer):
+    """Structured output inside the batch: the model's favourite next token (last + 1) is
+    forbidden by a grammar of 4 lowercase letters, so the constrained sequence takes what the
+    grammar allows and ends when it is complete ("stop"); the free sequences beside it decode
+    exactly as they do alone; a second constrained one, beside them, gets the same as the first."""
+    from coordinator.structured_output import Constraint, TokenTable, grammar_for
+    table = TokenTable.of(tokenizer, tokenizer.vocab_size)
+    grammar = grammar_for(regex="[a-z]{4}")
+    model = FakeModel(tokenizer.vocab_size)
+    sched = Scheduler(FakeEngine(model, tokenizer), parallel=4, queue=4)
+    model.gate.clear()
+    qs = []
+    for start, constrained in ((40, True), (50, False), (60, True), (70, False)):
+        q, put = _collect()
+        sched.submit(Request([start, start + 1], 6, put, SamplingParams(0.0), stop_at_eos=False,
+                             constraint=Constraint(table, grammar) if constrained else None))
+        qs.append((start, constrained, q))
+    sched.start()
+    try:
+        model.gate.set()
+        texts = []
+        for start, constrained, q in qs:
+            events = _drain(q)
+            toks = [e.token for e in events if isinstance(e, TokenEvent)]
+            if constrained:
+                text = "".join(e.text for e in events if isinstance(e, TokenEvent)) + events[-1].text
+                assert re.fullmatch("[a-z]{4}", text), text
+                assert events[-1].reason == "stop" and toks != [start + 2 + i for i in range(len(toks))]
+                texts.append(text)
+            else:
+                assert toks == [start + 2 + i for i in range(6)] and events[-1].reason == "length"
+        assert texts[0] == texts[1]
+        assert max(model.batches) >= 3  # decoded together (a constrained one may end before the last is in)
     finally:
         sched.stop()
 

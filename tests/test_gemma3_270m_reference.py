@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from coordinator.engine import Engine, EngineOptions
-from coordinator.model_fetch import model_path
 from coordinator.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -24,11 +23,8 @@ LOGITS_ATOL = 2e-4  # measured: at most 2.4e-5, logits up to about 26
 
 
 @pytest.fixture(scope="module")
-def engine():
-    path = model_path("gemma3-270m")
-    if not path.exists():
-        pytest.skip(f"Gemma 3 270M not present at {path}; run `sparseinfer pull gemma3-270m`")
-    with Engine(path, EngineOptions(threads=2, fast=False)) as eng:  # exact: transformers' arithmetic
+def engine(gemma3_path):
+    with Engine(gemma3_path, EngineOptions(threads=2, fast=False)) as eng:  # exact: transformers' arithmetic
         yield eng
 
 
