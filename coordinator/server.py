@@ -17,13 +17,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -157,8 +158,12 @@ def header_timeout_protocol(seconds: float):
     return HeaderDeadline
 
 
+CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                 "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
 # the routes requests are counted by (coordinator/metrics.py); any other path counts as "other"
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+          "/")
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
@@ -199,12 +204,21 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def _auth(request: HttpRequest, call_next):
         path = request.url.path
         endpoint = path if path in ROUTES else "other"  # labels stay few whatever clients ask for
-        if path != "/health" and not authorized(request):
+        if path not in ("/health", "/") and not authorized(request):  # "/": the static chat page
             metrics.request(endpoint, 401)
             return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
         response = await call_next(request)
         metrics.request(endpoint, response.status_code)
         return response
+
+    page = files(__package__).joinpath("web/chat.html").read_text("utf-8")
+
+    @app.get("/")
+    async def chat_page():
+        """The chat page (coordinator/web/chat.html): static, so open to all; it asks for the key
+        and sends it with its API calls. Its CSP lets it reach this server only (offline, no CDN)."""
+        return HTMLResponse(page, headers={"Content-Security-Policy": CHAT_PAGE_CSP,
+                                           "X-Content-Type-Options": "nosniff"})
 
     @app.get("/metrics")
     async def prometheus():

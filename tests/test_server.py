@@ -5,7 +5,6 @@ greedy request alone and inside a batch of 4 gives the same tokens), prompt cach
 that disconnects, a taken port, signals, and `sparseinfer prompt` as a client."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import pytest
 
 from tests.conftest import HANG_S, REPO, children_of
 from tests.fixtures import procs
+from tests.fixtures.http_server import health, launched as _server
 
 KEY = "test-key-123"
 PROMPTS = ["the lazy dog", "a quick brown fox jumps", "once upon a time there", "hello world, hello"]
@@ -33,40 +33,7 @@ def _run(args, **kw):
 
 def _health(url: str, key: str | None = None) -> tuple[int, dict]:
     """/health's status and body, asked with the tests' key (a server without one ignores it)."""
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key or KEY}"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-@contextlib.contextmanager
-def _server(model, tmp_path, *extra, **popen_kw):
-    """`scripts/launch` (= `sparseinfer serve`) on a free port, loaded; yields (process, url)."""
-    ready = tmp_path / "ready"
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch"), "-m", str(model), "--port", "0",
-                               "--ready-file", str(ready), "-t", "2", "--cpu-workers", "1", *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline, "server did not bind"
-            time.sleep(0.05)
-        url = ready.read_text().strip()
-        while True:
-            status, body = _health(url)
-            if status == 200:
-                break
-            assert status == 503 and body == {"status": "loading"}, (status, body)
-            assert server.poll() is None and time.monotonic() < deadline, "server did not load"
-            time.sleep(0.1)
-        yield server, url
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    return health(url, key or KEY)
 
 
 @pytest.fixture(scope="module")
