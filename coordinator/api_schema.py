@@ -79,9 +79,47 @@ class TextPart(_Body):
     text: str
 
 
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (checked when a call is constrained by it)
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: Union[str, dict]
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -93,6 +131,9 @@ class Message(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

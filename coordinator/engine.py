@@ -422,17 +422,19 @@ class Engine:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
         return self.render_messages(messages)
 
-    def render_messages(self, messages: list[dict]) -> str:
+    def render_messages(self, messages: list[dict], **variables) -> str:
         """A conversation (dicts with "role" and "content") as the prompt text the model's chat
-        template makes of it, ending where the assistant's reply begins."""
+        template makes of it, ending where the assistant's reply begins. `variables` reach the
+        template too (`tools`)."""
         tk = self.tokenizer
         bos = tk.tokens[tk.bos_id] if tk.bos_id is not None else ""
         eos = tk.tokens[tk.eos_id] if tk.eos_id is not None else ""
-        return render_chat(self.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+        return render_chat(self.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos,
+                           **variables)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **variables) -> list[int]:
         """Token ids of a rendered conversation: no second BOS when the template wrote one."""
-        text = self.render_messages(messages)
+        text = self.render_messages(messages, **variables)
         tk = self.tokenizer
         has_bos = tk.bos_id is not None and text.startswith(tk.tokens[tk.bos_id])
         return tk.encode(text, add_bos=False if has_bos else None)

@@ -31,6 +31,7 @@ from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, Token
 from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .sampling import SamplingParams
+from . import tool_calls
 from .structured_output import Constraint, GrammarError, TokenTable, grammar_for
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
@@ -268,19 +269,20 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def chat(body: ChatRequest, http: HttpRequest):
         sched = state.ready()
         _check_model(state, body.model)
-        messages = [{"role": m.role, "content": _text(m.text(), "messages")} for m in body.messages]
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
         _fits_at_all(state, sum(len(m["content"]) for m in messages), "messages")
+        calls = _ToolUse.of(state, body, messages)
         try:  # before the template's render (a forked process): a request refused anyway costs nothing
             sched.check_room()
         except Overloaded as e:
             raise ApiError(503, f"server overloaded: {e}", "server_error", code="overloaded") from None
         try:
-            ids = await run_in_threadpool(state.engine.encode_chat, messages)
+            ids = await run_in_threadpool(state.engine.encode_chat, calls.messages, **calls.template_vars)
         except Exception as e:  # a template that fails on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _run(state, sched, http, body, ids, max_tokens, logprobs, chat=True)
+        return await _run(state, sched, http, body, ids, max_tokens, logprobs, chat=True, tools=calls)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
@@ -330,7 +332,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, ids: list[int],
-               max_tokens: int | None, logprobs: int | None, chat: bool):
+               max_tokens: int | None, logprobs: int | None, chat: bool, tools: "_ToolUse | None" = None):
     if not ids:
         raise ApiError(400, "prompt: empty prompt, nothing to condition on", param="prompt")
     room = sched.max_ctx - len(ids)
@@ -339,7 +341,7 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
         raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({want}) exceeds the context size "
                             f"{sched.max_ctx}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")
-    constraint = await _constraint(state, body)
+    constraint = await _constraint(state, body, tools.grammar if tools else None)
     sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed, body.min_p,
                               body.repeat_penalty, body.presence_penalty, body.frequency_penalty)
     loop = asyncio.get_running_loop()
@@ -362,7 +364,8 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
     except RuntimeError as e:
         raise ApiError(500, f"the engine failed: {e}", "server_error") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    fmt = _Format(state, rid, chat, logprobs is not None, state.engine.tokenizer)
+    fmt = _Format(state, rid, chat, logprobs is not None, state.engine.tokenizer,
+                  tools.parser() if tools else None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(req, events, fmt, include_usage, http), media_type="text/event-stream",
@@ -390,21 +393,87 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
     return fmt.whole("".join(text), infos, done)
 
 
-async def _constraint(state: ServerState, body) -> Constraint | None:
-    """The request's grammar, compiled off the event loop (the vocabulary's table is built on
-    first use); a grammar or schema that cannot be used is a 400 naming the field."""
+async def _constraint(state: ServerState, body, tool_grammar: str | None = None) -> Constraint | None:
+    """The request's grammar (structured output, or the calls a tool_choice requires), compiled
+    off the event loop (the vocabulary's table is built on first use); a grammar or schema that
+    cannot be used is a 400 naming the field."""
     rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
     try:
         grammar = grammar_for(response_format=rf, json_schema=body.json_schema, grammar=body.grammar, regex=body.regex)
+        if tool_grammar is not None:
+            if grammar is not None:
+                raise GrammarError("tool_choice: a required tool call and a response format or grammar "
+                                   "cannot both constrain the reply")
+            grammar = _checked_tool_grammar(tool_grammar)
         if grammar is None:
             return None
         eng = state.engine
         return await run_in_threadpool(lambda: Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), grammar))
     except GrammarError as e:
         msg = str(e)
-        param = msg.split(":")[0] if msg.split(":")[0] in ("response_format", "json_schema", "grammar", "regex") \
-            or msg.startswith("response_format.") else None
-        raise ApiError(400, msg, param=param.split(" ")[0] if param else None) from None
+        head = msg.split(":")[0]
+        param = head if head.split(".")[0] in ("response_format", "json_schema", "grammar", "regex", "tool_choice",
+                                              "tools") else None
+        raise ApiError(400, msg, param=param) from None
+
+
+def _checked_tool_grammar(lark: str) -> str:
+    try:
+        return grammar_for(grammar=lark)
+    except GrammarError as e:  # the tools' parameter schemas are what can be wrong here
+        raise GrammarError("tools: a function's parameters are not a usable JSON schema: "
+                           + str(e).split(": ", 1)[-1]) from None
+
+
+def _message(m, i: int) -> dict:
+    """A chat message as the template and tool_calls.prepare take it."""
+    out = {"role": m.role, "content": _text(m.text(), "messages")}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id or "", "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _choice(choice):
+    return choice.model_dump() if hasattr(choice, "model_dump") else choice
+
+
+class _ToolUse:
+    """A chat request's tools: the messages and variables its template gets, the grammar a
+    required call needs, and a parser of the calls in the reply (coordinator/tool_calls.py)."""
+
+    def __init__(self, messages: list[dict], template_vars: dict, style: str, tools: list, grammar: str | None):
+        self.messages, self.template_vars, self.style, self.tools, self.grammar = \
+            messages, template_vars, style, tools, grammar
+
+    @classmethod
+    def of(cls, state: ServerState, body, messages: list[dict]) -> "_ToolUse":
+        history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if not body.tools and not history:
+            return cls(messages, {}, "hermes", [], None)
+        try:
+            every = tool_calls.parse_tools([t.model_dump() for t in body.tools or []])
+            offered, must = tool_calls.chosen(every, _choice(body.tool_choice) if body.tools else "none")
+            # every tool is shown whatever the choice: the prompt stays the same from turn to turn,
+            # so the next turn reuses its KV cache; the choice decides what is parsed or required
+            shaped, variables, style = tool_calls.prepare(messages, every, state.engine.chat_template)
+            grammar = None
+            if must:
+                tk = state.engine.tokenizer
+                opener = tk.tokens.index(tool_calls.MISTRAL_OPEN) if style == "mistral" and \
+                    tool_calls.MISTRAL_OPEN in tk.tokens and tk.is_special(tk.tokens.index(tool_calls.MISTRAL_OPEN)) else None
+                grammar = tool_calls.call_grammar(style, offered, body.parallel_tool_calls, opener)
+        except tool_calls.ToolError as e:
+            raise ApiError(400, str(e), param=str(e).split(":")[0]) from None
+        return cls(shaped, variables, style, offered, grammar)
+
+    def parser(self) -> "tool_calls.CallParser | None":
+        return tool_calls.CallParser(self.style, self.tools) if self.tools else None
 
 
 async def _stream(req: Request, events: asyncio.Queue, fmt: "_Format", include_usage: bool, http: HttpRequest):
@@ -427,9 +496,18 @@ async def _stream(req: Request, events: asyncio.Queue, fmt: "_Format", include_u
             if ev is None:
                 continue
             if isinstance(ev, TokenEvent):
-                yield sse(fmt.chunk(ev.text, [ev], None))
+                text, calls = fmt.split_calls(ev.text)
+                yield sse(fmt.chunk(text, [ev], None))
+                for c in calls:
+                    yield sse(fmt.call_chunk(c))
             elif isinstance(ev, DoneEvent):
-                yield sse(fmt.chunk(ev.text, None, ev.reason if ev.reason != "cancelled" else "stop"))
+                text, calls = fmt.split_calls(ev.text, final=True)
+                if calls:
+                    yield sse(fmt.chunk(text, None, None))
+                    for c in calls:
+                        yield sse(fmt.call_chunk(c))
+                    text = ""
+                yield sse(fmt.chunk(text, None, fmt.finish_reason(ev)))
                 if include_usage:
                     yield sse(fmt.usage_chunk(ev))
                 break
@@ -445,10 +523,27 @@ async def _stream(req: Request, events: asyncio.Queue, fmt: "_Format", include_u
 class _Format:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, state: ServerState, rid: str, chat: bool, logprobs: bool, tokenizer):
+    def __init__(self, state: ServerState, rid: str, chat: bool, logprobs: bool, tokenizer,
+                 calls: "tool_calls.CallParser | None" = None):
         self.model, self.rid, self.chat, self.logprobs, self.tk = state.model_id, rid, chat, logprobs, tokenizer
         self.created = int(time.time())
         self.offset = 0  # completions' text_offset: characters of the tokens before
+        self.calls = calls  # finds tool calls in the reply, where the request offered tools
+
+    def split_calls(self, text: str, final: bool = False) -> tuple[str, list]:
+        """(content to send, tool calls completed) of the reply's next text."""
+        if self.calls is None:
+            return text, []
+        return self.calls.finish(text) if final else self.calls.feed(text)
+
+    def finish_reason(self, done: DoneEvent) -> str:
+        if self.calls is not None and self.calls.calls and done.reason == "stop":  # cut short: "length"
+            return "tool_calls"
+        return done.reason if done.reason != "cancelled" else "stop"
+
+    def call_chunk(self, call) -> dict:
+        index = self.calls.calls.index(call)
+        return self.chunk({"tool_calls": [call.as_openai(index)]}, None, None)
 
     def _piece(self, tok: int) -> tuple[str, list[int]]:
         b = self.tk.piece_bytes(tok) if not self.tk.is_special(tok) else self.tk.tokens[tok].encode()
@@ -497,9 +592,14 @@ class _Format:
                 "usage": self._usage(done)}
 
     def whole(self, text: str, infos: list[TokenEvent], done: DoneEvent) -> dict:
-        reason = done.reason if done.reason != "cancelled" else "stop"
+        text, calls = self.split_calls(text, final=True)
+        reason = self.finish_reason(done)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [c.as_openai() for c in calls]}
+            choice = {"index": 0, "message": message,
                       "logprobs": self._logprobs(infos), "finish_reason": reason}
             obj = "chat.completion"
         else:
