@@ -4,34 +4,27 @@
 Templates come from model files, i.e. untrusted input, hence the immutable sandbox (no access
 to Python internals) and limits on what a render may cost. The sandbox alone bounds neither
 time nor memory (nested loops; `'x' * 10**7` in a loop; `s ~ s` doubling; `'{:>999999999}'`),
-and most such costs are single C calls that no in-process hook can interrupt or measure. So a
-render runs in a forked child: an address-space limit (RLIMIT_AS, its current size plus
-RENDER_MEMORY_BYTES) turns a memory bomb into a MemoryError, the parent kills it after
-RENDER_SECONDS, and the text it sends back is capped at MAX_OUTPUT_CHARS. The fork costs a few
-milliseconds (copy-on-write; the child only compiles and renders the template and exits with
-os._exit, so it never touches the parent's sockets, threads or torch). Every failure is one
+and most such costs are single C calls that no in-process hook can interrupt or measure. So
+renders run in a small long-lived renderer process (coordinator/template_renderer.py): its
+address space is capped (RENDER_MEMORY_BYTES above its size at start, so a memory bomb is a
+MemoryError), the parent kills and replaces it when a render takes more than RENDER_SECONDS,
+and the text it sends back is capped at MAX_OUTPUT_CHARS. Every failure is one
 ChatTemplateError line starting "chat template: ".
 """
 
 from __future__ import annotations
 
 import json
-import os
-import resource
-import select
-import signal
-import threading
-import time
-import warnings
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-import msgpack
-
-import gguf
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    import gguf
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -44,7 +37,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def chat_template_from_reader(reader: gguf.GGUFReader) -> str | None:
+def chat_template_from_reader(reader: "gguf.GGUFReader") -> str | None:
     field = reader.fields.get(CHAT_TEMPLATE_KEY)
     if field is None:
         return None
@@ -101,99 +94,38 @@ def _render_limited(source: str, variables) -> str:
     return "".join(out)
 
 
-def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _child(source: str, variables, wfd: int) -> None:
-    """The forked child's whole life: render, send {ok|error}, _exit. Never returns."""
+def serve_one(request) -> dict:
+    """The renderer child's answer to one request {"source", "variables"}: {"ok": text} or
+    {"error": reason} ("security": true for the sandbox's refusals; "restart": true after a
+    MemoryError, which may have left the child's heap in a poor state)."""
     try:
-        limit = _vm_bytes() + RENDER_MEMORY_BYTES
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard == resource.RLIM_INFINITY or limit < hard:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-        try:
-            reply = {"ok": _render_limited(source, variables)}
-        except ChatTemplateError as e:
-            reply = {"error": str(e)[len("chat template: "):]}
-        except MemoryError:
-            reply = {"error": f"rendering needs more than {RENDER_MEMORY_BYTES >> 20} MiB of memory"}
-        except RecursionError:
-            reply = {"error": "recursion too deep"}
-        except jinja2.exceptions.SecurityError as e:
-            reply = {"error": f"not allowed by the sandbox: {e}", "security": True}
-        except Exception as e:  # raise_exception(), undefined names, type errors, ...
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        data = msgpack.packb(reply)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(wfd, view):]
-    except BaseException:
-        os._exit(1)
-    os._exit(0)
-
-
-# One render at a time: the child is forked from a threaded process (the HTTP server renders in
-# a thread pool), and a lock another thread held inside jinja at the fork would stay locked in
-# the child forever. With renders serialized, no thread is inside jinja when we fork.
-_FORK_LOCK = threading.Lock()
+        return {"ok": _render_limited(request["source"], request["variables"])}
+    except ChatTemplateError as e:
+        return {"error": str(e)[len("chat template: "):]}
+    except MemoryError:
+        return {"error": f"rendering needs more than {RENDER_MEMORY_BYTES >> 20} MiB of memory", "restart": True}
+    except RecursionError:
+        return {"error": "recursion too deep"}
+    except jinja2.exceptions.SecurityError as e:
+        return {"error": f"not allowed by the sandbox: {e}", "security": True}
+    except Exception as e:  # raise_exception(), undefined names, type errors, ...
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _render_isolated(source: str, variables) -> str:
-    with _FORK_LOCK:
-        return _render_forked(source, variables)
-
-
-def _render_forked(source: str, variables) -> str:
-    r, w = os.pipe()
+    from .template_renderer import RendererGone, RendererLate, renderer
     try:
-        with warnings.catch_warnings():  # 3.12+ warns about fork with threads; the child runs no thread
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-    except OSError as e:
-        os.close(r), os.close(w)
-        raise ChatTemplateError(f"cannot start the renderer: {e}") from None
-    if pid == 0:
-        os.close(r)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's handlers must not run here
-        _child(source, variables, w)
-    os.close(w)
-    chunks, size, killed = [], 0, False
-    deadline = time.monotonic() + RENDER_SECONDS
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                killed = True
-                break
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > 4 * MAX_OUTPUT_CHARS + 1024:  # cannot happen with our child; bound it anyway
-                killed = True
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        if killed:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _, status = os.waitpid(pid, 0)
-    if killed:
-        raise ChatTemplateError(f"rendering took longer than {RENDER_SECONDS:g} s")
-    try:
-        reply = msgpack.unpackb(b"".join(chunks))
-    except Exception:
-        reply = None
-    if not isinstance(reply, dict):
-        raise ChatTemplateError(f"the renderer ended without an answer (wait status {status})")
+        reply = renderer().render(source, variables, RENDER_SECONDS, RENDER_MEMORY_BYTES)
+    except RendererLate:
+        raise ChatTemplateError(f"rendering took longer than {RENDER_SECONDS:g} s") from None
+    except RendererGone as e:
+        raise ChatTemplateError(str(e)) from None
     if "error" in reply:
         raise (ChatTemplateSecurityError if reply.get("security") else ChatTemplateError)(reply["error"])
-    return reply["ok"]
+    text = reply.get("ok")
+    if not isinstance(text, str) or len(text) > MAX_OUTPUT_CHARS:
+        raise ChatTemplateError("the renderer's answer is not a text within the output limit")
+    return text
 
 
 class _GenerationTag(jinja2.ext.Extension):

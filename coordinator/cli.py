@@ -454,13 +454,15 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
               help="serve a non-loopback --host with no key (anyone who reaches the address can use the model)")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True,
               help="seconds a connection has to send a request's headers, else it is closed")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True,
+              help="seconds a request has to send its body once its headers are in, else 408 and closed")
 @click.option("--shutdown-grace", type=float, default=5.0, show_default=True,
               help="on SIGTERM, seconds running streams may take to finish before the server exits (0)")
 @click.option("--on-worker-death", type=click.Choice(["restart", "exit"]), default="restart", show_default=True,
               help="when a worker dies: restart the engine's workers (a second death within 60 s exits "
                    "non-zero), or exit non-zero at once, for a supervisor to restart the server")
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
-          ready_file, no_api_key, header_timeout, shutdown_grace, on_worker_death):
+          ready_file, no_api_key, header_timeout, body_timeout, shutdown_grace, on_worker_death):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
@@ -470,6 +472,8 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{queue} is negative", param_hint="--queue")
     if not 0 < header_timeout <= 3600:
         raise click.BadParameter(f"{header_timeout}: choose 0 < seconds <= 3600", param_hint="--header-timeout")
+    if not 0 < body_timeout <= 3600:
+        raise click.BadParameter(f"{body_timeout}: choose 0 < seconds <= 3600", param_hint="--body-timeout")
     if not 0 <= shutdown_grace <= 3600:
         raise click.BadParameter(f"{shutdown_grace}: choose 0 <= seconds <= 3600", param_hint="--shutdown-grace")
     if api_key is not None and not api_key.strip():
@@ -493,7 +497,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
             return eng
     try:
         serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace,
-                   on_worker_death)
+                   on_worker_death, body_timeout=body_timeout)
     except OSError as e:
         _fail(str(e))
 

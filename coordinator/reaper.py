@@ -1,4 +1,5 @@
-"""Removes a run's names if the processes that would remove them are all killed.
+"""Removes a run's names if the processes that would remove them are all killed (and the
+server's --ready-file if the server is).
 
 The run directory (socket, wake pipes, secret) and the shared-memory segment have names until
 every worker is ready (worker_pool removes them then); a kill -9 of the coordinator, or of the
@@ -14,9 +15,10 @@ import os
 import signal
 
 
-def start_reaper(run_dir: str, shm_name: str) -> int:
-    """Fork the reaper for these names; returns the pipe's write end, which the caller keeps
-    open for as long as the names may exist (closing it lets the reaper go)."""
+def start_reaper(run_dir: str | None, shm_name: str | None, files: tuple[str, ...] = ()) -> int:
+    """Fork the reaper for these names (a run directory, a shared-memory segment, files such as
+    the server's --ready-file); returns the pipe's write end, which the caller keeps open for as
+    long as the names may exist (closing it lets the reaper go)."""
     r, w = os.pipe()  # not inherited by the workers (close-on-exec)
     pid = os.fork()
     if pid == 0:  # only os calls from here on: we are a fork of a threaded process
@@ -36,7 +38,7 @@ def start_reaper(run_dir: str, shm_name: str) -> int:
                     continue
                 except OSError:
                     break
-            _remove(run_dir, shm_name)
+            _remove(run_dir, shm_name, files)
         finally:
             os._exit(0)
     os.close(r)
@@ -44,11 +46,19 @@ def start_reaper(run_dir: str, shm_name: str) -> int:
     return w
 
 
-def _remove(run_dir: str, shm_name: str) -> None:
-    try:
-        os.unlink(f"/dev/shm/{shm_name}")
-    except OSError:
-        pass
+def _remove(run_dir: str | None, shm_name: str | None, files: tuple[str, ...] = ()) -> None:
+    for path in files:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if shm_name is not None:
+        try:
+            os.unlink(f"/dev/shm/{shm_name}")
+        except OSError:
+            pass
+    if run_dir is None:
+        return
     try:
         for entry in os.listdir(run_dir):
             try:

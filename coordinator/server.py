@@ -10,7 +10,10 @@ scheduler's slots, and a client that goes away cancels its sequence.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import os
+import resource
 import socket
 import sys
 import threading
@@ -21,22 +24,25 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Callable
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import tool_calls
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from .reaper import start_reaper
 from .sampling import SamplingParams
-from . import tool_calls
 from .structured_output import Constraint, GrammarError, TokenTable, grammar_for
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
 HEADER_TIMEOUT_S = 10.0  # a connection's time to deliver a request's headers (idle and slowloris ones)
-MAX_CONNECTIONS = 256  # open connections and running requests; beyond them uvicorn answers 503
+BODY_TIMEOUT_S = 30.0  # a request's time to deliver its body once its headers are in
+MAX_CONNECTIONS = 512  # open connections and running requests; beyond them uvicorn answers 503
 
 
 class ApiError(Exception):
@@ -46,9 +52,10 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def error_body(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+def error_body(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
     """OpenAI's error shape."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
 
 
 @dataclass
@@ -61,6 +68,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     exit_status: int = 0  # non-zero: the server stopped because its engine failed for good
     metrics: object = None  # coordinator.metrics.ServerMetrics, made with the app
+    work_limiter: object = None  # anyio.CapacityLimiter of off_loop, made on the server's event loop
 
     def ready(self) -> Scheduler:
         if self.status == "ok" and self.scheduler is not None and self.scheduler.error is not None:
@@ -73,13 +81,15 @@ class ServerState:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse a body beyond `limit` bytes (413) before anything parses it. A
-    sized body is judged by its Content-Length, unread; a chunked one (no length) is read here
-    up to the limit first and handed on whole, so it is refused the same way rather than
-    failing half-parsed (memory: the limit, once per request)."""
+    """ASGI middleware: refuse a body beyond `limit` bytes (413) before anything parses it, and
+    one that does not arrive within `seconds` of its headers (408: a client trickling its body
+    holds no connection for long). A sized body is judged by its Content-Length before a byte
+    is read; a chunked one (no length) is counted as it comes. Either is read here whole and
+    handed on, so a refused body never reaches a parser half-read (memory: the limit, once per
+    request)."""
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int = MAX_BODY_BYTES, seconds: float = BODY_TIMEOUT_S):
+        self.app, self.limit, self.seconds = app, limit, seconds
 
     def _too_large(self):
         return error_body(413, f"request body larger than {self.limit} bytes", "invalid_request_error")
@@ -88,13 +98,16 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > self.limit:
-                return await self._too_large()(scope, receive, send)
-            return await self.app(scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._too_large()(scope, receive, send)
         parts, seen = [], 0
+        deadline = asyncio.get_running_loop().time() + self.seconds
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                return await error_body(408, f"request body not received within {self.seconds:g} s",
+                                        "invalid_request_error", headers={"Connection": "close"})(scope, receive, send)
             if msg["type"] != "http.request":  # the client went away: let the app see it
                 break
             seen += len(msg.get("body", b""))
@@ -246,24 +259,32 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "sparseinfer"}]}
 
-    # plain functions: FastAPI runs them in its thread pool, so a long text's tokenizing does
-    # not stall the event loop (every stream and /health with it)
+    # Off the event loop (a long text's tokenizing would stall every stream and /health), and
+    # at most WORK_THREADS at once (under the GIL more threads only queue for it; the rest wait).
     @app.post("/tokenize")
-    def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest):
         eng = _engine(state)
-        ids = eng.tokenizer.encode(_text(body.content, "content"), add_bos=None if body.add_special else False, add_eos=False)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": eng.tokenizer.piece_bytes(i).decode("utf-8", "replace")} for i in ids]}
-        return {"tokens": ids}
+        text = _text(body.content, "content")
+        # the prompts' rule: a text that cannot fit the context is not tokenized (the tokenizer
+        # holds the GIL throughout: a 1 MiB text stalled every stream for 0.75 s)
+        _fits_at_all(state, len(text), "content")
+
+        def work():
+            ids = eng.tokenizer.encode(text, add_bos=None if body.add_special else False, add_eos=False)
+            if body.with_pieces:
+                return {"tokens": [{"id": i, "piece": eng.tokenizer.piece_bytes(i).decode("utf-8", "replace")}
+                                   for i in ids]}
+            return {"tokens": ids}
+        return await off_loop(state, work)
 
     @app.post("/detokenize")
-    def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeRequest):
         eng = _engine(state)
         n = eng.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < n]
         if bad:
             raise ApiError(400, f"tokens: id {bad[0]} is outside the vocabulary (0..{n - 1})", param="tokens")
-        return {"content": eng.tokenizer.decode(body.tokens)}
+        return {"content": await off_loop(state, eng.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HttpRequest):
@@ -277,7 +298,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         except Overloaded as e:
             raise ApiError(503, f"server overloaded: {e}", "server_error", code="overloaded") from None
         try:
-            ids = await run_in_threadpool(state.engine.encode_chat, calls.messages, **calls.template_vars)
+            ids = await off_loop(state, state.engine.encode_chat, calls.messages, **calls.template_vars)
         except Exception as e:  # a template that fails on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -291,7 +312,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         tk = state.engine.tokenizer
         if isinstance(body.prompt, str):
             _fits_at_all(state, len(body.prompt), "prompt")
-            ids = await run_in_threadpool(tk.encode, _text(body.prompt, "prompt"))
+            ids = await off_loop(state, tk.encode, _text(body.prompt, "prompt"))
         else:
             ids = list(body.prompt)
             bad = [t for t in ids if not 0 <= t < tk.vocab_size]
@@ -393,6 +414,17 @@ async def _run(state: ServerState, sched: Scheduler, http: HttpRequest, body, id
     return fmt.whole("".join(text), infos, done)
 
 
+WORK_THREADS = 2  # per-request CPU work (tokenizing, templates, grammars) running at once
+
+
+async def off_loop(state: "ServerState", fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a worker thread, at most WORK_THREADS at a time (the event loop,
+    hence every stream and /health, goes on meanwhile)."""
+    if state.work_limiter is None:  # made on the event loop that uses it
+        state.work_limiter = anyio.CapacityLimiter(WORK_THREADS)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=state.work_limiter)
+
+
 async def _constraint(state: ServerState, body, tool_grammar: str | None = None) -> Constraint | None:
     """The request's grammar (structured output, or the calls a tool_choice requires), compiled
     off the event loop (the vocabulary's table is built on first use); a grammar or schema that
@@ -408,7 +440,7 @@ async def _constraint(state: ServerState, body, tool_grammar: str | None = None)
         if grammar is None:
             return None
         eng = state.engine
-        return await run_in_threadpool(lambda: Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), grammar))
+        return await off_loop(state, lambda: Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), grammar))
     except GrammarError as e:
         msg = str(e)
         head = msg.split(":")[0]
@@ -609,6 +641,18 @@ class _Format:
                 "usage": self._usage(done)}
 
 
+def _room_for_connections() -> None:
+    """One file descriptor per connection: raise the soft limit (often 1024) toward the hard one
+    so MAX_CONNECTIONS open connections, the workers' sockets and the model's files all fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * MAX_CONNECTIONS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        except (ValueError, OSError):
+            pass
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound now: a taken port is one clear error before the model loads."""
     try:
@@ -630,13 +674,14 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None,
           header_timeout: float = HEADER_TIMEOUT_S, shutdown_grace: float = 5.0, on_worker_death: str = "restart",
-          restart_window: float = 60.0) -> None:
+          restart_window: float = 60.0, body_timeout: float = BODY_TIMEOUT_S) -> None:
     """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
     or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
     import uvicorn
 
     sock = bind(host, port)
     bound_port = sock.getsockname()[1]
+    _room_for_connections()
     # The scheduler thread spins (holding the GIL) while workers compute; the HTTP thread then
     # gets the GIL only when the interpreter forces a switch. 5 ms by default: a disconnect took
     # ~100 decode steps to notice on a tiny model. 0.5 ms keeps the event loop responsive.
@@ -693,12 +738,15 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
     # on SIGTERM uvicorn stops accepting and lets running requests (streams) finish for up to
     # shutdown_grace seconds; then the engine closes
-    config = uvicorn.Config(BodyLimit(create_app(state, api_key)), log_level="warning",
+    config = uvicorn.Config(BodyLimit(create_app(state, api_key), seconds=body_timeout), log_level="warning",
                             timeout_graceful_shutdown=shutdown_grace,
                             lifespan="off", http=header_timeout_protocol(header_timeout),
                             limit_concurrency=MAX_CONNECTIONS)
     server = uvicorn.Server(config)
+    reaper = None
     if ready_file:
+        ready_file = str(Path(ready_file).resolve())
+        reaper = start_reaper(None, None, files=(ready_file,))  # removes it if we are killed (kill -9)
         Path(ready_file).write_text(f"http://{host}:{bound_port}\n")
     loader.start()
     try:
@@ -709,5 +757,6 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
         sock.close()
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
+            os.close(reaper)
     if state.exit_status:
         sys.exit(state.exit_status)

@@ -1,18 +1,21 @@
 """Hostile chat templates (they come from model files): every one is stopped by one of the
 renderer's limits (deadline, memory, output size, template size, sandbox) with one
-ChatTemplateError line "chat template: ..." saying which, and the renderer leaves no process
-behind. No test times a render: the limits bound the work, a hang guard catches a limit that
-no longer stops anything."""
+ChatTemplateError line "chat template: ..." saying which, and at most one renderer process
+stays (the long-lived one: a late or broken one is replaced, never added to). No test times a
+render: the limits bound the work, a hang guard catches a limit that no longer stops anything."""
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
 from coordinator import chat_template as ct
 from coordinator.chat_template import ChatTemplateError, render_chat
+from coordinator.template_renderer import renderer
 from tests.conftest import HANG_S, children_of, hang_guard
+from tests.fixtures import procs
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -43,6 +46,10 @@ def fast_limits(monkeypatch):
     monkeypatch.setattr(ct, "RENDER_SECONDS", 2.0)
 
 
+def _renderers() -> set[int]:
+    return {p for p in children_of(os.getpid()) if "coordinator.template_renderer" in procs.cmdline(p)}
+
+
 def _kill_renderers(spare: set[int]):
     def kill():
         for pid in set(children_of(os.getpid())) - spare:
@@ -65,7 +72,8 @@ def test_hostile_template(name):
     msg = str(e.value)
     assert msg.startswith("chat template: ") and "\n" not in msg, msg
     assert needle in msg, msg
-    assert set(children_of(os.getpid())) <= kids_before  # the renderer was reaped or killed
+    assert len(_renderers()) <= 1  # a late renderer was killed and reaped, not left beside a new one
+    assert set(children_of(os.getpid())) - _renderers() <= kids_before
 
 
 def test_error_is_a_value_error_for_the_cli():
@@ -84,30 +92,32 @@ class _TooManySteps(BaseException):
     jinja nor the renderer turns it into a ChatTemplateError."""
 
 
-def test_a_render_costs_one_fork_and_its_output_is_capped_in_steps(monkeypatch):
-    """The work of a render is bounded by counts, not timed: (1) each render forks exactly one
-    renderer and leaves no process behind; (2) a template over MAX_TEMPLATE_CHARS is refused
-    before any fork; (3) generation stops at the output cap: a template that would call back
-    10**10 times, each call 100 characters, is stopped after MAX_OUTPUT_CHARS // 100 + 1 calls
-    (counted in-process by the callback, which also stops a runaway render at 10x that)."""
-    forks = []
-    real_fork = os.fork
-
-    def counting_fork():
-        forks.append(1)
-        return real_fork()
-
-    monkeypatch.setattr(os, "fork", counting_fork)
-    kids_before = set(children_of(os.getpid()))
+def test_renders_share_one_renderer_and_the_output_is_capped_in_steps():
+    """The work of a render is bounded by counts, not timed: (1) 20 renders are answered by one
+    long-lived renderer process (not a process each), and a killed one is replaced by exactly
+    one; (2) a template over MAX_TEMPLATE_CHARS is refused before the renderer sees it; (3)
+    generation stops at the output cap: a template that would call back 10**10 times, each call
+    100 characters, is stopped after MAX_OUTPUT_CHARS // 100 + 1 calls (counted in-process by
+    the callback, which also stops a runaway render at 10x that)."""
     want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat(None, MSGS) == want
+    started, pids = renderer().started, _renderers()
+    assert len(pids) == 1
     assert [render_chat(None, MSGS) for _ in range(20)] == [want] * 20
-    assert len(forks) == 20
-    assert set(children_of(os.getpid())) <= kids_before
+    assert renderer().started == started and _renderers() == pids
 
-    forks.clear()
+    dead = next(iter(pids))
+    os.kill(dead, signal.SIGKILL)  # a renderer that died between renders is replaced
+    with hang_guard("the killed renderer to exit", HANG_S):
+        while procs.stat_fields(dead) is not None and procs.stat_fields(dead)[0] != "Z":
+            time.sleep(0.01)
+    assert render_chat(None, MSGS) == want
+    assert len(_renderers()) == 1 and _renderers() != pids
+
+    started = renderer().started
     with pytest.raises(ChatTemplateError, match="more than the limit"):
         render_chat("x" * (ct.MAX_TEMPLATE_CHARS + 1), MSGS)
-    assert not forks
+    assert renderer().started == started
 
     piece, calls = "y" * 100, []
     cap_calls = ct.MAX_OUTPUT_CHARS // len(piece) + 1
