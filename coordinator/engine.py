@@ -390,7 +390,9 @@ class Engine:
         return self.model.forward(list(ids), all_logits=True).numpy()
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-                 stop_at_eos: bool = True) -> Iterator[int]:
+                 stop_at_eos: bool = True, constraint=None) -> Iterator[int]:
+        """The tokens after `prompt_ids`, one at a time. `constraint`: a
+        structured_output.Constraint the reply follows (it ends when the grammar is complete)."""
         if not prompt_ids:
             raise ValueError("empty prompt: nothing to condition on")
         if len(prompt_ids) + max_tokens > self.model.max_ctx:
@@ -403,11 +405,19 @@ class Engine:
         logits = self.model.forward(list(prompt_ids))[-1].numpy()
         st.prefill_s = time.perf_counter() - t0
         eos = self.tokenizer.eos_ids
+        history = list(prompt_ids)  # what the repeat/presence/frequency penalties look back on
         for i in range(max_tokens):
-            tok = sampler(logits)
+            if constraint is not None:
+                logits = constraint.restrict(logits)
+            tok = sampler(logits, history)
+            history.append(tok)
             yield tok
-            if stop_at_eos and tok in eos:
+            if (stop_at_eos or constraint is not None) and tok in eos:
                 return
+            if constraint is not None:
+                constraint.accept(tok)
+                if constraint.complete:
+                    return
             if i == max_tokens - 1:
                 return
             t1 = time.perf_counter()

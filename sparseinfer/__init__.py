@@ -56,37 +56,52 @@ class LLM:
     # ---- text ------------------------------------------------------------------------------
 
     def generate(self, prompt: str, max_tokens: int = 128, *, stream: bool = False, stop: list[str] | None = None,
-                 ignore_eos: bool = False, **sampling) -> str | Iterator[str]:
+                 ignore_eos: bool = False, json_schema: dict | None = None, regex: str | None = None,
+                 grammar: str | None = None, **sampling) -> str | Iterator[str]:
         """The continuation of `prompt` (the text after it), whole or, with stream=True, as an
-        iterator of pieces. Sampling keywords as SamplingParams' (default: greedy)."""
+        iterator of pieces. Sampling keywords as SamplingParams' (default: greedy).
+        `json_schema`, `regex` or `grammar` (GBNF or Lark) constrain the text to parse as given."""
         ids = self.tokenizer.encode(prompt)
-        return self._run(ids, max_tokens, stream, stop, ignore_eos, sampling)
+        return self._run(ids, max_tokens, stream, stop, ignore_eos, sampling, json_schema, regex, grammar)
 
     def chat(self, messages: list[dict], max_tokens: int = 256, *, stream: bool = False,
-             stop: list[str] | None = None, **sampling) -> str | Iterator[str]:
+             stop: list[str] | None = None, json_schema: dict | None = None, regex: str | None = None,
+             grammar: str | None = None, **sampling) -> str | Iterator[str]:
         """The assistant's reply to `messages` ({"role", "content"} dicts, system/user/assistant),
         rendered with the model's own chat template. Sampling as `sparseinfer chat` samples: the
-        model's recommended sampling, else llama.cpp's defaults, under the keywords given."""
+        model's recommended sampling, else llama.cpp's defaults, under the keywords given.
+        `json_schema`, `regex` or `grammar` constrain the reply as in `generate`."""
         from coordinator.sampling import chat_defaults
 
         ids = self._engine.encode_chat(messages)
         return self._run(ids, max_tokens, stream, stop, False, {**chat_defaults(self._engine.store.reader),
-                                                                **sampling})
+                                                                **sampling}, json_schema, regex, grammar)
 
-    def _run(self, ids: list[int], max_tokens: int, stream: bool, stop, ignore_eos: bool, sampling: dict):
+    def _run(self, ids: list[int], max_tokens: int, stream: bool, stop, ignore_eos: bool, sampling: dict,
+             json_schema=None, regex=None, grammar=None):
         params = SamplingParams(**sampling)
         params.validate()
-        pieces = self._pieces(ids, max_tokens, params, list(stop or []), ignore_eos)
+        constraint = self._constraint(json_schema, regex, grammar)  # a bad schema fails here, before any work
+        pieces = self._pieces(ids, max_tokens, params, list(stop or []), ignore_eos, constraint)
         return pieces if stream else "".join(pieces)
 
-    def _pieces(self, ids, max_tokens, params, stop, ignore_eos) -> Iterator[str]:
+    def _constraint(self, json_schema, regex, grammar):
+        from coordinator.structured_output import Constraint, TokenTable, grammar_for
+
+        g = grammar_for(json_schema=json_schema, regex=regex, grammar=grammar)
+        if g is None:
+            return None
+        eng = self._engine
+        return Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), g)
+
+    def _pieces(self, ids, max_tokens, params, stop, ignore_eos, constraint=None) -> Iterator[str]:
         from coordinator.tokenizer import StreamDecoder
 
         eng, eos = self._engine, self._engine.tokenizer.eos_ids
         dec = StreamDecoder(eng.tokenizer, skip_special=True)
         text, sent = "", 0
-        for tok in eng.generate(ids, max_tokens, params, stop_at_eos=not ignore_eos):
-            if not ignore_eos and tok in eos:
+        for tok in eng.generate(ids, max_tokens, params, stop_at_eos=not ignore_eos, constraint=constraint):
+            if (not ignore_eos or constraint is not None) and tok in eos:
                 break
             text += dec.push(tok)
             cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)

@@ -48,3 +48,18 @@ def test_an_llm_closes_its_workers_and_shared_memory(tiny_model, no_leaks):
     llm.close()
     llm.close()  # idempotent
     assert not _workers()  # and no segment left: no_leaks
+
+
+def test_penalties_reach_the_tokens_generate_picks(tiny_model):
+    """Greedy decoding of a tiny random model repeats itself; a strong presence penalty, which
+    looks back over the prompt and what was generated, must change what comes out (it was
+    accepted and ignored: the engine's loop never gave the sampler the history)."""
+    import sparseinfer
+
+    with sparseinfer.LLM(tiny_model, threads=2, cpu_workers=1, sparsity=0) as llm:
+        ids = llm.tokenizer.encode
+        plain = ids(llm.generate("the lazy dog", max_tokens=24, ignore_eos=True))
+        penalized = ids(llm.generate("the lazy dog", max_tokens=24, ignore_eos=True, presence_penalty=2.0,
+                                     repeat_penalty=10.0))
+        assert penalized != plain
+        assert len(set(penalized)) > len(set(plain))  # fewer repeats
