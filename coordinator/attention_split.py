@@ -4,7 +4,7 @@ the coordinator's side of the exchange (the workers' side: sparsecore/attn_shard
 Per layer (`SplitAttention.__call__`, called by the model for one decoded token or a continuous
 batch of them, whose KV caches are in the shared pool):
   1. the residuals go into shared memory with each sequence's (position, cache), the doorbell
-     rings (an attention step: shm_layout.attn_layer_code);
+     rings (a StepKind.ATTENTION step);
   2. the coordinator computes its own KV heads' share meanwhile (the same kernel, _kernels.attn_part);
   3. it waits for the workers that hold the other heads;
   4. the residual plus the shares is the layer's attention output.
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from protocol.doorbell import CoordinatorBell
-from protocol.shm_layout import SharedBuffers, attn_layer_code
+from protocol.shm_layout import SharedBuffers, StepKind
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep
 from sparsecore.kv_pool import KvPool
 
@@ -81,7 +81,7 @@ class SplitAttention:
         t0 = time.perf_counter()
         B, buf = len(h), self.buffers
         buf.x[:B] = h
-        posted = self.bell.post(attn_layer_code(layer), B, True, False, self.part)
+        posted = self.bell.post(StepKind.ATTENTION, layer, B, True, False, self.part)
         own, off = self.scratch[:B], layer * step.layer_bytes
         self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own)
         self.bell.wait(posted.step, self.part)

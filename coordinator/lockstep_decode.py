@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from protocol.doorbell import CoordinatorBell
-from protocol.shm_layout import LOCKSTEP_LAYER, REQ_PARTS, SharedBuffers
+from protocol.shm_layout import REQ_PARTS, SharedBuffers, StepKind
 from sparsecore.lockstep import Lockstep
 
 from .attention_split import SplitAttention, SplitStep
@@ -54,7 +54,7 @@ class LockstepDecode:
         predict = ffn.predictors is not None
         buf.x[:B] = h
         buf.request[REQ_PARTS] = self.parts  # before post writes the step number
-        posted = self.bell.post(LOCKSTEP_LAYER, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
+        posted = self.bell.post(StepKind.LOCKSTEP, 0, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
                                 self.part, predict)
         n_own = self.own.run(posted.step, self.parts, h, split.pos, split.kp, split.vp, split.layer_bytes,
                              posted.threshold, posted.predict, self.bell.watch)
