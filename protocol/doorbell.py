@@ -230,10 +230,12 @@ class CoordinatorBell:
 
     def __init__(self, buffers: SharedBuffers, own_wake: WakePipe, worker_wakes: list[WakePipe], spin: bool,
                  socket: zmq.Socket | None = None, check: Callable[[], None] = lambda: None,
-                 check_every_s: float = 0.2):
+                 check_every_s: float = 0.2, adaptive: bool | None = None):
         self.buffers, self.wake, self.worker_wakes = buffers, own_wake, worker_wakes
         self.spin, self.socket, self.check, self.check_every_s = spin, socket, check, check_every_s
-        self.governor = SpinGovernor(COORDINATOR_SPIN_US / 1e6, adaptive=sync_policy() == "adaptive")
+        # adaptive: the governor backs off when spins are preempted (None: as $SPARSEINFER_SYNC says)
+        self.governor = SpinGovernor(COORDINATOR_SPIN_US / 1e6,
+                                     adaptive=sync_policy() == "adaptive" if adaptive is None else adaptive)
         self.step = 0
         self.wakeups = 0  # steps posted to sleeping workers
         self._last_check = 0.0
