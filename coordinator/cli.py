@@ -925,7 +925,7 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     click.echo(f"{Path(info['model']).name}: {len(info['devices'])} workers ({', '.join(info['devices'])})"
                + (f" + the coordinator computing {100 * coord:.0f}% of FFN neurons" if coord else "")
                + f", {reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
-    click.echo(b.format_table(res, len(prompt), tg))
+    click.echo(b.format_table(res, info["pp"], tg))
     for name, r in summary["ratios_vs_dense"].items():
         click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "
                    f"prefill {r['pp']:.2f}x tok/s")
