@@ -231,7 +231,7 @@ class Engine:
         # While workers spin on their cores, the coordinator computes on the one left to it.
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
-            self.pool.spawn()  # workers start importing while we load our share and attention
+            self.pool.spawn()  # workers start importing while we load our share and the head
             self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
             in_file = opts.weights == "gguf"
             embed = Embedding(store, in_file, cfg.embed_scale)
@@ -239,8 +239,9 @@ class Engine:
             # the decode plan needs what the workers can take (Ready), and the model is built with it
             self.pool.wait_ready()
             self.ffn.use_shard_predictors(all(w.predicts for w in self.pool.workers if w.n_neurons))
+            paths = lambda native: self._decode_paths(store, attn_heads, no_split, native)  # noqa: E731
             self.model = Transformer(store, cfg, max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
-                                     self.kv_pool, lambda native: self._decode_paths(store, attn_heads, no_split, native))
+                                     self.kv_pool, paths)
             # after the attention's shares are kept (SplitAttention): their twins are the share's
             own_layers = {} if self.ffn.own is None else {
                 i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
@@ -279,7 +280,8 @@ class Engine:
             no_lockstep = "a worker cannot take part (its neurons or heads are not in the file's blocks)"
         else:
             part = Lockstep.build(pool.buffers, pool.own_slot, native, heads[-1], own, store, cfg)
-            no_lockstep = "" if part is not None else "the coordinator cannot take part (its FFN share or the architecture)"
+            no_lockstep = "" if part is not None else \
+                "the coordinator cannot take part (its FFN share or the architecture)"
         plan = plan_decode(self.opts.decode_path, heads, no_split, not no_native, no_native, no_lockstep, workers,
                            every_token=self.input_major == "all")
         split = lockstep = None

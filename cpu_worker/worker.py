@@ -140,8 +140,8 @@ class Worker:
                 self.bell.last_step = req.step
                 continue
             except Exception as e:
-                what = {StepKind.LOCKSTEP: "a lockstep decode step", StepKind.ATTENTION: f"attention of layer {req.layer}",
-                        StepKind.HEAD: "the lm_head"}.get(req.kind, f"layer {req.layer}")
+                what = {StepKind.LOCKSTEP: "a lockstep decode step", StepKind.HEAD: "the lm_head",
+                        StepKind.ATTENTION: f"attention of layer {req.layer}"}.get(req.kind, f"layer {req.layer}")
                 self.send(WorkerFailed(self.worker_id, self.role, f"{what}: {type(e).__name__}: {e}"))
                 return 1
             self.bell.finish(req.step, n_active, ns)
