@@ -4,7 +4,7 @@ the coordinator's side of the exchange (the workers' side: sparsecore/attn_shard
 Per layer (`SplitAttention.__call__`, called by the model for one decoded token or a continuous
 batch of them, whose KV caches are in the shared pool):
   1. the residuals go into shared memory with each sequence's (position, cache), the doorbell
-     rings (an attention step: shm_layout.attn_layer_code);
+     rings (a StepKind.ATTENTION step);
   2. the coordinator computes its own KV heads' share meanwhile (the same kernel, _kernels.attn_part);
   3. it waits for the workers that hold the other heads;
   4. the residual plus the shares is the layer's attention output.
@@ -19,22 +19,14 @@ from typing import NamedTuple
 import numpy as np
 
 from protocol.doorbell import CoordinatorBell
-from protocol.shm_layout import SharedBuffers, attn_layer_code
+from protocol.shm_layout import SharedBuffers, StepKind
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep
 from sparsecore.kv_pool import KvPool
 
 from .sparse_ffn import ExchangeStats
 
-
-# An attention step split across processes costs one more exchange a layer (a doorbell round
-# trip and some Python, 20-40 us); it pays when the work it halves is larger: the layer's
-# attention weights plus the keys and values the step reads. Measured on a 2-core EPYC with the
-# vectorized attention kernel (paired in-process runs, fast arithmetic): SmolLM2 (0.55 MB of
-# weights a layer) one sequence 0.95x at 8 positions, 0.97-0.99x at 128-256, 1.00x at 1024
-# (2.1 MB with the cache); 4 sequences at 128 positions (1.3 MB) 1.04x; the 1.1B shape (5.3 MB
-# a layer) one sequence 1.02-1.08x at 8-1024 positions, 4 sequences 1.13x.
-MIN_SPLIT_BYTES = 2 << 20  # one sequence
-MIN_SPLIT_BYTES_BATCH = 1 << 20  # several: their caches' share of the work splits too
+# Whether a step's split pays for its exchange (`pays`): the thresholds and their measurements are
+# coordinator/decode_plan.py's (MIN_SPLIT_BYTES), passed in with the plan.
 
 
 class SplitAttention:
@@ -43,9 +35,11 @@ class SplitAttention:
 
     def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, pool: KvPool, steps: list[AttentionStep],
                  heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats,
-                 every_token: bool = False):
-        """every_token: split every decoded token's step whatever it costs (input sparsity: only
-        the shares carry input-major twins, so the coordinator's whole-head step would read densely)."""
+                 min_bytes: tuple[int, int], every_token: bool = False):
+        """min_bytes: the work (bytes) a step of one sequence, of several, must halve to pay for
+        the exchange (DecodePlan.split_min_bytes). every_token: split every decoded token's step
+        whatever it costs (input sparsity: only the shares carry input-major twins, so the
+        coordinator's whole-head step would read densely)."""
         self.bell, self.buffers, self.pool, self.steps, self.own, self.stats = bell, buffers, pool, steps, own, stats
         self.part = np.array(sorted(heads), dtype=np.intp)
         for s in steps:
@@ -54,7 +48,7 @@ class SplitAttention:
         s = pool.shape
         self.weight_bytes = steps[0].weight_bytes  # one layer's Q, K, V and output matrices
         self.kv_bytes_per_pos = 2 * 4 * s.n_kv * s.head_dim  # keys and values of one position
-        self.min_bytes = (MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH)  # (one sequence, several)
+        self.min_bytes = min_bytes  # (one sequence, several)
         self.max_tokens = min(MAX_SMALL_BATCH, buffers.layout.max_tokens)  # rows of a step in shared memory
         self.every_token = every_token
 
@@ -81,7 +75,7 @@ class SplitAttention:
         t0 = time.perf_counter()
         B, buf = len(h), self.buffers
         buf.x[:B] = h
-        posted = self.bell.post(attn_layer_code(layer), B, True, False, self.part)
+        posted = self.bell.post(StepKind.ATTENTION, layer, B, True, False, self.part)
         own, off = self.scratch[:B], layer * step.layer_bytes
         self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own)
         self.bell.wait(posted.step, self.part)

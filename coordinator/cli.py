@@ -929,7 +929,8 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     click.echo(f"{Path(info['model']).name}: {len(info['devices'])} workers ({', '.join(info['devices'])})"
                + (f" + the coordinator computing {100 * coord:.0f}% of FFN neurons" if coord else "")
                + f", {reps} reps, medians; machine read bandwidth {bw:.1f} GB/s")
-    click.echo(b.format_table(res, len(prompt), tg))
+    click.echo(f"decode path: {info['decode_path']}")
+    click.echo(b.format_table(res, info["pp"], tg))
     for name, r in summary["ratios_vs_dense"].items():
         click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "
                    f"prefill {r['pp']:.2f}x tok/s")
@@ -945,7 +946,7 @@ def _bench_modes(eng, b, pp, tg, reps, warmup, as_json, modes):
     with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
         res = b.bench(eng, prompt, tg, modes, reps, warmup, bar.update)
     return res, dict(model=str(eng.path), n_layers=eng.cfg.n_layers, **worker_layout(eng), pp=len(prompt), tg=tg,
-                     reps=reps)
+                     reps=reps, decode_path=eng.decode_plan.describe())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from sparsecore.attn_shard import head_unit, native_attention, split_heads
 from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.ffn import WEIGHT_FORMATS
@@ -23,7 +22,6 @@ from protocol.shm_layout import INPUT_SITES
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.kernels import interleaving, supports
 from sparsecore.kv_pool import KvPool, KvShape
-from sparsecore.kv_pool import supported as shared_kv_supported
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.input_sparsity import attach as attach_twins
 from sparsecore.lockstep import Lockstep
@@ -32,6 +30,8 @@ from sparsecore.tensors import TensorStore, conversion_notes
 
 from .attention_split import SplitAttention
 from .chat_template import chat_template_from_reader, render_chat
+from .decode_plan import (DECODE_CHOICES, DecodePath, DecodePaths, DecodePlan, attention_heads, plan_decode,
+                          why_not_native)
 from .lockstep_decode import LockstepDecode
 from .memory_plan import fit_hints, plan_memory
 from .model import Embedding, LmHead, Transformer
@@ -88,6 +88,16 @@ class EngineOptions:
     # Split decoded tokens' attention heads across the coordinator and the CPU workers (llama-
     # shaped attention in the file's blocks; the KV caches then live in shared memory).
     split_attention: bool = True
+    # Which path decoded tokens take (coordinator/decode_plan.py, DECODE_CHOICES): "auto", the
+    # best the processes support wherever a step's size pays for it; "lockstep" or "split",
+    # that path at every size (and prompts' attention split at every size), refused at start
+    # where the processes cannot take it (tests: a tiny model's layers never pay).
+    decode_path: str = "auto"
+    # The coordinator's spin governor backs off to sleeping when its spins are preempted
+    # (protocol/doorbell.py SpinGovernor; steps then leave lockstep). False: it keeps spinning as
+    # `spin` chose, whatever the machine's load (tests that must stay on one path); None: as
+    # $SPARSEINFER_SYNC says (adaptive unless set).
+    adaptive_spin: bool | None = None
     # KV caches in that shared memory: the engine's own, the chat REPL's, a server's slots
     # (`serve` asks for --parallel + 1). A sequence beyond them gets a private cache, and its
     # attention runs on the coordinator alone.
@@ -142,6 +152,8 @@ class Engine:
         self.opts = opts = opts or EngineOptions()
         if opts.weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {opts.weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+        if opts.decode_path not in DECODE_CHOICES:
+            raise ValueError(f"decode path {opts.decode_path!r}: one of {', '.join(DECODE_CHOICES)}")
         self.path = Path(model_path)
         reader = open_gguf(self.path)
         self.cfg = cfg = read_config(self.path, reader)
@@ -184,7 +196,10 @@ class Engine:
         self.store = store = TensorStore(self.path, reader)
         self.plan, self.plan_source, head_rows, per_worker, total = self._place(store)
         max_ctx = min(opts.ctx, cfg.context_length)
-        attn_heads = self._split_heads(store)
+        # which processes compute decoded tokens' attention: decided now, the KV caches' place follows
+        attn_heads, no_split = attention_heads(opts.split_attention, opts.weights, store, cfg, self.plan.shards)
+        if opts.decode_path != "auto" and not attn_heads:
+            raise ValueError(f"decode path {opts.decode_path}: attention cannot be split here: {no_split}")
         kv_shape = KvShape(max(1, opts.kv_caches) if attn_heads else 1, cfg.n_layers, cfg.n_kv_heads, max_ctx,
                            cfg.head_dim, cfg.rope_dim)
         self.memory = self._plan_memory(store, down_t, predictors, kv_shape)
@@ -207,7 +222,8 @@ class Engine:
                                    spin=opts.spin, cores=total, head_rows=head_rows, fast=opts.fast,
                                    attn_heads={s: r for s, r in attn_heads.items() if s >= 0}, kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   else "", interleave=self.row_layout, input_major=self.input_major)
+                                   else "", interleave=self.row_layout, input_major=self.input_major,
+                                   adaptive_spin=opts.adaptive_spin)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -215,21 +231,17 @@ class Engine:
         # While workers spin on their cores, the coordinator computes on the one left to it.
         torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
-            self.pool.spawn()  # workers start importing while we load our share and attention
+            self.pool.spawn()  # workers start importing while we load our share and the head
             self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
             in_file = opts.weights == "gguf"
             embed = Embedding(store, in_file, cfg.embed_scale)
             self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
-            self.model = Transformer(store, cfg, max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
-                                     self.kv_pool)
+            # the decode plan needs what the workers can take (Ready), and the model is built with it
             self.pool.wait_ready()
             self.ffn.use_shard_predictors(all(w.predicts for w in self.pool.workers if w.n_neurons))
-            if attn_heads and all(step is not None for step in self.model.native):
-                self.model.split_attn = SplitAttention(
-                    self.pool.bell, self.pool.buffers, self.kv_pool, self.model.native,
-                    {s: r for s, r in attn_heads.items() if s >= 0}, attn_heads[-1], self.ffn.stats,
-                    every_token=self.input_major == "all")
-                self.model.lockstep = self._lockstep(store, cfg, attn_heads)
+            paths = lambda native: self._decode_paths(store, attn_heads, no_split, native)  # noqa: E731
+            self.model = Transformer(store, cfg, max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
+                                     self.kv_pool, paths)
             # after the attention's shares are kept (SplitAttention): their twins are the share's
             own_layers = {} if self.ffn.own is None else {
                 i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
@@ -244,21 +256,47 @@ class Engine:
             self.close()
             raise
 
-    def _lockstep(self, store: TensorStore, cfg, attn_heads: dict[int, tuple[int, int]]) -> LockstepDecode | None:
-        """Whole decode steps in lockstep where the coordinator and every worker with attention
-        heads can each take a part, and those are all the processes with neurons."""
-        own, pool = self.ffn.own, self.pool
-        workers = [s for s in attn_heads if s >= 0]
+    def _decode_paths(self, store: TensorStore, heads: dict[int, tuple[int, int]], no_split: str,
+                      native: list) -> DecodePaths:
+        """The decode plan (coordinator/decode_plan.py plan_decode) from what the processes
+        support, and the objects that run its paths; the model calls this once while it is
+        built, with its native attention steps (`native`, None for a layer without one)."""
+        cfg, pool = self.cfg, self.pool
+        no_native = why_not_native(native, self.opts.weights, cfg)
+        workers = tuple(sorted(s for s in heads if s >= 0))
+        # Whole decode steps in lockstep where the coordinator and every worker with attention
+        # heads can each take a part, and those are all the processes with neurons.
+        own = self.ffn.own
         with_neurons = [s for s, w in enumerate(pool.proc_shards) if any(len(n) for n in w.neurons)]
         by_slot = {w.slot: w for w in pool.workers}
-        if own is None or sorted(workers) != sorted(with_neurons) or not all(
-                s in by_slot and by_slot[s].lockstep for s in workers):
-            return None
-        part = Lockstep.build(pool.buffers, pool.own_slot, self.model.native, attn_heads[-1], own, store, cfg)
-        if part is None:
-            return None
-        return LockstepDecode(pool.bell, pool.buffers, part, np.array(sorted(workers), dtype=np.intp), self.ffn,
-                              self.model.split_attn)
+        part = None
+        if not heads or no_native:
+            no_lockstep = "attention is not split"
+        elif own is None:
+            no_lockstep = "the coordinator computes no FFN share"
+        elif list(workers) != sorted(with_neurons):
+            no_lockstep = "a process with neurons holds no attention heads"
+        elif not all(s in by_slot and by_slot[s].lockstep for s in workers):
+            no_lockstep = "a worker cannot take part (its neurons or heads are not in the file's blocks)"
+        else:
+            part = Lockstep.build(pool.buffers, pool.own_slot, native, heads[-1], own, store, cfg)
+            no_lockstep = "" if part is not None else \
+                "the coordinator cannot take part (its FFN share or the architecture)"
+        plan = plan_decode(self.opts.decode_path, heads, no_split, not no_native, no_native, no_lockstep, workers,
+                           every_token=self.input_major == "all")
+        split = lockstep = None
+        if plan.split:
+            split = SplitAttention(pool.bell, pool.buffers, self.kv_pool, native, {s: heads[s] for s in workers},
+                                   heads[-1], self.ffn.stats, plan.split_min_bytes, plan.every_token)
+        if plan.path is DecodePath.LOCKSTEP:
+            lockstep = LockstepDecode(pool.bell, pool.buffers, part, np.array(plan.lockstep_slots, dtype=np.intp),
+                                      self.ffn, split, plan.lockstep_min_bytes)
+        return DecodePaths(plan, split, lockstep)
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """Which path decoded tokens take, and why (coordinator/decode_plan.py)."""
+        return self.model.decode_plan
 
     @property
     def predictors(self) -> Predictors | None:
@@ -313,17 +351,6 @@ class Engine:
         return plan_memory(store, cfg, names, fast=opts.fast, weights=opts.weights, row_layout=self.row_layout,
                            sparse=opts.sparsity is not None or predictors is not None, n_workers=len(workers),
                            ffn_processes=ffn, kv_shape=kv_shape, input_major=self.input_major)
-
-    def _split_heads(self, store: TensorStore) -> dict[int, tuple[int, int]]:
-        """KV heads per CPU worker slot and the coordinator's (key -1) for decoded tokens'
-        attention, or {} when it stays on the coordinator (sparsecore/attn_shard.py)."""
-        opts, cfg = self.opts, self.cfg
-        if not (opts.split_attention and opts.weights == "gguf" and shared_kv_supported()
-                and native_attention(store, cfg)):
-            return {}
-        workers = [slot for slot, sh in enumerate(self.plan.shards)
-                   if sh.role == "cpu" and any(len(n) for n in sh.neurons)]
-        return split_heads(cfg.n_kv_heads, workers + [-1], head_unit(store, cfg))
 
     def _load_predictors(self, reader) -> Predictors | None:
         p = self.opts.predictor
@@ -466,7 +493,7 @@ class Engine:
         if getattr(self, "pool", None) is not None:
             self.pool.close()
         if getattr(self, "model", None) is not None:
-            self.model.split_attn = None
+            self.model.close_split()
         if getattr(self, "kv_pool", None) is not None:
             self.kv_pool.close()
 

@@ -12,17 +12,14 @@ import time
 import numpy as np
 
 from protocol.doorbell import CoordinatorBell
-from protocol.shm_layout import LOCKSTEP_LAYER, REQ_PARTS, SharedBuffers
+from protocol.shm_layout import REQ_PARTS, SharedBuffers, StepKind
 from sparsecore.lockstep import Lockstep
 
 from .attention_split import SplitAttention, SplitStep
 from .sparse_ffn import SparseFfn
 
-# In lockstep, splitting a layer's attention costs one more exchange of shares (a spin on a
-# shared word and a sum: 5-10 us), not a posted step; it pays when the attention's work is
-# larger: SmolLM2 (0.55 MB of attention weights a layer) decodes 9 % faster in lockstep than
-# layer by layer with its attention on the coordinator (paired in-process runs, 2-core EPYC).
-MIN_LOCKSTEP_BYTES = 256 << 10
+# Whether a step runs in lockstep (`usable`): its threshold and measurement are
+# coordinator/decode_plan.py's (MIN_LOCKSTEP_BYTES), passed in with the plan.
 
 
 class LockstepDecode:
@@ -30,9 +27,9 @@ class LockstepDecode:
     take part (each holds attention heads and neurons of every layer)."""
 
     def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, own: Lockstep, part: np.ndarray,
-                 ffn: SparseFfn, attn: SplitAttention):
+                 ffn: SparseFfn, attn: SplitAttention, min_bytes: int):
         self.bell, self.buffers, self.own, self.part, self.ffn, self.attn = bell, buffers, own, part, ffn, attn
-        self.min_bytes = MIN_LOCKSTEP_BYTES
+        self.min_bytes = min_bytes  # a step's attention work it pays from (DecodePlan.lockstep_min_bytes)
         self.parts = sum(1 << int(s) for s in (*part, own.slot))
         self.n_layers = len(own.attn)
         self.steps = 0  # lockstep steps run (benchmarks and tests)
@@ -54,7 +51,7 @@ class LockstepDecode:
         predict = ffn.predictors is not None
         buf.x[:B] = h
         buf.request[REQ_PARTS] = self.parts  # before post writes the step number
-        posted = self.bell.post(LOCKSTEP_LAYER, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
+        posted = self.bell.post(StepKind.LOCKSTEP, 0, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
                                 self.part, predict)
         n_own = self.own.run(posted.step, self.parts, h, split.pos, split.kp, split.vp, split.layer_bytes,
                              posted.threshold, posted.predict, self.bell.watch)

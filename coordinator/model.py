@@ -24,6 +24,8 @@ from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.tensors import TensorStore, unpermute_qk
 
+from .decode_plan import DecodePaths, DecodePlan, local_paths
+
 if TYPE_CHECKING:  # the split is passed in (coordinator/engine.py), like the FFN and the head
     from .attention_split import SplitStep
 
@@ -230,7 +232,10 @@ class _SoftCapped:
 class Transformer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
                  head: Callable[[torch.Tensor], torch.Tensor], weights: str = "f32", fast: bool = False,
-                 kv_pool: KvPool | None = None):
+                 kv_pool: KvPool | None = None, decode: Callable[[list], DecodePaths] | None = None):
+        """decode(native steps) -> DecodePaths: the decode plan (coordinator/decode_plan.py) and
+        the objects that run its paths, made once from this model's native attention steps
+        (coordinator/engine.py); None: attention on the coordinator alone."""
         if cfg.final_logit_softcap:
             head = _SoftCapped(head, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
@@ -243,10 +248,6 @@ class Transformer:
         self._rope_tables(store)
         if kv_pool is not None:  # the workers' attention steps read the same tables
             kv_pool.cos[:], kv_pool.sin[:] = self.cos.numpy(), self.sin_signed.numpy()
-        # Decoded tokens' attention split by KV heads across processes (coordinator/
-        # attention_split.py), set by the engine once its workers are ready; None: here alone.
-        self.split_attn = None
-        self.lockstep = None  # LockstepDecode, set by the engine where every process can take part
         # observer(layer, attention input after attn_norm (T, hidden), attention output before the
         # output matrix (T, heads x head_dim)): input-sparsity calibration watches both (coordinator/
         # tools/calibrate.py). While it is set, prompts take the torch attention below, which has them.
@@ -259,6 +260,12 @@ class Transformer:
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly torch dispatch).
         self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
+        # Which path a decoded token takes, decided once (DecodePlan): split_attn, decoded tokens'
+        # attention split by KV heads across processes (coordinator/attention_split.py; None:
+        # here alone); lockstep, every layer in one post (coordinator/lockstep_decode.py).
+        paths = decode(self.native) if decode is not None else local_paths(self.native, weights, cfg)
+        self.decode_plan: DecodePlan = paths.plan
+        self.split_attn, self.lockstep = paths.split, paths.lockstep
 
     def _native_step(self, store: TensorStore, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
         # The kernel computes llama's attention: none of the other architectures' extras.
@@ -273,6 +280,10 @@ class Transformer:
     @property
     def pos(self) -> int:
         return self.cache.pos
+
+    def close_split(self) -> None:
+        """The worker processes are gone (Engine.close): no step goes to them any more."""
+        self.split_attn = self.lockstep = None
 
     def new_cache(self) -> KVCache:
         """A KV cache for another sequence (continuous batching), as long as the model's context."""

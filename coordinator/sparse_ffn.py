@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from protocol.doorbell import CoordinatorBell
-from protocol.shm_layout import HEAD_LAYER, SharedBuffers
+from protocol.shm_layout import SharedBuffers, StepKind
 from sparsecore.kernels import MAX_SMALL_BATCH
 from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
@@ -155,7 +155,7 @@ class SparseFfn:
             raise ValueError(f"n_tokens {n_tokens} outside 1..{self.max_tokens}")
         t0 = time.perf_counter()
         buf, part = self.buffers, self.participants[layer]
-        posted = self.bell.post(layer, n_tokens, dense, threshold, part, predict)
+        posted = self.bell.post(StepKind.FFN, layer, n_tokens, dense, threshold, part, predict)
         n_own = own_ns = 0
         if self.own is not None and layer in self.own.layers:  # our neurons while the workers compute theirs
             n_own, own_ns = self.own.serve(buf, self.own_slot, posted)
@@ -203,7 +203,7 @@ class SplitHead:
         for a in range(0, len(hs), self.per_post):
             n = min(self.per_post, len(hs) - a)
             buf.x[:n] = hs[a:a + n]
-            posted = self.bell.post(HEAD_LAYER, n, True, False, self.part)
+            posted = self.bell.post(StepKind.HEAD, 0, n, True, False, self.part)
             logits[a:a + n, head.start:] = head(buf.x[:n]).reshape(n, -1)
             self.bell.wait(posted.step, self.part)
             for slot, (lo, hi) in self.rows.items():

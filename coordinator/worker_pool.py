@@ -109,7 +109,7 @@ class WorkerPool:
                  spin: bool | None = None, cores: int | None = None,
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
                  attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
-                 interleave: str = "", input_major: str = ""):
+                 interleave: str = "", input_major: str = "", adaptive_spin: bool | None = None):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -150,7 +150,7 @@ class WorkerPool:
         self.spin = choose_spin(self.spinning_workers, cores) if spin is None else spin
         wakes = [WakePipe.create(str(self.run_dir / f"slot{slot}.wake")) for slot in range(len(self.proc_shards))]
         self.bell = CoordinatorBell(self.buffers, WakePipe.create(str(self.run_dir / "coordinator.wake")), wakes,
-                                    self.spin, self.sock, self.check_alive, DEATH_CHECK_S)
+                                    self.spin, self.sock, self.check_alive, DEATH_CHECK_S, adaptive_spin)
 
     # ---- startup ------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import zmq
 from protocol.addresses import read_secret
 from protocol.doorbell import GONE, MESSAGE, WakePipe, WorkerBell
 from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, WorkerFailed, decode, encode
-from protocol.shm_layout import LOCKSTEP_LAYER, REQ_STEP, SharedBuffers, attn_layer_of
+from protocol.shm_layout import REQ_STEP, SharedBuffers, StepKind
 from sparsecore.attn_shard import AttnShard
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
@@ -96,12 +96,12 @@ class Worker:
         self.bell = WorkerBell(self.buffers, a.slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s,
                                self.sock, self.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
 
-    def takes_part(self, layer: int) -> bool:
-        if layer == LOCKSTEP_LAYER:
+    def takes_part(self, kind: StepKind, layer: int) -> bool:
+        if kind is StepKind.LOCKSTEP:
             return self.lockstep is not None
-        if attn_layer_of(layer) >= 0:
+        if kind is StepKind.ATTENTION:
             return self.attn is not None
-        return self.shard.takes_part(layer)
+        return self.shard.takes_part(kind, layer)
 
     def serve(self) -> int:
         """The worker's whole life after connecting; returns the process's exit code."""
@@ -130,9 +130,9 @@ class Worker:
                     return 0
                 continue
             try:
-                if req.layer == LOCKSTEP_LAYER:
+                if req.kind is StepKind.LOCKSTEP:
                     n_active, ns = self.lockstep.serve(req, self.pool, self._abandon_check(req.step))
-                elif attn_layer_of(req.layer) >= 0:
+                elif req.kind is StepKind.ATTENTION:
                     n_active, ns = self.attn.serve(self.buffers, self.slot, req)
                 else:
                     n_active, ns = self.shard.serve(self.buffers, self.slot, req)
@@ -140,9 +140,8 @@ class Worker:
                 self.bell.last_step = req.step
                 continue
             except Exception as e:
-                what = ("a lockstep decode step" if req.layer == LOCKSTEP_LAYER else
-                        f"attention of layer {attn_layer_of(req.layer)}" if attn_layer_of(req.layer) >= 0
-                        else f"layer {req.layer}")
+                what = {StepKind.LOCKSTEP: "a lockstep decode step", StepKind.HEAD: "the lm_head",
+                        StepKind.ATTENTION: f"attention of layer {req.layer}"}.get(req.kind, f"layer {req.layer}")
                 self.send(WorkerFailed(self.worker_id, self.role, f"{what}: {type(e).__name__}: {e}"))
                 return 1
             self.bell.finish(req.step, n_active, ns)

@@ -10,7 +10,7 @@ through words in shared memory (protocol/shm_layout.py), and a side that has sto
 sleeps on a wake pipe that the other side rings.
 
 Memory ordering (the one place these rules are written):
-  - Posting: request[REQ_LAYER, REQ_TOKENS, REQ_FLAGS] (and x, the mask, the thresholds before
+  - Posting: request[REQ_WHAT, REQ_TOKENS, REQ_FLAGS] (and x, the mask, the thresholds before
     them) are written first, request[REQ_STEP] last. A worker reads the request like a seqlock:
     REQ_STEP before and after the fields must agree.
   - Finishing: the output rows, then slot[SLOT_ACTIVE, SLOT_COMPUTE_NS], then slot[SLOT_DONE]
@@ -44,9 +44,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 import zmq
 
-from .shm_layout import (FLAG_DENSE, FLAG_PREDICT, FLAG_THRESHOLD, REQ_COORD_SLEEPING, REQ_FLAGS, REQ_LAYER, REQ_STEP,
-                         REQ_TOKENS, SLEEPING, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE, SLOT_SLEEPING,
-                         SharedBuffers)
+from .shm_layout import (FLAG_DENSE, FLAG_PREDICT, FLAG_THRESHOLD, KIND_SHIFT, REQ_COORD_SLEEPING, REQ_FLAGS,
+                         REQ_STEP, REQ_TOKENS, REQ_WHAT, SLEEPING, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_DONE,
+                         SLOT_SLEEPING, SharedBuffers, StepKind, step_of)
 
 WORKER_SPIN_US = 50_000  # a worker spins this long for the next step (covers lm_head + sampling)
 COORDINATOR_SPIN_US = 20_000  # the coordinator spins this long for a step to be done before it sleeps
@@ -198,11 +198,13 @@ def _sleep_times(longest_ms: int = MAX_SLEEP_MS):
 
 
 class Request(NamedTuple):
-    """One posted step as a worker reads it from the request words (a tuple: made per layer)."""
+    """One posted step as a worker reads it from the request words (a tuple: made per layer).
+    `layer`: an FFN or attention step's layer (0 for the head's and lockstep steps)."""
     step: int
     layer: int
     n_tokens: int
     flags: int
+    kind: StepKind = StepKind.FFN
 
     @property
     def dense(self) -> bool:
@@ -228,10 +230,12 @@ class CoordinatorBell:
 
     def __init__(self, buffers: SharedBuffers, own_wake: WakePipe, worker_wakes: list[WakePipe], spin: bool,
                  socket: zmq.Socket | None = None, check: Callable[[], None] = lambda: None,
-                 check_every_s: float = 0.2):
+                 check_every_s: float = 0.2, adaptive: bool | None = None):
         self.buffers, self.wake, self.worker_wakes = buffers, own_wake, worker_wakes
         self.spin, self.socket, self.check, self.check_every_s = spin, socket, check, check_every_s
-        self.governor = SpinGovernor(COORDINATOR_SPIN_US / 1e6, adaptive=sync_policy() == "adaptive")
+        # adaptive: the governor backs off when spins are preempted (None: as $SPARSEINFER_SYNC says)
+        self.governor = SpinGovernor(COORDINATOR_SPIN_US / 1e6,
+                                     adaptive=sync_policy() == "adaptive" if adaptive is None else adaptive)
         self.step = 0
         self.wakeups = 0  # steps posted to sleeping workers
         self._last_check = 0.0
@@ -242,14 +246,16 @@ class CoordinatorBell:
         if not spin:  # the coordinator always sleeps: workers always ring its wake pipe
             buffers.request[REQ_COORD_SLEEPING] = SLEEPING
 
-    def post(self, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray,
+    def post(self, kind: StepKind, layer: int, n_tokens: int, dense: bool, threshold: bool, part: np.ndarray,
              predict: bool = False) -> Request:
-        """Publish the next step, then ring the slots in `part` that sleep. Returns what was posted."""
+        """Publish the next step (a `kind` step of `layer`), then ring the slots in `part` that
+        sleep. Returns what was posted."""
         self.step += 1
         posted = Request(self.step, layer, n_tokens, (FLAG_DENSE if dense else 0) | (FLAG_THRESHOLD if threshold else 0)
-                         | (FLAG_PREDICT if predict else 0))
+                         | (FLAG_PREDICT if predict else 0), kind)
         req, slots = self.buffers.request, self.buffers.slots
-        req[REQ_LAYER], req[REQ_TOKENS], req[REQ_FLAGS] = layer, n_tokens, posted.flags
+        # shm_layout.step_word, inline: this runs a few times per layer and token
+        req[REQ_WHAT], req[REQ_TOKENS], req[REQ_FLAGS] = kind << KIND_SHIFT | layer, n_tokens, posted.flags
         req[REQ_STEP] = self.step  # last: a worker that sees it reads a complete request
         for slot in part:
             if slots[slot, SLOT_SLEEPING]:
@@ -335,12 +341,12 @@ GONE = "gone"  # WorkerBell.wait: the coordinator has gone away
 class WorkerBell:
     """A worker's end: wait for the next step it takes part in, say when it is done.
 
-    `takes_part(layer)` says whether this worker owns anything of a layer: steps it does not
+    `takes_part(kind, layer)` says whether this worker owns anything of a step: steps it does not
     take part in are skipped (the coordinator does not wait for them). `gone()` is asked while
     sleeping, so a worker whose coordinator died exits instead of sleeping forever."""
 
     def __init__(self, buffers: SharedBuffers, slot: int, wake: WakePipe, coordinator_wake: WakePipe,
-                 spin_s: float, socket: zmq.Socket, takes_part: Callable[[int], bool],
+                 spin_s: float, socket: zmq.Socket, takes_part: Callable[[StepKind, int], bool],
                  gone: Callable[[], bool] = lambda: False, gone_check_ms: int = 500):
         self.buffers, self.slot, self.wake, self.coordinator_wake = buffers, slot, wake, coordinator_wake
         self.spin_s, self.socket, self.takes_part, self.gone = spin_s, socket, takes_part, gone
@@ -358,13 +364,14 @@ class WorkerBell:
             step = int(req[REQ_STEP])
             if step == self.last_step:
                 return None
-            layer, n_tokens, flags = int(req[REQ_LAYER]), int(req[REQ_TOKENS]), int(req[REQ_FLAGS])
+            what, n_tokens, flags = int(req[REQ_WHAT]), int(req[REQ_TOKENS]), int(req[REQ_FLAGS])
             if int(req[REQ_STEP]) == step:
                 break
-        if not self.takes_part(layer):
+        kind, layer = step_of(what)
+        if not self.takes_part(kind, layer):
             self.last_step = step
             return None
-        return Request(step, layer, n_tokens, flags)
+        return Request(step, layer, n_tokens, flags, kind)
 
     def wait(self) -> Request | str:
         """The next Request for this worker, MESSAGE (read the socket), or GONE."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 13  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse
+PROTOCOL_VERSION = 14  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer)
 
 
 class ProtocolError(Exception):
@@ -54,13 +54,13 @@ class Assign:
     wake_pipe: str = ""
     coordinator_pipe: str = ""
     # [start, stop): vocabulary rows of the output projection this worker computes in lm_head
-    # steps (request layer shm_layout.HEAD_LAYER); empty: none.
+    # steps (shm_layout.StepKind.HEAD); empty: none.
     head_rows: list[int] = field(default_factory=list)
     # With weights "gguf": quantize activations to 8 bits (llama.cpp's arithmetic) instead of
     # multiplying float32 activations by the dequantized blocks (exact, the oracle's).
     fast: bool = False
     # [kv0, kv1): KV heads of every layer whose share of decoded tokens' attention this worker
-    # computes (attention steps, shm_layout.attn_layer_code); empty: none. The KV caches are in
+    # computes (shm_layout.StepKind.ATTENTION steps); empty: none. The KV caches are in
     # the pool the worker inherited as descriptor kv_fd, of kv_shape (sparsecore.kv_pool.KvShape's
     # fields in order).
     attn_heads: list[int] = field(default_factory=list)

@@ -9,11 +9,14 @@ line of their own, so a worker spinning on the request never shares a line anoth
 
 Doorbell words: request (REQ_*) and one line per slot (SLOT_*). What they mean, in which order
 each side writes them and when a side spins or sleeps: protocol/doorbell.py, which is the only
-module that reads or writes them. An lm_head step (request[REQ_LAYER] == HEAD_LAYER) reads
-x[0] and writes the worker's logits into the start of its output slot, flattened. An attention
-step (request[REQ_LAYER] == attn_layer_code(layer)) reads the residuals x[:T] of T decoded
-sequences and their (position, KV cache index) in seq[:T], and writes the worker's heads' share
-of their attention output into its output slot.
+module that reads or writes them. request[REQ_WHAT] says what a step is: its `StepKind` and
+its layer (`step_word`, `step_of`). An FFN step reads x[:T] and writes the worker's neurons'
+share into its output slot. An lm_head step (StepKind.HEAD) reads x[:T] and writes the worker's
+logits into the start of its output slot, flattened. An attention step (StepKind.ATTENTION)
+reads the residuals x[:T] of T decoded sequences and their (position, KV cache index) in
+seq[:T], and writes the worker's heads' share of their attention output into its output slot.
+A lockstep step (StepKind.LOCKSTEP) runs every layer of T decoded tokens, whose residuals
+entering layer 0 are in x[:T] and (position, cache) in seq[:T] (sparsecore/lockstep.py).
 The coordinator creates and unlinks the segment; workers attach and refuse a header that does
 not match what they were told.
 """
@@ -24,6 +27,7 @@ import os
 import secrets
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -36,7 +40,8 @@ HEADER_BYTES = 64
 SHM_PREFIX = "sparseinfer_"
 
 # Doorbell words (int64 indices into SharedBuffers.request and SharedBuffers.slots[slot]).
-REQ_STEP, REQ_LAYER, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
+# REQ_WHAT: the step's kind and layer, one word (step_word).
+REQ_STEP, REQ_WHAT, REQ_TOKENS, REQ_FLAGS, REQ_COORD_SLEEPING = 0, 1, 2, 3, 4
 REQ_PARTS = 5  # a lockstep step's participants: one bit per output slot
 SLOT_DONE, SLOT_ACTIVE, SLOT_COMPUTE_NS, SLOT_SLEEPING = 0, 1, 2, 3
 SLOT_PHASE = 4  # a lockstep decode step's progress, written by the slot's process (sparsecore/lockstep.py)
@@ -44,11 +49,6 @@ SLOT_PHASE = 4  # a lockstep decode step's progress, written by the slot's proce
 # memory, or with FLAG_PREDICT scored by each process for its own neurons from x[1], the token's
 # residual before ffn_norm (x[0] is the normed input, as always).
 FLAG_DENSE, FLAG_THRESHOLD, FLAG_PREDICT = 1, 2, 4
-HEAD_LAYER = -1  # request[REQ_LAYER] of an lm_head step: logits of the worker's vocabulary rows
-# request[REQ_LAYER] of a lockstep decode step: every layer of T decoded tokens, whose residuals
-# entering layer 0 are in x[:T] and (position, cache) in seq[:T] (sparsecore/lockstep.py)
-LOCKSTEP_LAYER = 1 << 30
-_ATTN0 = -2  # request[REQ_LAYER] of layer i's attention step: _ATTN0 - i (see attn_layer_code)
 SLEEPING = 1  # value of a sleeping word: ring this side's wake pipe (0: it spins)
 LINE_WORDS = 8  # int64 words in one 64-byte cache line
 # Input sparsity (TEAL): per layer, the threshold on |input| of each group of matrices sharing an
@@ -62,14 +62,32 @@ INPUT_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_h")
 # (sparsecore/lm_head.py).
 
 
-def attn_layer_code(layer: int) -> int:
-    """request[REQ_LAYER] of an attention step of `layer` (FFN steps use the layer itself)."""
-    return _ATTN0 - layer
+class StepKind(IntEnum):
+    """What a posted step computes (request[REQ_WHAT], with the layer: step_word)."""
+    FFN = 0  # the worker's neurons of one layer
+    HEAD = 1  # logits of the worker's lm_head vocabulary rows (layer 0)
+    ATTENTION = 2  # the worker's KV heads of one layer's attention of decoded tokens
+    LOCKSTEP = 3  # every layer of decoded tokens in lockstep (layer 0)
 
 
-def attn_layer_of(code: int) -> int:
-    """The layer of an attention step's request[REQ_LAYER] (negative for any other step)."""
-    return _ATTN0 - code if code <= _ATTN0 else -1
+KIND_SHIFT = 32  # request[REQ_WHAT] = kind << KIND_SHIFT | layer
+_LAYER_MASK = (1 << KIND_SHIFT) - 1
+_KINDS = tuple(StepKind)  # by value: decoding a word is an index, not an enum lookup (per step)
+
+
+def step_word(kind: StepKind, layer: int = 0) -> int:
+    """request[REQ_WHAT] of a step of `kind` on `layer` (0 for the steps of no one layer)."""
+    if not 0 <= layer <= _LAYER_MASK:
+        raise ValueError(f"layer {layer} outside 0..{_LAYER_MASK}")
+    return int(kind) << KIND_SHIFT | layer
+
+
+def step_of(word: int) -> tuple[StepKind, int]:
+    """(kind, layer) of a request[REQ_WHAT] word; ValueError for a kind this process does not know."""
+    kind = word >> KIND_SHIFT
+    if not 0 <= kind < len(_KINDS):
+        raise ValueError(f"request word {word:#x}: unknown step kind {kind}")
+    return _KINDS[kind], word & _LAYER_MASK
 
 
 class LayoutError(Exception):

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from protocol.doorbell import Request
-from protocol.shm_layout import SharedBuffers, attn_layer_of
+from protocol.shm_layout import SharedBuffers
 
 from .config import ModelConfig
 from .kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
@@ -101,7 +101,7 @@ class AttnShard:
         """x[:B] are B sequences' residuals, seq[:B] their (position, cache): this shard's share of
         their attention output goes into output slot `slot`. Returns (0, ns taken)."""
         t0 = time.perf_counter()
-        layer, B = attn_layer_of(req.layer), req.n_tokens
+        layer, B = req.layer, req.n_tokens
         if not (0 <= layer < len(self.steps) and 1 <= B <= MAX_SMALL_BATCH):
             raise ValueError(f"attention step for layer {layer} with {B} tokens")
         pos, caches = buf.seq[:B, 0].copy(), buf.seq[:B, 1].copy()

@@ -23,7 +23,7 @@ import numpy as np
 
 from protocol.doorbell import Request
 from protocol.messages import ROW_LAYOUTS
-from protocol.shm_layout import HEAD_LAYER, SharedBuffers
+from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
 from .gguf_file import open_gguf
@@ -333,8 +333,9 @@ class FfnShard:
         """FFN weight bytes held (the head's rows are not counted: they are the lm_head's)."""
         return sum(w.nbytes for w in self.layers.values())
 
-    def takes_part(self, layer: int) -> bool:
-        return self.head is not None if layer == HEAD_LAYER else layer in self.layers
+    def takes_part(self, kind: StepKind, layer: int) -> bool:
+        """Whether this shard computes anything of an FFN step of `layer` or of a head step."""
+        return self.head is not None if kind is StepKind.HEAD else kind is StepKind.FFN and layer in self.layers
 
     def step(self, layer: int, x: "torch.Tensor", active: np.ndarray | None = None,
              threshold: float | None = None) -> tuple["torch.Tensor", int]:
@@ -361,7 +362,7 @@ class FfnShard:
         """Compute the posted step `req` from shared memory into output slot `slot`.
         Returns (active neuron-token pairs, ns taken)."""
         t0 = time.perf_counter()
-        if req.layer == HEAD_LAYER:  # x[:T] -> this shard's logits (T, rows), flat at the start of the slot
+        if req.kind is StepKind.HEAD:  # x[:T] -> this shard's logits (T, rows), flat at the start of the slot
             logits = self.head(buf.x[:req.n_tokens]).reshape(-1)
             flat = buf.out[slot].reshape(-1)
             if logits.size > flat.size:

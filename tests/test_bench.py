@@ -66,6 +66,15 @@ def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model_factory, tmp_pat
     assert res["sparse 0.50"]["weight_mb_per_token"] < res["dense"]["weight_mb_per_token"]
     assert set(out["ratios_vs_dense"]) == {"sparse 0.50"}
     assert out["read_bandwidth_gb_s"] > 0
+    # the decode path the engine chose, and why, in one line (coordinator/decode_plan.py)
+    assert out["decode_path"].split(":")[0] in ("lockstep", "split attention", "native", "torch")
+    if method == "input":  # the text report says it too (thresholds calibrated above: no second calibration)
+        r = subprocess.run([sys.executable, "-m", "coordinator", "bench", "-m", str(model), "-p", "12", "-n", "3",
+                            "-r", "1", "--warmup", "0", "--sparsity", "0.5", "--threads", "2", "--cpu-workers", "1",
+                            "--sparse-method", method], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert [line for line in r.stdout.splitlines() if line.startswith("decode path: ")] == \
+            [f"decode path: {out['decode_path']}"]
     # without CUDA the coordinator computes a core's share: 1 of 2 with one single-threaded worker,
     # cut on a block of 32 neurons for the native kernels (64 of the tiny model's 160)
     assert out["coordinator_ffn_share"] == (0.0 if torch.cuda.is_available() else pytest.approx(0.5, abs=0.1))

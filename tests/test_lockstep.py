@@ -45,16 +45,11 @@ def test_residual_norm_sums_the_shares_in_order_then_normalizes():
 
 
 def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:
-    eng = Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, kv_caches=8, **kw))
-    m = eng.model
-    if m.split_attn is None or m.lockstep is None:
-        eng.close()
-        raise AssertionError("the tiny model should run in lockstep")
-    m.split_attn.min_bytes = (0, 0)  # tiny layers never pay: split and lock anyway
-    m.lockstep.min_bytes = 0
-    eng.pool.bell.governor.adaptive = False  # a busy test machine must not send steps back to layers
-    if not lockstep:
-        m.lockstep = None
+    # tiny layers never pay: split (and lock) at every size; and a busy test machine must not
+    # send steps back to layers (adaptive_spin)
+    eng = Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, kv_caches=8, adaptive_spin=False,
+                                     decode_path="lockstep" if lockstep else "split", **kw))
+    assert (eng.model.lockstep is not None) == lockstep and eng.model.split_attn is not None
     return eng
 
 

@@ -241,3 +241,18 @@ def test_close_owner_unlinks_attacher_does_not(layout, no_leaks):
     assert not _seg_path(name).exists()
     with pytest.raises(LayoutError, match="does not exist"):
         SharedBuffers.attach(name)
+
+
+def test_a_step_word_carries_its_kind_and_layer():
+    from protocol.shm_layout import StepKind, step_of, step_word
+
+    for kind in StepKind:
+        for layer in (0, 1, 29, 2047):
+            word = step_word(kind, layer)
+            assert step_of(word) == (kind, layer) and type(step_of(word)[0]) is StepKind
+    # an FFN step of a layer and an attention step of the same layer are different words
+    assert step_word(StepKind.FFN, 3) != step_word(StepKind.ATTENTION, 3)
+    with pytest.raises(ValueError):
+        step_word(StepKind.FFN, -1)
+    with pytest.raises(ValueError, match="unknown step kind"):
+        step_of(step_word(StepKind.LOCKSTEP) + (1 << 32) * 7)

@@ -47,15 +47,13 @@ def test_greedy_tokens_match_transformers_with_attention_split_across_processes(
     prompt's too (always split: chunks of up to 16 tokens per exchange). Decoded tokens go
     through every layer in lockstep (each process sums the shares itself), or layer by layer
     through posted steps."""
-    with Engine(smollm2_path, EngineOptions(threads=2, cpu_workers=1, fast=False)) as eng:
+    # decode_path: that path at every size; adaptive_spin=False: keep spinning on a busy machine,
+    # every step in lockstep
+    opts = EngineOptions(threads=2, cpu_workers=1, fast=False, decode_path="lockstep" if lockstep else "split",
+                         adaptive_spin=False if lockstep else None)
+    with Engine(smollm2_path, opts) as eng:
         assert eng.model.split_attn is not None
-        eng.model.split_attn.min_bytes = (0, 0)
-        if lockstep:
-            assert eng.model.lockstep is not None
-            eng.model.lockstep.min_bytes = 0
-            eng.pool.bell.governor.adaptive = False  # keep spinning on a busy machine: every step in lockstep
-        else:
-            eng.model.lockstep = None
+        assert (eng.model.lockstep is not None) == lockstep
         st = eng.ffn.stats
         for case in REF["prompts"]:
             calls, steps = len(st.attn_us), len(st.lockstep_us)

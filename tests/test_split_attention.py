@@ -32,11 +32,12 @@ def test_no_split_without_two_shares():
 
 
 def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
+    # tiny layers never pay for the exchange: split at every size ("split")
     eng = Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, split_attention=split,
-                                     kv_caches=kv_caches))
+                                     kv_caches=kv_caches, decode_path="split" if split else "auto"))
     if split:
-        assert eng.model.split_attn is not None, "the tiny model's attention should be split"
-        eng.model.split_attn.min_bytes = (0, 0)  # tiny layers never pay for the exchange: split anyway
+        assert eng.model.split_attn is not None and eng.model.lockstep is None
+        assert eng.decode_plan.path.value == "split attention" and eng.decode_plan.split_min_bytes == (0, 0)
     return eng
 
 
@@ -154,7 +155,8 @@ def test_attention_stays_on_the_coordinator_when_not_split(tiny_model_factory, n
 def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
     from types import SimpleNamespace
 
-    from coordinator.attention_split import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, SplitAttention
+    from coordinator.attention_split import SplitAttention
+    from coordinator.decode_plan import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH
 
     small = SimpleNamespace(every_token=False, weight_bytes=550_000, kv_bytes_per_pos=1536,
                             min_bytes=(MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH), max_tokens=16)
