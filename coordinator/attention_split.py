@@ -37,9 +37,9 @@ class SplitAttention:
                  heads: dict[int, tuple[int, int]], own: tuple[int, int], stats: ExchangeStats,
                  min_bytes: tuple[int, int], every_token: bool = False):
         """min_bytes: the work (bytes) a step of one sequence, of several, must halve to pay for
-        the exchange (DecodePlan.split_min_bytes). every_token: split every decoded token's step
-        whatever it costs (input sparsity: only the shares carry input-major twins, so the
-        coordinator's whole-head step would read densely)."""
+        the exchange (DecodePlan.split_min_bytes). every_token: split every decoded step whatever it
+        costs (DecodePlan.every_token: input sparsity, whose twins only the shares carry, and
+        lockstep engines, whose per-layer steps must compute what a lockstep step does)."""
         self.bell, self.buffers, self.pool, self.steps, self.own, self.stats = bell, buffers, pool, steps, own, stats
         self.part = np.array(sorted(heads), dtype=np.intp)
         for s in steps:
@@ -58,7 +58,7 @@ class SplitAttention:
         tokens of one, whose products cost about the weights' bytes once per token."""
         if len(pos) > self.max_tokens:
             return False
-        if self.every_token and len(pos) == 1 and not prompt:
+        if self.every_token and not prompt:
             return True
         work = self.weight_bytes * (len(pos) if prompt else 1) + self.kv_bytes_per_pos * int(pos.sum() + len(pos))
         return work >= self.min_bytes[len(pos) > 1]

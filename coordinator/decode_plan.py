@@ -70,7 +70,11 @@ class DecodePlan:
     lockstep_slots: tuple[int, ...] = ()
     split_min_bytes: tuple[int, int] = (MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH)  # one sequence, several
     lockstep_min_bytes: int = MIN_LOCKSTEP_BYTES
-    every_token: bool = False  # split every one-token step whatever it costs (input sparsity)
+    # split every decoded step's attention whatever it costs: under input sparsity (only the
+    # shares carry twins), and wherever lockstep is the path, so a step that falls back to the
+    # layers (contended cores, a size lockstep does not take) computes the same floats as a
+    # lockstep step: which path ran must not change a greedy reply
+    every_token: bool = False
     forced: bool = False  # EngineOptions.decode_path chose it: thresholds 0
 
     @property
@@ -126,8 +130,9 @@ def plan_decode(choice: str, heads: dict[int, tuple[int, int]], no_split: str, n
     common = dict(heads=heads, every_token=every_token, forced=forced, **thresholds)
     if not why_not_split and choice != "split" and not no_lockstep:
         return DecodePlan(DecodePath.LOCKSTEP, "the coordinator and every worker with neurons hold attention heads "
-                          "and neurons of every layer; per layer where a step is too small, too large or the "
-                          "cores are contended", lockstep_slots=tuple(lockstep_slots), **common)
+                          "and neurons of every layer; per layer, attention still split, where a step is too "
+                          "small, too large or the cores are contended", lockstep_slots=tuple(lockstep_slots),
+                          **{**common, "every_token": True})
     if not why_not_split:
         why = "forced" if choice == "split" else f"not lockstep: {no_lockstep}"
         return DecodePlan(DecodePath.SPLIT, f"{why}; on the coordinator alone where a step's work does not pay "

@@ -6,7 +6,7 @@ tables each time).
 The child (`python -m coordinator.template_renderer`) imports only jinja2 and msgpack, caps its
 address space at start (its size then plus RENDER_MEMORY_BYTES: a memory bomb becomes a
 MemoryError, after which it answers and exits so the next render gets a fresh one), ignores
-Ctrl-C (the parent's to handle) and exits when its stdin closes or its parent dies. Requests and
+Ctrl-C (the parent's to handle) and exits when its stdin closes or its parent is gone. Requests and
 replies are msgpack frames (4-byte length, then the bytes) on its stdin and stdout; nothing in
 them is executed. The parent (`Renderer`) sends one render at a time, waits at most
 RENDER_SECONDS for the answer, and kills and replaces a child that is late or gone.
@@ -142,14 +142,17 @@ def renderer() -> Renderer:
 
 # ---- the child ------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL when the parent dies (a kill -9 of the server does not close our stdin at
-    once if something else holds the pipe); elsewhere stdin's EOF is the signal."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def _die_with_parent(parent: int) -> None:
+    """Exit when the parent process is gone. Its death closes our stdin (EOF ends the loop);
+    this watch covers a pipe end some other process still holds. (Not PR_SET_PDEATHSIG: that
+    follows the thread that started us, and the server starts us from a pool thread that may
+    end while the server serves on.)"""
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -167,8 +170,8 @@ def main(memory_bytes: int) -> None:
 
     from .chat_template import serve_one
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
     parent = os.getppid()
+    _die_with_parent(parent)
     with open("/proc/self/statm") as f:
         limit = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)

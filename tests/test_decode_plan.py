@@ -67,3 +67,21 @@ def test_adaptive_spin_false_keeps_the_coordinator_spinning(tiny_model_factory, 
     path = tiny_model_factory(tensor_type="Q4_0", seed=4, n_heads=4, n_kv_heads=2)
     with Engine(path, EngineOptions(threads=2, cpu_workers=1, adaptive_spin=False)) as eng:
         assert eng.pool.bell.governor.adaptive is False
+
+
+@pytest.mark.smollm2
+def test_which_path_ran_a_token_does_not_change_its_reply(smollm2_path, no_leaks):
+    """A lockstep engine's tokens that fall back to the layers (contended cores: the spin
+    governor decides by the machine's load) split their attention as lockstep steps do
+    (DecodePlan.every_token), so they compute the same floats (tests/test_lockstep.py checks the
+    two paths bit for bit): one engine's greedy reply is the same on every run. SmolLM2's drifted
+    between runs ("Napoli", "Napa") as the governor switched paths on a busy machine."""
+    from coordinator.sampling import SamplingParams
+
+    assert plan_decode("auto", HEADS, "", True, "", "", (0,)).every_token
+    with Engine(smollm2_path, EngineOptions(threads=2)) as eng:
+        assert eng.decode_plan.path is DecodePath.LOCKSTEP and eng.decode_plan.every_token
+        ids = eng.encode_chat([{"role": "system", "content": "You are brief."},
+                               {"role": "user", "content": "What is the capital of Italy?"}])
+        replies = {tuple(eng.generate(ids, 32, SamplingParams(0.0))) for _ in range(6)}
+    assert len(replies) == 1

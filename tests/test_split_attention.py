@@ -172,6 +172,9 @@ def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
     tiny = SimpleNamespace(**{**vars(small), "weight_bytes": 9_000, "kv_bytes_per_pos": 256})
     assert not prompt(tiny, *range(16))  # a test model's layer: never
     assert not pays(SimpleNamespace(**{**vars(large), "max_tokens": 7}), *range(8))  # more rows than shared memory holds
-    # input sparsity: only the shares carry twins, so every decoded token's step splits
+    # input sparsity (only the shares carry twins) and lockstep engines (a step that falls back
+    # to the layers must compute what lockstep does): every decoded step splits, one token or a
+    # batch's, within what shared memory holds; prompts still by their work
     every = SimpleNamespace(**{**vars(tiny), "every_token": True})
-    assert pays(every, 3) and not pays(every, 3, 4) and not prompt(every, 3, 4)
+    assert pays(every, 3) and pays(every, 3, 4) and not prompt(every, 3, 4)
+    assert not pays(SimpleNamespace(**{**vars(every), "max_tokens": 1}), 3, 4)

@@ -21,7 +21,7 @@ from tests.fixtures.http_server import launched
 
 CITY = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Rome", "Paris", "Berlin", "Madrid"]},
-    "population_millions": {"type": "number", "minimum": 0, "maximum": 100},
+    "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
     "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 1, "maxItems": 3},
     "country": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "in_eu": {"type": "boolean"}},
                 "required": ["name", "in_eu"], "additionalProperties": False}},
@@ -165,7 +165,7 @@ def table(tiny_model):
 
 def test_constraint_allows_each_token_of_a_valid_reply_and_ends_there(table):
     tk, tab = table
-    text = json.dumps({"city": "Paris", "population_millions": 2.1, "landmarks": ["the tower"],
+    text = json.dumps({"city": "Paris", "population_millions": 2, "landmarks": ["the tower"],
                        "country": {"name": "France", "in_eu": True}})
     c = Constraint(tab, grammar_for(json_schema=CITY))
     logits = np.zeros(tab.n_vocab, np.float32)
