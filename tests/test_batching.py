@@ -259,7 +259,9 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
 
     path = tiny_model_factory(tensor_type=tensor_type, seed=3)
     prompts = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3], [11, 12, 13]]
-    with Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast)) as eng:
+    # every cache in the shared pool, as the server sizes it (--parallel + 1): a private cache's
+    # attention cannot be split across the processes, so it would be summed otherwise
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, kv_caches=2 * len(prompts) + 1)) as eng:
         m = eng.model
         alone = []
         for p in prompts:
