@@ -167,7 +167,7 @@ def _decode_sparsity(path, sparsity) -> tuple[float | None, str]:
         return None, ""
     from sparsecore.gguf_file import open_gguf
 
-    from .predictor import has_predictors
+    from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
     from .sparsity_level import choose
 
     if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
