@@ -12,7 +12,9 @@ before the process is spawned:
   ready: the prompt's echo reaches stdout (generate prints it once the engine has loaded and
          the prompt is tokenized);
   first: the first generated token's text reaches stdout;
-  exit:  the process has exited (workers stopped).
+  exit:  the process has exited (workers stopped);
+  CPU:   user + system seconds of the process and the workers it waited for (all the work,
+         whatever ran in parallel: steadier than the times when other processes load the cores).
 --llamacpp adds llama-cpp-python in a fresh interpreter: process start to `Llama(...)` returned
 (its import included, as ours is), 2 threads, the same context size.
 Printed: median and range of each over the runs, the load average before and after.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import select
 import statistics
 import subprocess
@@ -49,6 +52,7 @@ def _env(tree: Path) -> dict:
 def _time_marks(cmd: list[str], env: dict, cwd: Path, n_ready: int) -> dict:
     """Seconds from spawn until stdout holds its first byte (ready), more than `n_ready` bytes
     (first token), and until exit."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, env=env, cwd=str(cwd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
@@ -70,9 +74,12 @@ def _time_marks(cmd: list[str], env: dict, cwd: Path, n_ready: int) -> dict:
                     got.setdefault("first", now)
     rc = p.wait()
     t_exit = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {rc}:\n{err.decode(errors='replace')[-2000:]}")
-    return {"ready": got.get("ready", float("nan")), "first": got.get("first", float("nan")), "exit": t_exit}
+    return {"ready": got.get("ready", float("nan")), "first": got.get("first", float("nan")), "exit": t_exit,
+            "cpu": cpu}
 
 
 def _load() -> str:
@@ -100,13 +107,13 @@ def main() -> None:
         for name, cmd, env, cwd in sides:
             res[name].append(_time_marks(cmd, env, cwd, 1 << 30 if name == "llama.cpp" else len(PROMPT)))
     print(f"load average after: {_load()}")
-    print(f"{'':12s} {'ready s (median, range)':>26s} {'first token s':>22s} {'exit s':>22s}")
+    print(f"{'':12s} {'ready s (median, range)':>26s} {'first token s':>22s} {'exit s':>22s} {'CPU s':>22s}")
     for name, runs in res.items():
         cols = []
-        for key in ("ready", "first", "exit"):
+        for key in ("ready", "first", "exit", "cpu"):
             v = [r[key] for r in runs if r[key] == r[key]]
             cols.append(f"{statistics.median(v):6.3f} ({min(v):.2f}-{max(v):.2f})" if v else f"{'-':>20s}")
-        print(f"{name:12s} {cols[0]:>26s} {cols[1]:>22s} {cols[2]:>22s}")
+        print(f"{name:12s} {cols[0]:>26s} {cols[1]:>22s} {cols[2]:>22s} {cols[3]:>22s}")
 
 
 if __name__ == "__main__":
