@@ -167,7 +167,7 @@ def _decode_sparsity(path, sparsity) -> tuple[float | None, str]:
         return None, ""
     from sparsecore.gguf_file import open_gguf
 
-    from .predictor import has_predictors
+    from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
     from .sparsity_level import choose
 
     if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
@@ -353,12 +353,29 @@ class _Command(click.Command):
             raise ValueError(e.format_message()) from None
 
 
+# Set by a command that has stopped its workers and written everything (generate): the program
+# then ends without the interpreter's teardown, which with torch loaded takes 0.3-0.8 s (the
+# workers end the same way, cpu_worker/__main__.py).
+_EXIT_AT_ONCE = False
+
+
 class _Cli(click.Group):
     """Turns the errors a user can cause into one line on stderr instead of a traceback: exit 1
     for a value refused (by the checks below, the model file, the engine), 2 for click's own
     usage errors (an unknown option, `-n abc`), which it would otherwise print in three lines."""
 
     command_class = _Command
+
+    def main(self, args=None, *rest, **kwargs):
+        try:
+            return super().main(args, *rest, **kwargs)
+        except SystemExit as e:
+            # only as the program itself (no args given: the console script, `python -m coordinator`)
+            if not _EXIT_AT_ONCE or args is not None or not isinstance(e.code, (int, type(None))):
+                raise
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code or 0)
 
     def invoke(self, ctx):
         stop_on_signals()
@@ -438,6 +455,8 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
             click.echo(f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
                        f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer | "
                        f"{s['weights']} FFN weights {(sum(s['worker_weight_bytes']) + s['coordinator_ffn_bytes']) / 1e6:.0f} MB]", err=True)
+    global _EXIT_AT_ONCE
+    _EXIT_AT_ONCE = True  # the engine has closed: nothing is left to tear down
 
 
 @main.command()

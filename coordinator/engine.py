@@ -10,39 +10,41 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
 
 from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
-from sparsecore.ffn import WEIGHT_FORMATS
+from protocol.messages import WEIGHT_FORMATS
 from protocol.shm_layout import INPUT_SITES
 from sparsecore.gguf_file import check_supported_types, open_gguf
-from sparsecore.kernels import interleaving, supports
+from sparsecore.kernels import interleaving
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.input_sparsity import attach as attach_twins
 from sparsecore.lockstep import Lockstep
+from sparsecore.predictor_rows import has_predictors
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
-from .attention_split import SplitAttention
 from .chat_template import chat_template_from_reader, render_chat
 from .decode_plan import (DECODE_CHOICES, DecodePath, DecodePaths, DecodePlan, attention_heads, plan_decode,
                           why_not_native)
-from .lockstep_decode import LockstepDecode
 from .memory_plan import fit_hints, plan_memory
-from .model import Embedding, LmHead, Transformer
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
-from .predictor import Predictors, has_predictors
 from .sampling import Sampler, SamplingParams
 from .model_files import load_input_level, load_thresholds
-from .sparse_ffn import SparseFfn, SplitHead
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
+
+if TYPE_CHECKING:
+    from .predictor import Predictors
+
+# torch, and the modules that import it (1 s on these CPUs), are imported in Engine.__init__
+# once the workers have been started: a worker on the file's blocks never imports torch, and it
+# starts on another core meanwhile (bench_startup.py).
 
 
 SPARSE_METHODS = ("input", "cats")  # EngineOptions.sparse_method
@@ -141,6 +143,17 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
     return names
 
 
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no GPU driver exposes a device
+    (no /dev/nvidiactl, /dev/kfd or /dev/dxg: CUDA, ROCm and WSL's need one), so that the
+    placement, made before the workers start, does not wait for the torch import."""
+    if not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Engine:
     """Load a model, plan where its neurons go, start the workers, and run the token loop."""
 
@@ -228,10 +241,15 @@ class Engine:
             if self.kv_pool is not None:
                 self.kv_pool.close()
             raise
-        # While workers spin on their cores, the coordinator computes on the one left to it.
-        torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
         try:
-            self.pool.spawn()  # workers start importing while we load our share and the head
+            self.pool.spawn()  # workers start importing while we import torch, load our share and the head
+            import torch
+
+            from .model import Embedding, LmHead, Transformer
+            from .sparse_ffn import SparseFfn, SplitHead
+
+            # While workers spin on their cores, the coordinator computes on the one left to it.
+            torch.set_num_threads(max(1, total - self.pool.spinning_workers) if self.pool.spin else total)
             self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
             in_file = opts.weights == "gguf"
             embed = Embedding(store, in_file, cfg.embed_scale)
@@ -261,6 +279,9 @@ class Engine:
         """The decode plan (coordinator/decode_plan.py plan_decode) from what the processes
         support, and the objects that run its paths; the model calls this once while it is
         built, with its native attention steps (`native`, None for a layer without one)."""
+        from .attention_split import SplitAttention  # torch's side: imported once the workers are started
+        from .lockstep_decode import LockstepDecode
+
         cfg, pool = self.cfg, self.pool
         no_native = why_not_native(native, self.opts.weights, cfg)
         workers = tuple(sorted(s for s in heads if s >= 0))
@@ -318,7 +339,7 @@ class Engine:
     def _place(self, store: TensorStore):
         """(plan, where it came from, lm_head rows per slot, threads per worker, total threads)."""
         opts, cfg = self.opts, self.cfg
-        cuda = torch.cuda.is_available() and opts.gpu_device in ("auto", "cuda")
+        cuda = opts.gpu_device in ("auto", "cuda") and _cuda_available()
         total, n_cpu, per_worker = resolve_threads(opts.threads, opts.cpu_workers, cuda)
         share = default_gpu_share(cuda) if opts.gpu_share is None else opts.gpu_share
         if opts.vram_budget_gb is not None and opts.coordinator_share:
@@ -359,9 +380,13 @@ class Engine:
         if p is not None:
             if self.opts.sparsity is not None:
                 raise ValueError("choose one sparsity source: --sparsity (thresholds) or --predictor, not both")
+            from .predictor import Predictors  # torch: imported before the workers start only with predictors
+
             return Predictors.load(p, self.cfg, in_file=self.opts.weights == "gguf", fast=self.opts.fast)
         # A model's own predictors are the default unless thresholds were asked for explicitly.
         if self.opts.sparsity is None and has_predictors(reader):
+            from .predictor import Predictors
+
             return Predictors.load(self.path, self.cfg, reader, self.opts.weights == "gguf", self.opts.fast)
         return None
 

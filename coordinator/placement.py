@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from protocol.doorbell import usable_cores
-from sparsecore.ffn import row_nbytes
 
 from .model_files import GPUIDX_FORMAT, gpuidx_path, read_gpuidx, write_gpuidx
 
@@ -134,6 +133,9 @@ def neuron_bytes(hidden: int, weights: str = "f32", on_cpu: bool = False) -> int
     allocates it: its gate row, its up row and its down column (held as a row), each `hidden`
     values in the workers' weight format (whatever the file's quantization). `on_cpu`: a worker
     computing on the CPU, where f16 keeps the down rows transposed too (sparsecore.ffn.HalfRows)."""
+    from sparsecore.ffn import row_nbytes  # here: that module imports torch, which the engine imports after
+    # starting its workers (coordinator/engine.py)
+
     extra = row_nbytes(hidden, weights) if on_cpu and weights == "f16" else 0
     return 3 * row_nbytes(hidden, weights) + extra
 

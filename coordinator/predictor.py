@@ -21,12 +21,8 @@ from sparsecore.errors import ModelFileError
 from sparsecore.ffn import FileRows, x_wt
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, supports
-from sparsecore.predictor_rows import PER_LAYER_KEY, predictor_thresholds
+from sparsecore.predictor_rows import PER_LAYER_KEY, has_predictors, predictor_thresholds  # noqa: F401 (re-exported)
 from sparsecore.tensors import TensorStore
-
-
-def has_predictors(reader) -> bool:
-    return any(t.name == "blk.0.fc1.weight" for t in reader.tensors)
 
 
 class Predictors:

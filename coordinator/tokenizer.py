@@ -21,6 +21,7 @@ import codecs
 import logging
 import re
 from collections.abc import Iterable
+from itertools import chain, repeat
 
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
@@ -128,7 +129,8 @@ class _Fields:
         value = self.require(key) if required else self.get(key)
         if value is None:
             return None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        # by the elements' types (a few), not element by element: 0.03 s for a 49152-token vocabulary
+        if not isinstance(value, list) or not all(issubclass(t, str) for t in set(map(type, value))):
             raise ValueError(f"{key} must be an array of strings")
         return value
 
@@ -235,8 +237,10 @@ class GGUFTokenizer:
         special = [t for t, ty in zip(tokens, token_type) if ty == _CONTROL and control_ok(t)]
         special += [tokens[i] for i in (bos_id, eos_id, *named) if i is not None]
         tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
-        vocab = tk.get_vocab(with_added_tokens=False)
-        user = [t for t, ty in zip(tokens, token_type) if ty == _USER_DEFINED and t in vocab]
+        user = [t for t, ty in zip(tokens, token_type) if ty == _USER_DEFINED]
+        if user:  # get_vocab copies the whole vocabulary out of the tokenizer (0.05 s for 49152 tokens)
+            vocab = tk.get_vocab(with_added_tokens=False)
+            user = [t for t in user if t in vocab]
         tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
         ends = {eos_id} if eos_id is not None else set()
@@ -290,9 +294,13 @@ class GGUFTokenizer:
 def _byte_level(fields: _Fields, tokens: list[str]):
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    # Tokens stored as raw text (not byte-level spelled) get respelled, as transformers does.
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
-             for i, t in enumerate(tokens)}
+    # Tokens stored as raw text (not byte-level spelled) get respelled, as transformers does;
+    # when every character of the vocabulary is in the alphabet (one check), none is.
+    if set("".join(tokens)) <= alphabet:
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+                 for i, t in enumerate(tokens)}
     merges = _merges(fields, vocab, required=True)
     tk = _bpe(vocab, merges, fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix="")
     pre = fields.get("tokenizer.ggml.pre")
@@ -339,13 +347,15 @@ def _merges(fields: _Fields, vocab: dict[str, int], required: bool) -> list[tupl
     raw = fields.string_list(key, required=required)
     if raw is None:
         return None
-    merges = []
-    for i, m in enumerate(raw):
-        pair = tuple(m.split(" "))
+    # split and checked a list at a time (0.04 s for 48900 merges, a loop took 0.14 s); the loop
+    # below only finds the first bad merge to name it
+    merges = list(map(tuple, map(str.split, raw, repeat(" "))))
+    if set(map(len, merges)) <= {2} and vocab.keys() >= set(chain.from_iterable(merges)):
+        return merges
+    for i, (m, pair) in enumerate(zip(raw, merges)):
         if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
             raise ValueError(f"{key}[{i}] = {m!r} is not two vocabulary tokens separated by one space")
-        merges.append(pair)
-    return merges
+    raise AssertionError("unreachable: a merge failed the check above")
 
 
 def _bpe(vocab, merges, **options) -> Tokenizer:

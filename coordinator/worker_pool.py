@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from .placement import Plan, WorkerShard
 from .reaper import start_reaper
 
 POLL_SLICE_MS = 100
+# How often the start-up thread that answers Hellos (WorkerPool.spawn) checks whether to stop.
+HANDSHAKE_SLICE_MS = 10
 DEATH_CHECK_S = 0.2
 # Workers send only small messages (Hello, Ready, WorkerFailed); ZeroMQ drops a peer that
 # sends more, before it is read into memory.
@@ -128,6 +131,12 @@ class WorkerPool:
         self.attn_heads, self.kv_pool = attn_heads or {}, kv_pool
         self.workers: list[WorkerProc] = []
         self.closed = False
+        # The handshake's state (spawn, wait_ready): workers not sent their Assign, not yet Ready.
+        self._pending_assign: set[bytes] = set()
+        self._pending_ready: set[bytes] = set()
+        self._early: threading.Thread | None = None  # answers Hellos while the coordinator loads
+        self._early_stop = threading.Event()
+        self._early_error: BaseException | None = None
         # Worker processes for every shard but a last "coordinator" one, which this process computes.
         self.proc_shards = [sh for sh in plan.shards if sh.role != "coordinator"]
         self.own_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
@@ -167,6 +176,28 @@ class WorkerPool:
                                     pass_fds=fds, **_OWN_GROUP)
             self.workers.append(WorkerProc(shard.role, shard.worker_id, slot, proc,
                                            f"{shard.role}{shard.worker_id}".encode()))
+        self._pending_assign = {w.identity for w in self.workers}
+        self._pending_ready = set(self._pending_assign)
+        if self.workers:
+            # Each worker's Assign goes out as soon as its Hello arrives, from a thread that waits
+            # in zmq's poll (no GIL held) while this one loads its own share: a worker repacks its
+            # rows during that load instead of after it (wait_ready takes over from the thread).
+            self._early = threading.Thread(target=self._answer_hellos, name="worker-handshake", daemon=True)
+            self._early.start()
+
+    def _answer_hellos(self) -> None:
+        try:
+            while self._pending_assign and not self._early_stop.is_set():
+                self._handshake_step(HANDSHAKE_SLICE_MS)
+        except BaseException as e:  # noqa: BLE001 - wait_ready raises it in the caller's thread
+            self._early_error = e
+
+    def _stop_early(self) -> None:
+        """End the start-up thread; from here only the caller's thread uses the socket."""
+        if self._early is not None:
+            self._early_stop.set()
+            self._early.join()
+            self._early = None
 
     def _assign(self, slot: int) -> Assign:
         shard = self.plan.shards[slot]
@@ -184,34 +215,42 @@ class WorkerPool:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
         if not self.workers:
             self.spawn()
-        by_identity = {w.identity: (w.slot, w) for w in self.workers}
-        pending_ready = set(by_identity)
+        self._stop_early()
+        if self._early_error is not None:
+            raise self._early_error
         deadline = time.monotonic() + self.startup_timeout_s
-        while pending_ready:
+        while self._pending_ready:
             if time.monotonic() > deadline:
-                names = ", ".join(by_identity[i][1].label for i in sorted(pending_ready))
+                by_identity = {w.identity: w for w in self.workers}
+                names = ", ".join(by_identity[i].label for i in sorted(self._pending_ready))
                 raise WorkerError(f"timed out after {self.startup_timeout_s:.0f}s waiting for: {names}")
-            got = self._recv(POLL_SLICE_MS)
-            if got is None:
-                self._check_processes()
-                continue
-            ident, msg = got
-            if ident not in by_identity:
-                continue
-            slot, w = by_identity[ident]
-            if isinstance(msg, Hello):
-                if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
-                    continue  # not our worker (another local process on the tcp port): ignore it
-                self.authenticated.add(ident)
-                w.pid = msg.pid
-                self._send(ident, self._assign(slot))
-            elif isinstance(msg, Ready):
-                w.n_neurons, w.device, w.weight_bytes, w.predicts, w.lockstep = (
-                    msg.n_neurons, msg.device, msg.weight_bytes, msg.predicts, msg.lockstep)
-                pending_ready.discard(ident)
-            elif isinstance(msg, WorkerFailed):
-                raise WorkerError(f"{w.label} failed while loading: {msg.reason}")
+            self._handshake_step(POLL_SLICE_MS)
         self._remove_names()
+
+    def _handshake_step(self, timeout_ms: int) -> None:
+        """Handle one message of the start-up handshake, or check the processes when none comes
+        within `timeout_ms`: a Hello gets its Assign, a Ready is noted, a failure raises."""
+        got = self._recv(timeout_ms)
+        if got is None:
+            self._check_processes()
+            return
+        ident, msg = got
+        w = self._by_ident(ident)
+        if w is None:
+            return
+        if isinstance(msg, Hello):
+            if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+                return  # not our worker (another local process on the tcp port): ignore it
+            self.authenticated.add(ident)
+            w.pid = msg.pid
+            self._send(ident, self._assign(w.slot))
+            self._pending_assign.discard(ident)
+        elif isinstance(msg, Ready):
+            w.n_neurons, w.device, w.weight_bytes, w.predicts, w.lockstep = (
+                msg.n_neurons, msg.device, msg.weight_bytes, msg.predicts, msg.lockstep)
+            self._pending_ready.discard(ident)
+        elif isinstance(msg, WorkerFailed):
+            raise WorkerError(f"{w.label} failed while loading: {msg.reason}")
 
     def _remove_names(self) -> None:
         """Every worker has now connected, mapped the segment and opened its wake pipes (it does
@@ -286,6 +325,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        self._stop_early()
         for w in self.workers:
             if w.proc.poll() is None:
                 if not w.pid:  # never said Hello (still importing): holds nothing, may not be reachable

@@ -21,6 +21,11 @@ from .gguf_file import field_value
 from .kernels import FileMatrix, supports
 from .tensors import TensorStore
 
+def has_predictors(reader) -> bool:
+    """Whether a model file carries PowerInfer's predictors (blk.N.fc1/fc2)."""
+    return any(t.name == "blk.0.fc1.weight" for t in reader.tensors)
+
+
 THRESHOLD_KEY = "powerinfer.sparse_threshold"  # one threshold for every layer (PowerInfer's)
 PER_LAYER_KEY = "sparseinfer.predictor.thresholds"  # per layer, from predictor training
 

@@ -109,9 +109,16 @@ static int cols_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, in
                     for (int j = 0; j < 16; j++) tile[j][r] = b[off + j] & 15, tile[j + 16][r] = b[off + j] >> 4;
             }
             for (int j = 0; j < QK; j++) {
-                uint8_t *line = grp + hb + j * cb + l * 64;
-                for (int r = 0; r < 64; r++)
-                    line[cols_byte(r)] = t == T_Q8_0 ? tile[j][r] : (uint8_t)(tile[j][r] | tile[j][64 + r] << 4);
+                uint8_t *line = grp + hb + j * cb + l * 64, p[64];  /* p: the line's bytes in row order */
+                if (t == T_Q8_0)
+                    memcpy(p, tile[j], 64);
+                else
+                    for (int r = 0; r < 64; r++) p[r] = (uint8_t)(tile[j][r] | tile[j][64 + r] << 4);
+                /* line[cols_byte(r)] = p[r]: byte 16 L + 4 k + m holds row 16 k + 4 L + m, a 4 x 4
+                 * transpose of dwords (a byte at a time, the index computed per byte, the whole
+                 * repacking ran at 0.65 GB/s; 1.1 GB/s so: the 1.1B shape's twins at --sparsity 0.5) */
+                for (int L = 0; L < 4; L++)
+                    for (int k = 0; k < 4; k++) memcpy(line + 16 * L + 4 * k, p + 16 * k + 4 * L, 4);
             }
         }
     }

@@ -130,6 +130,13 @@ static int kq_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, int6
                 uint8_t *line = grp + hb + j * cb + l * lb;
                 const uint8_t *tv = tile + j * 128;
                 memset(line + 64, 0, lb - 64);
+                if (kq_hbits(t) == 0) {  /* Q4_K: the nibbles in row order, then placed as cols_repack does */
+                    uint8_t q[64];
+                    for (int r = 0; r < 64; r++) q[r] = (uint8_t)((tv[r] & 15) | (tv[64 + r] & 15) << 4);
+                    for (int L = 0; L < 4; L++)
+                        for (int k = 0; k < 4; k++) memcpy(line + 16 * L + 4 * k, q + 16 * k + 4 * L, 4);
+                    continue;
+                }
                 for (int p = 0; p < 64; p++) {
                     int lo = tv[cols_byte(p)], hi = tv[64 + cols_byte(p)];
                     line[p] = (uint8_t)((lo & 15) | (hi & 15) << 4);
