@@ -1,3 +1,4 @@
+"""`python -m coordinator ...`: the `sparseinfer` command (coordinator/cli.py)."""
 from coordinator.cli import main
 
 main()

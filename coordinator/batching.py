@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import Sampler, SamplingParams, log_softmax
+from .sampling import Sampler, SamplingParams, log_softmax, pick_next
 from .structured_output import Constraint, GrammarError
 from .tokenizer import GGUFTokenizer, StreamDecoder
 
@@ -284,25 +284,20 @@ class Scheduler:
     def _take(self, s: Slot, logits: np.ndarray) -> None:
         """Sample the next token of slot s from its logits and pass it on, or end the sequence."""
         req = s.req
-        grammar = req.constraint
         try:
-            if grammar is not None:  # what is sampled, and reported as logprobs, is what the grammar allows
-                logits = grammar.restrict(logits)
-            tok = s.sampler(logits, s.history)
-            if grammar is not None and tok not in self.tokenizer.eos_ids:
-                grammar.accept(tok)
+            pick = pick_next(logits, s.sampler, s.history, self.tokenizer.eos_ids, req.stop_at_eos, req.constraint)
         except GrammarError as e:  # this request's grammar, not the engine: end it alone
             s.free()
             req.on_event(FailedEvent(f"structured output: {e}"))
             return
-        s.history.append(tok)
-        if (req.stop_at_eos or grammar is not None) and tok in self.tokenizer.eos_ids:
+        if pick.end == "eos":
             self._finish(s, "stop")
             return
+        tok = pick.token
         s.generated += 1
         logprob = top = None
-        if req.logprobs is not None:
-            lp = log_softmax(logits)
+        if req.logprobs is not None:  # of what was sampled from: with a grammar, what it allowed
+            lp = log_softmax(pick.logits)
             logprob = float(lp[tok])
             k = min(req.logprobs, MAX_TOP_LOGPROBS, len(lp))
             if k:
@@ -313,7 +308,7 @@ class Scheduler:
         req.on_event(TokenEvent(tok, text, logprob, top))
         if stopped:
             self._finish(s, "stop", flush=False)
-        elif grammar is not None and grammar.complete:  # nothing but the end can follow
+        elif pick.end == "grammar":  # nothing but the end can follow
             self._finish(s, "stop")
         elif s.generated >= req.max_tokens or len(s.tokens) >= self.max_ctx:
             self._finish(s, "length")

@@ -34,7 +34,7 @@ from .decode_plan import (DECODE_CHOICES, DecodePath, DecodePaths, DecodePlan, a
 from .memory_plan import fit_hints, plan_memory
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, pick_next
 from .model_files import load_input_level, load_thresholds
 from .tokenizer import GGUFTokenizer
 from .worker_pool import WorkerPool
@@ -459,18 +459,10 @@ class Engine:
         eos = self.tokenizer.eos_ids
         history = list(prompt_ids)  # what the repeat/presence/frequency penalties look back on
         for i in range(max_tokens):
-            if constraint is not None:
-                logits = constraint.restrict(logits)
-            tok = sampler(logits, history)
-            history.append(tok)
+            pick = pick_next(logits, sampler, history, eos, stop_at_eos, constraint)  # the scheduler's step too
+            tok = pick.token
             yield tok
-            if (stop_at_eos or constraint is not None) and tok in eos:
-                return
-            if constraint is not None:
-                constraint.accept(tok)
-                if constraint.complete:
-                    return
-            if i == max_tokens - 1:
+            if pick.end is not None or i == max_tokens - 1:
                 return
             t1 = time.perf_counter()
             logits = self.model.forward([tok])[-1].numpy()

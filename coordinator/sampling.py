@@ -1,13 +1,18 @@
 """Next-token choice from logits: penalties, then greedy or temperature with top-k, top-p and
-min-p, seeded; and the log-probabilities the HTTP API reports."""
+min-p, seeded; the log-probabilities the HTTP API reports; and THE token step that `Engine.
+generate` and the server's scheduler share (`pick_next`: a grammar's restriction, sampling,
+whether the sequence ends with the token)."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from gguf import GGUFValueType
+
+if TYPE_CHECKING:
+    from .structured_output import Constraint
 
 
 @dataclass
@@ -131,3 +136,29 @@ class Sampler:
             return int(np.argmax(logits))
         probs = self.probabilities(logits)
         return int(self.rng.choice(len(probs), p=probs))
+
+
+@dataclass
+class Pick:
+    token: int
+    logits: np.ndarray  # what it was sampled from: the model's, or what a grammar left of them
+    end: str | None  # "eos": an end-of-sequence token (no text); "grammar": complete with this token; None: goes on
+
+
+def pick_next(logits: np.ndarray, sampler: Sampler, history: list[int], eos_ids, stop_at_eos: bool = True,
+              grammar: "Constraint | None" = None) -> Pick:
+    """One sequence's next token: the tokens `grammar` forbids set to -inf, sampled (penalties
+    over `history`, which gains the token), and whether the sequence ends with it. A grammar's
+    end-of-sequence token ends it even with stop_at_eos off (the grammar allowed it: complete).
+    Raises structured_output.GrammarError when the grammar cannot go on (that request's failure)."""
+    if grammar is not None:
+        logits = grammar.restrict(logits)
+    tok = sampler(logits, history)
+    history.append(tok)
+    if tok in eos_ids and (stop_at_eos or grammar is not None):
+        return Pick(tok, logits, "eos")
+    if grammar is not None:
+        grammar.accept(tok)
+        if grammar.complete:
+            return Pick(tok, logits, "grammar")
+    return Pick(tok, logits, None)

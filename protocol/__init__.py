@@ -1,0 +1,1 @@
+"""The contract between the processes: messages, the shared-memory layout, the doorbell."""

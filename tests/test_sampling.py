@@ -1,3 +1,5 @@
+"""coordinator/sampling.py: greedy and temperature sampling with top-k, top-p and min-p, seeds,
+the penalties, the chat defaults a GGUF recommends, and the token step generate and the server share."""
 import numpy as np
 import pytest
 
@@ -101,3 +103,19 @@ def test_chat_samples_as_the_model_recommends_else_as_llama_cpp_does():
     assert got["temperature"] == pytest.approx(0.6) and got["top_k"] == 20 and isinstance(got["top_k"], int)
     assert got["repeat_penalty"] == pytest.approx(1.1) and got["top_p"] == 0.95 and got["min_p"] == 0.05
     SamplingParams(**got).validate()
+
+
+def test_pick_next_samples_appends_to_history_and_says_when_the_sequence_ends():
+    """The token step Engine.generate and the scheduler share: the history (the penalties'
+    window) gains the token; an end-of-sequence token ends the sequence unless told otherwise."""
+    from coordinator.sampling import pick_next
+
+    logits = np.array([0.0, 3.0, 1.0, 2.0], np.float32)
+    history = [0]
+    pick = pick_next(logits, Sampler(SamplingParams(0.0)), history, eos_ids={1})
+    assert (pick.token, pick.end, history) == (1, "eos", [0, 1])
+    pick = pick_next(logits, Sampler(SamplingParams(0.0)), history, eos_ids={1}, stop_at_eos=False)
+    assert (pick.token, pick.end) == (1, None)
+    # a penalty over the history moves the choice off the token already said twice
+    pick = pick_next(logits, Sampler(SamplingParams(0.0, repeat_penalty=10.0)), history, eos_ids=set())
+    assert pick.token == 3 and history[-1] == 3
