@@ -471,6 +471,12 @@ def _message(m, i: int) -> dict:
     return out
 
 
+def _control_token(tk, text: str) -> int | None:
+    """The id of the control token spelled `text` (a grammar names it by id), or None."""
+    i = next((i for i, t in enumerate(tk.tokens) if t == text), None)
+    return i if i is not None and tk.is_special(i) else None
+
+
 def _choice(choice):
     return choice.model_dump() if hasattr(choice, "model_dump") else choice
 
@@ -496,9 +502,7 @@ class _ToolUse:
             shaped, variables, style = tool_calls.prepare(messages, every, state.engine.chat_template)
             grammar = None
             if must:
-                tk = state.engine.tokenizer
-                opener = tk.tokens.index(tool_calls.MISTRAL_OPEN) if style == "mistral" and \
-                    tool_calls.MISTRAL_OPEN in tk.tokens and tk.is_special(tk.tokens.index(tool_calls.MISTRAL_OPEN)) else None
+                opener = _control_token(state.engine.tokenizer, tool_calls.MISTRAL_OPEN) if style == "mistral" else None
                 grammar = tool_calls.call_grammar(style, offered, body.parallel_tool_calls, opener)
         except tool_calls.ToolError as e:
             raise ApiError(400, str(e), param=str(e).split(":")[0]) from None

@@ -63,10 +63,7 @@ class Renderer:
                 raise RendererGone("the renderer ended without an answer") from None
             try:
                 reply = self._read(proc, time.monotonic() + seconds)
-            except RendererLate:
-                self._discard()
-                raise
-            except RendererGone:
+            except (RendererLate, RendererGone):  # late or broken: the next render gets a new child
                 self._discard()
                 raise
             if reply.get("restart"):  # it ran out of memory: the next render gets a fresh child

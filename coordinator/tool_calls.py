@@ -188,7 +188,7 @@ class CallParser:
             if not head:
                 return "", []
             opener = "{" if self.style == "llama3" else "["  # [TOOL_CALLS] too
-            if head.startswith(opener) or "<|python_tag|>".startswith(head[:14]) or head.startswith("<|python_tag|>"):
+            if head.startswith(opener) or "<|python_tag|>".startswith(head[:14]):  # the tag, or its start
                 self.started = True
             else:  # a plain answer: stream it
                 out, self.buf = self.buf, ""

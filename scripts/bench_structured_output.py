@@ -50,6 +50,15 @@ def _libraries(tk, n_vocab: int) -> None:
               f"{1e6 * statistics.median(per):6.0f} µs  mean {1e6 * statistics.mean(per):6.0f} µs  "
               f"max {1e6 * max(per):6.0f} µs")
 
+    def per_token(step) -> list[float]:
+        """Seconds of step(t) (mask, apply, check t is allowed, advance) for each token of the reply."""
+        per = []
+        for t in ids:
+            a = time.perf_counter()
+            step(t)
+            per.append(time.perf_counter() - a)
+        return per
+
     try:
         from coordinator.structured_output import Constraint, TokenTable, grammar_for
         t0 = time.perf_counter()
@@ -57,13 +66,10 @@ def _libraries(tk, n_vocab: int) -> None:
         t1 = time.perf_counter()
         c = Constraint(table, grammar_for(json_schema=SCHEMA))
         t2 = time.perf_counter()
-        per = []
-        for t in ids:
-            a = time.perf_counter()
+        def step(t):
             assert c.restrict(logits)[t] > -np.inf, t
             c.accept(t)
-            per.append(time.perf_counter() - a)
-        report("llguidance", t1 - t0, t2 - t1, per)
+        report("llguidance", t1 - t0, t2 - t1, per_token(step))
     except ImportError:
         print("  llguidance: not installed")
     try:
@@ -77,15 +83,14 @@ def _libraries(tk, n_vocab: int) -> None:
         m = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA)))
         mask = xgr.allocate_token_bitmask(1, n_vocab)
         t2 = time.perf_counter()
-        lt, per = torch.from_numpy(logits), []
-        for t in ids:
-            a = time.perf_counter()
+        lt = torch.from_numpy(logits)
+
+        def step(t):
             m.fill_next_token_bitmask(mask)
             row = lt.clone().unsqueeze(0)
             xgr.apply_token_bitmask_inplace(row, mask)
             assert row[0, t] > -np.inf and m.accept_token(t), t
-            per.append(time.perf_counter() - a)
-        report("xgrammar", t1 - t0, t2 - t1, per)
+        report("xgrammar", t1 - t0, t2 - t1, per_token(step))
     except ImportError:
         print("  xgrammar: not installed")
     try:
@@ -101,16 +106,12 @@ def _libraries(tk, n_vocab: int) -> None:
         t1 = time.perf_counter()
         g = Guide(Index(build_regex_from_schema(json.dumps(SCHEMA)), vocab))
         t2 = time.perf_counter()
-        per = []
-        for t in ids:
-            a = time.perf_counter()
+        def step(t):
             ok = np.zeros(n_vocab, bool)
             ok[g.get_tokens()] = True
-            row = np.where(ok, logits, -np.inf)
-            assert row[t] > -np.inf, t
+            assert np.where(ok, logits, -np.inf)[t] > -np.inf, t
             g.advance(t)
-            per.append(time.perf_counter() - a)
-        report("outlines-core", t1 - t0, t2 - t1, per)
+        report("outlines-core", t1 - t0, t2 - t1, per_token(step))
     except ImportError:
         print("  outlines-core: not installed")
 

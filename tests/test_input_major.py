@@ -10,7 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.fixtures.twin_checks import check, check_active_sets, check_not_applied, threshold, want
+from tests.fixtures.twin_checks import (act, check, check_active_sets, check_ffn_teal, check_not_applied, threshold,
+                                       want)
 from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
@@ -101,10 +102,6 @@ def ffn(tmp_path_factory):
     return {n: K.FileMatrix(ts[n]) for n in shapes}, {n: deq(ts[n]) for n in shapes}
 
 
-def act(name: str, v: np.ndarray) -> np.ndarray:
-    return v / (1 + np.exp(-v)) if name == "silu" else np.maximum(v, 0)
-
-
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("gate_mode", ["par", "sym"])
 def test_ffn_token_teal(ffn, fast, gate_mode, isa):
@@ -112,30 +109,7 @@ def test_ffn_token_teal(ffn, fast, gate_mode, isa):
     threshold; the count is the active neurons; a CATS threshold given beside the twins is
     ignored (the twins are the caller's method); negative twin thresholds: the dense step"""
     m, w = ffn
-    rng = np.random.default_rng(13 + fast)
-    own = range(64, 192)
-    activation = "silu" if gate_mode == "par" else "relu"
-    tg, tu, td = threshold(0.4), threshold(0.6), threshold(0.0)
-    gate = m["gate"].with_input_major(own, None, tg)
-    up = m["up"].with_input_major(own, None, tu)
-    down = m["down"].with_input_major(None, own, td)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    g = want(w["gate"][own.start:own.stop], x, 0.4, fast)
-    u = want(w["up"][own.start:own.stop], x, 0.6, fast)
-    h_ref = act(activation, g) * (act(activation, u) if gate_mode == "sym" else u)
-    for t_down in (0.0, float(np.median(np.abs(h_ref))), 1e9):
-        td[0] = t_down
-        y, n = K.ffn_token(gate, up, down, x, own, activation, scratch, threshold=0.5 if t_down else None,
-                           fast=fast, gate_mode=gate_mode)
-        h = scratch.h[:len(own)].copy()  # the kernel's h: the down step's input and its decisions
-        np.testing.assert_allclose(h, h_ref, rtol=0, atol=(2e-2 if fast else 1e-5) * np.abs(h_ref).max())
-        assert n == int((np.abs(h) > t_down).sum())
-        check(y, w["down"][:, own.start:own.stop], h, t_down, fast, f"down at {t_down}")
-    tg[0] = tu[0] = td[0] = -1.0  # the twins off: the original step
-    y, n = K.ffn_token(gate, up, down, x, own, activation, scratch, fast=fast, gate_mode=gate_mode)
-    y0, n0 = K.ffn_token(m["gate"], m["up"], m["down"], x, own, activation, scratch, fast=fast, gate_mode=gate_mode)
-    assert n == n0 == len(own) and np.array_equal(y, y0)
+    check_ffn_teal(m, w, range(64, 192), fast, 13 + fast, "silu" if gate_mode == "par" else "relu", gate_mode, cats=0.5)
 
 
 # ---- attention on twins --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.kernel_files import deq, random_kquant, write_tensors
-from tests.fixtures.twin_checks import check, check_active_sets, check_not_applied, threshold, want
+from tests.fixtures.twin_checks import check, check_active_sets, check_ffn_teal, check_not_applied, threshold
 
 TYPES = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS, COLS = 300, 768  # 300 rows: not a multiple of 128 (the twins pad to 128); 3 super-blocks
@@ -141,26 +141,5 @@ def test_ffn_token_teal(ffn, fast, isa):
     """down[:, own] @ (silu(gate[own] x_g) * (up[own] x_u)) over |h| > t_down on K-quant twins;
     the count is the active neurons; negative twin thresholds: the dense step, bit for bit"""
     m, w = ffn
-    rng = np.random.default_rng(13 + fast)
-    own = range(256, 512)
-    tg, tu, td = threshold(0.4), threshold(0.6), threshold(0.0)
-    gate = m["gate"].with_input_major(own, None, tg)
-    up = m["up"].with_input_major(own, None, tu)
-    down = m["down"].with_input_major(None, own, td)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    g = want(w["gate"][own.start:own.stop], x, 0.4, fast)
-    u = want(w["up"][own.start:own.stop], x, 0.6, fast)
-    h_ref = g / (1 + np.exp(-g)) * u
-    for t_down in (0.0, float(np.median(np.abs(h_ref))), 1e9):
-        td[0] = t_down
-        y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
-        h = scratch.h[:len(own)].copy()
-        np.testing.assert_allclose(h, h_ref, rtol=0, atol=(2e-2 if fast else 1e-5) * np.abs(h_ref).max())
-        assert n == int((np.abs(h) > t_down).sum())
-        check(y, w["down"][:, own.start:own.stop], h, t_down, fast, f"down at {t_down}")
-    assert down.reset_twin_counts()[1] == 2  # one super-block active at 0 and at the median, none at 1e9
-    tg[0] = tu[0] = td[0] = -1.0
-    y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
-    y0, n0 = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, fast=fast)
-    assert n == n0 == len(own) and np.array_equal(y, y0)
+    _, groups = check_ffn_teal(m, w, range(256, 512), fast, 13 + fast)
+    assert groups == 2  # one super-block active at 0 and at the median, none at 1e9

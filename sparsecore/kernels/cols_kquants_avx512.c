@@ -29,18 +29,8 @@ VNNI static INLINE void kq_vals_vnni(int t, const uint8_t *line, __m512i *lo, __
 
 /* one line (at byte o) of four channels into acc[0..8] (register a: rows 16 a ..+ 16) */
 VNNI static INLINE void kq_quad_vnni(int t, __m512i *acc, const uint8_t *const *ch, int64_t o, __m512i X) {
-    if (kq_hbits(t) == 0) {  /* Q4_K: as the Q4 twins */
-        const __m512i lo4 = _mm512_set1_epi8(15);
-        __m512i A = _mm512_loadu_si512(ch[0] + o), B = _mm512_loadu_si512(ch[1] + o);
-        __m512i C = _mm512_loadu_si512(ch[2] + o), D = _mm512_loadu_si512(ch[3] + o);
-        __m512i ab0 = _mm512_unpacklo_epi8(A, B), ab1 = _mm512_unpackhi_epi8(A, B);
-        __m512i cd0 = _mm512_unpacklo_epi8(C, D), cd1 = _mm512_unpackhi_epi8(C, D);
-        __m512i v[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
-                        _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
-        for (int k = 0; k < 4; k++) {
-            acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_and_si512(v[k], lo4), X);
-            acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], _mm512_and_si512(_mm512_srli_epi16(v[k], 4), lo4), X);
-        }
+    if (kq_hbits(t) == 0) {  /* Q4_K: bare nibbles, as the Q4 twins' lines (cols_avx512.c) */
+        cols_quad_vnni(acc, ch, o, X, T_Q4_1);
         return;
     }
     __m512i lo[4], hi[4];
