@@ -750,8 +750,11 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
     reaper = None
     if ready_file:
         ready_file = str(Path(ready_file).resolve())
-        reaper = start_reaper(None, None, files=(ready_file,))  # removes it if we are killed (kill -9)
-        Path(ready_file).write_text(f"http://{host}:{bound_port}\n")
+        partial = ready_file + ".part"
+        reaper = start_reaper(None, None, files=(ready_file, partial))  # removes them if we are killed (kill -9)
+        # whole or absent: a reader that sees the file also sees the address in it
+        Path(partial).write_text(f"http://{host}:{bound_port}\n")
+        os.replace(partial, ready_file)
     loader.start()
     try:
         server.run(sockets=[sock])
