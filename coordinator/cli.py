@@ -951,8 +951,8 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     click.echo(f"decode path: {info['decode_path']}")
     click.echo(b.format_table(res, info["pp"], tg))
     for name, r in summary["ratios_vs_dense"].items():
-        click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, FFN time per token {r['ffn_time']:.2f}x, "
-                   f"prefill {r['pp']:.2f}x tok/s")
+        ffn = "" if r["ffn_time"] is None else f"FFN time per token {r['ffn_time']:.2f}x, "
+        click.echo(f"{name} / dense: decode {r['tg']:.2f}x tok/s, {ffn}prefill {r['pp']:.2f}x tok/s")
 
 
 def _bench_modes(eng, b, pp, tg, reps, warmup, as_json, modes):

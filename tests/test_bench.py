@@ -38,6 +38,9 @@ def test_ratios_against_the_base_mode():
     res = {"dense": dict(pp_tok_s=100, tg_tok_s=10, ffn_ms_per_token=8.0),
            "sparse": dict(pp_tok_s=100, tg_tok_s=15, ffn_ms_per_token=4.0)}
     assert ratios(res, "dense") == {"sparse": dict(pp=1.0, tg=1.5, ffn_time=0.5)}
+    # decoding in lockstep times no per-layer exchange: no FFN ratio, not a division by zero
+    res["dense"]["ffn_ms_per_token"] = 0.0
+    assert ratios(res, "dense") == {"sparse": dict(pp=1.0, tg=1.5, ffn_time=None)}
 
 
 @pytest.mark.parametrize("method", ["cats", "input"])

@@ -146,11 +146,18 @@ def bench(engine, prompt: list[int], tg: int, modes: list[Mode], reps: int = 3, 
 
 
 def ratios(results: dict, base: str) -> dict:
-    """Each mode against `base`: speed ratios (>1 = faster) and FFN time ratio (<1 = less time)."""
+    """Each mode against `base`: speed ratios (>1 = faster) and FFN time ratio (<1 = less time;
+    None where either mode timed no FFN exchange: decoding in lockstep has none, its layers' FFN
+    runs inside one whole-token step)."""
     b = results[base]
     return {name: dict(pp=r["pp_tok_s"] / b["pp_tok_s"], tg=r["tg_tok_s"] / b["tg_tok_s"],
-                       ffn_time=r["ffn_ms_per_token"] / b["ffn_ms_per_token"])
+                       ffn_time=r["ffn_ms_per_token"] / b["ffn_ms_per_token"]
+                       if r["ffn_ms_per_token"] > 0 and b["ffn_ms_per_token"] > 0 else None)
             for name, r in results.items() if name != base}
+
+
+def _ms(v: float) -> str:
+    return f"{v:.2f}" if v > 0 else "-"  # 0: no exchange timed (lockstep)
 
 
 def format_table(results: dict, pp: int, tg: int) -> str:
@@ -160,7 +167,7 @@ def format_table(results: dict, pp: int, tg: int) -> str:
     for name, r in results.items():
         lines.append(f"| {name:14s} | {'pp' + str(pp):6s} | {r['pp_tok_s']:8.1f} | {'':>10s} | {'':>11s} | "
                      f"{'':>7s} | {'':>6s} | {'':>7s} | {'':>5s} |")
-        lines.append(f"| {name:14s} | {'tg' + str(tg):6s} | {r['tg_tok_s']:8.1f} | {r['ffn_ms_per_token']:10.2f} | "
+        lines.append(f"| {name:14s} | {'tg' + str(tg):6s} | {r['tg_tok_s']:8.1f} | {_ms(r['ffn_ms_per_token']):>10s} | "
                      f"{r['sync_us_median']:11.1f} | {r['sync_us_p99']:7.1f} | {100 * r['active_fraction']:5.1f}% | "
                      f"{r['weight_mb_per_token']:7.1f} | {r['achieved_gb_s']:5.2f} |")
     return "\n".join(lines)
