@@ -42,6 +42,7 @@ class Twins:
     def __init__(self):
         self.skipped: dict[str, int] = {}  # type name -> matrices (of this process) left without a twin
         self.matrices: list = []  # every matrix carrying a twin (for the active-column counters)
+        self.words: list[np.ndarray] = []  # the threshold word each of them reads (< 0: it reads its rows)
 
     def add(self, m, rows, cols, word: np.ndarray):
         """m with a twin over rows x cols reading `word`, or m itself where its type has none."""
@@ -51,6 +52,7 @@ class Twins:
             return m
         twinned = m.with_input_major(rows, cols, word)
         self.matrices.append(twinned)
+        self.words.append(word)
         return twinned
 
     def add_fused(self, parts: list, cols, word: np.ndarray) -> list:
@@ -62,6 +64,7 @@ class Twins:
             return [self.add(m, rows, cols, word) for m, rows in parts]
         out = FileMatrix.fuse_input_major(parts, cols, word)
         self.matrices.append(out[0])
+        self.words.append(word)
         return out
 
     @property

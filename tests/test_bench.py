@@ -9,9 +9,11 @@ from types import SimpleNamespace
 
 import gguf
 import pytest
+import numpy as np
 import torch
 
 from coordinator.model_files import thresholds_path
+from coordinator.tools import observe
 from coordinator.tools.bench import Mode, ffn_bytes_per_token, ratios
 
 
@@ -41,6 +43,29 @@ def test_ratios_against_the_base_mode():
     # decoding in lockstep times no per-layer exchange: no FFN ratio, not a division by zero
     res["dense"]["ffn_ms_per_token"] = 0.0
     assert ratios(res, "dense") == {"sparse": dict(pp=1.0, tg=1.5, ffn_time=None)}
+
+
+def test_twin_counts_take_a_dense_twin_as_read_whole():
+    """A twin whose threshold word is negative (the lm_head of a thresholds file without head
+    levels) read its rows in full at every token: counted as read whole, not as skipped"""
+    class Twin:
+        twin_bytes = 1000
+
+        def __init__(self, counts):
+            self.counts = counts
+
+        def reset_twin_counts(self):
+            c, self.counts = self.counts, (0, 0)
+            return c
+
+        def twin_bytes_read(self, active, groups):
+            return 10 * active + groups
+
+    sparse, dense = Twin((30, 2)), Twin((0, 0))
+    eng = SimpleNamespace(twins=SimpleNamespace(matrices=[sparse, dense],
+                                                words=[np.array([0.5], np.float32), np.array([-1.0], np.float32)]))
+    assert observe.twin_counts(eng, tokens=4) == (302 + 4 * 1000, 2000)
+    assert observe.twin_counts(eng, tokens=4) == (0 + 4 * 1000, 2000)  # the counters were zeroed
 
 
 @pytest.mark.parametrize("method", ["cats", "input"])

@@ -56,7 +56,7 @@ def timed_run(engine, prompt: list[int], tg: int) -> RunResult:
     ids += list(it)
     t2 = time.perf_counter()
     n_dec = len(ids) - 1
-    read, held = observe.twin_counts(engine)
+    read, held = observe.twin_counts(engine, n_dec)
     return RunResult(t1 - t0, t2 - t1, n_dec, ids, sum(meter.round_trip_us()) / max(1, n_dec),
                      meter.overhead_us(), meter.active_fraction(), read / max(1, held * n_dec) if held else 1.0)
 

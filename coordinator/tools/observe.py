@@ -114,15 +114,19 @@ def fc1_readers(engine, predictors) -> int:
     return len({int(s) for part in ffn.sum_slots for s in part})
 
 
-def twin_counts(engine) -> tuple[int, int]:
-    """(bytes the coordinator's input-major twins read since the last call, their bytes), the
-    counters zeroed: a decoded token's share of the twinned matrices it read is the first over
-    the second per token (every process reads about the same share: the same inputs, or its own
-    heads' and neurons' of the same layer)."""
+def twin_counts(engine, tokens: int = 0) -> tuple[int, int]:
+    """(bytes the coordinator's input-major twins read since the last call, over `tokens`
+    decoded tokens; their bytes), the counters zeroed: a decoded token's share of the twinned
+    matrices it read is the first over the second per token (every process reads about the same
+    share: the same inputs, or its own heads' and neurons' of the same layer). A twin whose
+    threshold word is negative (a site or the lm_head left dense, as with a thresholds file
+    without head levels) read its matrix's rows in full at each of the tokens: it counts as
+    read whole, not as skipped."""
     twins = getattr(engine, "twins", None)
     if twins is None:
         return 0, 0
-    read = sum(m.twin_bytes_read(*m.reset_twin_counts()) for m in twins.matrices)
+    read = sum(m.twin_bytes_read(*m.reset_twin_counts()) if w[0] >= 0 else (m.reset_twin_counts(), tokens * m.twin_bytes)[1]
+               for m, w in zip(twins.matrices, twins.words))
     return read, sum(m.twin_bytes for m in twins.matrices)
 
 

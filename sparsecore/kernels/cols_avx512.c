@@ -22,13 +22,21 @@ VNNI static INLINE void cols_quad_vnni(__m512i *acc, const uint8_t *const *ch, i
     __m512i cd0 = _mm512_unpacklo_epi8(C, D), cd1 = _mm512_unpackhi_epi8(C, D);
     __m512i v[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
                     _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
-    if (cols_nibbles(t))
+    if (cols_nibbles(t))  /* acc[4 + k] takes the whole bytes, 16 hi + lo: cols_hi_vnni splits it after */
         for (int k = 0; k < 4; k++) {
             acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_and_si512(v[k], lo4), X);
-            acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], _mm512_and_si512(_mm512_srli_epi16(v[k], 4), lo4), X);
+            acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], v[k], X);
         }
     else
         for (int k = 0; k < 4; k++) acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_xor_si512(v[k], hi8), X);
+}
+
+/* A Q4 line's high-nibble sums from the whole bytes' (acc[4 + k] = sum x (16 hi + lo), started at
+ * 17 off when acc[k] started at off): (whole - low) / 16, exact in int32 (|sum| < 32 x 255 x 128).
+ * The whole bytes cost one vpdpbusd a register, where the high nibbles cost a shift and a mask
+ * more in every quad (8 of a quad's 32 instructions). */
+VNNI static INLINE void cols_hi_vnni(__m512i *acc) {
+    for (int k = 0; k < 4; k++) acc[4 + k] = _mm512_srai_epi32(_mm512_sub_epi32(acc[4 + k], acc[k]), 4);
 }
 
 /* y[r0 ..] += (d_x d) S (+ Q4_1's m d_x sum x) for a line's registers (S: the sums with their offset) */
@@ -69,28 +77,30 @@ VNNI static INLINE int64_t cols_fast_t_vnni(const cols_hdr *h, const q8blk *xq, 
         int32_t off = t == T_Q4_0 ? -8 * sx : t == T_Q8_0 ? -128 * sx : 0;
         float dx = xq[g].d;
         __m512 vdx = _mm512_set1_ps(dx), vdsx = _mm512_set1_ps(dx * (float)sx);
-        __m512i voff = _mm512_set1_epi32(off);
+        __m512i voff = _mm512_set1_epi32(off), voff17 = _mm512_set1_epi32(17 * off);
         /* two lines at a time (256 rows of Q4): 16 accumulators, each quad's pointers and x once */
         int64_t l = 0;
         for (; l + 1 < lines; l += 2) {
             if (cols_ahead) cols_fetch(&cur), cols_fetch(&cur);
             __m512i acc[16];
-            for (int a = 0; a < 16; a++) acc[a] = voff;
+            for (int a = 0; a < 16; a++) acc[a] = a % 8 >= 4 && cols_nibbles(t) ? voff17 : voff;
 #pragma GCC unroll 1  /* unrolled over a group's 8 quads, GCC spilled the loads */
             for (int q = 0; q < n; q += 4) {
                 __m512i X = _mm512_set1_epi32(rd32(xb + q));
                 cols_quad_vnni(acc, ch + q, 64 * l, X, t);
                 cols_quad_vnni(acc + 8, ch + q, 64 * l + 64, X, t);
             }
+            if (cols_nibbles(t)) cols_hi_vnni(acc), cols_hi_vnni(acc + 8);
             cols_store_vnni(acc, grp, rp, l * K, vdx, vdsx, y, t);
             cols_store_vnni(acc + 8, grp, rp, l * K + K, vdx, vdsx, y, t);
         }
         if (l < lines) {  /* an odd last line */
             if (cols_ahead) cols_fetch(&cur);
             __m512i acc[8];
-            for (int a = 0; a < 8; a++) acc[a] = voff;
+            for (int a = 0; a < 8; a++) acc[a] = a >= 4 && cols_nibbles(t) ? voff17 : voff;
 #pragma GCC unroll 1
             for (int q = 0; q < n; q += 4) cols_quad_vnni(acc, ch + q, 64 * l, _mm512_set1_epi32(rd32(xb + q)), t);
+            if (cols_nibbles(t)) cols_hi_vnni(acc);
             cols_store_vnni(acc, grp, rp, l * K, vdx, vdsx, y, t);
         }
     }

@@ -89,6 +89,7 @@ VNNI static INLINE int64_t kq_fast_t_vnni(const cols_hdr *h, const q8blk *xq, co
             if (q6)
 #pragma GCC unroll 1
                 for (int q = na; q < n; q += 4) kq_quad_vnni(t, acc2, ch + q, o, _mm512_set1_epi32(rd32(xb + q)));
+            if (t == T_Q4_K) cols_hi_vnni(acc);  /* its offset is 0: the whole bytes' sums start at 0 too */
             for (int a = 0; a < 8; a++) {
                 int64_t r = l * 128 + 16 * a;
                 __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 2 * r))), yv = _mm512_loadu_ps(y + r);
