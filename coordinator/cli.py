@@ -619,8 +619,11 @@ def _chunks(eng, corpus, part, chunks, chunk_len):
 @click.option("--quality-chunks", type=int, default=8, show_default=True,
               help="held-out windows (of --chunk-len tokens) the perplexity of each level is measured on; "
                    "0: none (generate, chat and serve then stay dense by default)")
+@click.option("--speed-check/--no-speed-check", default=True, show_default=True,
+              help="time decoding at each level against dense on this machine, so that the default level "
+                   "is one that is faster here")
 def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, corpus, chunks, chunk_len, levels,
-              quality_chunks):
+              quality_chunks, speed_check):
     """Calibrate sparsity thresholds (input sparsity and CATS) and measure each level's held-out perplexity."""
     try:
         given = sorted({float(v) for v in levels.split(",")}) if levels else []
@@ -647,13 +650,40 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
             held = _chunks(eng, corpus, "heldout", quality_chunks, chunk_len)
             with tqdm(total=len(grid) + 1, desc="held-out perplexity", unit="level") as bar:
                 table["quality"] = run_quality(eng, held, table, bar.update)
-        path = save_thresholds(eng.path, table)
+        model_path, path = eng.path, save_thresholds(eng.path, table)
     click.echo(f"wrote {path} ({table['tokens']} calibration tokens, levels {', '.join(table['levels'])})")
     q = table.get("quality")
     if q:
         click.echo(f"held-out perplexity over {q['tokens']} tokens: dense {q['dense']:.3f}; input sparsity "
                    + ", ".join(f"{k} {v['ppl']:.3f} ({100 * (v['ppl'] / q['dense'] - 1):+.1f} %)"
                                for k, v in sorted(q["levels"].items())))
+    if speed_check and _arith_from_context() == "fast" and _weights_from_context() == "gguf":
+        _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus)
+
+
+def _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus) -> None:
+    """Decode speed at every stored level against dense, on an engine holding the twins
+    (coordinator/tools/speed_check.py), written into the thresholds file beside the levels."""
+    from tqdm import tqdm
+
+    from .model_files import calibrated_level_keys, save_speed
+    from .tools import corpus as corpus_mod, speed_check
+
+    levels = [float(k) for k in calibrated_level_keys(model_path, _meta("sparseinfer.sparse_method", "input"))]
+    if not levels:
+        return
+    reps = 3
+    with _open_engine(model_path, threads, cpu_workers, gpu_share, 256, transport, levels[-1], interleave=False) as eng:
+        prompt = eng.tokenizer.encode(corpus_mod.load(corpus, "heldout"))[:16]
+        try:
+            with tqdm(total=reps * (len(levels) + 1), desc="decode speed", unit="run") as bar:
+                sp = speed_check.measure(eng, levels, prompt, reps=reps, progress=bar.update)
+        except ValueError as e:  # e.g. the twins did not fit in memory: this engine decodes densely
+            click.echo(f"note: no decode speed check: {e}", err=True)
+            return
+    save_speed(model_path, sp)
+    click.echo(f"decode on this machine ({sp['cpu']}, {sp['isa']}): dense {sp['dense_tok_s']:.1f} tok/s; "
+               + ", ".join(f"{k} {v:.2f}x" for k, v in sp["levels"].items()))
 
 
 @main.command()

@@ -177,6 +177,35 @@ def calibrated_levels(model: Path, path: Path | None = None) -> dict | None:
     return data.get("quality")
 
 
+def calibrated_speed(model: Path, path: Path | None = None) -> dict | None:
+    """The decode speed check a calibration stored (coordinator/tools/speed_check.py), or None."""
+    path = path or thresholds_path(model)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    return data.get("speed") if data.get("format") == THRESHOLDS_FORMAT else None
+
+
+def calibrated_level_keys(model: Path, method: str, path: Path | None = None) -> list[str]:
+    """The levels a calibration stored for `method` ("input" or "cats"), lowest first."""
+    path = path or thresholds_path(model)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return []
+    return sorted(data.get("input_levels" if method == "input" else "levels", {}), key=float)
+
+
+def save_speed(model: Path, speed: dict, path: Path | None = None) -> None:
+    """Stores the decode speed check (coordinator/tools/speed_check.py) in the thresholds file."""
+    path = path or thresholds_path(model)
+    table = json.loads(path.read_text())
+    table["speed"] = speed
+    with _replaced_atomically(path) as tmp:
+        tmp.write_text(json.dumps(table, indent=1))
+
+
 def save_thresholds(model: Path, table: dict, path: Path | None = None) -> Path:
     """Writes `table` (coordinator.tools.calibrate.calibrate's result), keeping the levels an
     earlier calibration of the same model file stored."""

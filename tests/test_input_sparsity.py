@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 from coordinator.engine import Engine, EngineOptions
 from coordinator.model_files import load_input_thresholds, save_thresholds, thresholds_path
 from coordinator.sampling import SamplingParams
-from coordinator.sparsity_level import choose
+from coordinator.sparsity_level import choose, machine
 from coordinator.tools import corpus
 from coordinator.tools.calibrate import calibrate, quality
 from coordinator.tools.emulate import InputMasks, input_sparsity
@@ -98,6 +99,52 @@ def test_the_default_level_is_the_highest_within_the_budget(tmp_path, monkeypatc
     table["quality"]["levels"]["0.70"] = {"ppl": 10.0}  # lucky past a level that failed: not taken
     thresholds_path(model).write_text(json.dumps(table))
     assert choose(model, "input", budget=0.05)[0] == 0.5
+
+
+def test_a_speed_check_of_this_machine_picks_the_fastest_paying_level(tmp_path, monkeypatch):
+    """Where calibrate timed decoding on this CPU and level, the default is the fastest level
+    within the budget that is at least MIN_GAIN faster than dense (none: dense, and why); a
+    measurement of another CPU or level is not used (the fixed MIN_PAYING_LEVEL rule then)"""
+    monkeypatch.setenv("SPARSEINFER_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    levels = {"0.20": {"ppl": 10.05}, "0.30": {"ppl": 10.1}, "0.50": {"ppl": 10.19}, "0.60": {"ppl": 10.6}}
+    here = machine()
+    speed = {**here, "method": "input", "levels": {"0.20": 1.1, "0.30": 1.3, "0.50": 1.2, "0.60": 2.0}}
+    table = {"format": "sparseinfer-thresholds/1", "model_bytes": 1, "levels": {}, "speed": speed,
+             "quality": {"method": "input", "tokens": 100, "dense": 10.0, "levels": levels}}
+    write = lambda: thresholds_path(model).write_text(json.dumps(table))  # noqa: E731
+    write()
+    level, line = choose(model, "input")  # 0.60 is faster, but outside the budget
+    assert level == 0.3 and "1.30x dense's decode speed here" in line
+    assert choose(model, "input", budget=0.1)[0] == 0.6
+    speed["levels"] = {"0.20": 0.9, "0.30": 1.02, "0.50": 0.97, "0.60": 2.0}
+    write()
+    level, line = choose(model, "input")
+    assert level is None and "(best: 0.30 at 1.02x)" in line
+    assert choose(model, "cats")[0] is None
+    speed["isa"] = "another"  # measured elsewhere: the level rule (0.50: within the budget, pays from 0.40)
+    write()
+    assert choose(model, "input")[0] == 0.5
+
+
+def test_calibrate_times_each_level_on_this_machine(tiny_model_factory, tmp_path):
+    """`sparseinfer calibrate` stores a decode speed check beside the levels (this machine's CPU
+    and level, a ratio per level), which `--no-speed-check` leaves out"""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(Path(tiny_model_factory(tensor_type="Q4_0", seed=5)).read_bytes())
+    run = lambda *a: subprocess.run([sys.executable, "-m", "coordinator", "calibrate", "-m", str(model), "-t", "2",  # noqa: E731
+                                     "--levels", "0.3,0.6", "--chunks", "2", "--chunk-len", "32",
+                                     "--quality-chunks", "1", *a], capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = run()
+    assert r.returncode == 0, r.stderr
+    speed = json.loads(thresholds_path(model).read_text())["speed"]
+    assert {k: speed[k] for k in ("cpu", "isa")} == machine() and speed["method"] == "input"
+    assert set(speed["levels"]) == {"0.30", "0.60"} and all(v > 0 for v in speed["levels"].values())
+    assert speed["dense_tok_s"] > 0 and "decode on this machine" in r.stdout
+    r = run("--no-speed-check")
+    assert r.returncode == 0, r.stderr
+    assert "speed" not in json.loads(thresholds_path(model).read_text())
 
 
 def test_memory_plan_counts_the_twins(calibrated):
