@@ -184,7 +184,7 @@ class EngineBuilder:
                                    attn_heads={s: r for s, r in self.attn_heads.items() if s >= 0},
                                    kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
-                                   else "", interleave=self.row_layout, input_major=self.input_major,
+                                   else "", row_layout=self.row_layout, input_major=self.input_major,
                                    adaptive_spin=opts.adaptive_spin)
         except BaseException:
             if self.kv_pool is not None:
