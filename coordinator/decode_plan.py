@@ -117,7 +117,7 @@ def plan_decode(choice: str, heads: dict[int, tuple[int, int]], no_split: str, n
     """THE decision. `choice`: EngineOptions.decode_path. What the processes support, each with
     why not ("" where it is supported): `heads`/`no_split` (attention_heads), `native` (every
     layer has a native attention step)/`no_native`, `no_lockstep` (the coordinator and every
-    worker with neurons can each take a part of a lockstep step: engine.py)."""
+    worker with neurons can each take a part of a lockstep step: engine_build.py)."""
     if choice not in DECODE_CHOICES:
         raise ValueError(f"decode path {choice!r}: one of {', '.join(DECODE_CHOICES)}")
     forced = choice != "auto"

@@ -26,7 +26,7 @@ from sparsecore.tensors import TensorStore, unpermute_qk
 
 from .decode_plan import DecodePaths, DecodePlan, local_paths
 
-if TYPE_CHECKING:  # the split is passed in (coordinator/engine.py), like the FFN and the head
+if TYPE_CHECKING:  # the split is passed in (coordinator/engine_build.py), like the FFN and the head
     from .attention_split import SplitStep
 
 Ffn = Callable[..., torch.Tensor]
@@ -235,7 +235,7 @@ class Transformer:
                  kv_pool: KvPool | None = None, decode: Callable[[list], DecodePaths] | None = None):
         """decode(native steps) -> DecodePaths: the decode plan (coordinator/decode_plan.py) and
         the objects that run its paths, made once from this model's native attention steps
-        (coordinator/engine.py); None: attention on the coordinator alone."""
+        (coordinator/engine_build.py); None: attention on the coordinator alone."""
         if cfg.final_logit_softcap:
             head = _SoftCapped(head, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head

@@ -1,6 +1,6 @@
 """Input sparsity in one process: the input-major twins of the matrices it computes.
 
-A one-token product on a matrix that carries a twin (sparsecore.kernels: FileMatrix.
+A one-token product on a matrix that carries a twin (sparsecore/kernels/layouts.py
 with_input_major) reads only the twin's columns whose input exceeds the twin's threshold: the
 inputs of a matrix skipped, their weights never read (TEAL). Each twin's threshold is a word of
 shared memory (protocol.shm_layout.INPUT_SITES: per layer, Q/K/V's, O's, gate/up's and down's),
@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 
 from protocol.shm_layout import INPUT_SITES
 
-from .kernels import FUSED_TYPES, FileMatrix, input_major_type
+from .kernels import FUSED_TYPES, input_major_type, layouts
 
 TWIN_CHOICES = ("", "down", "all")
 _SITE = {name: k for k, name in enumerate(INPUT_SITES)}
@@ -50,19 +50,19 @@ class Twins:
             name = GGMLQuantizationType(m.type).name
             self.skipped[name] = self.skipped.get(name, 0) + 1
             return m
-        twinned = m.with_input_major(rows, cols, word)
+        twinned = layouts.with_input_major(m, rows, cols, word)
         self.matrices.append(twinned)
         self.words.append(word)
         return twinned
 
     def add_fused(self, parts: list, cols, word: np.ndarray) -> list:
         """The matrices of parts [(m, rows), ...] (one input, one threshold) with one fused twin
-        (FileMatrix.fuse_input_major: carried by the first, counted once), or each with its own
+        (layouts.fuse_input_major: carried by the first, counted once), or each with its own
         (add) where their types or widths differ."""
         ms = [m for m, _ in parts]
         if not all(m.type in FUSED_TYPES and m.type == ms[0].type and m.cols == ms[0].cols for m in ms):
             return [self.add(m, rows, cols, word) for m, rows in parts]
-        out = FileMatrix.fuse_input_major(parts, cols, word)
+        out = layouts.fuse_input_major(parts, cols, word)
         self.matrices.append(out[0])
         self.words.append(word)
         return out

@@ -117,7 +117,7 @@ class FileLayer:
     each row read once for all tokens, each token's output the one it would get alone)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch,
-                 gate_mode: str = "par", interleave: str = ""):
+                 gate_mode: str = "par", row_layout: str = ""):
         p = f"blk.{layer}."
         self.gate_mode = gate_mode  # "none": gate is the up matrix, read once (sparsecore.ffn.GATE_MODES)
         # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
@@ -132,7 +132,7 @@ class FileLayer:
             self.down = self.down.keep_columns(own)
         # Fast mode's products on rows interleaved 16 by 16 (FileMatrix.interleave), each matrix
         # as its own 16-aligned part: down's always (every step reads all its rows); gate's
-        # where no predictor picks rows (`interleave` "gate": dense and threshold steps read
+        # where no predictor picks rows (`row_layout` "gate": dense and threshold steps read
         # every gate row); up's too where the engine only decodes densely ("gate+up"). Rows the
         # step picks one by one (threshold steps' up rows, predictors' gate and up rows,
         # PowerInfer files' too) have their blocks interleaved instead (for_row_products), and
@@ -142,9 +142,9 @@ class FileLayer:
                 self.down = self.down.keep_rows(own).held_copy()
             else:
                 self.down = self.down.for_fast_products()
-                if interleave in ("gate", "gate+up"):
+                if row_layout in ("gate", "gate+up"):
                     self.gate = self.gate.for_fast_products(own)
-                if gate_mode != "none" and interleave == "gate+up" and self.gate.interleaved:
+                if gate_mode != "none" and row_layout == "gate+up" and self.gate.interleaved:
                     self.up = self.up.for_fast_products(own)  # up's rows alone cannot be: ffn_token
             if not self.gate.interleaved:
                 self.gate = self.gate.for_row_products(own)
@@ -280,17 +280,17 @@ class FfnShard:
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: "torch.device | str" = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False,
-             predictor_path: str | PathLike | None = None, interleave: str = "") -> "FfnShard":
+             predictor_path: str | PathLike | None = None, row_layout: str = "") -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
         `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
         layers kept in the file's blocks score their own neurons with it (PredictorRows).
         weights "gguf": on the CPU, layers whose neurons are a 32-aligned range of types the
         kernels read stay in the file's blocks (FileLayer); others, and a CUDA device, are
-        converted once (float32 on the CPU, float16 on a GPU). `interleave`: with `fast`, which
+        converted once (float32 on the CPU, float16 on a GPU). `row_layout`: with `fast`, which
         rows are interleaved (protocol.messages.ROW_LAYOUTS, FileLayer)."""
-        if interleave not in ROW_LAYOUTS:
-            raise ValueError(f"interleaved rows {interleave!r}: one of {ROW_LAYOUTS}")
+        if row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"interleaved rows {row_layout!r}: one of {ROW_LAYOUTS}")
         if store is None:
             store = TensorStore(model_path, open_gguf(model_path))
         cfg = read_config(model_path, store.reader)
@@ -303,7 +303,7 @@ class FfnShard:
             if not len(idx):
                 continue
             if weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
-                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, interleave)
+                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
             else:
                 import torch
 

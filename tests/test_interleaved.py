@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
+from sparsecore.kernels.held_memory import unmap_file_pages
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.kernel_checks import BATCHES, check_product, interleaved_shard
@@ -129,7 +130,7 @@ def test_interleaved_memory_is_never_unmapped_as_a_files(tmp_path):
     p = K.FileMatrix(write_tensors(tmp_path / "big.gguf", {"w": (big, T.Q8_0)})["w"]).interleave()
     assert p.data.nbytes >= 1 << 21
     before = p.data.copy()
-    K._unmap_file_pages(p.data)
+    unmap_file_pages(p.data)
     np.testing.assert_array_equal(p.data, before)
 
 

@@ -29,7 +29,7 @@ def _spin_count(code: str) -> tuple[str, str]:
 
 
 def test_engine_import_makes_openmp_passive_without_exporting_it():
-    # the engine imports torch once its workers are started (Engine.__init__); torch's libgomp
+    # the engine imports torch once its workers are started (EngineBuilder.start); torch's libgomp
     # loads then, under the policy coordinator/__init__.py sets for that import alone
     spins, leaked = _spin_count("import coordinator.engine, os, sys; sys.stderr.write('MARK\\n'); sys.stderr.flush(); "
                                 "import torch; print('OMP_WAIT_POLICY' in os.environ)")

@@ -1,0 +1,330 @@
+"""Building an engine: `EngineBuilder` turns (model path, EngineOptions) into the parts an
+Engine runs (coordinator/engine.py), in two stages:
+
+  - `EngineBuilder(path, opts)` plans: checks the options, reads and checks the file (config,
+    tokenizer, chat template, predictors, thresholds), places the neurons and the lm_head's
+    rows, and works out the memory plan. No process, shared memory or torch yet: this is all
+    `Engine(path, opts, plan_only=True)` (`sparseinfer info`) does.
+  - `start(launcher)` refuses a plan that does not fit, makes the shared KV caches, spawns the
+    worker pool, and only then imports torch (a worker on the file's blocks never does, and
+    it starts on another core meanwhile: bench_startup.py) to build the FFN, the head, the
+    model with its decode plan, and the input-major twins. On any failure it closes what it
+    made (`close`): no process or shared memory is left behind.
+
+Also here: `required_tensors` (what a model file must hold) and `load_level` (a sparsity
+level's calibrated thresholds by the engine's method).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sparsecore.config import ModelConfig, read_config
+from sparsecore.errors import ModelFileError
+from sparsecore.gguf_file import check_supported_types, open_gguf
+from sparsecore.input_sparsity import attach as attach_twins
+from sparsecore.kernels import interleaving
+from sparsecore.kv_pool import KvPool, KvShape
+from sparsecore.lm_head import head_tensor_name
+from sparsecore.lockstep import Lockstep
+from sparsecore.predictor_rows import has_predictors
+from sparsecore.shard import FileLayer
+from sparsecore.tensors import TensorStore, conversion_notes
+
+from .chat_template import chat_template_from_reader
+from .decode_plan import DecodePath, DecodePaths, attention_heads, plan_decode, why_not_native
+from .engine_options import SPARSE_METHODS, EngineOptions, check
+from .memory_plan import fit_hints, plan_memory
+from .model_files import load_input_level, load_thresholds
+from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
+                        split_vocabulary, static_plan)
+from .tokenizer import GGUFTokenizer
+from .worker_pool import WorkerPool
+
+if TYPE_CHECKING:
+    from .predictor import Predictors
+
+# torch, and the modules that import it (1 s on these CPUs), are imported in EngineBuilder.start
+# once the workers have been started: a worker on the file's blocks never imports torch, and it
+# starts on another core meanwhile (bench_startup.py).
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    """Every tensor the model needs, by the names the file itself uses: phi3's fused `attn_qkv`
+    and `ffn_up` (gate and up) rather than the parts sparsecore.tensors.TensorStore shows."""
+    names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+    fused = cfg.arch == "phi3"
+    per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_down"]
+    per_layer += ["attn_qkv", "ffn_up"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"]
+    if cfg.arch == "falcon":  # one norm (with bias) before both attention and the gate-less FFN
+        names += ["output_norm.bias"]
+        per_layer = ["attn_norm", "attn_norm.bias", "attn_output", "attn_qkv", "ffn_up", "ffn_down"]
+    if cfg.qk_norm:
+        per_layer += ["attn_q_norm", "attn_k_norm"]
+    if cfg.post_norms:
+        per_layer += ["post_attention_norm", "post_ffw_norm"]
+    for i in range(cfg.n_layers):
+        names += [f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for n in per_layer]
+        if cfg.qkv_bias:
+            names += [f"blk.{i}.attn_{n}.bias" for n in "qkv"]
+    return names
+
+
+def load_level(model: Path, opts: EngineOptions, sparsity: float) -> list:
+    """The calibrated thresholds of `sparsity` by `opts.sparse_method`: CATS's per layer, or
+    input sparsity's (per layer and site, the lm_head's); ValueError naming the file and how
+    to calibrate when they are missing."""
+    path = Path(opts.thresholds_file) if opts.thresholds_file else None
+    if opts.sparse_method == "input":
+        return load_input_level(model, sparsity, path)
+    return load_thresholds(model, sparsity, path)
+
+
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no GPU driver exposes a device
+    (no /dev/nvidiactl, /dev/kfd or /dev/dxg: CUDA, ROCm and WSL's need one), so that the
+    placement, made before the workers start, does not wait for the torch import."""
+    if not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class EngineBuilder:
+    """An engine's parts, planned by the constructor and started by `start` (module doc).
+
+    Planned: opts (with sparsity dropped where the twins do not fit), path, cfg, tokenizer,
+    chat_template, predictors, input_major, row_layout, store, plan, plan_source, memory.
+    Started: kv_pool, pool, ffn, head, model, twins."""
+
+    def __init__(self, model_path: str | os.PathLike, opts: EngineOptions):
+        self.opts = opts
+        check(opts)
+        self.path = Path(model_path)
+        reader = open_gguf(self.path)
+        self.cfg = cfg = read_config(self.path, reader)
+        names = {t.name for t in reader.tensors}
+        missing = [n for n in required_tensors(cfg) if n not in names and n.replace("ffn_down", "ffn_down_t") not in names]
+        if missing:
+            raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        self.down_t = down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
+        check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
+        if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
+            wanted = set(required_tensors(cfg) + down_t)
+            for line in conversion_notes(self.path, [t for t in reader.tensors if t.name in wanted]):
+                print(line, file=sys.stderr)
+        try:
+            self.tokenizer = GGUFTokenizer.from_reader(reader)
+        except ValueError as e:
+            raise ModelFileError(f"{self.path}: tokenizer: {e}") from None
+        self.chat_template = chat_template_from_reader(reader)
+        self.predictors = predictors = self._load_predictors(reader)
+        dense = opts.sparsity is None and predictors is None
+        if opts.sparse_method not in SPARSE_METHODS:
+            raise ValueError(f"sparse method {opts.sparse_method!r}: one of {', '.join(SPARSE_METHODS)}")
+        # Which matrices the processes give input-major twins (sparsecore/input_sparsity.py): all
+        # of them for input sparsity, down for CATS (its skipped neurons then skip whole rows).
+        self.input_major = "" if dense or predictors is not None or opts.weights != "gguf" else \
+            "all" if opts.sparse_method == "input" else "down"
+        if opts.sparsity is not None:  # the thresholds exist before any worker starts (one clear error)
+            load_level(self.path, opts, opts.sparsity)
+        # Rows that only dense steps read whole: every step's with input sparsity, whose sparse
+        # steps read the twins (prompts and batches then keep the dense engine's layout).
+        rows_dense = dense or self.input_major == "all"
+        if opts.interleave and not rows_dense:
+            raise ValueError("interleaved up rows serve dense decoding only: not with CATS thresholds or predictors")
+        # Which FFN rows the processes interleave (protocol.messages.ROW_LAYOUTS): down's are
+        # with fast arithmetic whatever this says (every step reads them whole). Where the CPU
+        # takes no interleaved layout (kernels.interleaving) nothing is, and nothing refused.
+        self.row_layout = "" if not (opts.fast and opts.weights == "gguf" and interleaving()) or \
+            predictors is not None else "gate+up" if rows_dense and opts.interleave is not False else "gate"
+        # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
+        self.store = store = TensorStore(self.path, reader)
+        self.plan, self.plan_source, self.head_rows, self.per_worker, self.total = self._place(store)
+        self.max_ctx = min(opts.ctx, cfg.context_length)
+        # which processes compute decoded tokens' attention: decided now, the KV caches' place follows
+        self.attn_heads, self.no_split = attention_heads(opts.split_attention, opts.weights, store, cfg,
+                                                         self.plan.shards)
+        if opts.decode_path != "auto" and not self.attn_heads:
+            raise ValueError(f"decode path {opts.decode_path}: attention cannot be split here: {self.no_split}")
+        self.kv_shape = KvShape(max(1, opts.kv_caches) if self.attn_heads else 1, cfg.n_layers, cfg.n_kv_heads,
+                                self.max_ctx, cfg.head_dim, cfg.rope_dim)
+        self.memory = self._plan_memory()
+        m = self.memory
+        if self.input_major and m.available is not None and m.anonymous - m.twins <= m.available < m.anonymous:
+            # The twins are what does not fit: decode densely rather than refuse to start.
+            print(f"note: {self.path.name}: sparse decoding's input-major copies ({m.twins / 1e9:.2f} GB) do not "
+                  f"fit in the {m.available / 1e9:.2f} GB available: decoding densely", file=sys.stderr)
+            self.input_major, self.opts = "", replace(opts, sparsity=None)
+            self.memory = self._plan_memory()
+        self.kv_pool = self.pool = self.ffn = self.head = self.model = self.twins = None
+
+    # ---- stage 2: processes and the model ------------------------------------------------------
+
+    def start(self, launcher=None) -> None:
+        """Refuse a plan that does not fit, then make the KV caches' shared memory, the worker
+        pool, the FFN, the head, the model and the twins; closes what it made on failure."""
+        opts, cfg, store = self.opts, self.cfg, self.store
+        notice = self.memory.check(self.path, fit_hints(self.memory, self.kv_shape, self.max_ctx,
+                                                        self.memory.processes - 1))
+        if notice:
+            print(notice, file=sys.stderr)
+        self.kv_pool = KvPool.create(self.kv_shape) if self.attn_heads else None
+        predictors = self.predictors
+        try:
+            self.pool = WorkerPool(self.path, self.plan, cfg.hidden, opts.max_batch, self.per_worker,
+                                   opts.gpu_device, opts.transport, launcher=launcher, weights=opts.weights,
+                                   spin=opts.spin, cores=self.total, head_rows=self.head_rows, fast=opts.fast,
+                                   attn_heads={s: r for s, r in self.attn_heads.items() if s >= 0},
+                                   kv_pool=self.kv_pool,
+                                   predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
+                                   else "", row_layout=self.row_layout, input_major=self.input_major,
+                                   adaptive_spin=opts.adaptive_spin)
+        except BaseException:
+            if self.kv_pool is not None:
+                self.kv_pool.close()
+            raise
+        try:
+            self.pool.spawn()  # workers start importing while we import torch, load our share and the head
+            import torch
+
+            from .model import Embedding, LmHead, Transformer
+            from .sparse_ffn import SparseFfn, SplitHead
+
+            # While workers spin on their cores, the coordinator computes on the one left to it.
+            torch.set_num_threads(max(1, self.total - self.pool.spinning_workers) if self.pool.spin else self.total)
+            self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
+            in_file = opts.weights == "gguf"
+            embed = Embedding(store, in_file, cfg.embed_scale)
+            self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
+            # the decode plan needs what the workers can take (Ready), and the model is built with it
+            self.pool.wait_ready()
+            self.ffn.use_shard_predictors(all(w.predicts for w in self.pool.workers if w.n_neurons))
+            self.model = Transformer(store, cfg, self.max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
+                                     self.kv_pool, self._decode_paths)
+            # after the attention's shares are kept (SplitAttention): their twins are the share's
+            own_layers = {} if self.ffn.own is None else {
+                i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+            head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
+            self.twins = attach_twins(self.pool.buffers.input_thresholds, self.input_major, own_layers,
+                                      self.model.native, head, self.pool.buffers.head_threshold)
+            self.twins.note()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the workers and free the shared memory: what Engine.close does too."""
+        close_started(self.pool, self.model, self.kv_pool)
+
+    def _decode_paths(self, native: list) -> DecodePaths:
+        """The decode plan (coordinator/decode_plan.py plan_decode) from what the processes
+        support, and the objects that run its paths; the model calls this once while it is
+        built, with its native attention steps (`native`, None for a layer without one)."""
+        from .attention_split import SplitAttention  # torch's side: imported once the workers are started
+        from .lockstep_decode import LockstepDecode
+
+        cfg, pool, heads = self.cfg, self.pool, self.attn_heads
+        no_native = why_not_native(native, self.opts.weights, cfg)
+        workers = tuple(sorted(s for s in heads if s >= 0))
+        # Whole decode steps in lockstep where the coordinator and every worker with attention
+        # heads can each take a part, and those are all the processes with neurons.
+        own = self.ffn.own
+        with_neurons = [s for s, w in enumerate(pool.proc_shards) if any(len(n) for n in w.neurons)]
+        by_slot = {w.slot: w for w in pool.workers}
+        part = None
+        if not heads or no_native:
+            no_lockstep = "attention is not split"
+        elif own is None:
+            no_lockstep = "the coordinator computes no FFN share"
+        elif list(workers) != sorted(with_neurons):
+            no_lockstep = "a process with neurons holds no attention heads"
+        elif not all(s in by_slot and by_slot[s].lockstep for s in workers):
+            no_lockstep = "a worker cannot take part (its neurons or heads are not in the file's blocks)"
+        else:
+            part = Lockstep.build(pool.buffers, pool.own_slot, native, heads[-1], own, self.store, cfg)
+            no_lockstep = "" if part is not None else \
+                "the coordinator cannot take part (its FFN share or the architecture)"
+        plan = plan_decode(self.opts.decode_path, heads, self.no_split, not no_native, no_native, no_lockstep,
+                           workers, every_token=self.input_major == "all")
+        split = lockstep = None
+        if plan.split:
+            split = SplitAttention(pool.bell, pool.buffers, self.kv_pool, native, {s: heads[s] for s in workers},
+                                   heads[-1], self.ffn.stats, plan.split_min_bytes, plan.every_token)
+        if plan.path is DecodePath.LOCKSTEP:
+            lockstep = LockstepDecode(pool.bell, pool.buffers, part, np.array(plan.lockstep_slots, dtype=np.intp),
+                                      self.ffn, split, plan.lockstep_min_bytes)
+        return DecodePaths(plan, split, lockstep)
+
+    # ---- stage 1's parts ---------------------------------------------------------------------
+
+    def _place(self, store: TensorStore):
+        """(plan, where it came from, lm_head rows per slot, threads per worker, total threads)."""
+        opts, cfg = self.opts, self.cfg
+        cuda = opts.gpu_device in ("auto", "cuda") and _cuda_available()
+        total, n_cpu, per_worker = resolve_threads(opts.threads, opts.cpu_workers, cuda)
+        share = default_gpu_share(cuda) if opts.gpu_share is None else opts.gpu_share
+        if opts.vram_budget_gb is not None and opts.coordinator_share:
+            raise ValueError("--coordinator-share goes with the static split, not with --vram-budget")
+        if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
+            plan, _, source = plan_under_budget(
+                self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
+                opts.reset_gpu_index, opts.disable_gpu_index, weights=opts.weights)
+        else:
+            coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
+                     else opts.coordinator_share)
+            # the native kernels read down's columns in whole blocks: cut shards on block edges
+            align = max(FileLayer.align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
+            plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, align), "static"
+        head_rows = {}
+        if opts.split_lm_head:
+            n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]
+            head_rows = split_vocabulary(plan, n_vocab, opts.max_batch * cfg.hidden)
+        return plan, source, head_rows, per_worker, total
+
+    def _plan_memory(self):
+        """What this run will hold (coordinator/memory_plan.py), before any worker starts."""
+        opts, cfg, store, predictors = self.opts, self.cfg, self.store, self.predictors
+        names = required_tensors(cfg) + [n for n in self.down_t if store.has(n)]
+        if predictors is not None and predictors.in_file and Path(predictors.path) == self.path:
+            names += [f"blk.{i}.{n}.weight" for i in range(cfg.n_layers) for n in ("fc1", "fc2")]
+        # the worker processes WorkerPool.spawn starts: those with neurons (a GPU worker without CUDA has none)
+        workers = [s for s in self.plan.shards if s.role != "coordinator" and any(len(n) for n in s.neurons)]
+        ffn = sum(any(len(n) for n in s.neurons) for s in self.plan.shards)
+        return plan_memory(store, cfg, names, fast=opts.fast, weights=opts.weights, row_layout=self.row_layout,
+                           sparse=opts.sparsity is not None or predictors is not None, n_workers=len(workers),
+                           ffn_processes=ffn, kv_shape=self.kv_shape, input_major=self.input_major)
+
+    def _load_predictors(self, reader) -> Predictors | None:
+        p = self.opts.predictor
+        if p == "none":
+            return None
+        if p is not None:
+            if self.opts.sparsity is not None:
+                raise ValueError("choose one sparsity source: --sparsity (thresholds) or --predictor, not both")
+            from .predictor import Predictors  # torch: imported before the workers start only with predictors
+
+            return Predictors.load(p, self.cfg, in_file=self.opts.weights == "gguf", fast=self.opts.fast)
+        # A model's own predictors are the default unless thresholds were asked for explicitly.
+        if self.opts.sparsity is None and has_predictors(reader):
+            from .predictor import Predictors
+
+            return Predictors.load(self.path, self.cfg, reader, self.opts.weights == "gguf", self.opts.fast)
+        return None
+
+
+def close_started(pool: WorkerPool | None, model, kv_pool: KvPool | None) -> None:
+    """Close what a start made, in the order that frees it: the workers, the split attention's
+    hold on the shared KV caches, the caches themselves."""
+    if pool is not None:
+        pool.close()
+    if model is not None:
+        model.close_split()
+    if kv_pool is not None:
+        kv_pool.close()
