@@ -170,7 +170,7 @@ def measure(layers, frac: float, reps: int, rng):
             pd, pt = dense.prepare(range(r), None, fast=True), twin.prepare(range(r), None, fast=True)
             dense_fns.append((name, lambda p=pd, x=x: p(x)))
             twin_fns.append((name, lambda p=pt, x=x: p(x)))
-            dense_bytes[name] += r * c // dense.block * dense._block_bytes
+            dense_bytes[name] += r * c // dense.block * dense.block_bytes
             xs.append(x)
         calls.append((dense_fns, twin_fns))
     per = {side: {k: [] for k in [*SHAPES, "layer"]} for side in (0, 1)}

@@ -1,5 +1,6 @@
-/* Native kernels on the GGUF file's own blocks (sparsecore/kernels/__init__.py is the Python
- * side and says what each entry point is for).
+/* Native kernels on the GGUF file's own blocks (the Python side, sparsecore/kernels/: file_matrix.py
+ * for a matrix's products, layouts.py for its layouts, __init__.py for the fused steps, says what
+ * each entry point is for).
  *
  * THE hot function is ffn_token: one process's partial FFN for one token, in one call, reading
  * only its own rows of the memory-mapped file (no copy, no gather):
