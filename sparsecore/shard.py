@@ -27,7 +27,8 @@ from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
 from .gguf_file import open_gguf
-from .kernels import MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, neuron_align, supports
+from .kernels import (MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, ffn_token_args,
+                      neuron_align, supports)
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
@@ -203,6 +204,12 @@ class FileLayer:
         """One token, written straight into `out` (the process's output slot): no tensor round trip."""
         return ffn_token(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
                          self.fast, self.down_t, out, self.gate_mode)[1]
+
+    def token_args(self, x: np.ndarray, activation: str, out: np.ndarray) -> list:
+        """token_into's kernel arguments for this x and out, resolved once (kernels.ffn_token_args:
+        the threshold at FFN_TOKEN_THRESHOLD; no mask)."""
+        return ffn_token_args(self.gate, self.up, self.down, x, self.own, activation, self.scratch, self.fast,
+                              self.down_t, out, self.gate_mode)
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:

@@ -127,6 +127,22 @@ def test_lockstep_with_predictors_in_the_shards(tiny_pwri, no_leaks):
     np.testing.assert_allclose(gl, wl, atol=2e-4, rtol=0)
 
 
+def own_share_done(part, k: int, then) -> None:
+    """Calls then(phase) once, when the process's part `part` has computed its share of phase k
+    of a step (1: layer 0's attention, 2: its FFN, 3: layer 1's attention...) and before it
+    announces it (Lockstep._wait announces, then waits for the peers)."""
+    from sparsecore.lockstep import PHASE_STRIDE
+
+    real = part._wait
+
+    def wait(phase, peers, check):
+        if phase % PHASE_STRIDE == k:
+            part._wait = real
+            then(phase)
+        return real(phase, peers, check)
+    part._wait = wait
+
+
 def test_a_worker_killed_mid_step_ends_that_step_naming_it(tiny_model_factory, no_leaks):
     """The worker is killed inside a lockstep step (during the coordinator's own attention of
     layer 1, before it announces that share, so the worker can never post its FFN share of the
@@ -142,18 +158,14 @@ def test_a_worker_killed_mid_step_ends_that_step_naming_it(tiny_model_factory, n
         assert len(eng.ffn.stats.lockstep_us) == 1  # a decode step runs in lockstep
         c.pos = 2
         victim = eng.pool.workers[0]
-        step = m.lockstep.own.attn[1]
-        real = step.part
         kills = []
 
-        def killed_meanwhile(*a, **k):
-            step.part = real
+        def killed_meanwhile(phase):
             os.kill(victim.proc.pid, signal.SIGKILL)
             os.waitid(os.P_PID, victim.proc.pid, os.WEXITED | os.WNOWAIT)  # dead, left for the pool to reap
             kills.append(victim.proc.pid)
-            return real(*a, **k)
 
-        step.part = killed_meanwhile
+        own_share_done(m.lockstep.own, 3, killed_meanwhile)  # layer 1's attention share
         with hang_guard("the step whose worker died"):
             with pytest.raises(WorkerError, match=re.escape(f"{victim.label} died: ")):
                 m.forward([7], cache=c)
@@ -171,14 +183,11 @@ def test_a_step_the_coordinator_drops_is_dropped_by_the_worker(tiny_model_factor
         m.forward([5, 6, 7], cache=c)
         want = m.forward([9], cache=c)[0].numpy().copy()
         c.pos -= 1
-        step = m.lockstep.own.attn[1]
-        real = step.part
 
-        def interrupted(*a, **k):
-            step.part = real
+        def interrupted(phase):
             raise KeyboardInterrupt
 
-        step.part = interrupted
+        own_share_done(m.lockstep.own, 3, interrupted)  # layer 1's attention share, never announced
         with pytest.raises(KeyboardInterrupt):
             m.forward([9], cache=c)
         time.sleep(0.1)  # the worker is now waiting for layer 1's share from us
@@ -198,7 +207,7 @@ def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
     already in a later step means this step was dropped; a peer behind is waited for, with
     `check` called meanwhile (it raises to stop the wait)."""
     from protocol.shm_layout import SLOT_PHASE, SharedBuffers, ShmLayout
-    from sparsecore.kernels import residual_norm_args
+    from sparsecore.kernels import ptr, residual_norm_args
     from sparsecore.lockstep import PHASE_STRIDE, Abandoned, Lockstep
 
     buf = SharedBuffers.create(ShmLayout(hidden=32, n_ff=32, max_tokens=4, n_slots=2, n_layers=1))
@@ -206,7 +215,9 @@ def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
         part = object.__new__(Lockstep)  # the fields _exchange reads, without a model
         part.slot, part.words, part.eps = 1, buf.slots, 1e-5
         part.h, part.x = np.zeros((2, 32), np.float32), np.zeros((2, 32), np.float32)
-        shares = residual_norm_args([buf.out[0, :2], buf.out[1, :2]])
+        part._ptrs = (ptr(part.h), ptr(part.x), [])
+        addresses = residual_norm_args([buf.out[0, :2], buf.out[1, :2]])
+        shares = (ptr(addresses), len(addresses))
         phase = 7 * PHASE_STRIDE + 3
         buf.out[0, 0], buf.out[1, 0] = 1.0, 2.0
         buf.slots[0, SLOT_PHASE] = phase

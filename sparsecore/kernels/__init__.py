@@ -184,6 +184,29 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     return y, n
 
 
+# Where ffn_token_args puts the threshold: after the three matrices' FileMatrix.args (5 each:
+# base.c's MAT_ARGS) and five integers.
+FFN_TOKEN_THRESHOLD = 3 * 5 + 5
+
+
+def ffn_token_args(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+                   scratch: FfnScratch, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str = "par") -> list:
+    """The arguments of _kernels.ffn_token for ffn_token(..., mask=None, out=out) of this x and
+    out, checked and resolved once, the threshold at FFN_TOKEN_THRESHOLD (negative: dense). A
+    caller that runs the same product every step (sparsecore/lockstep.py) sets it and calls the
+    kernel with them: the checks and addresses cost about 10 us of Python a call. x, out: the
+    same arrays at every call (contiguous float32 (hidden,)); the matrices must stay what they
+    are (a twin attached later makes other arguments)."""
+    hidden = _check_ffn(gate, up, down, own, None, down_t)
+    for a, what in ((x, "x"), (out, "out")):
+        if a.dtype != np.float32 or a.shape != (hidden,) or not a.flags.c_contiguous:
+            raise ValueError(f"{what} must be {hidden} contiguous float32 values")
+    args = [*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
+            ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, 0, 0, ptr(x), 1, int(fast), *scratch.token_ptrs, ptr(out)]
+    assert args[FFN_TOKEN_THRESHOLD] == -1.0
+    return args
+
+
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold=None, mask: np.ndarray | None = None, fast: bool = False,
               down_t: bool = False, out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:
@@ -332,6 +355,22 @@ class AttentionStep:
         head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
         _kernels.attn_part(*head, self.cos, self.sin, len(pos), ptr(pos), ptr(kp), ptr(vp), self.max_ctx,
                            self.fast, *self.batch_tail, ptr(h), int(kv0), int(kv1), ptr(out))
+
+    def part_args(self, h: np.ndarray, kv0: int, kv1: int, out: np.ndarray) -> tuple[list, int]:
+        """The arguments of _kernels.attn_part for part(h, pos, kp, vp, kv0, kv1, out) with one row
+        (h, out: the same (1, hidden) arrays at every call), resolved once, and the index of the
+        position's address in them: the caller puts there the addresses of pos, kp and vp (one
+        int64 each) before each call (sparsecore/lockstep.py: no per-layer checks and addresses).
+        The step must keep its matrices (twins attached later make other arguments)."""
+        one = np.zeros(1, np.int64)
+        self._check_rows(h, one, one, one)
+        if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
+            raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
+        held = self.part_heads
+        head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
+        args = [*head, self.cos, self.sin, 1, 0, 0, 0, self.max_ctx, self.fast, *self.batch_tail, ptr(h), int(kv0),
+                int(kv1), ptr(out)]
+        return args, len(head) + 3
 
     def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
         """Several sequences' decoded tokens (continuous batching) in one call, the weights read
