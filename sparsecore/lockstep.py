@@ -182,14 +182,14 @@ class Lockstep:
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
             _kernels.attn_part(*args)
             sh, n_sh = sums[phase & 1]
-            self._wait(base + phase, peers, check)
+            self.announce_and_wait(base + phase, peers, check)
             _kernels.residual_norm(h_ptr, sh, n_sh, hidden, 1, norm_ptrs[i], eps, x_ptr)
             phase += 1
             args = ffn[phase & 1]
             args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
             n_active += _kernels.ffn_token(*args)
             sh, n_sh = sums[phase & 1]
-            self._wait(base + phase, peers, check)
+            self.announce_and_wait(base + phase, peers, check)
             _kernels.residual_norm(h_ptr, sh, n_sh, hidden, 1, 0, eps, x_ptr)
         h[0] = self.h[0]
         return n_active
@@ -198,12 +198,12 @@ class Lockstep:
                   check: Callable[[], None]) -> None:
         """Announce this process's share of `phase`, wait for every peer's, add them all to the
         residuals (and normalize them into self.x with `norm`)."""
-        self._wait(phase, peers, check)
+        self.announce_and_wait(phase, peers, check)
         sh, n_sh = shares
         _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, 0 if norm is None else ptr(norm),
                                self.eps, self._ptrs[1])
 
-    def _wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
+    def announce_and_wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
         """Announce this process's share of `phase` and wait for every peer's."""
         words = self.words
         words[self.slot, SLOT_PHASE] = phase  # after the share: peers read it once they see this

@@ -130,17 +130,17 @@ def test_lockstep_with_predictors_in_the_shards(tiny_pwri, no_leaks):
 def own_share_done(part, k: int, then) -> None:
     """Calls then(phase) once, when the process's part `part` has computed its share of phase k
     of a step (1: layer 0's attention, 2: its FFN, 3: layer 1's attention...) and before it
-    announces it (Lockstep._wait announces, then waits for the peers)."""
+    announces it (Lockstep.announce_and_wait announces, then waits for the peers)."""
     from sparsecore.lockstep import PHASE_STRIDE
 
-    real = part._wait
+    real = part.announce_and_wait
 
     def wait(phase, peers, check):
         if phase % PHASE_STRIDE == k:
-            part._wait = real
+            part.announce_and_wait = real
             then(phase)
         return real(phase, peers, check)
-    part._wait = wait
+    part.announce_and_wait = wait
 
 
 def test_a_worker_killed_mid_step_ends_that_step_naming_it(tiny_model_factory, no_leaks):
