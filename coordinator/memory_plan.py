@@ -187,7 +187,7 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
     FFN tensor whole), `kv_shape` the shared KV pool's KvShape (None: one private cache the size
     of cfg at ctx, passed as a KvShape too), `input_major` which matrices get twins
     (sparsecore/input_sparsity.py: "", "down", "all")."""
-    from sparsecore.kernels import input_major_type
+    from sparsecore.kernels import input_major_bytes, input_major_type
 
     p = MemoryPlan(processes=1 + n_workers)
     twinned = (".ffn_down.",) if input_major == "down" else (
@@ -198,7 +198,7 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
         if not store.has(name) or not input_major_type(store.by_name[name].tensor_type):
             continue
         if any(t in name for t in twinned) or (input_major == "all" and name == head):
-            p.twins += int(store.by_name[name].n_bytes)
+            p.twins += input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes))
     for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1

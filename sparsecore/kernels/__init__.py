@@ -33,8 +33,8 @@ import numpy as np
 from . import _kernels
 from .file_matrix import FileMatrix, check_batch, q8_scratch
 from .formats import (COLS_HEADER, COLS_TYPES, FILE_LAYOUT, FUSED_TYPES, MAX_SMALL_BATCH, NATIVE_TYPES,  # noqa: F401
-                      Q8_BLOCK_BYTES, R16, R16_TYPES, SIMD_LEVELS, X16, X16_TYPES, blocked_rows, input_major_type,
-                      interleaving, isa, neuron_align, set_isa, supports)
+                      Q8_BLOCK_BYTES, R16, R16_TYPES, SIMD_LEVELS, X16, X16_TYPES, blocked_rows, input_major_bytes,
+                      input_major_type, interleaving, isa, neuron_align, set_isa, supports)
 from .held_memory import ptr
 
 ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in ffn_step.c

@@ -7,19 +7,11 @@
  * dword, broadcast) widened at once by madd (5- and 6-bit values: two quads' maddubs could
  * overflow int16). */
 #if HAVE_X86
-/* Row block r..r + 16 of Q4_K/Q5_K sub-block s's 6-bit scales and mins from the head's planes P
- * (plane k at P + k rp), a byte each: kscale_min on 16 rows at once */
+/* Row block r..r + 16 of Q4_K/Q5_K sub-block s's scales and mins, a byte each, from the head's
+ * unpacked planes P (plane k at P + k rp: scales 0-7, then mins) */
 AVX2 static INLINE void kq_scmin16(const uint8_t *P, int64_t rp, int s, __m128i *sc, __m128i *mn) {
-    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
-    if (s < 4) {
-        *sc = _mm_and_si128(_mm_loadu_si128((const __m128i *)(P + s * rp)), m63);
-        *mn = _mm_and_si128(_mm_loadu_si128((const __m128i *)(P + (s + 4) * rp)), m63);
-    } else {
-        __m128i a = _mm_loadu_si128((const __m128i *)(P + (s + 4) * rp));
-        __m128i b = _mm_loadu_si128((const __m128i *)(P + (s - 4) * rp)), c = _mm_loadu_si128((const __m128i *)(P + s * rp));
-        *sc = _mm_or_si128(_mm_and_si128(a, m15), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), m3), 4));
-        *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m15), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c, 6), m3), 4));
-    }
+    *sc = _mm_loadu_si128((const __m128i *)(P + s * rp));
+    *mn = _mm_loadu_si128((const __m128i *)(P + (8 + s) * rp));
 }
 
 /* Half h of a line: the values of its 32 nibble bytes' low-nibble rows (*lo) and high-nibble

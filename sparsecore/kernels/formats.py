@@ -55,6 +55,18 @@ def input_major_type(tensor_type) -> bool:
     return int(tensor_type) in COLS_TYPES
 
 
+# Bytes a twin holds per block of the file where they differ from the block's: Q4_K's and Q5_K's
+# 12 bytes of packed 6-bit scales and mins are held unpacked in 16 (cols_kquants_generic.c).
+_TWIN_BLOCK_BYTES = {12: (144, 148), 13: (176, 180)}  # GGML type id: (file, twin) bytes a block
+
+
+def input_major_bytes(tensor_type, n_bytes: int) -> int:
+    """The bytes twins of a whole matrix of `n_bytes` in the file hold (rows past a multiple of
+    128 apart): the memory plan's `twins` row."""
+    file, twin = _TWIN_BLOCK_BYTES.get(int(tensor_type), (1, 1))
+    return n_bytes // file * twin
+
+
 def isa() -> str:
     """The instruction set the kernels use on this CPU: "avx512vnni" (fast mode's integer dots
     with AVX-512 VNNI, AVX2 for the rest), "avxvnni" (the interleaved layouts' integer sums with
