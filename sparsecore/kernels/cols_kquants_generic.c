@@ -25,9 +25,10 @@
  *         (the high nibble's) of byte p % 32, k = p / 32.
  * Rp is R rounded up to 128 (rows past R: zero values and scales). Each stored value is the
  * file's unsigned quant (Q5_0: value d (q - 16); Q5_1: d q + m; Q4_K, Q5_K: d sc q - dmin m;
- * Q6_K: d sc (q - 32)), each scale field the file's bytes: the twin is lossless, and where R is a
- * multiple of 128 exactly as many bytes as the sub-matrix in the file (Q5_0 22 per 32 values
- * and row, Q5_1 24, Q4_K 144 per 256, Q5_K 176, Q6_K 210); only the order differs.
+ * Q6_K: d sc (q - 32)), each scale field the file's (Q4_K's, Q5_K's unpacked): the twin is
+ * lossless, and where R is a multiple of 128 as many bytes as the sub-matrix in the file (Q5_0
+ * 22 per 32 values and row, Q5_1 24, Q6_K 210 per 256) or 4 more a row per 256 (Q4_K 148 against
+ * 144, Q5_K 180 against 176); only the order differs.
  *
  * Products (fast mode): per block of 32 inputs (the caller's q8 blocks of x: one scale d_x each)
  * and row the integer sums of the active channels' unsigned values times the int8 x, then
