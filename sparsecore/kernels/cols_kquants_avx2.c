@@ -36,7 +36,10 @@ AVX2 static INLINE void kq_vals_avx2(int t, const uint8_t *line, int h, __m256i 
     }
 }
 
-/* one half line of four channels into acc[0..8] (register a: rows 16 (a % 4) + 64 (a / 4) + 8 h ..+ 8) */
+/* one half line of four channels into acc[0..8] (register a: rows 16 (a % 4) + 64 (a / 4) + 8 h ..+ 8);
+ * Q4_K's 4-bit values as the Q4 twins' (cols_avx2.c): maddubs summed in int16 over a block (8
+ * quads x 2 x 15 x 127 = 30480 fits), which saves a madd and an int32 add per register and quad;
+ * the 5- and 6-bit types' are widened at once (they could overflow int16 across quads) */
 AVX2 static INLINE void kq_quad_avx2(int t, __m256i *acc, const uint8_t *const *ch, int64_t o, int h, __m256i X) {
     const __m256i one = _mm256_set1_epi16(1);
     __m256i lo[4], hi[4];
@@ -47,8 +50,11 @@ AVX2 static INLINE void kq_quad_avx2(int t, __m256i *acc, const uint8_t *const *
         __m256i cd0 = _mm256_unpacklo_epi8(v[2], v[3]), cd1 = _mm256_unpackhi_epi8(v[2], v[3]);
         __m256i w[4] = {_mm256_unpacklo_epi16(ab0, cd0), _mm256_unpackhi_epi16(ab0, cd0),
                         _mm256_unpacklo_epi16(ab1, cd1), _mm256_unpackhi_epi16(ab1, cd1)};
-        for (int k = 0; k < 4; k++)
-            acc[4 * s + k] = _mm256_add_epi32(acc[4 * s + k], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], X), one));
+        if (kq_hbits(t) == 0)  /* Q4_K: int16 sums, widened once a half line (kq_fast_t_avx2) */
+            for (int k = 0; k < 4; k++) acc[4 * s + k] = _mm256_add_epi16(acc[4 * s + k], _mm256_maddubs_epi16(w[k], X));
+        else
+            for (int k = 0; k < 4; k++)
+                acc[4 * s + k] = _mm256_add_epi32(acc[4 * s + k], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], X), one));
     }
 }
 
@@ -93,6 +99,8 @@ AVX2 static INLINE int64_t kq_fast_t_avx2(const cols_hdr *h, const q8blk *xq, co
                 for (int a = 0; a < 8; a++) acc[a] = _mm256_set1_epi32(off), acc2[a] = _mm256_set1_epi32(-32 * sx[1]);
 #pragma GCC unroll 1
                 for (int q = 0; q < na; q += 4) kq_quad_avx2(t, acc, ch + q, o, half, _mm256_set1_epi32(rd32(xb + q)));
+                if (kq_hbits(t) == 0)  /* Q4_K's int16 sums (started at 0: its offset is 0) to int32 */
+                    for (int a = 0; a < 8; a++) acc[a] = _mm256_madd_epi16(acc[a], _mm256_set1_epi16(1));
                 if (q6)
 #pragma GCC unroll 1
                     for (int q = na; q < n; q += 4) kq_quad_avx2(t, acc2, ch + q, o, half, _mm256_set1_epi32(rd32(xb + q)));
