@@ -507,7 +507,7 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
-    assert shm_segments() == shm_before
+    assert not _leaked_segments(shm_before)  # (another test run's live segments are not ours to judge)
 
 
 # --------------------------------------------------------------------------- 7. worker channel
