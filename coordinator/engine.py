@@ -9,6 +9,7 @@ coordinator/engine_options.py's EngineOptions, re-exported here.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -59,6 +60,7 @@ class Engine:
         try:
             self.last = RunStats()
             self.sparsity: float | None = None
+            self._told_dense_head = False
             self.set_sparsity(self.opts.sparsity)
         except BaseException:
             self.close()
@@ -110,6 +112,11 @@ class Engine:
             per_layer, head = self._thresholds(sparsity)
             words[:] = np.asarray(per_layer, dtype=np.float32)
             self.pool.buffers.head_threshold[0] = head
+            if head < 0 and not self._told_dense_head:  # a thresholds file from before lm_head levels
+                self._told_dense_head = True
+                print(f"note: {self.path.name}'s thresholds have no lm_head levels (an older calibration): the "
+                      f"lm_head reads densely; `sparseinfer calibrate -m {self.path}` again skips its inputs too",
+                      file=sys.stderr)
             self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
         else:
             self.ffn.set_thresholds(self._thresholds(sparsity))

@@ -147,6 +147,24 @@ def test_calibrate_times_each_level_on_this_machine(tiny_model_factory, tmp_path
     assert "speed" not in json.loads(thresholds_path(model).read_text())
 
 
+def test_a_thresholds_file_without_head_levels_says_the_head_reads_densely(calibrated, tmp_path, capsys):
+    """A calibration from before the lm_head had levels: the head's word stays negative (dense),
+    and the engine says so once, with the command that fixes it"""
+    path, table = calibrated
+    model = tmp_path / "old.gguf"
+    model.write_bytes(Path(path).read_bytes())
+    old = {k: v for k, v in table.items() if k != "head_levels"}
+    thresholds_path(model).write_text(json.dumps(old))
+    with Engine(model, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3)) as eng:
+        assert eng.pool.buffers.head_threshold[0] < 0
+        eng.set_sparsity(0.6)
+    err = capsys.readouterr().err
+    assert err.count("no lm_head levels") == 1 and f"sparseinfer calibrate -m {model}" in err
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, sparsity=0.3)) as eng:
+        assert eng.pool.buffers.head_threshold[0] >= 0
+    assert "no lm_head levels" not in capsys.readouterr().err
+
+
 def test_memory_plan_counts_the_twins(calibrated):
     path, _ = calibrated
     dense = Engine(path, EngineOptions(cpu_workers=1, threads=2), plan_only=True).memory
