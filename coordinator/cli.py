@@ -666,10 +666,10 @@ def _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus)
     (coordinator/tools/speed_check.py), written into the thresholds file beside the levels."""
     from tqdm import tqdm
 
-    from .model_files import calibrated_level_keys, save_speed
+    from .model_files import calibration, level_keys, save_speed
     from .tools import corpus as corpus_mod, speed_check
 
-    levels = [float(k) for k in calibrated_level_keys(model_path, _meta("sparseinfer.sparse_method", "input"))]
+    levels = [float(k) for k in level_keys(calibration(model_path), _meta("sparseinfer.sparse_method", "input"))]
     if not levels:
         return
     reps = 3

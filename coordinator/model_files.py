@@ -162,39 +162,21 @@ def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None
     return load_input_level(model, sparsity, path)[0]
 
 
-def calibrated_levels(model: Path, path: Path | None = None) -> dict | None:
-    """What a calibration stored for the default choice of a level (coordinator/sparsity_choice.py):
-    the table's `quality` entry, or None when there is no calibration file or no quality in it."""
-    path = path or thresholds_path(model)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        return None
-    if data.get("format") != THRESHOLDS_FORMAT:
-        return None
-    return data.get("quality")
-
-
-def calibrated_speed(model: Path, path: Path | None = None) -> dict | None:
-    """The decode speed check a calibration stored (coordinator/tools/speed_check.py), or None."""
+def calibration(model: Path, path: Path | None = None) -> dict:
+    """What a calibration stored, for choosing a default level (coordinator/sparsity_level.py) and
+    timing the levels (the speed check): the whole table, or {} where there is no readable
+    thresholds file of this format (the choice then falls back to dense)."""
     path = path or thresholds_path(model)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, OSError):
-        return None
-    return data.get("speed") if data.get("format") == THRESHOLDS_FORMAT else None
+        return {}
+    return data if isinstance(data, dict) and data.get("format") == THRESHOLDS_FORMAT else {}
 
 
-def calibrated_level_keys(model: Path, method: str, path: Path | None = None) -> list[str]:
-    """The levels a calibration stored for `method` ("input" or "cats"), lowest first."""
-    path = path or thresholds_path(model)
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        return []
-    return sorted(data.get("input_levels" if method == "input" else "levels", {}), key=float)
+def level_keys(table: dict, method: str) -> list[str]:
+    """The levels a calibration table holds for `method` ("input" or "cats"), lowest first."""
+    return sorted(table.get("input_levels" if method == "input" else "levels", {}), key=float)
 
 
 def save_speed(model: Path, speed: dict, path: Path | None = None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from .model_files import calibrated_levels, calibrated_speed
+from .model_files import calibration
 
 DEFAULT_QUALITY_BUDGET = 0.02
 # Without a speed check stored by `calibrate` for this machine (coordinator/tools/speed_check.py):
@@ -43,7 +43,8 @@ def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET,
            say: bool = True) -> tuple[float | None, str]:
     """(the level to decode at, or None for dense; the one line that says so). `say` False: only
     the level (`info`'s plan), the hint to calibrate not counted as given."""
-    q = calibrated_levels(model)
+    table = calibration(model)
+    q = table.get("quality")
     name = Path(model).name
     if q is None or q.get("method") != method or not q.get("levels"):
         if not say or not _first_time(Path(model)):
@@ -62,7 +63,7 @@ def choose(model: Path, method: str, budget: float = DEFAULT_QUALITY_BUDGET,
     if not within:
         return None, (f"note: decoding densely: no calibrated level of {name} stays within +{budget:.0%} held-out "
                       f"perplexity (--quality-budget)")
-    gains = ratios_here(calibrated_speed(model), method)
+    gains = ratios_here(table.get("speed"), method)
     if gains is not None:  # measured on this machine at calibration: the fastest level within the budget
         paying = [(gains[lv], lv, ppl) for lv, ppl in within if gains.get(lv, 0.0) >= MIN_GAIN]
         if not paying:

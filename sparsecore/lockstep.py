@@ -77,7 +77,6 @@ class Lockstep:
         # the FFN's and attention's per layer on first use (_one_token_args).
         self._ptrs = (ptr(self.h), ptr(self.x), [ptr(w) for w in self.norms])
         self._one: list[tuple | None] = [None] * n_layers
-        self._offs: tuple[int, np.ndarray] | None = None
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
         """For the participants' slot bitmask: the peers to wait for, and per parity the
@@ -144,7 +143,7 @@ class Lockstep:
             phase += 1
             off = i * layer_bytes
             attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, self.norms[i], check)
+            self._exchange(base + phase, peers, sums[phase & 1], B, self._ptrs[2][i], check)
             w = self.ffn[i]
             active = self.predict[i].mask_for(hh[0]) if predict else None
             t = float(thresholds[i]) if threshold else None
@@ -153,7 +152,7 @@ class Lockstep:
                 n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
             else:
                 n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, None, check)
+            self._exchange(base + phase, peers, sums[phase & 1], B, 0, check)
         h[:] = hh
         return n_active
 
@@ -162,18 +161,14 @@ class Lockstep:
         """run's steps for one row with every kernel's arguments prepared (_one_token_args):
         the same calls, the same floats."""
         n = len(self.attn)
-        offs = self._offs
-        if offs is None or offs[0] != layer_bytes:
-            offs = self._offs = (layer_bytes, np.arange(n, dtype=np.int64) * layer_bytes)
-        # every layer's cache addresses for this step, and the position, at once (int64 each)
+        # every layer's position and cache addresses for this step at once (int64 each)
         addr = np.empty((n, 3), np.int64)
         addr[:, 0] = pos[0]
-        addr[:, 1] = kp[0] + offs[1]
-        addr[:, 2] = vp[0] + offs[1]
+        offs = np.arange(n, dtype=np.int64) * layer_bytes
+        addr[:, 1] = kp[0] + offs
+        addr[:, 2] = vp[0] + offs
         a0 = ptr(addr)
-        h_ptr, x_ptr, norm_ptrs = self._ptrs
-        hidden, eps, thresholds = self.h.shape[1], self.eps, self.buffers.thresholds
-        self.h[0] = h[0]
+        norm_ptrs, thresholds = self._ptrs[2], self.buffers.thresholds
         n_active, phase = 0, 0
         for i in range(n):
             _, att, ffn = self._one_token_args(i)
@@ -181,27 +176,23 @@ class Lockstep:
             args, k = att[phase & 1]
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
             _kernels.attn_part(*args)
-            sh, n_sh = sums[phase & 1]
-            self.announce_and_wait(base + phase, peers, check)
-            _kernels.residual_norm(h_ptr, sh, n_sh, hidden, 1, norm_ptrs[i], eps, x_ptr)
+            self._exchange(base + phase, peers, sums[phase & 1], 1, norm_ptrs[i], check)
             phase += 1
             args = ffn[phase & 1]
             args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
             n_active += _kernels.ffn_token(*args)
-            sh, n_sh = sums[phase & 1]
-            self.announce_and_wait(base + phase, peers, check)
-            _kernels.residual_norm(h_ptr, sh, n_sh, hidden, 1, 0, eps, x_ptr)
+            self._exchange(base + phase, peers, sums[phase & 1], 1, 0, check)
         h[0] = self.h[0]
         return n_active
 
-    def _exchange(self, phase: int, peers: list[int], shares: tuple[int, int], B: int, norm: np.ndarray | None,
+    def _exchange(self, phase: int, peers: list[int], shares: tuple[int, int], B: int, norm: int,
                   check: Callable[[], None]) -> None:
-        """Announce this process's share of `phase`, wait for every peer's, add them all to the
-        residuals (and normalize them into self.x with `norm`)."""
+        """Announce this process's share of `phase`, wait for every peer's, add them all (shares:
+        the address and count of their addresses) to the residuals, and normalize them into
+        self.x with the norm weights at address `norm` (0: none)."""
         self.announce_and_wait(phase, peers, check)
         sh, n_sh = shares
-        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, 0 if norm is None else ptr(norm),
-                               self.eps, self._ptrs[1])
+        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, self.eps, self._ptrs[1])
 
     def announce_and_wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
         """Announce this process's share of `phase` and wait for every peer's."""

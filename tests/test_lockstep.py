@@ -221,11 +221,11 @@ def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
         phase = 7 * PHASE_STRIDE + 3
         buf.out[0, 0], buf.out[1, 0] = 1.0, 2.0
         buf.slots[0, SLOT_PHASE] = phase
-        part._exchange(phase, [0], shares, 1, None, lambda: None)
+        part._exchange(phase, [0], shares, 1, 0, lambda: None)
         assert (part.h[0] == 3.0).all() and buf.slots[1, SLOT_PHASE] == phase
         buf.slots[0, SLOT_PHASE] = 8 * PHASE_STRIDE + 1  # the peer went on to the next step
         with pytest.raises(Abandoned):
-            part._exchange(phase, [0], shares, 1, None, lambda: None)
+            part._exchange(phase, [0], shares, 1, 0, lambda: None)
         buf.slots[0, SLOT_PHASE] = phase - 1
         calls = []
 
@@ -233,7 +233,7 @@ def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
             calls.append(1)
             raise Abandoned("stop")
         with pytest.raises(Abandoned):
-            part._exchange(phase, [0], shares, 1, None, check)
+            part._exchange(phase, [0], shares, 1, 0, check)
         assert calls == [1] and (part.h[0] == 3.0).all()  # nothing summed
     finally:
         buf.close()

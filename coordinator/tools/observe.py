@@ -125,8 +125,10 @@ def twin_counts(engine, tokens: int = 0) -> tuple[int, int]:
     twins = getattr(engine, "twins", None)
     if twins is None:
         return 0, 0
-    read = sum(m.twin_bytes_read(*m.reset_twin_counts()) if w[0] >= 0 else (m.reset_twin_counts(), tokens * m.twin_bytes)[1]
-               for m, w in zip(twins.matrices, twins.words))
+    read = 0
+    for m, w in zip(twins.matrices, twins.words):
+        counts = m.reset_twin_counts()
+        read += m.twin_bytes_read(*counts) if w[0] >= 0 else tokens * m.twin_bytes
     return read, sum(m.twin_bytes for m in twins.matrices)
 
 

@@ -171,17 +171,11 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
     which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
     PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS."""
-    hidden = _check_ffn(gate, up, down, own, mask, down_t)
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if len(x) != hidden:
-        raise ValueError(f"x has {len(x)} values, the layer's hidden size is {hidden}")
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
-    if y.dtype != np.float32 or y.shape != (hidden,) or not y.flags.c_contiguous:
-        raise ValueError(f"out must be {hidden} contiguous float32 values")
-    n = _kernels.ffn_token(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0 if threshold is None else float(threshold), 0,
-                           0 if mask is None else ptr(mask), ptr(x), 1, int(fast), *scratch.token_ptrs, ptr(y))
-    return y, n
+    args = ffn_token_args(gate, up, down, x, own, activation, scratch, fast, down_t, y, gate_mode, mask)
+    args[FFN_TOKEN_THRESHOLD] = -1.0 if threshold is None else float(threshold)
+    return y, _kernels.ffn_token(*args)
 
 
 # Where ffn_token_args puts the threshold: after the three matrices' FileMatrix.args (5 each:
@@ -190,21 +184,22 @@ FFN_TOKEN_THRESHOLD = 3 * 5 + 5
 
 
 def ffn_token_args(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
-                   scratch: FfnScratch, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str = "par") -> list:
-    """The arguments of _kernels.ffn_token for ffn_token(..., mask=None, out=out) of this x and
-    out, checked and resolved once, the threshold at FFN_TOKEN_THRESHOLD (negative: dense). A
-    caller that runs the same product every step (sparsecore/lockstep.py) sets it and calls the
-    kernel with them: the checks and addresses cost about 10 us of Python a call. x, out: the
-    same arrays at every call (contiguous float32 (hidden,)); the matrices must stay what they
-    are (a twin attached later makes other arguments)."""
-    hidden = _check_ffn(gate, up, down, own, None, down_t)
-    for a, what in ((x, "x"), (out, "out")):
-        if a.dtype != np.float32 or a.shape != (hidden,) or not a.flags.c_contiguous:
-            raise ValueError(f"{what} must be {hidden} contiguous float32 values")
-    args = [*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-            ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, 0, 0, ptr(x), 1, int(fast), *scratch.token_ptrs, ptr(out)]
-    assert args[FFN_TOKEN_THRESHOLD] == -1.0
-    return args
+                   scratch: FfnScratch, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str = "par",
+                   mask: np.ndarray | None = None) -> list:
+    """The arguments of _kernels.ffn_token for ffn_token of this x into out, checked and
+    resolved, the threshold at FFN_TOKEN_THRESHOLD (negative: dense). ffn_token sets it and
+    calls the kernel; a caller that runs the same product every step (sparsecore/lockstep.py)
+    keeps them and does the same without the checks and addresses (about 10 us of Python a
+    call). x, out: contiguous float32 (hidden,), the same arrays at every call of kept
+    arguments; the matrices must stay what they are (a twin attached later makes others)."""
+    hidden = _check_ffn(gate, up, down, own, mask, down_t)
+    if x.dtype != np.float32 or x.shape != (hidden,) or not x.flags.c_contiguous:
+        raise ValueError(f"x has {x.size} values, the layer's hidden size is {hidden}")
+    if out.dtype != np.float32 or out.shape != (hidden,) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be {hidden} contiguous float32 values")
+    return [*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
+            ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, 0, 0 if mask is None else ptr(mask), ptr(x), 1,
+            int(fast), *scratch.token_ptrs, ptr(out)]
 
 
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from . import _kernels
 
 # gguf.GGMLQuantizationType values the kernels read, and the values per block of each
@@ -55,16 +57,14 @@ def input_major_type(tensor_type) -> bool:
     return int(tensor_type) in COLS_TYPES
 
 
-# Bytes a twin holds per block of the file where they differ from the block's: Q4_K's and Q5_K's
-# 12 bytes of packed 6-bit scales and mins are held unpacked in 16 (cols_kquants_generic.c).
-_TWIN_BLOCK_BYTES = {12: (144, 148), 13: (176, 180)}  # GGML type id: (file, twin) bytes a block
-
-
 def input_major_bytes(tensor_type, n_bytes: int) -> int:
     """The bytes twins of a whole matrix of `n_bytes` in the file hold (rows past a multiple of
-    128 apart): the memory plan's `twins` row."""
-    file, twin = _TWIN_BLOCK_BYTES.get(int(tensor_type), (1, 1))
-    return n_bytes // file * twin
+    128 apart), for the memory plan's `twins` row: the file's bytes scaled as the kernels lay out
+    128 rows x 256 columns (the same for every type but Q4_K and Q5_K, whose scales the twin
+    holds unpacked: cols_kquants_generic.c)."""
+    t = int(tensor_type)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+    return n_bytes * _kernels.cols_bytes(t, 128, 256) // (128 * 256 // block * size)
 
 
 def isa() -> str:
