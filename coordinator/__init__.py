@@ -12,7 +12,21 @@ import sys
 # after. Imports stay lazy: a process that never imports torch never pays for it. Workers get
 # their policy from worker_pool._worker_env (their own environment, set for them alone).
 # If torch was imported before this package, it is too late to choose, and nothing is changed.
+# The same hook gives torch the intra-op thread count the engine chose (set_torch_threads):
+# a plain llama model in the file's blocks never imports torch, others import it on first use.
 _WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
+_torch_threads: int | None = None
+
+
+def set_torch_threads(n: int) -> None:
+    """torch's intra-op thread count in this process: now if torch is loaded, else as soon as
+    it is (coordinator/torch_layers.py and the tools import it where a path needs it)."""
+    global _torch_threads
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "set_num_threads"):
+        torch.set_num_threads(n)
+    else:
+        _torch_threads = n
 
 
 class _PassiveOpenMPOnTorchImport:
@@ -37,6 +51,8 @@ class _PassiveOpenMPOnTorchImport:
             old = os.environ.setdefault(var, value)
             try:
                 exec_module(module)
+                if _torch_threads is not None:
+                    module.set_num_threads(_torch_threads)
             finally:
                 if not had:
                     os.environ.pop(var, None)

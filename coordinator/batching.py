@@ -266,13 +266,13 @@ class Scheduler:
         logits = self.model.forward(chunk, cache=s.cache)
         s.tokens += chunk
         if not s.pending:
-            self._take(s, logits[-1].numpy())
+            self._take(s, logits[-1])
 
     def _decode(self) -> None:
         running = [s for s in self.slots if s.req is not None and s.next is not None]
         if not running:
             return
-        logits = self.model.decode_batch([s.next for s in running], [s.cache for s in running]).numpy()
+        logits = self.model.decode_batch([s.next for s in running], [s.cache for s in running])
         self.steps += 1
         if self.steps % 1000 == 0:
             self.engine.ffn.stats.trim()  # bounded memory however long the server runs

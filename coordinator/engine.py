@@ -137,7 +137,7 @@ class Engine:
     def forward_logits(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits for every position of `ids`, from a fresh KV cache."""
         self.reset()
-        return self.model.forward(list(ids), all_logits=True).numpy()
+        return self.model.forward(list(ids), all_logits=True)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stop_at_eos: bool = True, constraint=None) -> Iterator[int]:
@@ -152,7 +152,7 @@ class Engine:
         self.reset()
         st = self.last = RunStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
-        logits = self.model.forward(list(prompt_ids))[-1].numpy()
+        logits = self.model.forward(list(prompt_ids))[-1]
         st.prefill_s = time.perf_counter() - t0
         eos = self.tokenizer.eos_ids
         history = list(prompt_ids)  # what the repeat/presence/frequency penalties look back on
@@ -163,7 +163,7 @@ class Engine:
             if pick.end is not None or i == max_tokens - 1:
                 return
             t1 = time.perf_counter()
-            logits = self.model.forward([tok])[-1].numpy()
+            logits = self.model.forward([tok])[-1]
             dt = time.perf_counter() - t1
             st.decode_s += dt
             st.decode_tokens += 1

@@ -6,9 +6,10 @@ Engine runs (coordinator/engine.py), in two stages:
     rows, and works out the memory plan. No process, shared memory or torch yet: this is all
     `Engine(path, opts, plan_only=True)` (`sparseinfer info`) does.
   - `start(launcher)` refuses a plan that does not fit, makes the shared KV caches, spawns the
-    worker pool, and only then imports torch (a worker on the file's blocks never does, and
-    it starts on another core meanwhile: bench_startup.py) to build the FFN, the head, the
-    model with its decode plan, and the input-major twins. On any failure it closes what it
+    worker pool (which loads on another core meanwhile: bench_startup.py), and builds the FFN,
+    the head, the model with its decode plan, and the input-major twins. torch is imported only
+    by the paths that need it (coordinator/torch_layers.py, predictors, float copies, a GPU):
+    a plain llama model in the file's blocks starts without it. On any failure it closes what it
     made (`close`): no process or shared memory is left behind.
 
 Also here: `required_tensors` (what a model file must hold) and `load_level` (a sparsity
@@ -36,6 +37,7 @@ from sparsecore.predictor_rows import has_predictors
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
+from . import set_torch_threads
 from .chat_template import chat_template_from_reader
 from .decode_plan import DecodePath, DecodePaths, attention_heads, plan_decode, why_not_native
 from .engine_options import SPARSE_METHODS, EngineOptions, check
@@ -49,9 +51,8 @@ from .worker_pool import WorkerPool
 if TYPE_CHECKING:
     from .predictor import Predictors
 
-# torch, and the modules that import it (1 s on these CPUs), are imported in EngineBuilder.start
-# once the workers have been started: a worker on the file's blocks never imports torch, and it
-# starts on another core meanwhile (bench_startup.py).
+# torch's import takes about 1 s on these CPUs: nothing here imports it, and the model and the
+# FFN import it only where a path needs it (coordinator/model.py).
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -191,14 +192,13 @@ class EngineBuilder:
                 self.kv_pool.close()
             raise
         try:
-            self.pool.spawn()  # workers start importing while we import torch, load our share and the head
-            import torch
-
+            self.pool.spawn()  # workers start while we load our share and the head
             from .model import Embedding, LmHead, Transformer
             from .sparse_ffn import SparseFfn, SplitHead
 
-            # While workers spin on their cores, the coordinator computes on the one left to it.
-            torch.set_num_threads(max(1, self.total - self.pool.spinning_workers) if self.pool.spin else self.total)
+            # While workers spin on their cores, torch (where a path imports it) computes on the
+            # one left to the coordinator.
+            set_torch_threads(max(1, self.total - self.pool.spinning_workers) if self.pool.spin else self.total)
             self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
             in_file = opts.weights == "gguf"
             embed = Embedding(store, in_file, cfg.embed_scale)

@@ -76,8 +76,10 @@ class Predictors:
         """Predictor outputs (T, n_ff) for pre-norm residual rows h (T, hidden)."""
         return x_wt(torch.relu(x_wt(h.float(), self.fc1[layer])), self.fc2[layer])
 
-    def masks(self, layer: int, h: torch.Tensor) -> np.ndarray:
+    def masks(self, layer: int, h: torch.Tensor | np.ndarray) -> np.ndarray:
         """uint8 (T, n_ff): 1 where a neuron is predicted active for that row's token."""
+        if isinstance(h, np.ndarray):
+            h = torch.from_numpy(h)
         return (self.scores(layer, h) > self.thresholds[layer]).numpy().astype(np.uint8)
 
     def active_mask(self, layer: int, x_pre_norm: torch.Tensor) -> np.ndarray:

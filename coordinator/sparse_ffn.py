@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from protocol.doorbell import CoordinatorBell
 from protocol.shm_layout import SharedBuffers, StepKind
@@ -26,8 +25,10 @@ from sparsecore.kernels import MAX_SMALL_BATCH
 from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 
-from .predictor import Predictors
 from .worker_pool import WorkerPool
+
+if TYPE_CHECKING:  # coordinator/predictor.py imports torch: only a run with predictors loads it
+    from .predictor import Predictors
 
 # observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)):
 # calibration and profiling watch every FFN input through it (coordinator/tools/).
@@ -106,13 +107,13 @@ class SparseFfn:
             self.buffers.thresholds[:] = per_layer
         self.thresholds = per_layer is not None
 
-    def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor, decode: bool | None = None) -> torch.Tensor:
-        """The FFN output of `layer` for x (T, hidden), the normed input; `pre_norm` is the
-        residual before ffn_norm, which PowerInfer's predictors read. `decode`: the rows are
-        decoded tokens of several sequences (None: one row is, several are a prompt)."""
-        xs = x.numpy()
+    def __call__(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray, decode: bool | None = None) -> np.ndarray:
+        """The FFN output of `layer` for xs (T, hidden), the normed input, a new array;
+        `pre_norm` is the residual before ffn_norm, which PowerInfer's predictors read.
+        `decode`: the rows are decoded tokens of several sequences (None: one row is, several
+        are a prompt)."""
         if self.observer is not None:
-            self.observer(layer, xs, pre_norm.numpy())
+            self.observer(layer, xs, pre_norm)
         # Decoding is sparse when thresholds or predictors are set (each token its own active
         # set); prefill stays dense (a long prompt's tokens together activate nearly every
         # neuron) unless perplexity asks otherwise.
@@ -122,30 +123,29 @@ class SparseFfn:
         threshold = self.thresholds and sparse
         if len(xs) <= self.max_tokens:  # one exchange (every decoded token): no chunking, no extra copy
             self.buffers.x[: len(xs)] = xs
-            return torch.from_numpy(self.exchange(layer, len(xs), threshold=threshold))
+            return self.exchange(layer, len(xs), threshold=threshold)
         out = np.empty_like(xs)
         for a in range(0, len(xs), self.max_tokens):
             chunk = xs[a:a + self.max_tokens]
             self.buffers.x[: len(chunk)] = chunk
             out[a:a + len(chunk)] = self.exchange(layer, len(chunk), threshold=threshold)
-        return torch.from_numpy(out)
+        return out
 
-    def _predicted(self, layer: int, xs: np.ndarray, pre_norm: torch.Tensor) -> torch.Tensor:
+    def _predicted(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray) -> np.ndarray:
         """One exchange per token: the shared mask holds one active set per step; or each
         process scores its own neurons from the token's pre-norm residual (x[1])."""
         out = np.empty_like(xs)
         if self.predictors is self.shard_predictors:
-            pre = pre_norm.numpy()
             for t in range(len(xs)):
-                self.buffers.x[0], self.buffers.x[1] = xs[t], pre[t]
+                self.buffers.x[0], self.buffers.x[1] = xs[t], pre_norm[t]
                 out[t:t + 1] = self.exchange(layer, 1, dense=False, predict=True)
-            return torch.from_numpy(out)
+            return out
         masks = self.predictors.masks(layer, pre_norm)
         for t in range(len(xs)):
             self.buffers.x[:1] = xs[t:t + 1]
             self.buffers.mask[:] = masks[t]
             out[t:t + 1] = self.exchange(layer, 1, dense=False)
-        return torch.from_numpy(out)
+        return out
 
     def exchange(self, layer: int, n_tokens: int, dense: bool = True, threshold: bool = False,
                  predict: bool = False) -> np.ndarray:
@@ -194,11 +194,10 @@ class SplitHead:
             return None
         return cls(pool.bell, pool.buffers, ffn.own, ffn.own_slot, pool.head_rows, ffn.stats)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (T, hidden), the final normed hidden states -> (T, n_vocab) logits."""
+    def __call__(self, hs: np.ndarray) -> np.ndarray:
+        """hs: (T, hidden), the final normed hidden states -> (T, n_vocab) logits."""
         t0 = time.perf_counter()
         buf, head = self.buffers, self.own.head
-        hs = h.numpy()
         logits = np.empty((len(hs), head.stop), np.float32)  # the coordinator's rows end the vocabulary
         for a in range(0, len(hs), self.per_post):
             n = min(self.per_post, len(hs) - a)
@@ -209,4 +208,4 @@ class SplitHead:
             for slot, (lo, hi) in self.rows.items():
                 logits[a:a + n, lo:hi] = buf.out[slot].reshape(-1)[: n * (hi - lo)].reshape(n, hi - lo)
         self.stats.head_us.append((time.perf_counter() - t0) * 1e6)
-        return torch.from_numpy(logits)
+        return logits

@@ -55,7 +55,7 @@ def _logits(path, **kw) -> np.ndarray:
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, **kw)) as eng:
         prompt = eng.forward_logits(ids[:4])
         eng.reset()
-        steps = np.stack([eng.model.forward([t])[-1].numpy() for t in ids])
+        steps = np.stack([eng.model.forward([t])[-1] for t in ids])
     return np.concatenate([prompt, steps])
 
 

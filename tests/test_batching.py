@@ -41,20 +41,18 @@ class FakeModel:
         return out
 
     def forward(self, ids, all_logits=False, cache=None):
-        import torch
         cache.pos += len(ids)
         self.forwarded += ids
-        return torch.from_numpy(np.stack([self._logits(t) for t in ids]))
+        return np.stack([self._logits(t) for t in ids])
 
     def decode_batch(self, ids, caches):
-        import torch
         self.gate.wait()
         if self.fail_at_step is not None and len(self.batches) == self.fail_at_step:
             raise RuntimeError("worker 1 died")
         self.batches.append(len(ids))
         for c in caches:
             c.pos += 1
-        return torch.from_numpy(np.stack([self._logits(t) for t in ids]))
+        return np.stack([self._logits(t) for t in ids])
 
 
 class FakeEngine:
@@ -267,12 +265,12 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
         for p in prompts:
             c = m.new_cache()
             m.forward(p, cache=c)
-            alone.append([m.forward([t], cache=c)[0].numpy().copy() for t in (60, 61, 62)])
+            alone.append([m.forward([t], cache=c)[0].copy() for t in (60, 61, 62)])
         caches = [m.new_cache() for _ in prompts]
         for p, c in zip(prompts, caches):
             m.forward(p, cache=c)
         for step, t in enumerate((60, 61, 62)):
-            got = m.decode_batch([t] * len(prompts), caches).numpy()
+            got = m.decode_batch([t] * len(prompts), caches)
             for b in range(len(prompts)):
                 np.testing.assert_array_equal(got[b], alone[b][step])
         assert [c.pos for c in caches] == [len(p) + 3 for p in prompts]

@@ -1,7 +1,8 @@
 """The CLI refuses what it can before the model loads: one line `error: ...` naming the option,
 exit 1 (click's own parse errors, such as `-n abc`, keep click's usage code 2, also in one line),
-no traceback, and without starting the engine (torch is never imported, so no worker process
-can have been started: that, not a clock, bounds the work a refusal does). Also: --seed -1 means random, --ctx beyond the model's
+no traceback, and without starting the engine (its model module is never imported, which
+happens only after the worker processes are started: that, not a clock, bounds the work a
+refusal does). Also: --seed -1 means random, --ctx beyond the model's
 trained context is capped with a note, and Ctrl-C works when SIGINT was ignored at start."""
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from tests.conftest import HANG_S, REPO, children_of
 from tests.fixtures import procs
 
 CORES = len(os.sched_getaffinity(0))
-# Runs the CLI as `python -m coordinator` does, then says on stdout whether torch was imported:
-# the engine (and with it every worker process) needs torch, so "no" means nothing was started.
+# Runs the CLI as `python -m coordinator` does, then says on stdout whether the model module was
+# imported: the engine imports it once its worker processes are started, so "no" means nothing was.
 WRAP = ("import runpy, sys\n"
         "try:\n"
         "    runpy.run_module('coordinator', run_name='__main__', alter_sys=True)\n"
         "finally:\n"
-        "    print('\\n[torch imported: %s]' % ('torch' in sys.modules))\n")
+        "    print('\\n[engine started: %s]' % ('coordinator.model' in sys.modules))\n")
 
 
 def _env() -> dict:
@@ -44,7 +45,7 @@ def _assert_refused(args, needle: str, code: int = 1) -> None:
     lines = err.strip().splitlines()
     assert r.returncode == code, err
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
-    assert "[torch imported: False]" in out, "the engine started before the option was refused"
+    assert "[engine started: False]" in out, "the engine started before the option was refused"
 
 
 BAD_GENERATE = [

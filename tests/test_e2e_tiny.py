@@ -55,7 +55,7 @@ def test_fast_arithmetic_stays_close_to_the_oracle(tiny_model_factory, tensor_ty
     for fast in (False, True):
         with Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=fast)) as eng:
             eng.reset()
-            got[fast] = np.stack([eng.model.forward([t])[-1].numpy() for t in ids])
+            got[fast] = np.stack([eng.model.forward([t])[-1] for t in ids])
     scale = np.abs(want).max()
     assert np.abs(got[False] - want).max() < 2e-3 * scale
     assert 2e-5 * scale < np.abs(got[True] - want).max() < 5e-2 * scale
@@ -134,7 +134,7 @@ def test_decode_with_cache_equals_full_recompute(tiny_model):
     with Engine(tiny_model, EngineOptions(cpu_workers=1, threads=2)) as eng:
         full = eng.forward_logits(ids)
         eng.reset()
-        step = [eng.model.forward([t])[-1].numpy() for t in ids]
+        step = [eng.model.forward([t])[-1] for t in ids]
     np.testing.assert_allclose(np.stack(step), full, rtol=1e-4, atol=1e-4)
 
 
@@ -168,6 +168,6 @@ def test_native_attention_step_equals_the_torch_path(tiny_model_factory, tensor_
         for native in (list(m.native), [None] * len(m.native)):
             m.native = native
             eng.reset()
-            got.append(np.stack([m.forward([t])[-1].numpy() for t in ids]))
+            got.append(np.stack([m.forward([t])[-1] for t in ids]))
     scale = np.abs(got[1]).max()
     np.testing.assert_allclose(got[0], got[1], rtol=0, atol=1e-5 * scale)

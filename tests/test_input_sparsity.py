@@ -196,12 +196,12 @@ def test_sparse_decoding_reads_the_twins_and_follows_the_emulation(calibrated, c
             assert eng.twins.matrices and sum(m.twin_active for m in eng.twins.matrices) > 0
         eng.reset()
         eng.model.forward(ids[:-1])  # the prompt: dense
-        got = eng.model.forward(ids[-1:])[-1].numpy()  # a decoded token: sparse
+        got = eng.model.forward(ids[-1:])[-1]  # a decoded token: sparse
         eng.reset()
         eng.model.forward(ids[:-1])
         # the head's rows, split in two, are fewer than HEAD_CANDIDATES each: all scored exactly
         with input_sparsity(eng, load_input_thresholds(path, 0.6)):
-            want = eng.model.forward(ids[-1:])[-1].numpy()
+            want = eng.model.forward(ids[-1:])[-1]
         eng.set_sparsity(None)  # the same engine, dense again: the original rows
         assert _greedy(eng, ids) == dense
     assert sparse != dense

@@ -285,8 +285,8 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
 
     def logits(eng):
         eng.reset()
-        prompt = eng.model.forward(ids[:4]).numpy()
-        return np.concatenate([prompt, np.stack([eng.model.forward([t])[-1].numpy() for t in ids[4:]])])
+        prompt = eng.model.forward(ids[:4])
+        return np.concatenate([prompt, np.stack([eng.model.forward([t])[-1] for t in ids[4:]])])
 
     got = {}
     for interleave in (None, False):
@@ -318,11 +318,14 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     np.testing.assert_allclose(got[None], got[False], rtol=0, atol=2e-2 * scale)
     # sparsity at load gives down an input-major twin (CATS's zeroed neurons skip its rows); a
     # Q4_0 twin's sums are the dense kernel's, float for float; a K-quant twin's per-block floats
-    # come in another order (cols_kquants_generic.c): the last bits differ
+    # come in another order (cols_kquants_generic.c): the last bits differ, and so, as above, a
+    # later token's 8-bit value or a neuron at its threshold can fall the other way (measured:
+    # 0.011 of the scale; the thresholds themselves move the logits by 0.1 of it)
     if tensor_type == "Q4_0":
         np.testing.assert_array_equal(got["sparse"], got["sparse again"])
     else:
-        np.testing.assert_allclose(got["sparse"], got["sparse again"], rtol=0, atol=1e-5 * scale)
+        np.testing.assert_allclose(got["sparse"][:2], got["sparse again"][:2], rtol=0, atol=1e-5 * scale)
+        np.testing.assert_allclose(got["sparse"], got["sparse again"], rtol=0, atol=2e-2 * scale)
     assert np.abs(got["sparse"] - got[False]).max() > 1e-4 * scale  # the thresholds took effect
     with pytest.raises(ValueError, match="dense decoding only"):
         Engine(path, EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=True, interleave=True,

@@ -39,7 +39,7 @@ def test_q8_head_equals_dequantized_matmul(tiny_model_factory, seed):
 def _model(store, cfg):
     """The forward pass with every FFN output zero (the head is what is tested)."""
     embed = Embedding(store)
-    zero_ffn = lambda i, x, h, decode=None: torch.zeros_like(x)  # noqa: E731
+    zero_ffn = lambda i, x, h, decode=None: np.zeros_like(x)  # noqa: E731
     return Transformer(store, cfg, 16, embed, zero_ffn, LmHead(store, cfg, embed))
 
 
@@ -53,7 +53,7 @@ def test_model_uses_q8_head_only_for_q8_files(tiny_model_factory):
     one = m.forward([3, 4, 5])  # last token only: the Q8 head
     m.cache.reset()
     every = m.forward([3, 4, 5], all_logits=True)  # a batch: the float32 GEMM
-    np.testing.assert_allclose(one[0].numpy(), every[-1].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(one[0], every[-1], rtol=1e-5, atol=1e-5)
     store, cfg = _store(f32)
     assert _model(store, cfg).head.q8 is None
 

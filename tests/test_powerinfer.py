@@ -110,11 +110,11 @@ def oracle(pwri):
 def _decode_logits(eng, ids, n):
     """Greedy decoding through the engine's token loop pieces, keeping every step's logits."""
     eng.reset()
-    logits = [eng.model.forward(list(ids))[-1].numpy()]
+    logits = [eng.model.forward(list(ids))[-1]]
     toks = []
     for _ in range(n - 1):
         toks.append(int(np.argmax(logits[-1])))
-        logits.append(eng.model.forward([toks[-1]])[-1].numpy())
+        logits.append(eng.model.forward([toks[-1]])[-1])
     return np.stack(logits), toks
 
 

@@ -99,9 +99,9 @@ def test_the_files_predictors_decode_as_transformers_with_their_masks(models, ar
             assert 0 < sparse < 0.8 * decoded * n_ff
         case = cases[0]
         eng.reset()
-        steps = [eng.model.forward(list(case["prompt_ids"]))[-1].numpy()]
+        steps = [eng.model.forward(list(case["prompt_ids"]))[-1]]
         for t in case["generated_ids"]:
-            steps.append(eng.model.forward([t])[-1].numpy())
+            steps.append(eng.model.forward([t])[-1])
     np.testing.assert_allclose(np.stack(steps), _ref_logits(arch + ".predicted"), atol=LOGITS_ATOL, rtol=0)
 
 

@@ -78,12 +78,12 @@ def test_prompt_chunks_attend_causally_as_torch_does(tiny_model_factory, fast, s
         for native in (True, False):
             saved = m.native
             if not native:
-                m.native = [None] * len(saved)  # the torch path: SDPA over KVCache.update
+                m.native = [None] * len(saved)  # the torch path: SDPA over the cache
             try:
                 c = m.new_cache()
                 m.forward([11, 12, 13], cache=c)
-                runs[native] = (m.forward(prompt, all_logits=True, cache=c).numpy().copy(),
-                                c.k[:, :, :40].numpy().copy(), c.pos)
+                runs[native] = (m.forward(prompt, all_logits=True, cache=c).copy(),
+                                c.k[:, :, :40].copy(), c.pos)
             finally:
                 m.native = saved
             del c
@@ -104,7 +104,7 @@ def test_split_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, f
             c = m.new_cache()
             assert c.index is not None
             m.forward(p, cache=c)
-            alone.append([m.forward([t], cache=c)[0].numpy().copy() for t in (60, 61, 62)])
+            alone.append([m.forward([t], cache=c)[0].copy() for t in (60, 61, 62)])
             del c  # its place in the pool goes back
         caches = [m.new_cache() for _ in PROMPTS]
         assert all(c.index is not None for c in caches)
@@ -112,7 +112,7 @@ def test_split_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, f
             m.forward(p, cache=c)
         calls = len(eng.ffn.stats.attn_us)
         for step, t in enumerate((60, 61, 62)):
-            got = m.decode_batch([t] * len(PROMPTS), caches).numpy()
+            got = m.decode_batch([t] * len(PROMPTS), caches)
             for b in range(len(PROMPTS)):
                 np.testing.assert_array_equal(got[b], alone[b][step])
         assert len(eng.ffn.stats.attn_us) - calls == 3 * eng.cfg.n_layers  # one exchange a layer per step
@@ -132,7 +132,7 @@ def test_a_cache_outside_the_pool_decodes_on_the_coordinator(tiny_model_factory,
         rows = []
         logits = None
         for t in want[0]:
-            logits = m.forward([t])[0].numpy().copy()
+            logits = m.forward([t])[0].copy()
             rows.append(logits)
         # the pool's cache: split, the prompt (one chunk) and every decoded token
         assert len(eng.ffn.stats.attn_us) - calls == (len(want[0]) + 1) * eng.cfg.n_layers

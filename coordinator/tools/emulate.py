@@ -75,11 +75,11 @@ class MaskedFfn:
                 self.kept[layer] = got
         return got
 
-    def __call__(self, layer: int, x: torch.Tensor, pre_norm: torch.Tensor, decode=None) -> torch.Tensor:
+    def __call__(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray, decode=None) -> np.ndarray:
         up, down = self._up_down(layer)
-        x = self.masks(layer, "ffn_in", x)
+        x = self.masks(layer, "ffn_in", torch.from_numpy(xs))
         h = combine(self.act(x @ self.gates.gate(layer).T), x, up, self.activation, self.mode)
-        return self.masks(layer, "ffn_h", h) @ down.T
+        return (self.masks(layer, "ffn_h", h) @ down.T).numpy()
 
 
 class CandidateHead:
@@ -92,14 +92,15 @@ class CandidateHead:
         self.w, self.t = observe.GateActivity(engine).head(), float(threshold)
         self.kept = self.seen = 0
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hs: np.ndarray) -> np.ndarray:
+        h = torch.from_numpy(hs)
         keep = h.abs() > self.t
         self.kept += int(keep.sum())
         self.seen += keep.numel()
         logits = (h * keep) @ self.w.T
         best = logits.topk(min(HEAD_CANDIDATES, logits.shape[1]), dim=1).indices
         exact = torch.einsum("th,tkh->tk", h, self.w[best])
-        return logits.scatter_(1, best, exact)
+        return logits.scatter_(1, best, exact).numpy()
 
 
 @contextlib.contextmanager

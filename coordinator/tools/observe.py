@@ -146,7 +146,8 @@ def set_sparsity_source(engine, sparsity: float | None, predictors=None) -> None
 @contextlib.contextmanager
 def head_replaced(engine, head: Callable) -> Iterator[None]:
     """Within the block the model's logits come from head(h) (h: the final normed hidden states,
-    (T, hidden) tensor) instead of the engine's lm_head; a soft cap still applies after it."""
+    (T, hidden) float32 array -> (T, n_vocab) array) instead of the engine's lm_head; a soft cap
+    still applies after it."""
     model = engine.model
     outer = model.head
     capped = hasattr(outer, "cap")  # coordinator.model._SoftCapped around the lm_head
@@ -173,7 +174,7 @@ def dense_run(engine, chunks: Iterable[list[int]], observer: Observer, progress=
     with contextlib.ExitStack() as stack:
         if head_observer is not None:
             head = engine.head
-            stack.enter_context(head_replaced(engine, lambda h: (head_observer(h.numpy()), head(h))[1]))
+            stack.enter_context(head_replaced(engine, lambda h: (head_observer(h), head(h))[1]))
         return _dense_run(engine, chunks, observer, progress, attention_observer)
 
 

@@ -1,0 +1,133 @@
+"""The torch side of the forward pass (coordinator/model.py): attention of the layers the native
+step does not take (architectures with extras, float weights, prompts the quality tools watch),
+LayerNorm, soft-capped logits and the float copies' products (--weights f32/f16), in
+transformers' float32 arithmetic (SDPA, rotate-half RoPE).
+
+Imported only where a layer takes it: a plain llama model in the file's blocks decodes without
+torch in the coordinator, which saves its import (about 1 s) at start-up. The arrays the model
+passes are numpy; torch views them without copying.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparsecore.ffn import HalfRows, Rows, x_wt
+
+
+def norm(x: torch.Tensor, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> torch.Tensor:
+    """RMSNorm, or a LayerNorm where the norm has a bias (falcon), in torch's fused kernels."""
+    w = torch.from_numpy(weight)
+    if bias is not None:
+        return F.layer_norm(x, w.shape, w, torch.from_numpy(bias), eps)
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def norm_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> np.ndarray:
+    """norm on numpy rows, a new array."""
+    return norm(torch.from_numpy(x), weight, bias, eps).numpy()
+
+
+def rope(x: torch.Tensor, cos: np.ndarray, sin_signed: np.ndarray, pos: slice, d: int) -> torch.Tensor:
+    """Rotate-half RoPE on x (T, heads, head_dim), its first d dims: Q and K heads together.
+    transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin), which
+    the signed table holds: one flip per step instead of two slices, a neg and a cat."""
+    cos, sin = torch.from_numpy(cos[pos])[:, None], torch.from_numpy(sin_signed[pos])[:, None]
+    T, H, hd = x.shape
+    if d == hd:
+        return x * cos + x.view(T, H, 2, d // 2).flip(2).view(T, H, d) * sin
+    xr, xp = x[..., :d], x[..., d:]
+    swapped = xr.reshape(T, H, 2, d // 2).flip(2).reshape(T, H, d)
+    return torch.cat((xr * cos + swapped * sin, xp), dim=-1)
+
+
+@torch.inference_mode()
+def attend(model, i: int, h: np.ndarray, cache, residual: bool = True) -> np.ndarray:
+    """Layer i's attention of h (T, hidden) at `cache`'s position: h plus it (with gemma3's norm
+    of the attention output), or with residual=False the attention output alone (falcon's
+    parallel layers add it after the FFN)."""
+    cfg, L = model.cfg, model.layers[i]
+    x = norm(torch.from_numpy(h), L.attn_norm.weight, L.attn_norm.bias, cfg.rms_eps)
+    a = _attention(model, i, x, cache)
+    if not residual:
+        return a.numpy()
+    if L.post_attn_norm is not None:
+        a = norm(a, L.post_attn_norm.weight, None, cfg.rms_eps)
+    return (torch.from_numpy(h) + a).numpy()
+
+
+def _attention(model, i: int, x: torch.Tensor, cache) -> torch.Tensor:
+    cfg, L = model.cfg, model.layers[i]
+    T = x.shape[0]
+    start = cache.pos
+    pos = slice(start, start + T)
+    nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if model.input_filter is not None:
+        x = model.input_filter(i, "attn_in", x)
+    if isinstance(L.wqkv, list):  # Q, K, V in the file's blocks: three products
+        qkv = torch.cat([x_wt(x, w) for w in L.wqkv], dim=1)
+    else:
+        qkv = x_wt(x, L.wqkv)
+    if L.bias is not None:  # qwen2
+        qkv = qkv + torch.from_numpy(L.bias)
+    qkv = qkv.view(T, nq + 2 * nkv, hd)
+    qk = qkv[:, : nq + nkv]
+    if L.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head's Q and K before rope
+        qk = torch.cat((norm(qk[:, :nq], L.q_norm.weight, None, cfg.rms_eps),
+                        norm(qk[:, nq:], L.k_norm.weight, None, cfg.rms_eps)), 1)
+    qk = rope(qk, *L.rope, pos, cfg.rope_dim)
+    q = qk[:, :nq].transpose(0, 1)
+    ks, vs = torch.from_numpy(cache.k[i]), torch.from_numpy(cache.v[i])  # views of the cache
+    ks[:, pos], vs[:, pos] = qk[:, nq:].transpose(0, 1), qkv[:, nq + nkv:].transpose(0, 1)
+    keys, vals = ks[:, : pos.stop], vs[:, : pos.stop]
+    gqa = nq != nkv  # SDPA maps query heads onto shared K/V heads without copying the cache
+    scale = cfg.attn_scale  # None: SDPA's 1/sqrt(head_dim)
+    if L.window is not None and start + T > L.window:
+        # A query at position p sees keys p - window < k <= p (transformers' sliding window);
+        # keys older than the first query's window are left out of the product.
+        lo = max(0, start - L.window + 1)
+        keys, vals = keys[:, lo:], vals[:, lo:]
+        qpos = torch.arange(start, start + T)[:, None]
+        kpos = torch.arange(lo, start + T)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - L.window)
+        out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa,
+                                             scale=scale)[0]
+    elif T == 1:
+        out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], enable_gqa=gqa, scale=scale)[0]
+    else:
+        # Causal over the new block, full over the cached prefix.
+        mask = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, enable_gqa=gqa,
+                                             scale=scale)[0]
+    out = out.transpose(0, 1).reshape(T, nq * hd)
+    if model.attn_observer is not None:
+        model.attn_observer(i, x.numpy(), out.numpy())
+    if model.input_filter is not None:
+        out = model.input_filter(i, "attn_out", out)
+    return x_wt(out, L.wo)
+
+
+def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:
+    """c * tanh(logits / c) (final_logit_softcapping), in torch's float32 as transformers."""
+    return (torch.tanh(torch.from_numpy(logits) / cap) * cap).numpy()
+
+
+def float_matrix(a: np.ndarray) -> torch.Tensor:
+    """A float32 matrix the torch products read, sharing a's memory where it can."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def float_rows(a: np.ndarray, weights: str) -> Rows:
+    """An attention matrix's float copy: float16 rows with --weights f16, else float32."""
+    return HalfRows.convert(float_matrix(a)) if weights == "f16" else float_matrix(a)
+
+
+@torch.inference_mode()
+def float_head(head, h: np.ndarray) -> np.ndarray:
+    """An lm_head of float copies (coordinator/model.py LmHead): one token through the Q8_0
+    copy where there is one, else x @ W.T."""
+    x = torch.from_numpy(h)
+    if h.shape[0] == 1 and head.q8 is not None:
+        return head.q8(x).numpy()
+    return x_wt(x, head.weight).numpy()
