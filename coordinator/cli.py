@@ -452,8 +452,10 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
             s = eng.stats()
             tps = s["decode_tokens"] / s["decode_s"] if s["decode_s"] else float("nan")
             pps = s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] else float("nan")
+            # per-layer exchanges' overhead; a run decoded in lockstep (every layer in one post) has none
+            sync = f" | sync median {np.median(s['sync_us']):.0f} us/layer" if s["sync_us"] else ""
             click.echo(f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
-                       f"{tps:.2f} tok/s | sync median {np.median(s['sync_us']):.0f} us/layer | "
+                       f"{tps:.2f} tok/s{sync} | "
                        f"{s['weights']} FFN weights {(sum(s['worker_weight_bytes']) + s['coordinator_ffn_bytes']) / 1e6:.0f} MB]", err=True)
     global _EXIT_AT_ONCE
     _EXIT_AT_ONCE = True  # the engine has closed: nothing is left to tear down

@@ -47,14 +47,15 @@ class Engine:
         (`sparseinfer info`)."""
         built = EngineBuilder(model_path, opts or EngineOptions())
         self.opts = built.opts  # sparsity None where the input-major twins do not fit
-        self.path, self.cfg, self.tokenizer, self.chat_template = built.path, built.cfg, built.tokenizer, \
-            built.chat_template
+        self.path, self.cfg, self.chat_template = built.path, built.cfg, built.chat_template
         self.input_major, self.row_layout = built.input_major, built.row_layout
         self.store, self.plan, self.plan_source, self.memory = built.store, built.plan, built.plan_source, \
             built.memory
         if plan_only:
+            self.tokenizer = built.tokenizer
             return
-        built.start(launcher)  # closes what it made if it fails
+        built.start(launcher)  # closes what it made if it fails; builds the tokenizer while the workers load
+        self.tokenizer = built.tokenizer
         self.kv_pool, self.pool, self.ffn, self.head, self.model, self.twins = \
             built.kv_pool, built.pool, built.ffn, built.head, built.model, built.twins
         try:

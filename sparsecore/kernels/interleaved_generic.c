@@ -85,26 +85,41 @@ static inline int32_t x16_offset(int t, int32_t sx) {
 /* ---- repacking ------------------------------------------------------------------------------ */
 
 static void interleave_q6k(const uint8_t *src, int64_t stride, int64_t rows, int nb, uint8_t *dst) {
-    int8_t q[QKK];
-    float scl[16], mn[16];
+    uint8_t v[QKK];  /* a row's 256 stored 6-bit values (q + 32), in the values' order */
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
             uint8_t *p = dst + (g * nb + k) * 16 * 210;
-            memset(p, 0, 16 * 210);
+            if (rows - g * 16 < 16) memset(p, 0, 16 * 210);  /* a whole group writes every byte */
             for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
                 const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 210;
-                kunpack(T_Q6_K, w, q, scl, mn);  /* q - 32 in the values' order */
+                /* the file's order (ggml's Q6_K): per half, ql's low then high nibbles of bytes
+                 * 0..63 are values 0..31, 32..63 (low) and 64..95, 96..127 (high), qh's 2-bit
+                 * fields 0, 1, 2, 3 of byte l their high bits */
+                for (int n = 0; n < 2; n++) {
+                    const uint8_t *ql = w + 64 * n, *qh = w + 128 + 32 * n;
+                    uint8_t *o = v + 128 * n;
+                    for (int l = 0; l < 32; l++) {
+                        o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+                        o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4);
+                        o[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+                        o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+                    }
+                }
                 memcpy(p + 2 * r, w + 208, 2);
                 for (int j = 0; j < 16; j++) p[Q6_SC(j) + r] = w[192 + j];
-                for (int m = 0; m < 32; m++)
-                    for (int c = 0; c < 4; c++)
-                        p[Q6_L(m) + 4 * r + c] = (uint8_t)(((q[8 * m + c] + 32) & 15) | (((q[8 * m + 4 + c] + 32) & 15) << 4));
-                for (int n = 0; n < 16; n++)
-                    for (int c = 0; c < 4; c++) {
-                        int v = 0;
-                        for (int t4 = 0; t4 < 4; t4++) v |= (((q[16 * n + 4 * t4 + c] + 32) >> 4) & 3) << (2 * t4);
-                        p[Q6_H(n) + 4 * r + c] = (uint8_t)v;
-                    }
+                /* four lanes (c = 0..3) a 32-bit word: byte c of L(m) is value 8m + c's low
+                 * nibble and 8m + 4 + c's high one; of H(n), values 16n + 4t + c's high 2 bits */
+                for (int m = 0; m < 32; m++) {
+                    uint32_t lo = (uint32_t)rd32(v + 8 * m) & 0x0F0F0F0Fu, hi = (uint32_t)rd32(v + 8 * m + 4) & 0x0F0F0F0Fu;
+                    uint32_t word = lo | hi << 4;
+                    memcpy(p + Q6_L(m) + 4 * r, &word, 4);
+                }
+                for (int n = 0; n < 16; n++) {
+                    uint32_t word = 0;
+                    for (int t4 = 0; t4 < 4; t4++)
+                        word |= ((uint32_t)rd32(v + 16 * n + 4 * t4) >> 4 & 0x03030303u) << (2 * t4);
+                    memcpy(p + Q6_H(n) + 4 * r, &word, 4);
+                }
             }
         }
 }
@@ -117,7 +132,7 @@ static void interleave_q4k(const uint8_t *src, int64_t stride, int64_t rows, int
     for (int64_t g = 0; g < (rows + 15) / 16; g++)
         for (int k = 0; k < nb; k++) {
             uint8_t *p = dst + (g * nb + k) * 2368;
-            memset(p, 0, 2368);
+            if (rows - g * 16 < 16) memset(p, 0, 2368);  /* a whole group writes every byte */
             for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
                 const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 144;
                 memcpy(p + 2 * r, w, 2);
@@ -164,7 +179,8 @@ static void interleave_k23(int t, const uint8_t *src, int64_t stride, int64_t ro
 /* A run of L lanes of Q4_0, Q4_1 or Q8_0 blocks at p (L x the block's bytes): the n blocks at w,
  * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales, for Q4_1
  * then their mins, then the values, run j holding bytes 4j..4j+3 of each lane's value bytes */
-static void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L, uint8_t *p) {
+static inline __attribute__((always_inline)) void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L,
+                                                                  uint8_t *p) {
     int q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, h = run_head(t, L);
     int vo = (q41 ? 4 : 2) + (is_q5(t) ? 4 : 0);  /* the values' offset in the file's block (Q5: after qh) */
     for (int r = 0; r < n; r++, w += stride) {
@@ -183,6 +199,21 @@ static void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L
             memcpy(o, w + vo + 4 * j, 4);
             if (q8)  /* signed q as unsigned q + 128 (vpdpbusd's unsigned side) */
                 for (int c = 0; c < 4; c++) o[c] ^= 0x80;
+        }
+    }
+}
+
+/* Groups of 16 rows of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 (or IQ4_NL) blocks, each block's run of 16
+ * lanes; a whole group's run covers every byte of it, a last group of fewer rows is zeroed first */
+static inline __attribute__((always_inline)) void interleave_runs(int t, const uint8_t *src, int64_t stride,
+                                                                   int64_t rows, int nb, uint8_t *dst) {
+    int tb = type_bytes(t), gb = 16 * tb;
+    for (int64_t g = 0; g < (rows + 15) / 16; g++) {
+        int n = rows - g * 16 < 16 ? (int)(rows - g * 16) : 16;
+        for (int k = 0; k < nb; k++) {
+            uint8_t *p = dst + (g * nb + k) * gb;
+            if (n < 16) memset(p, 0, gb);
+            interleave_run(t, src + g * 16 * stride + (int64_t)k * tb, stride, n, 16, p);
         }
     }
 }
@@ -211,14 +242,14 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
     if (t == T_Q6_K) { interleave_q6k(src, stride, rows, nb, dst); return; }
     if (t == T_Q4_K) { interleave_q4k(src, stride, rows, nb, dst); return; }
     if (is_k23(t)) { interleave_k23(t, src, stride, rows, nb, dst); return; }
-    int tb = type_bytes(t), gb = 16 * tb;
-    for (int64_t g = 0; g < (rows + 15) / 16; g++)
-        for (int k = 0; k < nb; k++) {
-            uint8_t *p = dst + (g * nb + k) * gb;
-            memset(p, 0, gb);
-            int n = rows - g * 16 < 16 ? (int)(rows - g * 16) : 16;
-            interleave_run(t, src + g * 16 * stride + (int64_t)k * tb, stride, n, 16, p);
-        }
+    switch (t) {  /* each type's copy with its offsets known at compile time: 2-3x the generic one's speed */
+    case T_Q4_0: interleave_runs(T_Q4_0, src, stride, rows, nb, dst); break;
+    case T_Q4_1: interleave_runs(T_Q4_1, src, stride, rows, nb, dst); break;
+    case T_Q8_0: interleave_runs(T_Q8_0, src, stride, rows, nb, dst); break;
+    case T_Q5_0: interleave_runs(T_Q5_0, src, stride, rows, nb, dst); break;
+    case T_Q5_1: interleave_runs(T_Q5_1, src, stride, rows, nb, dst); break;
+    default: interleave_runs(t, src, stride, rows, nb, dst);
+    }
 }
 
 /* R16 (FileMatrix.interleave_blocks): each row's blocks in runs of 16, a row's last run of
