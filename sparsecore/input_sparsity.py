@@ -97,14 +97,15 @@ def _adder(twins: Twins, thresholds: np.ndarray, layer: int, sites: tuple[str, .
 
 
 def attach(thresholds: np.ndarray, which: str, ffn_layers: dict | None, attn_steps: list | None,
-           head=None, head_word: np.ndarray | None = None) -> Twins:
+           head=None, head_word: np.ndarray | None = None, twins: Twins | None = None) -> Twins:
     """The twins of one process: its FFN layers' (FileLayer, as sparsecore/shard.py holds them:
     gate and up over the owned neurons' rows, down over their columns) and, with "all", its
     native attention steps' (the share of heads a step keeps, else all of them) and its lm_head
-    rows' (`head`: sparsecore.lm_head.HeadRows or the coordinator's LmHead, reading `head_word`)."""
+    rows' (`head`: sparsecore.lm_head.HeadRows or the coordinator's LmHead, reading `head_word`).
+    `twins`: add to these (the coordinator makes its attention's after the rest)."""
     if which not in TWIN_CHOICES:
         raise ValueError(f"input-major twins {which!r}: one of {TWIN_CHOICES}")
-    twins = Twins()
+    twins = Twins() if twins is None else twins
     if not which:
         return twins
     sites = INPUT_SITES if which == "all" else ("ffn_h",)

@@ -97,7 +97,7 @@ static int cols_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, in
         uint8_t *grp = data + g * gb;
         memset(grp, 0, hb);  /* rows past R: zero scales */
         for (int64_t l = 0; l < rp / K; l++) {
-            memset(tile, 0, sizeof(tile));
+            if ((l + 1) * K > R) memset(tile, 0, sizeof(tile));  /* rows past R: zero values */
             for (int64_t r = 0; r < K && l * K + r < R; r++) {
                 int64_t i = l * K + r;
                 const uint8_t *b = src + (r0 + i) * stride + (c0 / QK + g) * tb;

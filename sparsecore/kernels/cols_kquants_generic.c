@@ -74,8 +74,12 @@ static inline void kq_row_scales(int t, const uint8_t *grp, int64_t rp, int s, i
     }
 }
 
-/* The stored unsigned values of one block of the file (kq_inputs values) */
-static void kq_block_values(int t, const uint8_t *b, uint8_t *v) {
+/* The stored unsigned values of one block of the file (kq_inputs values), read from its bytes in
+ * ggml's orders: Q4_K/Q5_K per 64 values c, qs[32 c + l]'s low nibble is value 64 c + l, its
+ * high one 64 c + 32 + l (Q5_K: plus qh[l]'s bit 2 c, 2 c + 1 as 16); Q6_K per half n, ql's
+ * low then high nibbles of bytes 0..63 are values 0..31, 32..63, 64..95, 96..127 and qh's 2-bit
+ * fields 0..3 of byte l their high bits */
+static inline __attribute__((always_inline)) void kq_block_values(int t, const uint8_t *b, uint8_t *v) {
     if (t == T_Q5_0 || t == T_Q5_1) {
         int off = t == T_Q5_1 ? 4 : 2;
         uint32_t qh = (uint32_t)rd32(b + off);
@@ -83,32 +87,50 @@ static void kq_block_values(int t, const uint8_t *b, uint8_t *v) {
             v[j] = (uint8_t)((b[off + 4 + j] & 15) | ((qh >> j) & 1) << 4);
             v[j + 16] = (uint8_t)((b[off + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
         }
-        return;
+    } else if (t == T_Q6_K) {
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            uint8_t *o = v + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4);
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+            }
+        }
+    } else {  /* Q4_K, Q5_K */
+        const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16), *qh = b + 16;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+                if (t == T_Q5_K) lo |= ((qh[l] >> (2 * c)) & 1) << 4, hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                v[64 * c + l] = (uint8_t)lo, v[64 * c + 32 + l] = (uint8_t)hi;
+            }
     }
-    int8_t q[QKK];
-    float scl[16], mn[16];
-    kunpack(t, b, q, scl, mn);
-    for (int j = 0; j < QKK; j++) v[j] = (uint8_t)(q[j] + (t == T_Q6_K ? 32 : 0));
+}
+
+/* A line's 64 bytes from 64 row-order bytes q: byte 16 L + 4 k + m holds row 16 k + 4 L + m
+ * (cols_byte), a 4 x 4 transpose of dwords */
+static inline void kq_place(const uint8_t *q, uint8_t *line) {
+    for (int L = 0; L < 4; L++)
+        for (int k = 0; k < 4; k++) memcpy(line + 16 * L + 4 * k, q + 16 * k + 4 * L, 4);
 }
 
 /* The twin of rows [r0, r0 + R), columns [c0, c0 + C) (whole groups) of the file's rows at src into
  * dst (64-byte aligned, 64 + kq_bytes bytes). Per group and line, the line's 128 rows' blocks
- * are unpacked into a tile (inputs x 128 rows), then each channel's line written. */
-static int kq_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, int64_t R, int64_t c0, int64_t C,
-                     const float *thr, uint8_t *dst) {
+ * are unpacked into a tile (inputs x 128 rows), then each channel's line written. One copy per
+ * type (kq_repack), its offsets and branches known at compile time. */
+static inline __attribute__((always_inline)) void kq_repack_t(int t, const uint8_t *src, int64_t stride, int64_t r0,
+                                                               int64_t R, int64_t c0, int64_t C, uint8_t *data,
+                                                               uint8_t *tile) {
     int64_t rp = kq_rp(R), gb = kq_group_bytes(t, rp), hb = kq_head_bytes(t, rp), cb = kq_chan_bytes(t, rp);
     int64_t tb = type_bytes(t), lb = kq_line(t);
     int ni = kq_inputs(t);
-    cols_hdr *h = (cols_hdr *)dst;
-    *h = (cols_hdr){COLS_MAGIC, t, r0, R, c0, C, thr, 0, 0};
-    uint8_t *data = dst + sizeof(cols_hdr);
-    uint8_t *tile = malloc((size_t)ni * 128);
-    if (!tile) return -1;
     for (int64_t g = 0; g < C / ni; g++) {
         uint8_t *grp = data + g * gb;
         memset(grp, 0, hb);  /* rows past R: zero scales */
         for (int64_t l = 0; l < rp / 128; l++) {
-            memset(tile, 0, (size_t)ni * 128);
+            if ((l + 1) * 128 > R) memset(tile, 0, (size_t)ni * 128);  /* rows past R: zero values */
             uint8_t v[QKK];
             for (int64_t r = 0; r < 128 && l * 128 + r < R; r++) {
                 int64_t i = l * 128 + r;
@@ -134,22 +156,39 @@ static int kq_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, int6
             for (int j = 0; j < ni; j++) {
                 uint8_t *line = grp + hb + j * cb + l * lb;
                 const uint8_t *tv = tile + j * 128;
-                memset(line + 64, 0, lb - 64);
-                if (kq_hbits(t) == 0) {  /* Q4_K: the nibbles in row order, then placed as cols_repack does */
-                    uint8_t q[64];
-                    for (int r = 0; r < 64; r++) q[r] = (uint8_t)((tv[r] & 15) | (tv[64 + r] & 15) << 4);
-                    for (int L = 0; L < 4; L++)
-                        for (int k = 0; k < 4; k++) memcpy(line + 16 * L + 4 * k, q + 16 * k + 4 * L, 4);
-                    continue;
-                }
-                for (int p = 0; p < 64; p++) {
-                    int lo = tv[cols_byte(p)], hi = tv[64 + cols_byte(p)];
-                    line[p] = (uint8_t)((lo & 15) | (hi & 15) << 4);
-                    if (kq_hbits(t) == 1) line[64 + (p & 15)] |= (uint8_t)((((lo >> 4) & 1) | ((hi >> 4) & 1) << 1) << (2 * (p >> 4)));
-                    else if (kq_hbits(t) == 2) line[64 + (p & 31)] |= (uint8_t)((((lo >> 4) & 3) | ((hi >> 4) & 3) << 2) << (4 * (p >> 5)));
-                }
+                uint8_t q[64], hv[64], ht[64];  /* row order: rows r and 64 + r's nibbles, their high bits */
+                for (int r = 0; r < 64; r++) q[r] = (uint8_t)((tv[r] & 15) | (tv[64 + r] & 15) << 4);
+                kq_place(q, line);
+                if (kq_hbits(t) == 0) continue;
+                /* the high bits of the rows whose nibbles byte p holds, 2 or 4 bits a byte p, packed
+                 * as the products read them (kq_value): Q5_K line[64 + p % 16] bits 2 (p / 16),
+                 * Q6_K line[64 + p % 32] bits 4 (p / 32) */
+                int hs = kq_hbits(t);
+                for (int r = 0; r < 64; r++)
+                    hv[r] = (uint8_t)(((tv[r] >> 4) & (hs == 1 ? 1 : 3)) | ((tv[64 + r] >> 4) & (hs == 1 ? 1 : 3)) << hs);
+                kq_place(hv, ht);
+                if (hs == 1)
+                    for (int p = 0; p < 16; p++)
+                        line[64 + p] = (uint8_t)(ht[p] | ht[16 + p] << 2 | ht[32 + p] << 4 | ht[48 + p] << 6);
+                else
+                    for (int p = 0; p < 32; p++) line[64 + p] = (uint8_t)(ht[p] | ht[32 + p] << 4);
             }
         }
+    }
+}
+
+static int kq_repack(int t, const uint8_t *src, int64_t stride, int64_t r0, int64_t R, int64_t c0, int64_t C,
+                     const float *thr, uint8_t *dst) {
+    cols_hdr *h = (cols_hdr *)dst;
+    *h = (cols_hdr){COLS_MAGIC, t, r0, R, c0, C, thr, 0, 0};
+    uint8_t *data = dst + sizeof(cols_hdr);
+    uint8_t *tile = malloc((size_t)kq_inputs(t) * 128);
+    if (!tile) return -1;
+    switch (t) {
+    case T_Q4_K: kq_repack_t(T_Q4_K, src, stride, r0, R, c0, C, data, tile); break;
+    case T_Q5_K: kq_repack_t(T_Q5_K, src, stride, r0, R, c0, C, data, tile); break;
+    case T_Q6_K: kq_repack_t(T_Q6_K, src, stride, r0, R, c0, C, data, tile); break;
+    default: kq_repack_t(t, src, stride, r0, R, c0, C, data, tile);
     }
     free(tile);
     return 0;
