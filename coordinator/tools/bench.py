@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from sparsecore.ffn import rows_nbytes
 
 from . import observe
 
@@ -84,13 +82,16 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     b = n * per_neuron * active_fraction
     if mode.predictors is not None:
         p = mode.predictors
-        b += sum(rows_nbytes(t) for t in p.fc2) + observe.fc1_readers(engine, p) * sum(rows_nbytes(t) for t in p.fc1)
+        b += sum(t.nbytes for t in p.fc2) + observe.fc1_readers(engine, p) * sum(t.nbytes for t in p.fc1)
     return b
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 5) -> float:
     """The machine's memory read bandwidth as torch sees it: GB/s summing a `mib` MiB array
-    (far larger than any cache) with `threads` threads, best of `reps`."""
+    (far larger than any cache) with `threads` threads, best of `reps`. (torch imported here
+    only: a benchmarked engine's process otherwise holds what `generate` holds.)"""
+    import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

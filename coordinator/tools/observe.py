@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
-import torch
 
-from sparsecore.ffn import ACTIVATIONS, is_active
+if TYPE_CHECKING:
+    import torch
 
 QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sampled (seeded)
 
@@ -249,19 +249,31 @@ class FfnMeter:
 
 # ---- the gate-activity rule ----------------------------------------------------------------------
 
+def _torch():
+    """torch and the FFN's activations (sparsecore.ffn), imported by the rule's functions on first
+    use: a tool that only runs and measures the engine (bench) holds what `generate` holds."""
+    import torch
+
+    from sparsecore import ffn
+
+    return torch, ffn
+
+
 def gate_activity(gate: torch.Tensor, x, activation: str) -> torch.Tensor:
     """|act(x @ gate.T)|, shape (rows of x, neurons): how strongly each neuron fires per row."""
-    return ACTIVATIONS[activation](torch.as_tensor(x) @ gate.T).abs()
+    torch, ffn = _torch()
+    return ffn.ACTIVATIONS[activation](torch.as_tensor(x) @ gate.T).abs()
 
 
 def active(mags: torch.Tensor, threshold: float) -> torch.Tensor:
     """Which neurons are active: gate activity above the layer's threshold (0 for ReLU models),
     the rule the workers apply while decoding."""
-    return is_active(mags, threshold)
+    return _torch()[1].is_active(mags, threshold)
 
 
 def magnitude_quantiles(mags: torch.Tensor, qs) -> torch.Tensor:
     """Quantiles `qs` of all the magnitudes (a seeded sample of QUANTILE_SAMPLE when there are more)."""
+    torch = _torch()[0]
     flat = mags.flatten()
     if flat.numel() > QUANTILE_SAMPLE:
         flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:QUANTILE_SAMPLE]]
@@ -281,7 +293,7 @@ class GateActivity:
     def gate(self, layer: int) -> torch.Tensor:
         if self._kept is not None and layer in self._kept:
             return self._kept[layer]
-        g = torch.from_numpy(self._store.matrix(f"blk.{layer}.ffn_gate.weight"))
+        g = _torch()[0].from_numpy(self._store.matrix(f"blk.{layer}.ffn_gate.weight"))
         if self._kept is not None:
             self._kept[layer] = g
         return g
@@ -289,7 +301,7 @@ class GateActivity:
     def head(self) -> torch.Tensor:
         """The lm_head (n_vocab, hidden), dequantized (tied: the embedding), read from the file."""
         name = "output.weight" if self._store.has("output.weight") else "token_embd.weight"
-        return torch.from_numpy(self._store.matrix(name))
+        return _torch()[0].from_numpy(self._store.matrix(name))
 
     def down(self, layer: int) -> torch.Tensor:
         """The layer's down matrix (hidden, n_ff), dequantized (PowerInfer files hold it transposed)."""
@@ -299,7 +311,7 @@ class GateActivity:
 
     def matrix(self, layer: int, name: str) -> torch.Tensor:
         """Another FFN matrix of the layer ("ffn_up"), dequantized, read from the file each time."""
-        return torch.from_numpy(self._store.matrix(f"blk.{layer}.{name}.weight"))
+        return _torch()[0].from_numpy(self._store.matrix(f"blk.{layer}.{name}.weight"))
 
     def __call__(self, layer: int, x) -> torch.Tensor:
         return gate_activity(self.gate(layer), x, self.activation)
