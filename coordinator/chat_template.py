@@ -16,17 +16,11 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-if TYPE_CHECKING:
-    import gguf
-
-CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 # Used when the GGUF has no template: ChatML, which SmolLM2 and Qwen use.
 CHATML_TEMPLATE = (
@@ -35,16 +29,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def chat_template_from_reader(reader: "gguf.GGUFReader") -> str | None:
-    field = reader.fields.get(CHAT_TEMPLATE_KEY)
-    if field is None:
-        return None
-    value = field.contents()
-    if not isinstance(value, str):
-        raise ValueError(f"{CHAT_TEMPLATE_KEY} must be a string")
-    return value or None
 
 
 MAX_OUTPUT_CHARS = 1 << 20        # far beyond any context a prompt must fit

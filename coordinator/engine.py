@@ -18,7 +18,6 @@ import numpy as np
 
 from protocol.shm_layout import INPUT_SITES
 
-from .chat_template import render_chat
 from .decode_plan import DecodePlan
 from .engine_build import EngineBuilder, close_started, load_level
 from .engine_options import EngineOptions  # noqa: F401 (re-exported: callers import it from here)
@@ -182,6 +181,8 @@ class Engine:
         tk = self.tokenizer
         bos = tk.tokens[tk.bos_id] if tk.bos_id is not None else ""
         eos = tk.tokens[tk.eos_id] if tk.eos_id is not None else ""
+        from .chat_template import render_chat  # jinja2: imported by the runs that render a chat
+
         return render_chat(self.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos,
                            **variables)
 

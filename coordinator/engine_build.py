@@ -39,14 +39,13 @@ from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
 from . import set_torch_threads
-from .chat_template import chat_template_from_reader
 from .decode_plan import DecodePath, DecodePaths, attention_heads, plan_decode, why_not_native
 from .engine_options import SPARSE_METHODS, EngineOptions, check
 from .memory_plan import fit_hints, plan_memory
 from .model_files import load_input_level, load_thresholds
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
-from .tokenizer import GGUFTokenizer
+from .tokenizer import GGUFTokenizer, chat_template_from_reader
 from .worker_pool import WorkerPool
 
 if TYPE_CHECKING:

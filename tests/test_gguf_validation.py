@@ -107,6 +107,9 @@ MUTATIONS = {
     "tensor_count_huge": (lambda d, r, n: struct.pack_into("<Q", d, 8, 2**40), ["GGUF.tensor_count"]),
     "token_array_huge": (lambda d, r, n: struct.pack_into("<Q", d, _array_count_at(r, "tokenizer.ggml.tokens"), 2**60),
                          ["tokenizer.ggml.tokens", "does not fit"]),
+    # the array's first string claims more bytes than the file has
+    "token_length_huge": (lambda d, r, n: struct.pack_into("<Q", d, _array_count_at(r, "tokenizer.ggml.tokens") + 8, 2**50),
+                          ["tokenizer.ggml.tokens element", "needs"]),
     "token_type_array_huge": (lambda d, r, n: struct.pack_into("<Q", d, _array_count_at(r, "tokenizer.ggml.token_type"), 2**40),
                               ["tokenizer.ggml.token_type", "does not fit"]),
     "key_length_huge": (lambda d, r, n: struct.pack_into("<Q", d, r.fields["llama.block_count"].offset, 2**50),

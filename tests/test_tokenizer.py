@@ -14,8 +14,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from coordinator.chat_template import CHATML_TEMPLATE, chat_template_from_reader, render_chat
-from coordinator.tokenizer import GGUFTokenizer, StreamDecoder
+from coordinator.chat_template import CHATML_TEMPLATE, render_chat
+from coordinator.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_reference.json"
 SMOLLM2 = Path.home() / ".cache" / "sparseinfer" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -231,6 +231,26 @@ static PyObject *py_cols_bytes(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLongLong(cols_type(t) && R > 0 && C > 0 && C % QK == 0 ? cols_bytes(t, R, C) : 0);
 }
 
+/* skip_strings(buf_ptr, pos, size, count, big_endian): where GGUF's `count` strings (each a u64
+ * length, then its bytes) that start at buf[pos] end, or -1 - (the offset of the first one that
+ * does not fit in `size` bytes): a vocabulary is 32k-256k strings, which a Python loop walked at
+ * 0.3 us each, in every process that opens the file (sparsecore/gguf_check.py) */
+static PyObject *py_skip_strings(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "skip_strings takes 5 arguments"); return NULL; }
+    const uint8_t *buf = ARG_PTR(0);
+    int64_t pos = ARG_LL(1), size = ARG_LL(2), count = ARG_LL(3), big = ARG_LL(4);
+    if (PyErr_Occurred()) return NULL;
+    for (int64_t i = 0; i < count; i++) {
+        if (pos < 0 || size - pos < 8) return PyLong_FromLongLong(-1 - pos);
+        uint64_t n;
+        memcpy(&n, buf + pos, 8);
+        if (big) n = __builtin_bswap64(n);
+        if (n > (uint64_t)(size - pos - 8)) return PyLong_FromLongLong(-1 - pos);
+        pos += 8 + (int64_t)n;
+    }
+    return PyLong_FromLongLong(pos);
+}
+
 /* cols_repack(src_ptr, stride, type, r0, R, c0, C, thr_ptr, dst_ptr[, fused_r0]): the twin of the
  * file's rows at src (row 0, column 0) into dst (64-byte aligned: the header, then cols_bytes).
  * With fused_r0: a fused twin (COLS_MAGIC_FUSED) of the rows at src, which the caller stacked
@@ -468,6 +488,7 @@ static PyMethodDef methods[] = {
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
     {"cols_bytes", (PyCFunction)(void (*)(void))py_cols_bytes, METH_FASTCALL, "an input-major twin's bytes"},
+    {"skip_strings", (PyCFunction)(void (*)(void))py_skip_strings, METH_FASTCALL, "where a GGUF string array ends"},
     {"cols_repack", (PyCFunction)(void (*)(void))py_cols_repack, METH_FASTCALL, "a sub-matrix's input-major twin"},
     {"cols_dequant", (PyCFunction)(void (*)(void))py_cols_dequant, METH_FASTCALL, "a twin's values as float32"},
     {"cols_sizes", (PyCFunction)(void (*)(void))py_cols_sizes, METH_FASTCALL, "a twin's group, channel and head bytes"},
