@@ -199,6 +199,23 @@ static inline int q3k_scale(const uint8_t *s, int j) {
     return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
 }
 
+/* A Q6_K block's 256 stored 6-bit values (q + 32) in the values' order, read from its bytes
+ * (ggml's order: per half n, ql's low then high nibbles of bytes 0..63 are values 0..31,
+ * 32..63, 64..95, 96..127, and qh's 2-bit fields 0..3 of byte l their high bits): what the
+ * repackings (interleave_q6k, kq_repack) lay out, without kunpack's float scales */
+static inline void q6k_values(const uint8_t *w, uint8_t *v) {
+    for (int n = 0; n < 2; n++) {
+        const uint8_t *ql = w + 64 * n, *qh = w + 128 + 32 * n;
+        uint8_t *o = v + 128 * n;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+            o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4);
+            o[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+            o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
 /* One K block as int8 values (Q4_K/Q5_K: 0..31, Q6_K: q - 32, Q2_K: 0..3, Q3_K: -4..3, IQ4_XS:
  * the codebook's) and per sub-block float scale and min (value = scl q - mn); returns the
  * sub-block size (32, or 16 for Q6_K, Q2_K, Q3_K). IQ3_XXS, IQ3_S: the grids' values signed. */

@@ -76,9 +76,7 @@ static inline void kq_row_scales(int t, const uint8_t *grp, int64_t rp, int s, i
 
 /* The stored unsigned values of one block of the file (kq_inputs values), read from its bytes in
  * ggml's orders: Q4_K/Q5_K per 64 values c, qs[32 c + l]'s low nibble is value 64 c + l, its
- * high one 64 c + 32 + l (Q5_K: plus qh[l]'s bit 2 c, 2 c + 1 as 16); Q6_K per half n, ql's
- * low then high nibbles of bytes 0..63 are values 0..31, 32..63, 64..95, 96..127 and qh's 2-bit
- * fields 0..3 of byte l their high bits */
+ * high one 64 c + 32 + l (Q5_K: plus qh[l]'s bit 2 c, 2 c + 1 as 16); Q6_K q6k_values */
 static inline __attribute__((always_inline)) void kq_block_values(int t, const uint8_t *b, uint8_t *v) {
     if (t == T_Q5_0 || t == T_Q5_1) {
         int off = t == T_Q5_1 ? 4 : 2;
@@ -88,16 +86,7 @@ static inline __attribute__((always_inline)) void kq_block_values(int t, const u
             v[j + 16] = (uint8_t)((b[off + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
         }
     } else if (t == T_Q6_K) {
-        for (int n = 0; n < 2; n++) {
-            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
-            uint8_t *o = v + 128 * n;
-            for (int l = 0; l < 32; l++) {
-                o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
-                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4);
-                o[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
-                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
-            }
-        }
+        q6k_values(b, v);
     } else {  /* Q4_K, Q5_K */
         const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16), *qh = b + 16;
         for (int c = 0; c < 4; c++)

@@ -92,19 +92,7 @@ static void interleave_q6k(const uint8_t *src, int64_t stride, int64_t rows, int
             if (rows - g * 16 < 16) memset(p, 0, 16 * 210);  /* a whole group writes every byte */
             for (int r = 0; r < 16 && g * 16 + r < rows; r++) {
                 const uint8_t *w = src + (g * 16 + r) * stride + (int64_t)k * 210;
-                /* the file's order (ggml's Q6_K): per half, ql's low then high nibbles of bytes
-                 * 0..63 are values 0..31, 32..63 (low) and 64..95, 96..127 (high), qh's 2-bit
-                 * fields 0, 1, 2, 3 of byte l their high bits */
-                for (int n = 0; n < 2; n++) {
-                    const uint8_t *ql = w + 64 * n, *qh = w + 128 + 32 * n;
-                    uint8_t *o = v + 128 * n;
-                    for (int l = 0; l < 32; l++) {
-                        o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
-                        o[l + 32] = (uint8_t)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4);
-                        o[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
-                        o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
-                    }
-                }
+                q6k_values(w, v);
                 memcpy(p + 2 * r, w + 208, 2);
                 for (int j = 0; j < 16; j++) p[Q6_SC(j) + r] = w[192 + j];
                 /* four lanes (c = 0..3) a 32-bit word: byte c of L(m) is value 8m + c's low
