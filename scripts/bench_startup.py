@@ -102,6 +102,11 @@ def main() -> None:
         sides.append(("llama.cpp", [sys.executable, "-c", _LLAMA, a.model, str(a.ctx)], _env(REPO), REPO))
     print(f"model {Path(a.model).name}, {a.runs} interleaved runs, extra options {a.extra or '-'}; "
           f"load average before: {_load()}", flush=True)
+    for t in trees:  # an installed copy has its bytecode; a checkout run with this set compiles every start
+        if os.environ.get("PYTHONDONTWRITEBYTECODE") and not (t / "coordinator" / "__pycache__").is_dir():
+            print(f"note: {t.name} has no bytecode caches and PYTHONDONTWRITEBYTECODE is set: each start compiles "
+                  f"its modules (0.15-0.2 s here); `python -m compileall -q coordinator sparsecore protocol "
+                  f"cpu_worker sparseinfer` in it measures what an installed copy gets", flush=True)
     res = {name: [] for name, *_ in sides}
     for _ in range(a.runs):
         for name, cmd, env, cwd in sides:
