@@ -205,6 +205,10 @@ class EngineBuilder:
             raise
         try:
             self.pool.spawn()  # workers load while we build the tokenizer, our share, the head and the model
+            if opts.weights != "gguf" or not cfg.plain_llama or cfg.final_logit_softcap:
+                # this model computes in torch (coordinator/torch_layers.py): its 1 s import while the
+                # workers load, not after (a worker idle that long sleeps, and the first prompt wakes it)
+                from . import torch_layers  # noqa: F401
             self.load_tokenizer()
             from .model import Embedding, LmHead, Transformer
             from .sparse_ffn import SparseFfn, SplitHead
