@@ -51,10 +51,10 @@ class Engine:
         self.store, self.plan, self.plan_source, self.memory = built.store, built.plan, built.plan_source, \
             built.memory
         if plan_only:
-            self.tokenizer = built.tokenizer
+            self.tokenizer = built.load_tokenizer()
             return
         built.start(launcher)  # closes what it made if it fails; builds the tokenizer while the workers load
-        self.tokenizer = built.tokenizer
+        self.tokenizer = built.load_tokenizer()
         self.kv_pool, self.pool, self.ffn, self.head, self.model, self.twins = \
             built.kv_pool, built.pool, built.ffn, built.head, built.model, built.twins
         try:

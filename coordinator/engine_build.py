@@ -100,9 +100,8 @@ def _cuda_available() -> bool:
 class EngineBuilder:
     """An engine's parts, planned by the constructor and started by `start` (module doc).
 
-    Planned: opts (with sparsity dropped where the twins do not fit), path, cfg, tokenizer (built
-    on first use), chat_template, predictors, input_major, row_layout, store, plan, plan_source, memory.
-    Started: kv_pool, pool, ffn, head, model, twins."""
+    Planned: opts (with sparsity dropped where the twins do not fit), path, cfg, chat_template, predictors, input_major, row_layout, store, plan, plan_source, memory.
+    Started: kv_pool, pool, ffn, head, model, twins; the tokenizer (load_tokenizer) on the way."""
 
     def __init__(self, model_path: str | os.PathLike, opts: EngineOptions):
         self.opts = opts
@@ -120,7 +119,7 @@ class EngineBuilder:
             wanted = set(required_tensors(cfg) + down_t)
             for line in conversion_notes(self.path, [t for t in reader.tensors if t.name in wanted]):
                 print(line, file=sys.stderr)
-        self._reader, self._tokenizer = reader, None  # the tokenizer is built on first use (tokenizer)
+        self._reader, self._tokenizer = reader, None  # the tokenizer is built once, when asked (load_tokenizer)
         self.chat_template = chat_template_from_reader(reader)
         self.predictors = predictors = self._load_predictors(reader)
         dense = opts.sparsity is None and predictors is None
@@ -163,11 +162,6 @@ class EngineBuilder:
             self.memory = self._plan_memory()
         self.kv_pool = self.pool = self.ffn = self.head = self.model = self.twins = None
 
-    @property
-    def tokenizer(self) -> GGUFTokenizer:
-        """The file's tokenizer (load_tokenizer)."""
-        return self.load_tokenizer()
-
     def load_tokenizer(self) -> GGUFTokenizer:
         """The file's tokenizer, built once: `start` builds it while the workers load (0.14 s for
         a 32k vocabulary, which the workers' start then no longer waits for)."""
@@ -205,10 +199,6 @@ class EngineBuilder:
             raise
         try:
             self.pool.spawn()  # workers load while we build the tokenizer, our share, the head and the model
-            if opts.weights != "gguf" or not cfg.plain_llama or cfg.final_logit_softcap:
-                # this model computes in torch (coordinator/torch_layers.py): its 1 s import while the
-                # workers load, not after (a worker idle that long sleeps, and the first prompt wakes it)
-                from . import torch_layers  # noqa: F401
             self.load_tokenizer()
             from .model import Embedding, LmHead, Transformer
             from .sparse_ffn import SparseFfn, SplitHead

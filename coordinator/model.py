@@ -102,6 +102,8 @@ class KVCache:
         else:
             self.k, self.v = pool.keys(self.index), pool.values(self.index)
             weakref.finalize(self, pool.give_back, self.index)
+        # where the keys and values start in memory (the native batch steps take addresses)
+        self.address = (self.k.ctypes.data, self.v.ctypes.data)
         self.max_ctx = max_ctx
         self.pos = 0
 
@@ -111,11 +113,6 @@ class KVCache:
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Layer i's (keys, values), for the native attention step."""
         return self.k[i], self.v[i]
-
-    @property
-    def address(self) -> tuple[int, int]:
-        """Where the keys and values start in memory (the native batch steps take addresses)."""
-        return self.k.ctypes.data, self.v.ctypes.data
 
 
 class LmHead:
@@ -309,7 +306,7 @@ class Transformer:
         # matrices stay in the file's blocks (a small model's token is mostly dispatch otherwise).
         self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
         if not all(self.native) or cfg.final_logit_softcap:
-            _torch()  # a layer or the head computes in torch: its import (1 s) now, not in the first prompt
+            _torch()  # a layer or the head computes in torch: its import (1 s) now, while the workers load
         # Which path a decoded token takes, decided once (DecodePlan): split_attn, decoded tokens'
         # attention split by KV heads across processes (coordinator/attention_split.py; None:
         # here alone); lockstep, every layer in one post (coordinator/lockstep_decode.py).

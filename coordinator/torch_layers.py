@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparsecore.ffn import HalfRows, Rows, x_wt
+from sparsecore.ffn import Rows, quantize_rows, x_wt
 
 
 def norm(x: torch.Tensor, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> torch.Tensor:
@@ -119,8 +119,9 @@ def float_matrix(a: np.ndarray) -> torch.Tensor:
 
 
 def float_rows(a: np.ndarray, weights: str) -> Rows:
-    """An attention matrix's float copy: float16 rows with --weights f16, else float32."""
-    return HalfRows.convert(float_matrix(a)) if weights == "f16" else float_matrix(a)
+    """An attention matrix's float copy: float16 rows with --weights f16, else float32 (int8
+    is the FFN's format only)."""
+    return quantize_rows(float_matrix(a), "f16" if weights == "f16" else "f32")
 
 
 @torch.inference_mode()
