@@ -91,12 +91,11 @@ LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
-/* Q4_0, Q4_1, Q8_0: per block and half, the values unpacked once for every token */
+/* IQ4_NL, Q5_0, Q5_1: per block and half, the values unpacked once for every token */
 LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
-    const int q5 = is_q5(t);
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q5_1, nl = t == T_IQ4_NL;
     const int hd = run_head(t, 16);
     const __m256i m4 = _mm256_set1_epi8(15), kv = NM(iq4_book)();
     for (int h = 0; h < 2; h++)
@@ -108,41 +107,22 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
             __m256 m = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h))) : d;
             const uint8_t *v = g + hd + 32 * h;
             __m256i si[TILE_A];  /* each token's integer sums of the 8 rows */
-            if (q8) {
-                __m256i u[8];
-#if DP256  /* the stored q + 128 unsigned, as the 512-bit tile: its offset -128 (sum of x) */
-                for (int j = 0; j < 8; j++) u[j] = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
-                for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(NM(a2_sum_u4)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
-#else
-                __m256i q[8];
-                for (int j = 0; j < 8; j++) {
-                    q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(v + 64 * j)), _mm256_set1_epi8((char)0x80));
-                    u[j] = _mm256_abs_epi8(q[j]);
-                }
-                for (int b = 0; b < B; b++) si[b] = NM(a2_sum_q8)(u, q, xq[b * ldq + k].q);
-#endif
-            } else if (nl) {  /* the codebook's values, looked up once for every token */
+            if (nl) {  /* the codebook's values, looked up once for every token */
                 __m256i u[8], q[8];
                 NM(iq4_runs)(v, kv, u, q);
                 for (int b = 0; b < B; b++) si[b] = NM(iq4_sum)(u, q, xq + b * ldq + k);
-            } else {  /* unpacked once for every token (loading a run per token measured slower) */
+            } else {  /* Q5: unpacked once for every token (loading a run per token measured slower) */
                 __m256i u[8];
+                /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(v - 64)), m16 = _mm256_set1_epi8(16);
                 for (int j = 0; j < 4; j++) {
                     __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
-                    u[j] = _mm256_and_si256(z, m4);
-                    u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
-                }
-                if (q5) {  /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
-                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(v - 64)), m16 = _mm256_set1_epi8(16);
-                    for (int j = 0; j < 4; j++) {
-                        u[j] = _mm256_or_si256(u[j], _mm256_and_si256(_mm256_slli_epi16(hb, 4 - j), m16));
-                        u[4 + j] = _mm256_or_si256(u[4 + j], _mm256_and_si256(_mm256_srli_epi16(hb, j), m16));
-                    }
+                    u[j] = _mm256_or_si256(_mm256_and_si256(z, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4 - j), m16));
+                    u[4 + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(z, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(hb, j), m16));
                 }
                 for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(q5 ? NM(a2_sum_u5)(u, xq[b * ldq + k].q) : NM(a2_sum_u4)(u, xq[b * ldq + k].q),
-                                             _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
             }
             for (int b = 0; b < B; b++) {
                 const q8blk *x = xq + b * ldq + k;
@@ -152,6 +132,114 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                                                 _mm256_set1_ps(x->d), acc[h][b]);
                 else
                     acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[h][b]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
+/* Q4_0, Q4_1: both halves at once, run by run: each run's 4 x bytes broadcast once per token
+ * for the 16 rows, each token's sums of both halves in int16 (a2_sum_u4's bound), the float
+ * steps x16_tile's. The runs go outer and every sum is pinned in a register as it grows (an
+ * empty asm), so the live values fit AVX2's 16 registers: left to itself the compiler hoisted
+ * every token's broadcasts and the sums' additions and spilled them to the stack. */
+LV static INLINE void NM(x16_tile_q4)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                         int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1, hd = run_head(t, 16);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        __m256i s16[2][TILE_A];
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *v = g + hd + 64 * j;
+            __m256i z0 = _mm256_loadu_si256((const __m256i *)v), z1 = _mm256_loadu_si256((const __m256i *)(v + 32));
+            __m256i lo0 = _mm256_and_si256(z0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(z0, 4), m4);
+            __m256i lo1 = _mm256_and_si256(z1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(z1, 4), m4);
+            for (int b = 0; b < B; b++) {
+                const int8_t *xb = xq[b * ldq + k].q;
+                __m256i xl = _mm256_set1_epi32(rd32(xb + 4 * j)), xh = _mm256_set1_epi32(rd32(xb + 16 + 4 * j));
+                __m256i a0 = ACC16(j ? s16[0][b] : _mm256_setzero_si256(), lo0, xl);
+                __m256i a1 = ACC16(j ? s16[1][b] : _mm256_setzero_si256(), lo1, xl);
+                s16[0][b] = ACC16(a0, hi0, xh);
+                s16[1][b] = ACC16(a1, hi1, xh);
+                __asm__("" : "+x"(s16[0][b]), "+x"(s16[1][b]));
+            }
+        }
+        for (int b = 0; b < B; b++) {
+            const q8blk *x = xq + b * ldq + k;
+            const __m256i off = _mm256_set1_epi32(x16_offset(t, x->s));
+            const __m256 xd = _mm256_set1_ps(x->d);
+            for (int h = 0; h < 2; h++) {
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(FIN16(s16[h][b]), off));
+                if (q41) {  /* d sum u x + m sum x, times x's scale */
+                    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
+                    acc[h][b] = _mm256_fmadd_ps(_mm256_fmadd_ps(f, d, _mm256_mul_ps(m, _mm256_set1_ps((float)x->s))), xd, acc[h][b]);
+                } else
+                    acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, xd), acc[h][b]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
+        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
+    }
+}
+
+/* Q8_0 as x16_tile_q4: both halves at once, each run's x bytes broadcast once per token for
+ * the 16 rows, the sums pinned in registers as they grow. AVX2: the sign trick, a madd per
+ * maddubs (a pair of products, 2 x 128 x 127, fills int16); vpdpbusd: the stored q + 128
+ * unsigned and the offset -128 sum x, as the 512-bit tile */
+LV static INLINE void NM(x16_tile_q8)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
+                                         int64_t ldy, int nvalid) {
+    __m256 acc[2][TILE_A];
+    const int gb = 16 * 34, hd = run_head(T_Q8_0, 16);
+    for (int h = 0; h < 2; h++)
+        for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k++, g += gb) {
+        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        __m256i s[2][TILE_A];
+        for (int b = 0; b < B; b++) s[0][b] = s[1][b] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *v = g + hd + 64 * j;
+            __m256i z0 = _mm256_loadu_si256((const __m256i *)v), z1 = _mm256_loadu_si256((const __m256i *)(v + 32));
+#if !DP256
+            const __m256i x80 = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+            z0 = _mm256_xor_si256(z0, x80), z1 = _mm256_xor_si256(z1, x80);  /* q, signed */
+            const __m256i u0 = _mm256_abs_epi8(z0), u1 = _mm256_abs_epi8(z1);
+#endif
+            for (int b = 0; b < B; b++) {
+                __m256i xb = _mm256_set1_epi32(rd32(xq[b * ldq + k].q + 4 * j));
+#if DP256
+                s[0][b] = DPB(s[0][b], z0, xb);
+                s[1][b] = DPB(s[1][b], z1, xb);
+#else
+                s[0][b] = _mm256_add_epi32(s[0][b], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(xb, z0)), one));
+                s[1][b] = _mm256_add_epi32(s[1][b], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(xb, z1)), one));
+#endif
+                __asm__("" : "+x"(s[0][b]), "+x"(s[1][b]));
+            }
+        }
+        for (int b = 0; b < B; b++) {
+            const q8blk *x = xq + b * ldq + k;
+            const __m256 xd = _mm256_set1_ps(x->d);
+#if DP256
+            const __m256i off = _mm256_set1_epi32(x16_offset(T_Q8_0, x->s));
+#endif
+            for (int h = 0; h < 2; h++) {
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+#if DP256
+                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s[h][b], off));
+#else
+                __m256 f = _mm256_cvtepi32_ps(s[h][b]);
+#endif
+                acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, xd), acc[h][b]);
             }
         }
     }
@@ -365,9 +453,9 @@ LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, co
     case 2: CALL(2); break;   \
     default: CALL(1);         \
     }
-#define Q4_0_TILE_A(n) NM(x16_tile)(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q4_1_TILE_A(n) NM(x16_tile)(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
-#define Q8_0_TILE_A(n) NM(x16_tile)(T_Q8_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_0_TILE_A(n) NM(x16_tile_q4)(T_Q4_0, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q4_1_TILE_A(n) NM(x16_tile_q4)(T_Q4_1, g, nb, xb, ldq, n, yb, ldy, nv)
+#define Q8_0_TILE_A(n) NM(x16_tile_q8)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q4_K_TILE_A(n) NM(x16_tile_q4k)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE_A(n) NM(x16_tile_q6k)(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 #define IQ4_NL_TILE_A(n) NM(x16_tile)(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
