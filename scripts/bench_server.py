@@ -58,8 +58,9 @@ def free_port() -> int:
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: server exited with {proc.returncode}")
+        if proc.poll() is not None:  # its last line of stderr says why (e.g. "Error: M: no such file")
+            last = (proc.stderr.read().decode(errors="replace").strip().splitlines() or [""])[-1] if proc.stderr else ""
+            raise SystemExit(f"{url}: server exited with {proc.returncode}: {last}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
