@@ -249,10 +249,10 @@ LV static INLINE void NM(x16_tile_q8)(const uint8_t *g, int nb, const q8blk *xq,
     }
 }
 
-/* Q4_K (layout: interleave_q4k): per sub-block pair p and half, each of the pair's 8 value runs
- * loaded once (its low nibbles sub-block 2p, high ones 2p + 1), both sub-blocks' sums built
- * token by token in int16; then per sub-block, in order, the rows' d sc and dmin m as floats
- * and the Q4_1-like float steps (the VNNI tile's order: sub-block 0, 1, .., 7 per token) */
+/* Q4_K (layout: interleave_q4k): per sub-block (low nibbles of pair p's runs for 2p, high ones
+ * for 2p + 1), as x16_tile_q4: both halves at once, each run's x bytes broadcast once per token
+ * for the 16 rows, the sums pinned in registers; then per half the rows' d sc and dmin m as
+ * floats and the Q4_1-like float steps (the VNNI tile's order: sub-block 0, 1, .., 7 per token) */
 LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                           int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
@@ -260,34 +260,32 @@ LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 2368) {
-        for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
-            __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
-            for (int p = 0; p < 4; p++) {
-                const uint8_t *v = g + Q4K_V(p) + 32 * h;
-                const q8blk *x0 = xq + 8 * k + 2 * p;  /* token b's: x0 + b ldq (sub-block 2p), + 1 (2p + 1) */
-                __m256i s[2][TILE_A];
-                for (int j = 0; j < 8; j++) {
-                    __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
-                    __m256i lo = _mm256_and_si256(z, m4), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
-                    for (int b = 0; b < B; b++) {
-                        const q8blk *x = x0 + b * ldq;
-                        s[0][b] = ACC16(j ? s[0][b] : _mm256_setzero_si256(), lo, _mm256_set1_epi32(rd32(x[0].q + 4 * j)));
-                        s[1][b] = ACC16(j ? s[1][b] : _mm256_setzero_si256(), hi, _mm256_set1_epi32(rd32(x[1].q + 4 * j)));
-                    }
+        for (int sb = 0; sb < 8; sb++) {
+            for (int o = 296 * sb; o < 296 * (sb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 2368 + o, _MM_HINT_T0);
+            const uint8_t *v = g + Q4K_V(sb / 2);
+            const int e = sb % 2;
+            const q8blk *x0 = xq + 8 * k + sb;  /* token b's: x0 + b ldq */
+            __m256i s[2][TILE_A];
+            for (int j = 0; j < 8; j++) {
+                __m256i z0 = _mm256_loadu_si256((const __m256i *)(v + 64 * j)), z1 = _mm256_loadu_si256((const __m256i *)(v + 64 * j + 32));
+                if (e) z0 = _mm256_srli_epi16(z0, 4), z1 = _mm256_srli_epi16(z1, 4);
+                z0 = _mm256_and_si256(z0, m4), z1 = _mm256_and_si256(z1, m4);
+                for (int b = 0; b < B; b++) {
+                    __m256i xb = _mm256_set1_epi32(rd32(x0[b * ldq].q + 4 * j));
+                    s[0][b] = ACC16(j ? s[0][b] : _mm256_setzero_si256(), z0, xb);
+                    s[1][b] = ACC16(j ? s[1][b] : _mm256_setzero_si256(), z1, xb);
+                    __asm__("" : "+x"(s[0][b]), "+x"(s[1][b]));
                 }
-                for (int e = 0; e < 2; e++) {
-                    int sb = 2 * p + e;
-                    __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                      _mm_loadl_epi64((const __m128i *)(g + Q4K_SC(sb) + 8 * h)))));
-                    __m256 dmm = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                       _mm_loadl_epi64((const __m128i *)(g + Q4K_MN(sb) + 8 * h)))));
-                    for (int b = 0; b < B; b++) {
-                        const q8blk *x = x0 + b * ldq + e;
-                        __m256i si = FIN16(s[e][b]);
-                        __m256 v2 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(si), dsc, _mm256_mul_ps(dmm, _mm256_set1_ps((float)x->s)));
-                        acc[h][b] = _mm256_fmadd_ps(v2, _mm256_set1_ps(x->d), acc[h][b]);
-                    }
+            }
+            for (int h = 0; h < 2; h++) {
+                __m256 dsc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h))),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + Q4K_SC(sb) + 8 * h)))));
+                __m256 dmm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h))),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + Q4K_MN(sb) + 8 * h)))));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = x0 + b * ldq;
+                    __m256 v2 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(FIN16(s[h][b])), dsc, _mm256_mul_ps(dmm, _mm256_set1_ps((float)x->s)));
+                    acc[h][b] = _mm256_fmadd_ps(v2, _mm256_set1_ps(x->d), acc[h][b]);
                 }
             }
         }
@@ -298,9 +296,11 @@ LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq
     }
 }
 
-/* Q6_K (layout: interleave_q6k): per activation block and half, the two 16-value sub-blocks'
- * 6-bit values of 8 rows unpacked once for every token; per token two sums (maddubs pairs in
- * int16, then int32), the -32 offsets (hs), the int8 scales as 32-bit products */
+/* Q6_K (layout: interleave_q6k): per activation block and sub-block (16 values), as
+ * x16_tile_q4: both halves at once, each 4 x bytes broadcast once per token for the 16 rows, the
+ * sums pinned in registers; a pair of runs' 6-bit values unpacked once for every token, their
+ * maddubs pairs added in int16 (2 x 2 x 63 x 127 fits), then int32; per token and half the -32
+ * offsets (hs) and the int8 scales as 32-bit products, summed over the block's two sub-blocks */
 LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, const int32_t *hs,
                                           int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
@@ -308,39 +308,45 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 16 * 210) {
-        for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
-            for (int xb = 0; xb < 8; xb++) {
-                __m256i u[8], sc[2];
-                for (int e = 0; e < 2; e++) {  /* sub-block n = 2 xb + e: values 16 e .. 16 e + 15 of x */
-                    int n = 2 * xb + e;
-                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(g + Q6_L(2 * n) + 32 * h));
-                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(g + Q6_L(2 * n + 1) + 32 * h));
-                    __m256i hh = _mm256_loadu_si256((const __m256i *)(g + Q6_H(n) + 32 * h));
-                    u[4 * e + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30));
-                    u[4 * e + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                                   _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30));
-                    u[4 * e + 2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hh, m30));
-                    u[4 * e + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                                   _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
-                    sc[e] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + Q6_SC(n) + 8 * h)));
-                }
-                for (int b = 0; b < B; b++) {
-                    const q8blk *x = xq + b * ldq + 8 * k + xb;
-                    const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
-                    __m256i s[2];
-                    for (int e = 0; e < 2; e++) {
-                        const int8_t *xe = x->q + 16 * e;
-                        /* two pairs at a time in int16: 2 x 2 x 63 x 127 fits */
-                        __m256i p01 = ACC16(ACC16(_mm256_setzero_si256(), u[4 * e], _mm256_set1_epi32(rd32(xe))),
-                                            u[4 * e + 1], _mm256_set1_epi32(rd32(xe + 4)));
-                        __m256i p23 = ACC16(ACC16(_mm256_setzero_si256(), u[4 * e + 2], _mm256_set1_epi32(rd32(xe + 8))),
-                                            u[4 * e + 3], _mm256_set1_epi32(rd32(xe + 12)));
-                        s[e] = _mm256_add_epi32(_mm256_add_epi32(FIN16(p01), FIN16(p23)), _mm256_set1_epi32(-32 * hb[e]));
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))};
+        for (int xb = 0; xb < 8; xb++) {
+            for (int o = 420 * xb; o < 420 * (xb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 3360 + o, _MM_HINT_T0);
+            __m256i si[2][TILE_A];
+            for (int e = 0; e < 2; e++) {  /* sub-block n = 2 xb + e: values 16 e .. 16 e + 15 of x */
+                const int n = 2 * xb + e;
+                __m256i s[2][TILE_A];
+                for (int r = 0; r < 2; r++) {  /* runs 2r, 2r + 1: the low and high nibbles of Q6_L(2n + r) */
+                    __m256i ua[2], ub[2];
+                    for (int h = 0; h < 2; h++) {
+                        __m256i l = _mm256_loadu_si256((const __m256i *)(g + Q6_L(2 * n + r) + 32 * h));
+                        __m256i hh = _mm256_loadu_si256((const __m256i *)(g + Q6_H(n) + 32 * h));
+                        ua[h] = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(r ? hh : _mm256_slli_epi16(hh, 4), m30));
+                        ub[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                                                _mm256_and_si256(r ? _mm256_srli_epi16(hh, 2) : _mm256_slli_epi16(hh, 2), m30));
                     }
-                    __m256i si = _mm256_add_epi32(_mm256_mullo_epi32(s[0], sc[0]), _mm256_mullo_epi32(s[1], sc[1]));
-                    acc[h][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[h][b]);
+                    for (int b = 0; b < B; b++) {
+                        const int8_t *xe = xq[b * ldq + 8 * k + xb].q + 16 * e + 8 * r;
+                        __m256i x0 = _mm256_set1_epi32(rd32(xe)), x1 = _mm256_set1_epi32(rd32(xe + 4));
+                        for (int h = 0; h < 2; h++) {
+                            __m256i p = FIN16(ACC16(ACC16(_mm256_setzero_si256(), ua[h], x0), ub[h], x1));
+                            s[h][b] = r ? _mm256_add_epi32(s[h][b], p) : p;
+                        }
+                        __asm__("" : "+x"(s[0][b]), "+x"(s[1][b]));
+                    }
                 }
+                for (int h = 0; h < 2; h++) {
+                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + Q6_SC(n) + 8 * h)));
+                    for (int b = 0; b < B; b++) {
+                        __m256i t = _mm256_mullo_epi32(_mm256_add_epi32(s[h][b], _mm256_set1_epi32(-32 * hs[b * ldh + 2 * (8 * k + xb) + e])), sc);
+                        si[h][b] = e ? _mm256_add_epi32(si[h][b], t) : t;
+                    }
+                }
+            }
+            for (int b = 0; b < B; b++) {
+                const __m256 xd = _mm256_set1_ps(xq[b * ldq + 8 * k + xb].d);
+                for (int h = 0; h < 2; h++)
+                    acc[h][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[h][b]), _mm256_mul_ps(d[h], xd), acc[h][b]);
             }
         }
     }

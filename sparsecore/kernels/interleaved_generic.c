@@ -467,12 +467,16 @@ static void r16_dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t 
 /* Blocks ahead each block asks the caches for (a group's blocks follow each other): a batch's
  * tiles compute long enough per block that the hardware prefetchers fell behind (the 1.1B
  * shape in lockstep: 4 tokens 33-36 -> 27-30 ms a step, 8 tokens 61-65 -> 42-46 ms; one
- * token unchanged). Q4_0, Q4_1 and Q8_0's tiles only: Q4_K's and Q6_K's (2368 and 3360 bytes a
- * block, 37 and 53 prefetches each) ran faster with none, on both SIMD levels (one core, the
- * 1.1B shape's 5632 x 2048 rows from DRAM, one token / 4 tokens, two blocks ahead -> none: Q4_K
- * AVX2 495 -> 301 / 1022 -> 692 us, VNNI 291 -> 256 / 536 -> 404; Q6_K AVX2 722 -> 436 /
- * 1435 -> 1028, VNNI 521 -> 304 / 807 -> 643): the hardware streams a group's blocks in order. */
+ * token unchanged). Q4_0, Q4_1 and Q8_0's tiles, a block's lines at a time. The 512-bit Q4_K
+ * and Q6_K tiles (2368 and 3360 bytes a block) ran faster with none (one core, the 1.1B shape's
+ * 5632 x 2048 rows from DRAM, one token / 4 tokens, two blocks ahead -> none: VNNI Q4_K 291 ->
+ * 256 / 536 -> 404 us, Q6_K 521 -> 304 / 807 -> 643), and so did the 256-bit ones while they
+ * walked a block once per half of 8 rows. Since those take both halves at once (a sub-block's
+ * lines once), K_AHEAD = 2 blocks ahead, a sub-block's share of lines at a time, pays at AVX2:
+ * the 1.1B Q4_K_M shape in lockstep, 4 tokens 43.7-43.9 -> 32.8-33.7 ms a step, one token
+ * 21.9 -> 17.0-19.2 (1 and 4 blocks ahead measured no better). */
 #define X16_AHEAD 8
+#define K_AHEAD 2
 
 #if HAVE_X86
 /* A cursor runs R16_AHEAD runs ahead over the (row, run) sequence an R16 loop reads, asking for
