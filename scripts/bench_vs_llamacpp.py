@@ -459,8 +459,8 @@ def main():
     ap.add_argument("--tg", type=int, default=64, help="generated tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sparsity", type=float, nargs="*", default=[0.2],
-                    help="our sparse levels to run beside dense (calibrated thresholds; none: dense only)")
+    ap.add_argument("--sparsity", type=float, nargs="*", default=[],
+                    help="our sparse levels to run beside dense (calibrated thresholds, e.g. --sparsity 0.5 0.7; default: dense only)")
     ap.add_argument("--sparse-method", choices=["input", "cats"], default="input",
                     help="how our sparse levels skip weights (EngineOptions.sparse_method)")
     ap.add_argument("--weights", nargs="+", default=[DEFAULT_WEIGHTS], choices=[*WEIGHT_FORMATS, "gguf-fast"],
