@@ -108,7 +108,8 @@ def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model_factory, tmp_pat
     assert out["coordinator_ffn_share"] == (0.0 if torch.cuda.is_available() else pytest.approx(0.5, abs=0.1))
 
 
-def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, no_leaks):
+@pytest.mark.parametrize("kind", ["Q4_0", "q4_k_m"])
+def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, tmp_path_factory, no_leaks, kind):
     """The bytes the engine says a dense decoded token reads (coordinator's matrices + the
     FFN's, as the kernels read them) equal the bytes of the tensors a token touches, counted
     from the file's tensor table by scripts/bench_vs_llamacpp.py (issue 14: <= 1.15x)."""
@@ -116,12 +117,18 @@ def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, no_lea
 
     from coordinator.engine import Engine, EngineOptions
     from coordinator.tools import observe
-    from tests.conftest import REPO
+    from tests.conftest import REPO, run_make_bench_model
 
     spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", REPO / "scripts" / "bench_vs_llamacpp.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    path = tiny_model_factory(tensor_type="Q4_0", seed=8)
+    if kind == "q4_k_m":  # ffn_down Q4_K in layer 0, Q6_K in layer 1 (llama.cpp's use_more_bits)
+        path = tmp_path_factory.mktemp("kqm") / "tiny-q4_k_m.gguf"
+        run_make_bench_model(["--shape", "tiny", "--quiet", "--type", "q4_k_m", "-o", str(path)])
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+        assert (types["blk.0.ffn_down.weight"], types["blk.1.ffn_down.weight"]) == ("Q4_K", "Q6_K")
+    else:
+        path = tiny_model_factory(tensor_type="Q4_0", seed=8)
     touched = script.touched_bytes(path)
     r = gguf.GGUFReader(path)
     by_name = {t.name: int(t.n_bytes) for t in r.tensors}

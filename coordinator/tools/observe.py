@@ -63,9 +63,13 @@ def ffn_neuron_bytes(engine) -> float:
         return neuron_bytes(cfg.hidden, engine.opts.weights)
     from sparsecore.shard import FileLayer
 
-    store = engine.store  # PowerInfer files hold down transposed (ffn_down_t): its rows are the columns
-    names = ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", FileLayer.down_name(store, 0)]
-    return sum(int(store.info(n).n_bytes) for n in names) / cfg.n_ff
+    # Every layer's: a Q4_K_M file holds Q6_K ffn_down in some layers, Q4_K in the others (layer
+    # 0's alone counted 1.054x the bytes on the 1.1B shape). PowerInfer files hold down
+    # transposed (ffn_down_t): its rows are the columns.
+    store = engine.store
+    total = sum(int(store.info(n).n_bytes) for i in range(cfg.n_layers)
+                for n in (f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight", FileLayer.down_name(store, i)))
+    return total / (cfg.n_ff * cfg.n_layers)
 
 
 def sparse_method(engine) -> str:
