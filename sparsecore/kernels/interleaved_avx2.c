@@ -387,8 +387,10 @@ LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *
     }
 }
 
-/* Q2_K and Q3_K (layout: interleave_k23): the 512-bit tile's steps (x16_tile_k23_vnni) on two
- * halves of 8 rows; each sub-block's 4 maddubs add in int16 (4 x 2 x 7 x 127 fits) */
+/* Q2_K and Q3_K (layout: interleave_k23): the 512-bit tile's steps (x16_tile_k23_vnni), as
+ * x16_tile_q6k: both halves at once, each 4 x bytes broadcast once per token for the 16 rows, a
+ * pair of runs unpacked once for every token, a sub-block's 4 maddubs added in int16 (4 x 2 x 7
+ * x 127 fits), the sums pinned in registers */
 LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq,
                                           const int32_t *hs, int64_t ldh, int B, float *y, int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
@@ -398,49 +400,66 @@ LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, co
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
+        __m256 d[2], dm[2];
         for (int hf = 0; hf < 2; hf++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * hf)));
-            __m256 dm = q2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * hf))) : d;
-            for (int xb = 0; xb < 8; xb++) {
-                __m256i u[8], sc[2];
-                __m256 dmm[2] = {d, d};
-                const __m256i hh = q2 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(g + Q3K_H(xb) + 32 * hf));
-                for (int h = 0; h < 2; h++) {
-                    const int j = 2 * xb + h;
-                    const __m256i z = _mm256_loadu_si256((const __m256i *)(g + (q2 ? Q2K_V(j) : Q3K_L(j)) + 32 * hf));
-                    for (int s = 0; s < 4; s++) {
-                        __m256i v = _mm256_and_si256(s ? _mm256_srli_epi16(z, 2 * s) : z, m3);
-                        if (!q2) {  /* bit 4h + s of the high bits to bit 2 */
-                            const int sh = 4 * h + s;
-                            __m256i hb = sh < 2 ? _mm256_slli_epi16(hh, 2 - sh) : sh > 2 ? _mm256_srli_epi16(hh, sh - 2) : hh;
-                            v = _mm256_or_si256(v, _mm256_and_si256(hb, m4));
+            d[hf] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * hf)));
+            dm[hf] = q2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * hf))) : d[hf];
+        }
+        for (int xb = 0; xb < 8; xb++) {
+            __m256i si[2][TILE_A];
+            __m256 dmm[2][2];
+            for (int e = 0; e < 2; e++) {  /* sub-block j = 2 xb + e: values 16 e .. 16 e + 15 of x */
+                const int j = 2 * xb + e;
+                __m256i s[2][TILE_A];
+                for (int r = 0; r < 2; r++) {  /* runs 2r, 2r + 1: bits 4r, 4r + 2 of the values' bytes */
+                    __m256i ua[2], ub[2];
+                    for (int hf = 0; hf < 2; hf++) {
+                        const __m256i z = _mm256_loadu_si256((const __m256i *)(g + (q2 ? Q2K_V(j) : Q3K_L(j)) + 32 * hf));
+                        __m256i va = _mm256_and_si256(r ? _mm256_srli_epi16(z, 4) : z, m3);
+                        __m256i vb = _mm256_and_si256(_mm256_srli_epi16(z, 4 * r + 2), m3);
+                        if (!q2) {  /* bit 4e + s of the high bits to bit 2, s = 2r, 2r + 1 */
+                            const __m256i hh = _mm256_loadu_si256((const __m256i *)(g + Q3K_H(xb) + 32 * hf));
+                            const int sa = 4 * e + 2 * r, sb2 = sa + 1;
+                            __m256i ha = sa < 2 ? _mm256_slli_epi16(hh, 2 - sa) : sa > 2 ? _mm256_srli_epi16(hh, sa - 2) : hh;
+                            __m256i hb = sb2 < 2 ? _mm256_slli_epi16(hh, 2 - sb2) : sb2 > 2 ? _mm256_srli_epi16(hh, sb2 - 2) : hh;
+                            va = _mm256_or_si256(va, _mm256_and_si256(ha, m4));
+                            vb = _mm256_or_si256(vb, _mm256_and_si256(hb, m4));
                         }
-                        u[4 * h + s] = v;
+                        ua[hf] = va, ub[hf] = vb;
                     }
-                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(g + (q2 ? Q2K_SC(j) : Q3K_SC(j)) + 8 * hf));
-                    if (q2) {
-                        sc[h] = _mm256_cvtepu8_epi32(_mm_and_si128(sb, m15));
-                        dmm[h] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sb, 4), m15))));
-                    } else
-                        sc[h] = _mm256_cvtepi8_epi32(sb);
+                    for (int b = 0; b < B; b++) {
+                        const int8_t *xe = xq[b * ldq + 8 * k + xb].q + 16 * e + 8 * r;
+                        __m256i x0 = _mm256_set1_epi32(rd32(xe)), x1 = _mm256_set1_epi32(rd32(xe + 4));
+                        for (int hf = 0; hf < 2; hf++)
+                            s[hf][b] = ACC16(ACC16(r ? s[hf][b] : _mm256_setzero_si256(), ua[hf], x0), ub[hf], x1);
+                        __asm__("" : "+x"(s[0][b]), "+x"(s[1][b]));
+                    }
                 }
-                for (int b = 0; b < B; b++) {
-                    const q8blk *x = xq + b * ldq + 8 * k + xb;
-                    const int32_t *hb = hs + b * ldh + 2 * (8 * k + xb);
-                    __m256i s[2];
-                    for (int h = 0; h < 2; h++) {
-                        const int8_t *xe = x->q + 16 * h;
-                        __m256i p = ACC16(_mm256_setzero_si256(), u[4 * h], _mm256_set1_epi32(rd32(xe)));
-                        for (int j = 1; j < 4; j++) p = ACC16(p, u[4 * h + j], _mm256_set1_epi32(rd32(xe + 4 * j)));
-                        s[h] = FIN16(p);
-                        if (!q2) s[h] = _mm256_add_epi32(s[h], _mm256_set1_epi32(-4 * hb[h]));
-                    }
-                    __m256i si = _mm256_add_epi32(_mm256_mullo_epi32(s[0], sc[0]), _mm256_mullo_epi32(s[1], sc[1]));
-                    acc[hf][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[hf][b]);
+                for (int hf = 0; hf < 2; hf++) {
+                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(g + (q2 ? Q2K_SC(j) : Q3K_SC(j)) + 8 * hf));
+                    __m256i sc;
                     if (q2) {
-                        const float *xs = (const float *)hb;
-                        acc[hf][b] = _mm256_fnmadd_ps(dmm[0], _mm256_set1_ps(xs[0]), acc[hf][b]);
-                        acc[hf][b] = _mm256_fnmadd_ps(dmm[1], _mm256_set1_ps(xs[1]), acc[hf][b]);
+                        sc = _mm256_cvtepu8_epi32(_mm_and_si128(sb, m15));
+                        dmm[hf][e] = _mm256_mul_ps(dm[hf], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sb, 4), m15))));
+                    } else
+                        sc = _mm256_cvtepi8_epi32(sb);
+                    for (int b = 0; b < B; b++) {
+                        __m256i s32 = FIN16(s[hf][b]);
+                        if (!q2) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(-4 * hs[b * ldh + 2 * (8 * k + xb) + e]));
+                        __m256i tt = _mm256_mullo_epi32(s32, sc);
+                        si[hf][b] = e ? _mm256_add_epi32(si[hf][b], tt) : tt;
+                    }
+                }
+            }
+            for (int b = 0; b < B; b++) {
+                const q8blk *x = xq + b * ldq + 8 * k + xb;
+                const float *xs = (const float *)(hs + b * ldh + 2 * (8 * k + xb));
+                const __m256 xd = _mm256_set1_ps(x->d);
+                for (int hf = 0; hf < 2; hf++) {
+                    acc[hf][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[hf][b]), _mm256_mul_ps(d[hf], xd), acc[hf][b]);
+                    if (q2) {
+                        acc[hf][b] = _mm256_fnmadd_ps(dmm[hf][0], _mm256_set1_ps(xs[0]), acc[hf][b]);
+                        acc[hf][b] = _mm256_fnmadd_ps(dmm[hf][1], _mm256_set1_ps(xs[1]), acc[hf][b]);
                     }
                 }
             }
