@@ -356,27 +356,54 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
     }
 }
 
-/* IQ4_XS (layout: interleave_iq4xs): per half and sub-block, the 8 rows' d (ls - 32) as floats
- * and their 32 values looked up once for every token; per token the sub-block's exact integer
- * sums (iq4_sum), one conversion, one scale product and one accumulation (x16_lane_c's order) */
+/* IQ4_XS (layout: interleave_iq4xs): per sub-block, as x16_tile_q4: both halves at once, each
+ * run's codebook values looked up once for every token and its x bytes broadcast once per token
+ * for the 16 rows, the sums pinned in registers (iq4_sum's: AVX2's sign trick, vpdpbusd's
+ * codebook + 128); then per half the rows' d (ls - 32) as floats, one conversion, one scale
+ * product and one accumulation per token (x16_lane_c's order) */
 LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                             int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const __m256i kv = NM(iq4_book)();
+    const __m256i kv = NM(iq4_book)(), m4 = _mm256_set1_epi8(15);
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 2208) {
-        for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
-            for (int sb = 0; sb < 8; sb++) {
-                __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                  _mm_loadl_epi64((const __m128i *)(g + IQ4XS_SC(sb) + 8 * h)))));
-                __m256i u[8], q[8];
-                NM(iq4_runs)(g + IQ4XS_V(sb) + 32 * h, kv, u, q);
+        for (int sb = 0; sb < 8; sb++) {
+            const uint8_t *v = g + IQ4XS_V(sb);
+            const q8blk *x0 = xq + 8 * k + sb;  /* token b's: x0 + b ldq */
+            __m256i s[2][TILE_A];
+            for (int b = 0; b < B; b++) s[0][b] = s[1][b] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {  /* run j: low nibbles of the bytes at 64 (j % 4) for j < 4, high ones after */
+                __m256i qv[2];
+                for (int hf = 0; hf < 2; hf++) {
+                    __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * (j % 4) + 32 * hf));
+                    qv[hf] = _mm256_shuffle_epi8(kv, _mm256_and_si256(j < 4 ? z : _mm256_srli_epi16(z, 4), m4));
+                }
+#if !DP256
+                const __m256i uv[2] = {_mm256_abs_epi8(qv[0]), _mm256_abs_epi8(qv[1])}, one = _mm256_set1_epi16(1);
+#endif
                 for (int b = 0; b < B; b++) {
-                    const q8blk *x = xq + b * ldq + 8 * k + sb;
-                    __m256 f = _mm256_cvtepi32_ps(NM(iq4_sum)(u, q, x));
-                    acc[h][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(dsc, _mm256_set1_ps(x->d)), acc[h][b]);
+                    const __m256i xb = _mm256_set1_epi32(rd32(x0[b * ldq].q + 4 * j));
+                    for (int hf = 0; hf < 2; hf++)
+#if DP256
+                        s[hf][b] = DPB(s[hf][b], qv[hf], xb);
+#else
+                        s[hf][b] = _mm256_add_epi32(s[hf][b], _mm256_madd_epi16(_mm256_maddubs_epi16(uv[hf], _mm256_sign_epi8(xb, qv[hf])), one));
+#endif
+                    __asm__("" : "+x"(s[0][b]), "+x"(s[1][b]));
+                }
+            }
+            for (int hf = 0; hf < 2; hf++) {
+                __m256 dsc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * hf))),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + IQ4XS_SC(sb) + 8 * hf)))));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = x0 + b * ldq;
+#if DP256
+                    __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s[hf][b], _mm256_set1_epi32(-128 * x->s)));
+#else
+                    __m256 f = _mm256_cvtepi32_ps(s[hf][b]);
+#endif
+                    acc[hf][b] = _mm256_fmadd_ps(f, _mm256_mul_ps(dsc, _mm256_set1_ps(x->d)), acc[hf][b]);
                 }
             }
         }
