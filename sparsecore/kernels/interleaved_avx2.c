@@ -91,6 +91,14 @@ LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
+/* a tile's accumulators acc[h][b] (rows 8 h .. 8 h + 7, token b) into y, the first nvalid rows
+ * (a macro: acc stays a register array of the caller's) */
+#define A2_STORE_TILE(y, ldy, acc, B, nvalid)                                              \
+    for (int b_ = 0; b_ < (B); b_++) {                                                      \
+        NM(a2_store)((y) + b_ * (ldy), (acc)[0][b_], (nvalid));                             \
+        if ((nvalid) > 8) NM(a2_store)((y) + b_ * (ldy) + 8, (acc)[1][b_], (nvalid) - 8);   \
+    }
+
 /* IQ4_NL, Q5_0, Q5_1: per block and half, the values unpacked once for every token */
 LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
@@ -135,10 +143,7 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* Q4_0, Q4_1: both halves at once, run by run: each run's 4 x bytes broadcast once per token
@@ -186,10 +191,7 @@ LV static INLINE void NM(x16_tile_q4)(int t, const uint8_t *g, int nb, const q8b
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* Q8_0 as x16_tile_q4: both halves at once, each run's x bytes broadcast once per token for
@@ -243,10 +245,7 @@ LV static INLINE void NM(x16_tile_q8)(const uint8_t *g, int nb, const q8blk *xq,
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* Q4_K (layout: interleave_q4k): per sub-block (low nibbles of pair p's runs for 2p, high ones
@@ -290,10 +289,7 @@ LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* Q6_K (layout: interleave_q6k): per activation block and sub-block (16 values), as
@@ -350,10 +346,7 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* IQ4_XS (layout: interleave_iq4xs): per sub-block, as x16_tile_q4: both halves at once, each
@@ -408,10 +401,7 @@ LV static INLINE void NM(x16_tile_iq4xs)(const uint8_t *g, int nb, const q8blk *
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 /* Q2_K and Q3_K (layout: interleave_k23): the 512-bit tile's steps (x16_tile_k23_vnni), as
@@ -492,10 +482,7 @@ LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, co
             }
         }
     }
-    for (int b = 0; b < B; b++) {
-        NM(a2_store)(y + b * ldy, acc[0][b], nvalid);
-        if (nvalid > 8) NM(a2_store)(y + b * ldy + 8, acc[1][b], nvalid - 8);
-    }
+    A2_STORE_TILE(y, ldy, acc, B, nvalid);
 }
 
 #define BY_TILE_A(CALL)       \
@@ -541,6 +528,7 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
     }
 }
 #undef BY_TILE_A
+#undef A2_STORE_TILE
 #undef Q4_0_TILE_A
 #undef Q4_1_TILE_A
 #undef Q8_0_TILE_A
