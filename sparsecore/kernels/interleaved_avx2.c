@@ -260,7 +260,8 @@ LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += 2368) {
         for (int sb = 0; sb < 8; sb++) {
-            for (int o = 296 * sb; o < 296 * (sb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 2368 + o, _MM_HINT_T0);
+            if (B > 1)  /* batches only: one token ran faster on the hardware's prefetch (K_AHEAD) */
+                for (int o = 296 * sb; o < 296 * (sb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 2368 + o, _MM_HINT_T0);
             const uint8_t *v = g + Q4K_V(sb / 2);
             const int e = sb % 2;
             const q8blk *x0 = xq + 8 * k + sb;  /* token b's: x0 + b ldq */
@@ -307,7 +308,8 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
         const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)),
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))};
         for (int xb = 0; xb < 8; xb++) {
-            for (int o = 420 * xb; o < 420 * (xb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 3360 + o, _MM_HINT_T0);
+            if (B > 1)  /* batches only (K_AHEAD) */
+                for (int o = 420 * xb; o < 420 * (xb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 3360 + o, _MM_HINT_T0);
             __m256i si[2][TILE_A];
             for (int e = 0; e < 2; e++) {  /* sub-block n = 2 xb + e: values 16 e .. 16 e + 15 of x */
                 const int n = 2 * xb + e;

@@ -472,9 +472,10 @@ static void r16_dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t 
  * 5632 x 2048 rows from DRAM, one token / 4 tokens, two blocks ahead -> none: VNNI Q4_K 291 ->
  * 256 / 536 -> 404 us, Q6_K 521 -> 304 / 807 -> 643), and so did the 256-bit ones while they
  * walked a block once per half of 8 rows. Since those take both halves at once (a sub-block's
- * lines once), K_AHEAD = 2 blocks ahead, a sub-block's share of lines at a time, pays at AVX2:
- * the 1.1B Q4_K_M shape in lockstep, 4 tokens 43.7-43.9 -> 32.8-33.7 ms a step, one token
- * 21.9 -> 17.0-19.2 (1 and 4 blocks ahead measured no better). */
+ * lines once), K_AHEAD = 2 blocks ahead, a sub-block's share of lines at a time, pays for
+ * batches at AVX2: the 1.1B Q4_K_M shape in lockstep, 4 tokens 40.6-41.5 -> 33.2-33.4 ms a
+ * step (1 and 4 blocks ahead no better). One token ran faster without (22.5-23.2 against
+ * 23.7-24.6 ms, interleaved), so only batches prefetch. */
 #define X16_AHEAD 8
 #define K_AHEAD 2
 
