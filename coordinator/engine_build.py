@@ -100,7 +100,8 @@ def _cuda_available() -> bool:
 class EngineBuilder:
     """An engine's parts, planned by the constructor and started by `start` (module doc).
 
-    Planned: opts (with sparsity dropped where the twins do not fit), path, cfg, chat_template, predictors, input_major, row_layout, store, plan, plan_source, memory.
+    Planned: opts (with sparsity dropped where the twins do not fit), path, cfg, chat_template,
+    predictors, input_major, row_layout, store, plan, plan_source, memory.
     Started: kv_pool, pool, ffn, head, model, twins; the tokenizer (load_tokenizer) on the way."""
 
     def __init__(self, model_path: str | os.PathLike, opts: EngineOptions):

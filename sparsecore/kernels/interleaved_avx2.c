@@ -109,7 +109,7 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
-        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        x16_fetch(g, X16_AHEAD * gb, 0, gb);
         for (int h = 0; h < 2; h++) {
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
             __m256 m = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h))) : d;
@@ -159,7 +159,7 @@ LV static INLINE void NM(x16_tile_q4)(int t, const uint8_t *g, int nb, const q8b
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
-        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        x16_fetch(g, X16_AHEAD * gb, 0, gb);
         __m256i s16[2][TILE_A];
         for (int j = 0; j < 4; j++) {
             const uint8_t *v = g + hd + 64 * j;
@@ -201,11 +201,11 @@ LV static INLINE void NM(x16_tile_q4)(int t, const uint8_t *g, int nb, const q8b
 LV static INLINE void NM(x16_tile_q8)(const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                          int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * 34, hd = run_head(T_Q8_0, 16);
+    const int gb = 16 * type_bytes(T_Q8_0), hd = run_head(T_Q8_0, 16);
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
-        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        x16_fetch(g, X16_AHEAD * gb, 0, gb);
         __m256i s[2][TILE_A];
         for (int b = 0; b < B; b++) s[0][b] = s[1][b] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
@@ -261,7 +261,7 @@ LV static INLINE void NM(x16_tile_q4k)(const uint8_t *g, int nb, const q8blk *xq
     for (int k = 0; k < nb; k++, g += 2368) {
         for (int sb = 0; sb < 8; sb++) {
             if (B > 1)  /* batches only: one token ran faster on the hardware's prefetch (K_AHEAD) */
-                for (int o = 296 * sb; o < 296 * (sb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 2368 + o, _MM_HINT_T0);
+                x16_fetch(g, K_AHEAD * 2368, 2368 / 8 * sb, 2368 / 8 * (sb + 1));  /* a sub-block's share */
             const uint8_t *v = g + Q4K_V(sb / 2);
             const int e = sb % 2;
             const q8blk *x0 = xq + 8 * k + sb;  /* token b's: x0 + b ldq */
@@ -309,7 +309,7 @@ LV static INLINE void NM(x16_tile_q6k)(const uint8_t *g, int nb, const q8blk *xq
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))};
         for (int xb = 0; xb < 8; xb++) {
             if (B > 1)  /* batches only (K_AHEAD) */
-                for (int o = 420 * xb; o < 420 * (xb + 1); o += 64) _mm_prefetch((const char *)g + K_AHEAD * 3360 + o, _MM_HINT_T0);
+                x16_fetch(g, K_AHEAD * 3360, 3360 / 8 * xb, 3360 / 8 * (xb + 1));
             __m256i si[2][TILE_A];
             for (int e = 0; e < 2; e++) {  /* sub-block n = 2 xb + e: values 16 e .. 16 e + 15 of x */
                 const int n = 2 * xb + e;

@@ -32,7 +32,7 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
     const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_u8));
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
-        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)g + X16_AHEAD * gb + o, _MM_HINT_T0);
+        x16_fetch(g, X16_AHEAD * gb, 0, gb);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
         __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */

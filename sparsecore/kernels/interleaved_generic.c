@@ -478,6 +478,12 @@ static void r16_dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t 
  * 23.7-24.6 ms, interleaved), so only batches prefetch. */
 #define X16_AHEAD 8
 #define K_AHEAD 2
+#if HAVE_X86
+/* bytes [from, to) of the block `ahead` bytes past g into L1, a cache line at a time */
+static INLINE void x16_fetch(const uint8_t *g, int64_t ahead, int from, int to) {
+    for (int o = from; o < to; o += 64) _mm_prefetch((const char *)g + ahead + o, _MM_HINT_T0);
+}
+#endif
 
 #if HAVE_X86
 /* A cursor runs R16_AHEAD runs ahead over the (row, run) sequence an R16 loop reads, asking for
