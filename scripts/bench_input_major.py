@@ -4,7 +4,7 @@ product on the best layout today, from memory: the tables in docs/KERNELS.md und
 
     python scripts/bench_input_major.py [--layers 6 --reps 9 --isas avx512vnni,avx2]
     python scripts/bench_input_major.py --sweep      # prefetch distance and target per level
-    python scripts/bench_input_major.py --shares     # one process's share, separate and fused twins
+    python scripts/bench_input_major.py --shares [--type Q4_K]  # one process's share, separate and fused twins
 
 Writes `--layers` layers of the 1.1B shape's matrices (q, o 2048 x 2048; k, v 256 x 2048; gate,
 up 5632 x 2048; down 2048 x 5632; random Q4_0 blocks) to a temporary GGUF file, holds each
@@ -107,19 +107,20 @@ SHARES = {"q": (1024, 2048), "k": (128, 2048), "v": (128, 2048), "o": (2048, 102
 FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gateup": ("gate", "up"), "down": ("down",)}
 
 
-def shares(tmp: Path, layers: int, reps: int, fractions: list[float], rng) -> None:
+def shares(tmp: Path, layers: int, reps: int, fractions: list[float], rng, kind: str = "Q4_0") -> None:
     """Per level and active fraction: the share's layer on separate twins and on fused ones,
     against dense X16, one token, every read from memory (the layers cycle), interleaved"""
     path = tmp / "shares.gguf"
     w = GGUFWriter(str(path), "llama")
     for i in range(layers):
-        blocks = {name: random_q4_0(rng, r, c) for name, (r, c) in SHARES.items()}
+        blocks = {name: random_q4_0(rng, r, c) if kind == "Q4_0" else random_blocks(rng, r, c, kind)
+                  for name, (r, c) in SHARES.items()}
         for name, b in blocks.items():
-            w.add_tensor(f"blk.{i}.{name}", b, raw_dtype=GGMLQuantizationType.Q4_0)
+            w.add_tensor(f"blk.{i}.{name}", b, raw_dtype=GGMLQuantizationType[kind])
         for name, parts in FUSED.items():  # a fused twin is the twin of its parts' rows stacked
             if len(parts) > 1:
                 w.add_tensor(f"blk.{i}.{name}", np.concatenate([blocks[n] for n in parts]),
-                             raw_dtype=GGMLQuantizationType.Q4_0)
+                             raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -140,7 +141,7 @@ def shares(tmp: Path, layers: int, reps: int, fractions: list[float], rng) -> No
     for level in ("avx512vnni", "avx2"):
         if K.set_isa(level) != level:
             continue
-        print(f"\nlevel {level}: one process's share (two processes), {layers} layers; layer time / dense X16 "
+        print(f"\nlevel {level}: one process's share (two processes), {layers} layers of {kind}; layer time / dense X16 "
               f"(medians of {reps}, interleaved)")
         print("| active | dense µs | separate twins | fused twins |")
         print("|---|---|---|---|")
@@ -213,7 +214,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if a.shares:
             print(f"{cpu_name()}, one core")
-            shares(Path(tmp), a.layers, a.reps, [f for f in a.fractions if f < 1] or [0.5], rng)
+            shares(Path(tmp), a.layers, a.reps, [f for f in a.fractions if f < 1] or [0.5], rng, a.type)
             return
         layers, repack_s = build(Path(tmp), a.layers, rng, a.type)
         print(f"{cpu_name()}, one core; {a.layers} layers of the 1.1B shape ({a.type}), twins repacked in {repack_s:.2f} s "

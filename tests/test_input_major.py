@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
-from tests.fixtures.twin_checks import (act, check, check_active_sets, check_ffn_teal, check_not_applied, threshold,
-                                       want)
+from tests.fixtures.twin_checks import (check, check_active_sets, check_ffn_teal, check_fused_gate_up, check_fused_parts,
+                                       check_fused_qkv, check_not_applied, threshold)
 from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
@@ -169,112 +169,22 @@ def ffn_types(tmp_path_factory):
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_fused_twin_is_lossless(mats, t):
-    """A fused twin holds its parts' rows stacked, exactly (odd row counts: padded once, at the
-    end), counts its bytes once, and no matrix's own product reads it"""
     m, w = mats[t]
-    parts = [(m, range(10, 107)), (m, range(200, 300)), (m, range(0, 3))]
-    fused = K.FileMatrix.fuse_input_major(parts, range(64, 256), threshold())
-    assert fused[1] is m and fused[2] is m and fused[0].twin_parts == tuple((m.name, r) for _, r in parts)
-    stacked = np.concatenate([w[r.start:r.stop, 64:256] for _, r in parts]).astype(np.float32)
-    np.testing.assert_array_equal(fused[0].twin_dequantize(), stacked)
-    single = m.with_input_major(range(0, 200), range(64, 256), threshold())
-    assert fused[0].twin_bytes == single.twin_bytes  # 200 rows either way, padded to 256 (Q8_0: 256)
-    x = np.random.default_rng(3).standard_normal(192).astype(np.float32)
-    before = fused[0].matvec(x, rows=range(10, 107), cols=range(64, 256), fast=True)
-    assert fused[0].reset_twin_counts() == (0, 0)  # the rows' path: the fused twin is not a twin of rows 10..107
-    assert np.array_equal(before, m.matvec(x, rows=range(10, 107), cols=range(64, 256), fast=True))
+    check_fused_parts(m, w, range(64, 256))
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_ffn_token_on_a_fused_gate_up_twin(ffn_types, t, fast, isa):
-    """gate | up in one twin: bit for bit the step on separate twins of one threshold (which
-    test_ffn_token_teal checks against float64), and float64's products here too; empty, full
-    and odd active sets; one counter for both matrices"""
     m, w = ffn_types[t]
-    rng = np.random.default_rng(29 + fast)
-    own = range(32, 192)  # 160 neurons: 320 fused rows, not a multiple of 128
-    tin, td = threshold(0.0), threshold(0.0)
-    gate, up = K.FileMatrix.fuse_input_major([(m["gate"], own), (m["up"], own)], None, tin)
-    assert up is m["up"] and up.twin is None
-    down = m["down"].with_input_major(None, own, td)
-    sep = m["gate"].with_input_major(own, None, tin), m["up"].with_input_major(own, None, tin)
-    scratch = K.FfnScratch(HIDDEN, len(own))
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    for t_in in (0.0, float(np.median(np.abs(x))) + 1e-3, 1e9):
-        tin[0] = t_in
-        gate.reset_twin_counts()
-        y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
-        y, h = y.copy(), scratch.h[:len(own)].copy()
-        active = int((np.abs(x) > t_in).sum())
-        assert gate.reset_twin_counts()[0] == active
-        y2, n2 = K.ffn_token(*sep, down, x, own, "silu", scratch, fast=fast)
-        assert n == n2 and np.array_equal(y, y2) and np.array_equal(h, scratch.h[:len(own)])
-        g = want(w["gate"][own.start:own.stop], x, t_in, fast)
-        u = want(w["up"][own.start:own.stop], x, t_in, fast)
-        h_ref = act("silu", g) * u
-        np.testing.assert_allclose(h, h_ref, rtol=0, atol=(2e-2 if fast else 1e-5) * max(np.abs(h_ref).max(), 1e-30))
-        check(y, w["down"][:, own.start:own.stop], h, 0.0, fast, f"down after inputs above {t_in}")
-    tin[0] = -1.0  # off: the original step
-    y, n = K.ffn_token(gate, up, down, x, own, "silu", scratch, fast=fast)
-    y0, n0 = K.ffn_token(m["gate"], m["up"], m["down"], x, own, "silu", scratch, fast=fast)
-    assert n == n0 == len(own) and np.array_equal(y, y0)
+    check_fused_gate_up(m, w, range(32, 192), fast)  # 160 neurons: 320 fused rows, not a multiple of 128
 
 
 def test_attention_on_a_fused_qkv_twin(tmp_path, isa):
-    """Q | K | V in one twin: the step bit for bit as on separate twins (one threshold), for
-    a whole step and for a share of heads; one counter for the three"""
-    n_heads, n_kv, hd, max_ctx = 4, 2, 32, 8
+    n_heads, n_kv, hd = 4, 2, 32
     hidden = n_heads * hd
     rng = np.random.default_rng(19)
     shapes = {"q": (hidden, hidden), "k": (n_kv * hd, hidden), "v": (n_kv * hd, hidden), "o": (hidden, hidden)}
     ts = write_tensors(tmp_path / "attn.gguf", {n: ((rng.standard_normal(s) * 0.2).astype(np.float32), T.Q4_0)
                                                 for n, s in shapes.items()})
-    plain = {n: K.FileMatrix(ts[n]) for n in shapes}
-    ang = np.arange(max_ctx)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None].repeat(2, 0).reshape(1, -1)
-    cos = np.cos(ang).astype(np.float32)
-    sin = (np.sin(ang) * np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])).astype(np.float32)
-    norm = np.ones(hidden, np.float32)
-    h0 = rng.standard_normal(hidden).astype(np.float32)
-    q_rows = np.concatenate([rng.permutation(hd) + i * hd for i in range(n_heads)])  # permuted within heads
-    k_rows = np.concatenate([rng.permutation(hd) + i * hd for i in range(n_kv)])
-    thr, tho = threshold(0.0), threshold(0.0)
-
-    def step(fused: bool, kv: tuple[int, int] | None, fast: bool):
-        kc, vc = (np.zeros((n_kv, max_ctx, hd), np.float32) for _ in range(2))
-        s = K.AttentionStep(plain["q"], q_rows, plain["k"], k_rows, plain["v"], plain["o"], norm, 1e-6, n_heads,
-                            n_kv, hd, hd, cos, sin, kc, vc, fast)
-        if kv:
-            s.keep_output_columns(*kv)
-
-        def add(m, rows, cols, site):
-            return m.with_input_major(rows, cols, thr if site == "attn_in" else tho)
-        if fused:
-            add.fused = lambda parts, cols, site: K.FileMatrix.fuse_input_major(parts, cols, thr)
-        s.add_twins(add)
-        return s, kc, vc
-
-    for fast in (False, True):
-        for t_in in (0.0, 0.7, 1e9):
-            thr[0] = t_in
-            for kv in (None, (1, 2)):
-                outs = []
-                for fused in (False, True):
-                    s, kc, vc = step(fused, kv, fast)
-                    h = h0.copy()
-                    if kv is None:
-                        for pos in range(3):
-                            s(h, pos)
-                        outs.append(h)
-                    else:
-                        pos = np.array([0], np.int64)
-                        kp, vp = (np.array([a.ctypes.data], np.int64) for a in (kc, vc))
-                        out = np.zeros((1, hidden), np.float32)
-                        s.part(h[None], pos, kp, vp, *kv, out)
-                        outs.append(out)
-                    twinned = s.qkv_part[0] if kv else s.keep[0]
-                    if fused:  # one counter: every input of every call at 0, none above them all
-                        got = twinned.reset_twin_counts()[0]
-                        assert twinned.twin_parts is not None, twinned
-                        assert got == (hidden * (1 if kv else 3) if t_in == 0 else got if t_in < 1e9 else 0), got
-                assert np.array_equal(outs[0], outs[1]), (fast, t_in, kv)
+    check_fused_qkv(ts, n_heads, n_kv, hd, (1, 2))

@@ -2,8 +2,8 @@
 copies (the file's values exactly, as many bytes as the file), one-token products over the
 inputs above a threshold at every ISA level in exact and fast mode against float64 products of
 gguf-py's dequantized blocks, the original path bit for bit where the twin does not apply, the
-counters (a group: 32 inputs, a K-quant's super-block of 256), and ffn_token's TEAL branch on
-Q4_K gate and up with a Q6_K down."""
+counters (a group: 32 inputs, a K-quant's super-block of 256), ffn_token's TEAL branch on
+Q4_K gate and up with a Q6_K down, and fused twins (gate | up, Q | K | V) of every type."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.kernel_files import deq, random_kquant, write_tensors
-from tests.fixtures.twin_checks import check, check_active_sets, check_ffn_teal, check_not_applied, threshold
+from tests.fixtures.twin_checks import (check, check_active_sets, check_ffn_teal, check_fused_gate_up, check_fused_parts,
+                                       check_fused_qkv, check_not_applied, threshold)
 
 TYPES = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS, COLS = 300, 768  # 300 rows: not a multiple of 128 (the twins pad to 128); 3 super-blocks
@@ -146,3 +147,49 @@ def test_ffn_token_teal(ffn, fast, isa):
     m, w = ffn
     _, groups = check_ffn_teal(m, w, range(256, 512), fast, 13 + fast)
     assert groups == 2  # one super-block active at 0 and at the median, none at 1e9
+
+
+# ---- fused twins (FileMatrix.fuse_input_major): gate | up and Q | K | V in one twin ---------------
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_fused_twin_is_lossless(mats, t):
+    m, w = mats[t]
+    check_fused_parts(m, w, range(256, 768))
+
+
+@pytest.fixture(scope="module")
+def fused_ffn(tmp_path_factory):
+    """Per type: gate and up (N_FF x HIDDEN) of that type, down a Q5_0 (HIDDEN x N_FF), so that a
+    shard need not be whole super-blocks of down's columns"""
+    rng = np.random.default_rng(31)
+    arrays = {"down": ((rng.standard_normal((HIDDEN, N_FF)) * 0.3).astype(np.float32), T.Q5_0)}
+    for t in TYPES:
+        for n in ("gate", "up"):
+            a = random_kquant(rng, N_FF, HIDDEN, t) if group(t) == 256 else \
+                (rng.standard_normal((N_FF, HIDDEN)) * 0.3).astype(np.float32)
+            arrays[f"{n}.{t.name}"] = (a, t)
+    ts = write_tensors(tmp_path_factory.mktemp("kq_fused") / "ffn.gguf", arrays)
+    mats = {n: K.FileMatrix(v) for n, v in ts.items()}
+    vals = {n: deq(v) for n, v in ts.items()}
+    return {t: ({"gate": mats[f"gate.{t.name}"], "up": mats[f"up.{t.name}"], "down": mats["down"]},
+                {"gate": vals[f"gate.{t.name}"], "up": vals[f"up.{t.name}"], "down": vals["down"]}) for t in TYPES}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_ffn_token_on_a_fused_gate_up_twin(fused_ffn, t, fast, isa):
+    m, w = fused_ffn[t]
+    check_fused_gate_up(m, w, range(32, 192), fast)  # 160 neurons: 320 fused rows, not a multiple of 128
+
+
+@pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K, T.Q5_0), ids=lambda t: t.name)
+def test_attention_on_a_fused_qkv_twin(tmp_path, t, isa):
+    """8 heads of 64 (hidden 512: whole super-blocks), 2 KV heads; the share of KV head 1 reads
+    the output matrix's columns 256..512"""
+    n_heads, n_kv, hd = 8, 2, 64
+    hidden = n_heads * hd
+    rng = np.random.default_rng(7)
+    shapes = {"q": (hidden, hidden), "k": (n_kv * hd, hidden), "v": (n_kv * hd, hidden), "o": (hidden, hidden)}
+    arrays = {n: (random_kquant(rng, *s, t, size=0.05) if group(t) == 256 else
+                  (rng.standard_normal(s) * 0.05).astype(np.float32), t) for n, s in shapes.items()}
+    check_fused_qkv(write_tensors(tmp_path / "attn.gguf", arrays), n_heads, n_kv, hd, (1, 2))

@@ -27,7 +27,11 @@ MAX_SMALL_BATCH = 16
 FILE_LAYOUT, X16, R16 = 0, 1, 2
 # Input-major twins (FileMatrix.with_input_major, base.c's L_COLS): the types with their products
 COLS_TYPES = (2, 3, 8, 6, 7, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
-FUSED_TYPES = (2, 3, 8)  # those whose twins also fuse (FileMatrix.fuse_input_major): Q4_0, Q4_1, Q8_0
+# those whose twins also fuse (FileMatrix.fuse_input_major: gate | up, Q | K | V in one twin): every
+# twin type. A fused twin is its parts' rows stacked, and every twin product computes each row on
+# its own, so the K-quants' fuse as the Q4/Q8 twins' do: on the 1.1B Q4_K_M shape a process's
+# gate | up channel row is 44 lines where gate's alone is 22 (docs/KERNELS.md)
+FUSED_TYPES = COLS_TYPES
 COLS_HEADER = 64  # bytes of a twin's header (cols_generic.c cols_hdr): n_active at 48, n_groups at 56
 X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0

@@ -274,7 +274,7 @@ static PyObject *py_cols_repack(PyObject *self, PyObject *const *args, Py_ssize_
     err = kq_type(t) ? kq_repack(t, src, stride, r0, R, c0, C, thr, dst) : cols_repack(t, src, stride, r0, R, c0, C, thr, dst);
     Py_END_ALLOW_THREADS
     if (err) return PyErr_NoMemory();
-    if (nargs == 10) {  /* fused products exist for the Q4/Q8 twins only (FileMatrix.fuse_input_major checks) */
+    if (nargs == 10) {  /* every twin type fuses (formats.FUSED_TYPES): rows stacked, each computed alone */
         int64_t label = ARG_LL(9);
         if (PyErr_Occurred()) return NULL;
         cols_hdr *h = (cols_hdr *)dst;
