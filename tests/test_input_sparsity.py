@@ -191,7 +191,7 @@ def _greedy(eng, ids, n=10):
 
 
 # fast mode's 8-bit activations move a few inputs across their thresholds, and the masks differ
-# from the float32 emulation's there: within 5 % of the largest logit on the Q4_0 model, 15-20 %
+# from the float32 emulation's there: within 5 % of the largest logit on the Q4_0 model, 15-22 %
 # on the Q4_K one (a chaotic figure: a flip in an early layer moves every later one). Exact mode
 # computes the emulation's floats (both models within 1e-6): the Q4_K model is held to that.
 @pytest.mark.parametrize("model,fast,tol", [("calibrated", True, 0.05), ("calibrated_q4_k", False, 1e-5)],
