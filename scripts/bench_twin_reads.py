@@ -27,11 +27,13 @@ asserted anywhere; figures name the CPU and the date they came from (docs)."""
 from __future__ import annotations
 
 import argparse
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from coordinator.sparsity_level import machine  # noqa: E402  the CPU's name, as figures name it
 
 SOURCE = r"""
 #include <stdint.h>
@@ -117,8 +119,7 @@ def main() -> None:
     ap.add_argument("--ahead", type=int, default=16, help="items prefetched ahead (the kernels' cols_ahead)")
     ap.add_argument("--pair", action="store_true", help="also two copies at once, one a core")
     a = ap.parse_args()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
+    cpu = machine()["cpu"]
     with tempfile.TemporaryDirectory() as d:
         exe = build(Path(d))
         copies = [1, 2] if a.pair else [1]

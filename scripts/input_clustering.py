@@ -38,16 +38,6 @@ def clustering(active: np.ndarray) -> tuple[float, float]:
     return float(groups), float(active.sum() / max(int(starts.sum()), 1))
 
 
-def hidden_activation(gates: observe.GateActivity, cfg, layer: int, x: np.ndarray) -> np.ndarray:
-    """The FFN's hidden activation h (down's input) for FFN inputs x, in float32"""
-    import torch
-
-    from sparsecore.ffn import ACTIVATIONS, combine
-    xt = torch.from_numpy(x)
-    up = None if cfg.ffn_gate == "none" else gates.matrix(layer, "ffn_up")
-    return combine(ACTIVATIONS[cfg.activation](xt @ gates.gate(layer).T), xt, up, cfg.activation, cfg.ffn_gate).numpy()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", type=Path, default=None)
@@ -70,7 +60,7 @@ def main() -> None:
             for site in ("attn_in", "attn_out", "ffn_in", "ffn_h"):
                 x = np.concatenate(rows[(layer, "ffn_in" if site == "ffn_h" else site)])
                 if site == "ffn_h":
-                    x = hidden_activation(gates, cfg, layer, x)
+                    x = gates.hidden(layer, x).numpy()
                 mag = np.abs(x)
                 active = mag > np.quantile(mag, a.level)
                 learn, judge = active[:len(active) // 2], active[len(active) // 2:]

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from sparsecore import kernels as K
 from tests.fixtures.twin_checks import (check, check_active_sets, check_ffn_teal, check_fused_gate_up, check_fused_parts,
-                                       check_fused_qkv, check_not_applied, threshold)
+                                       check_fused_qkv, check_not_applied, rope_tables, threshold)
 from tests.fixtures.kernel_files import deq, write_tensors
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
@@ -126,9 +126,7 @@ def test_attention_on_twins(tmp_path, isa):
     plain = {n: K.FileMatrix(ts[n]) for n in shapes}
     thr = threshold(0.0)
     twins = {n: mm.with_input_major(None, None, thr) for n, mm in plain.items()}
-    ang = np.arange(max_ctx)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None].repeat(2, 0).reshape(1, -1)
-    cos = np.cos(ang).astype(np.float32)
-    sin = (np.sin(ang) * np.concatenate([-np.ones(hd // 2), np.ones(hd // 2)])).astype(np.float32)
+    cos, sin = rope_tables(hd, max_ctx)
     norm = np.ones(hidden, np.float32)
     h0 = rng.standard_normal(hidden).astype(np.float32)
     for fast in (False, True):

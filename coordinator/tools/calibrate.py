@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from protocol.shm_layout import INPUT_SITES
-from sparsecore.ffn import ACTIVATIONS, combine
 
 from ..model_files import THRESHOLDS_FORMAT, level_key
 from . import observe
@@ -90,11 +89,7 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
         per_site = []
         for site in INPUT_SITES:
             if site == "ffn_h":
-                x = sample.get(layer, "ffn_in")
-                up = None if cfg.ffn_gate == "none" else gates.matrix(layer, "ffn_up")
-                xt = torch.from_numpy(x)
-                vals = combine(ACTIVATIONS[cfg.activation](xt @ gates.gate(layer).T), xt, up, cfg.activation,
-                               cfg.ffn_gate)
+                vals = gates.hidden(layer, sample.get(layer, "ffn_in"))
             else:
                 got = sample.get(layer, site) if site != "ffn_in" else None
                 vals = torch.from_numpy(got if got is not None else xs)

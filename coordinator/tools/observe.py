@@ -291,7 +291,7 @@ class GateActivity:
 
     def __init__(self, engine, keep: bool = False):
         self._store = engine.store
-        self.activation = engine.cfg.activation
+        self.activation, self.gate_mode = engine.cfg.activation, engine.cfg.ffn_gate
         self._kept: dict[int, torch.Tensor] | None = {} if keep else None
 
     def gate(self, layer: int) -> torch.Tensor:
@@ -316,6 +316,15 @@ class GateActivity:
     def matrix(self, layer: int, name: str) -> torch.Tensor:
         """Another FFN matrix of the layer ("ffn_up"), dequantized, read from the file each time."""
         return _torch()[0].from_numpy(self._store.matrix(f"blk.{layer}.{name}.weight"))
+
+    def hidden(self, layer: int, x) -> torch.Tensor:
+        """The FFN's hidden activation h (down's input) for the layer's dense FFN inputs x (rows,
+        hidden): act(x @ gate.T) and up's product combined as the model's gate mode has it."""
+        torch, ffn = _torch()
+        xt = torch.as_tensor(x)
+        up = None if self.gate_mode == "none" else self.matrix(layer, "ffn_up")
+        return ffn.combine(ffn.ACTIVATIONS[self.activation](xt @ self.gate(layer).T), xt, up, self.activation,
+                           self.gate_mode)
 
     def __call__(self, layer: int, x) -> torch.Tensor:
         return gate_activity(self.gate(layer), x, self.activation)
