@@ -1,4 +1,4 @@
-"""`python -m coordinator ...`: the `sparseinfer` command (coordinator/cli.py)."""
+"""`python -m coordinator ...`: the `sparseinfer` command (coordinator/cli/)."""
 from coordinator.cli import main
 
 main()

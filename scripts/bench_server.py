@@ -34,7 +34,7 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from coordinator.http_client import stream_completion  # noqa: E402  (standard library only)
+from coordinator.cli.http_client import stream_completion  # noqa: E402  (standard library only)
 
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_LLAMA_SERVER = REPO / ".bench" / "llama-server"

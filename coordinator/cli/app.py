@@ -13,9 +13,9 @@ import numpy as np
 from protocol.messages import WEIGHT_FORMATS
 from sparsecore.errors import ModelFileError
 
-from . import interrupts
-from .interrupts import exit_status, stop_on_signals
-from .model_fetch import MODELS, FetchError, default_model_path, pull
+from .. import interrupts
+from ..interrupts import exit_status, stop_on_signals
+from ..model_fetch import MODELS, FetchError, default_model_path, pull
 
 EXIT_ERROR = 1
 
@@ -168,7 +168,7 @@ def _decode_sparsity(path, sparsity) -> tuple[float | None, str]:
     from sparsecore.gguf_file import open_gguf
 
     from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
-    from .sparsity_level import choose
+    from ..sparsity_level import choose
 
     if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
         return None, ""
@@ -196,7 +196,7 @@ def _placement_from_context() -> dict:
 def _open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2,
                  interleave=None):
     """`interleave`: EngineOptions.interleave (False for a command that switches to sparse steps)."""
-    from .engine import Engine, EngineOptions
+    from ..engine import Engine, EngineOptions
 
     return Engine(_resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                        gpu_share=gpu_share, ctx=ctx, transport=transport,
@@ -261,7 +261,7 @@ def _seed(seed: int | None) -> int | None:
 def _sampling(temperature, top_k, top_p, seed, defaults: dict | None = None):
     """SamplingParams from the options; `defaults` (chat's: the model's recommended sampling)
     replace the options the user did not give."""
-    from .sampling import SamplingParams
+    from ..sampling import SamplingParams
 
     d = defaults or {}
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -334,7 +334,7 @@ def _count_prompt_tokens(path, text: str) -> int | None:
     than loading); None if the tokenizer cannot be built, which the engine then reports."""
     from sparsecore.gguf_file import open_gguf
 
-    from .tokenizer import GGUFTokenizer
+    from ..tokenizer import GGUFTokenizer
 
     try:
         return len(GGUFTokenizer.from_reader(open_gguf(path)).encode(text))
@@ -424,7 +424,7 @@ def pull_cmd(name, list_models):
 def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k,
              top_p, seed, chat, ignore_eos, prompt, stats):
     """Start coordinator and workers, generate a continuation of PROMPT, shut down."""
-    from .tokenizer import StreamDecoder
+    from ..tokenizer import StreamDecoder
 
     _check_text("-p/--prompt", prompt)
     sampling = _sampling(temperature, top_k, top_p, seed)
@@ -504,7 +504,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
                                  f"out of the process list), or --no-api-key to serve anyone", param_hint="--host")
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     sparsity, line = _decode_sparsity(path, sparsity)
-    from .server import serve as serve_http  # after the checks: it imports the engine (torch)
+    from ..server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits
     opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,
@@ -576,7 +576,7 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     path, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     from sparsecore.gguf_file import open_gguf
 
-    from .sampling import chat_defaults
+    from ..sampling import chat_defaults
 
     # a conversation samples as llama.cpp's and ollama's do: the model's own recommendation
     sampling = _sampling(temperature, top_k, top_p, seed, chat_defaults(open_gguf(path)))
@@ -608,7 +608,7 @@ def _check_corpus(corpus, chunks, chunk_len) -> None:
 
 
 def _chunks(eng, corpus, part, chunks, chunk_len):
-    from .tools import corpus as corpus_mod
+    from ..tools import corpus as corpus_mod
 
     ids = eng.tokenizer.encode(corpus_mod.load(corpus, part))
     return corpus_mod.token_chunks(ids, chunk_len, chunks)
@@ -638,8 +638,8 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
                                       need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from .model_files import save_thresholds
-    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, quality as run_quality
+    from ..model_files import save_thresholds
+    from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, quality as run_quality
 
     grid = sorted(set(given) if given else set(DEFAULT_LEVELS))
     if sparsity is not None:
@@ -668,8 +668,8 @@ def _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus)
     (coordinator/tools/speed_check.py), written into the thresholds file beside the levels."""
     from tqdm import tqdm
 
-    from .model_files import calibration, level_keys, save_speed
-    from .tools import corpus as corpus_mod, speed_check
+    from ..model_files import calibration, level_keys, save_speed
+    from ..tools import corpus as corpus_mod, speed_check
 
     levels = [float(k) for k in level_keys(calibration(model_path), _meta("sparseinfer.sparse_method", "input"))]
     if not levels:
@@ -698,8 +698,8 @@ def perplexity(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity,
                                       need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from .tools.observe import predictors
-    from .tools.perplexity import perplexity as run_perplexity
+    from ..tools.observe import predictors
+    from ..tools.perplexity import perplexity as run_perplexity
 
     with _open_engine(path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, sparsity) as eng:
         data = _chunks(eng, corpus, "heldout", chunks, chunk_len)
@@ -730,8 +730,8 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
                                        need=None if powerinfer_activations else (f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from . import model_files
-    from .tools import profile as profiling
+    from .. import model_files
+    from ..tools import profile as profiling
 
     path = Path(model)
     if powerinfer_activations:
@@ -763,8 +763,8 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
 def _memory_report(path, threads, cpu_workers, ctx, parallel):
     """The memory plan an engine with these options makes (Engine(plan_only=True): no process
     started, nothing loaded but the tensor table)."""
-    from .engine import Engine, EngineOptions
-    from .sparsity_level import choose
+    from ..engine import Engine, EngineOptions
+    from ..sparsity_level import choose
 
     # generate's and serve's default level, where the model is calibrated: its twins count
     level = choose(Path(path), "input", say=False)[0] if _weights_from_context() == "gguf" else None
@@ -776,7 +776,7 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel):
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
     import torch
 
-    from .placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
+    from ..placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
 
     _, n_cpu, _ = resolve_threads(threads, cpu_workers, torch.cuda.is_available())
     weights = _weights_from_context()
@@ -888,8 +888,8 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
     model, _, _ = _check_engine_args(model, threads, None, None, need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from .model_files import load_thresholds, predictor_path, save_predictor
-    from .tools import train_predictor as pt
+    from ..model_files import load_thresholds, predictor_path, save_predictor
+    from ..tools import train_predictor as pt
 
     t0 = time.perf_counter()
     with _open_engine(model, threads, None, None, chunk_len, "ipc") as eng:
@@ -941,11 +941,11 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     _check_range("--warmup", warmup, 0, None, "cannot be negative")
     model, _, ctx = _check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
                                        need=(f"-p {pp} + -n {tg} + 1", pp + tg + 1))
-    from .model_files import level_key, load_input_thresholds, load_thresholds, save_thresholds, thresholds_path
-    from .tools import bench as b
-    from .tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
-    from .tools.observe import predictors
-    from .tools.profile import DEFAULT_SPARSITY
+    from ..model_files import level_key, load_input_thresholds, load_thresholds, save_thresholds, thresholds_path
+    from ..tools import bench as b
+    from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
+    from ..tools.observe import predictors
+    from ..tools.profile import DEFAULT_SPARSITY
 
     # dense and sparse decoding on one engine: the file's row layout (EngineOptions.interleave),
     # started at the sparse level where it is one (input sparsity's twins are made at load)
@@ -990,8 +990,8 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
 def _bench_modes(eng, b, pp, tg, reps, warmup, as_json, modes):
     from tqdm import tqdm
 
-    from .tools import corpus as corpus_mod
-    from .tools.observe import worker_layout
+    from ..tools import corpus as corpus_mod
+    from ..tools.observe import worker_layout
 
     prompt = eng.tokenizer.encode(corpus_mod.load(None, "heldout"))[:pp]
     with tqdm(total=reps * len(modes), desc="bench", unit="run", disable=as_json, leave=False) as bar:
