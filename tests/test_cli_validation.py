@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import HANG_S, REPO, children_of
 from tests.fixtures import procs
+from tests.fixtures.child_env import repo_env
 
 CORES = len(os.sched_getaffinity(0))
 # Runs the CLI as `python -m coordinator` does, then says on stdout whether the model module was
@@ -27,15 +28,9 @@ WRAP = ("import runpy, sys\n"
         "    print('\\n[engine started: %s]' % ('coordinator.model' in sys.modules))\n")
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _cli(args: list, timeout: float = HANG_S):
     """The timeout only catches a hang: a refusal takes about 0.5 s."""
-    return subprocess.run([sys.executable, "-c", WRAP, *args], capture_output=True, cwd=REPO, env=_env(),
+    return subprocess.run([sys.executable, "-c", WRAP, *args], capture_output=True, cwd=REPO, env=repo_env(),
                           timeout=timeout)
 
 
@@ -160,7 +155,7 @@ def test_ctrl_c_works_when_started_with_sigint_ignored(tiny_model_factory):
     """A background job inherits SIGINT ignored; the CLI restores it at start, so Ctrl-C (here a
     SIGINT once the model has loaded and tokens flow) still stops the run and its workers."""
     model = tiny_model_factory(tensor_type="F32", ctx=16384)  # room for a run long enough to interrupt
-    env = _env()
+    env = repo_env()
     env["PYTHONUNBUFFERED"] = "1"  # see the prompt's echo as soon as the engine has loaded
     p = subprocess.Popen([sys.executable, "-m", "coordinator", "generate", "-m", str(model), "-p", "hello",
                           "-n", "16000", "--ignore-eos", "--ctx", "16384"], stdout=subprocess.PIPE,
