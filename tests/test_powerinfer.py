@@ -146,7 +146,7 @@ def test_decode_uses_the_files_predictors(pwri, oracle, weights, no_leaks):
     for layer, k in enumerate(oracle.last_keep):
         assert active[layer] == len(ids) * N_FF + int(k[len(ids):].sum())
         assert int(k[len(ids):].sum()) < (n - 1) * N_FF * 0.7
-    ref = oracle._positionwise(ids + toks, len(ids), None, predictor=True)[len(ids) - 1:]
+    ref = oracle.positionwise_logits(ids + toks, len(ids), None, predictor=True)[len(ids) - 1:]
     np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=0)
 
 
@@ -193,7 +193,7 @@ def test_separate_predictor_file_replaces_the_models_own(pwri, tmp_path, no_leak
 # ---- errors -------------------------------------------------------------------------------------
 
 def test_missing_predictor_tensor_is_named(tmp_path, no_leaks):
-    bad = write_tiny_powerinfer(tmp_path / "bad.powerinfer.gguf", _omit=("blk.1.fc2.weight",))
+    bad = write_tiny_powerinfer(tmp_path / "bad.powerinfer.gguf", omit=("blk.1.fc2.weight",))
     with pytest.raises(ModelFileError, match=r"bad\.powerinfer\.gguf: predictor tensor blk\.1\.fc2\.weight is missing"):
         Engine(bad, EngineOptions(**OPTS))
 

@@ -49,7 +49,7 @@ def test_roundtrip(tmp_path, tensor_type):
         "llama.attention.head_count_kv": 2,
         "llama.rope.dimension_count": hidden // 4,
         "llama.vocab_size": n_vocab,
-        "general.file_type": int(tg._TYPES[tensor_type][1]),
+        "general.file_type": int(tg.TYPES[tensor_type][1]),
         "general.quantization_version": 2,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",

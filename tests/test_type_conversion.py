@@ -25,7 +25,7 @@ ATTN = "blk.1.attn_q.weight"
 
 def _model(tmp_path, t: QT):
     return write_tiny_llama(tmp_path / f"{t.name}.gguf", n_layers=2, hidden=256, n_ff=512, tensor_type="Q8_0",
-                            _override_types={GATE: t, ATTN: t})
+                            override_types={GATE: t, ATTN: t})
 
 
 @pytest.mark.parametrize("t", CONVERTED, ids=lambda t: t.name)
