@@ -203,37 +203,36 @@ def test_a_step_the_coordinator_drops_is_dropped_by_the_worker(tiny_model_factor
 
 
 def test_the_wait_for_a_peer_ends_on_its_share_a_later_step_or_a_check():
-    """Lockstep._exchange alone, on a real segment: a peer at this phase is summed; a peer
-    already in a later step means this step was dropped; a peer behind is waited for, with
-    `check` called meanwhile (it raises to stop the wait)."""
+    """Lockstep.announce_and_wait alone, on a real segment (a part of no layers: the wait needs
+    none): it raises this process's phase word; a peer at this phase, or past it within the step,
+    ends the wait at once; a peer already in a later step means this step was dropped
+    (Abandoned); a peer behind is waited for, with `check` called meanwhile (it raises to stop
+    the wait). The shares a finished wait sums are the run's (the engine tests above)."""
     from protocol.shm_layout import SLOT_PHASE, SharedBuffers, ShmLayout
-    from sparsecore.kernels import ptr, residual_norm_args
     from sparsecore.lockstep import PHASE_STRIDE, Abandoned, Lockstep
 
     buf = SharedBuffers.create(ShmLayout(hidden=32, n_ff=32, max_tokens=4, n_slots=2, n_layers=1))
     try:
-        part = object.__new__(Lockstep)  # the fields _exchange reads, without a model
-        part.slot, part.words, part.eps = 1, buf.slots, 1e-5
-        part.h, part.x = np.zeros((2, 32), np.float32), np.zeros((2, 32), np.float32)
-        part._ptrs = (ptr(part.h), ptr(part.x), [])
-        addresses = residual_norm_args([buf.out[0, :2], buf.out[1, :2]])
-        shares = (ptr(addresses), len(addresses))
+        part = Lockstep(buf, 1, [], (0, 0), {}, "silu", [], 1e-5)
         phase = 7 * PHASE_STRIDE + 3
-        buf.out[0, 0], buf.out[1, 0] = 1.0, 2.0
-        buf.slots[0, SLOT_PHASE] = phase
-        part._exchange(phase, [0], shares, 1, 0, lambda: None)
-        assert (part.h[0] == 3.0).all() and buf.slots[1, SLOT_PHASE] == phase
-        buf.slots[0, SLOT_PHASE] = 8 * PHASE_STRIDE + 1  # the peer went on to the next step
-        with pytest.raises(Abandoned):
-            part._exchange(phase, [0], shares, 1, 0, lambda: None)
-        buf.slots[0, SLOT_PHASE] = phase - 1
         calls = []
 
         def check():
             calls.append(1)
             raise Abandoned("stop")
-        with pytest.raises(Abandoned):
-            part._exchange(phase, [0], shares, 1, 0, check)
-        assert calls == [1] and (part.h[0] == 3.0).all()  # nothing summed
+
+        for peer in (phase, phase + 1):  # there, or one phase on within the same step
+            buf.slots[0, SLOT_PHASE] = peer
+            buf.slots[1, SLOT_PHASE] = 0
+            part.announce_and_wait(phase, [0], check)
+            assert buf.slots[1, SLOT_PHASE] == phase and calls == []
+        buf.slots[0, SLOT_PHASE] = 8 * PHASE_STRIDE + 1  # the peer went on to the next step
+        with pytest.raises(Abandoned, match=f"phase {phase}"):
+            part.announce_and_wait(phase, [0], check)
+        assert calls == []  # dropped on sight, not after a check
+        buf.slots[0, SLOT_PHASE] = phase - 1
+        with pytest.raises(Abandoned, match="stop"):
+            part.announce_and_wait(phase, [0], check)
+        assert calls == [1]
     finally:
         buf.close()
