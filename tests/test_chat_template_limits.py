@@ -107,7 +107,8 @@ def test_renders_share_one_renderer_and_the_output_is_capped_in_steps():
     one; (2) a template over MAX_TEMPLATE_CHARS is refused before the renderer sees it; (3)
     generation stops at the output cap: a template that would call back 10**10 times, each call
     100 characters, is stopped after MAX_OUTPUT_CHARS // 100 + 1 calls (counted in-process by
-    the callback, which also stops a runaway render at 10x that)."""
+    the callback, which also stops a runaway render at 10x that; serve_one, the renderer's
+    answer to a request, run here so that the callback can count)."""
     want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert render_chat(None, MSGS) == want
     started, pids = renderer().started, _renderers()
@@ -138,9 +139,9 @@ def test_renders_share_one_renderer_and_the_output_is_capped_in_steps():
         return piece
 
     endless = "{% for a in range(100000) %}{% for b in range(100000) %}{{ tick() }}{% endfor %}{% endfor %}"
-    try:
-        with pytest.raises(ChatTemplateError, match="output exceeds"):
-            ct._render_limited(endless, dict(messages=MSGS, tick=tick))
+    try:  # the renderer's own answer to a request, computed here (serve_one runs in the renderer)
+        reply = ct.serve_one({"source": endless, "variables": dict(messages=MSGS, tick=tick)})
     except _TooManySteps:
         pytest.fail(f"the output cap did not stop generation after {len(calls)} pieces")
+    assert reply == {"error": f"output exceeds {ct.MAX_OUTPUT_CHARS} characters"}
     assert len(calls) == cap_calls
