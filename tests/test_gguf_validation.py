@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -27,6 +28,13 @@ _FMT = {gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i", gguf.GG
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("valid") / "tiny.gguf", n_layers=2)
+
+
+def _fresh_copy(src: Path, dst: Path) -> Path:
+    """A copy of `src` at `dst`: open_gguf serves a file this process opened before from memory
+    (by device, inode, size and mtime), and a copy is another file, parsed when opened."""
+    shutil.copyfile(src, dst)
+    return dst
 
 
 def _kv_value_offset(reader, key: str) -> int:
@@ -139,10 +147,8 @@ class _TooManySteps(BaseException):
 
 def _cost(path: Path, step_budget: int | None = None) -> tuple[BaseException | None, int, int]:
     """load(path) -> (what it raised, Python lines it ran, peak bytes it allocated). Past
-    `step_budget` lines it is stopped (_TooManySteps): a step count, not a clock."""
-    from sparsecore import gguf_file
-
-    gguf_file._OPENED.clear()  # a file opened before must be parsed again, not served
+    `step_budget` lines it is stopped (_TooManySteps): a step count, not a clock. `path`: a file
+    this process has not opened (one opened before is served from memory, not parsed)."""
     steps = 0
 
     def line(frame, event, arg):
@@ -174,11 +180,12 @@ def _cost(path: Path, step_budget: int | None = None) -> tuple[BaseException | N
 
 
 @pytest.fixture(scope="module")
-def valid_cost(valid) -> tuple[int, int]:
-    """Lines run and bytes allocated to load the valid file (after a first load, so one-time
-    imports do not count)."""
-    load(valid)
-    raised, steps, peak = _cost(valid)
+def valid_cost(valid, tmp_path_factory) -> tuple[int, int]:
+    """Lines run and bytes allocated to load the valid file (after a first load of another copy,
+    so one-time imports do not count)."""
+    d = tmp_path_factory.mktemp("cost")
+    load(_fresh_copy(valid, d / "warm.gguf"))
+    raised, steps, peak = _cost(_fresh_copy(valid, d / "cold.gguf"))
     assert raised is None
     return steps, peak
 
@@ -288,13 +295,12 @@ def test_a_header_without_the_vocabulary_reads_the_rest_alike(valid, tmp_path):
     over, every other field and every tensor reads as in the full header; a vocabulary array
     cut short is still refused with the file's name. Once the whole header is parsed, it
     serves a process's second open without the vocabulary too (the coordinator's own shard)."""
-    from sparsecore import gguf_file
-
-    gguf_file._OPENED.clear()
-    lean, full = open_gguf(valid, vocabulary=False), open_gguf(valid)
-    assert open_gguf(valid, vocabulary=False) is lean
-    gguf_file._OPENED.clear()
-    assert open_gguf(valid) is not full and open_gguf(valid, vocabulary=False) is open_gguf(valid)
+    first_lean = _fresh_copy(valid, tmp_path / "lean_first.gguf")  # files this process never opened
+    lean, full = open_gguf(first_lean, vocabulary=False), open_gguf(first_lean)
+    assert open_gguf(first_lean, vocabulary=False) is lean and lean is not full
+    first_full = _fresh_copy(valid, tmp_path / "full_first.gguf")
+    whole = open_gguf(first_full)
+    assert open_gguf(first_full, vocabulary=False) is whole and "tokenizer.ggml.tokens" in whole.fields
     assert "tokenizer.ggml.tokens" in full.fields and "tokenizer.ggml.tokens" not in lean.fields
     kept = [k for k in full.fields if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                                                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges")]
@@ -304,7 +310,7 @@ def test_a_header_without_the_vocabulary_reads_the_rest_alike(valid, tmp_path):
             assert lean.fields[k].contents() == full.fields[k].contents(), k
     assert [(t.name, int(t.data_offset), t.tensor_type) for t in lean.tensors] == \
         [(t.name, int(t.data_offset), t.tensor_type) for t in full.tensors]
-    assert read_config(valid, lean) == read_config(valid, full)
+    assert read_config(first_lean, lean) == read_config(first_lean, full)
     data = bytearray(valid.read_bytes())
     tokens = full.fields["tokenizer.ggml.tokens"]
     struct.pack_into("<Q", data, _kv_value_offset(full, "tokenizer.ggml.tokens") + 4, 1 << 40)  # element count
@@ -320,7 +326,7 @@ def test_long_arrays_decode_when_read_as_gguf_py_decodes_them(tmp_path, endian):
     """Arrays longer than LAZY_ARRAY (a vocabulary) are decoded on first read, not while the
     header is parsed: the same values as gguf-py's own reader, element and slice access alike,
     and a string that is not UTF-8 refused there too."""
-    from sparsecore.gguf_file import LAZY_ARRAY, _LazyArray
+    from sparsecore.gguf_file import LAZY_ARRAY
 
     n = LAZY_ARRAY + 45
     path = tmp_path / "arrays.gguf"
@@ -338,7 +344,8 @@ def test_long_arrays_decode_when_read_as_gguf_py_decodes_them(tmp_path, endian):
     ours, theirs = open_gguf(path), gguf.GGUFReader(path)
     for key in ("t.strings", "t.floats", "t.ints", "t.short"):
         a, b = ours.fields[key], theirs.fields[key]
-        assert isinstance(a, _LazyArray) == (key != "t.short"), key
+        # decoded when read: no parts (gguf-py's numpy view per element) built with the header
+        assert (not a.parts) == (key != "t.short") and bool(b.parts), key
         assert a.types == b.types and len(a.data) == len(b.data), key
         assert a.contents() == pytest.approx(b.contents()), key
         assert a.contents(1) == pytest.approx(b.contents(1))
