@@ -20,7 +20,7 @@ import numpy as np
 
 from protocol.doorbell import CoordinatorBell
 from protocol.shm_layout import SharedBuffers, StepKind
-from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep
+from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, residual_norm
 from sparsecore.kv_pool import KvPool
 
 from .sparse_ffn import ExchangeStats
@@ -79,9 +79,15 @@ class SplitAttention:
         own, off = self.scratch[:B], layer * step.layer_bytes
         self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own)
         self.bell.wait(posted.step, self.part)
-        for slot in self.part:
-            own += buf.out[slot, :B]
-        h += own
+        step = self.steps[layer]
+        post = step.extra_arrays.get("post_norm")
+        if post is None and not step.extras.out_scale:
+            for slot in self.part:
+                own += buf.out[slot, :B]
+            h += own
+        else:  # the output norm (gemma3) and residual scale (granite) apply to the sum of the shares
+            residual_norm(h, [own, *(buf.out[slot, :B] for slot in self.part)], None, step.eps, post,
+                          step.extras.out_scale)
         self.stats.attn_us.append((time.perf_counter() - t0) * 1e6)
 
 

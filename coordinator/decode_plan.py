@@ -149,8 +149,8 @@ def why_not_native(native: list, weights: str, cfg) -> str:
         return ""
     if weights != "gguf":
         return f"weights {weights}: the native step reads the file's blocks"
-    if not cfg.plain_llama or cfg.rope_dim > cfg.head_dim:
-        return f"{cfg.arch}'s attention is not the native kernel's (llama's)"
+    if not cfg.native_attention:
+        return f"{cfg.arch}'s attention (LayerNorm or parallel blocks) is not the native kernel's"
     return "a layer's tensor types or shape the native kernel does not take"
 
 

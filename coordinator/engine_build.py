@@ -35,6 +35,7 @@ from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
 from sparsecore.predictor_rows import has_predictors
+from sparsecore.rope import layer_tables
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
@@ -56,24 +57,8 @@ if TYPE_CHECKING:
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
-    """Every tensor the model needs, by the names the file itself uses: phi3's fused `attn_qkv`
-    and `ffn_up` (gate and up) rather than the parts sparsecore.tensors.TensorStore shows."""
-    names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
-    fused = cfg.arch == "phi3"
-    per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_down"]
-    per_layer += ["attn_qkv", "ffn_up"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"]
-    if cfg.arch == "falcon":  # one norm (with bias) before both attention and the gate-less FFN
-        names += ["output_norm.bias"]
-        per_layer = ["attn_norm", "attn_norm.bias", "attn_output", "attn_qkv", "ffn_up", "ffn_down"]
-    if cfg.qk_norm:
-        per_layer += ["attn_q_norm", "attn_k_norm"]
-    if cfg.post_norms:
-        per_layer += ["post_attention_norm", "post_ffw_norm"]
-    for i in range(cfg.n_layers):
-        names += [f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for n in per_layer]
-        if cfg.qkv_bias:
-            names += [f"blk.{i}.attn_{n}.bias" for n in "qkv"]
-    return names
+    """Every tensor the model needs, by the names the file itself uses (sparsecore/arch.py)."""
+    return cfg.spec.required_tensors(cfg.n_layers, cfg.tied_embeddings, cfg.qkv_bias, cfg.qk_norm)
 
 
 def load_level(model: Path, opts: EngineOptions, sparsity: float) -> list:
@@ -152,7 +137,7 @@ class EngineBuilder:
         if opts.decode_path != "auto" and not self.attn_heads:
             raise ValueError(f"decode path {opts.decode_path}: attention cannot be split here: {self.no_split}")
         self.kv_shape = KvShape(max(1, opts.kv_caches) if self.attn_heads else 1, cfg.n_layers, cfg.n_kv_heads,
-                                self.max_ctx, cfg.head_dim, cfg.rope_dim)
+                                self.max_ctx, cfg.head_dim, cfg.rope_dim, len(layer_tables(cfg)[0]))
         self.memory = self._plan_memory()
         m = self.memory
         if self.input_major and m.available is not None and m.anonymous - m.twins <= m.available < m.anonymous:

@@ -26,6 +26,7 @@ from sparsecore.lm_head import HeadCandidates
 from sparsecore.kernels import rms_norm as native_rms_norm
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
+from sparsecore.rope import layer_tables, rope_tables
 from sparsecore.tensors import TensorStore, unpermute_qk
 
 from .decode_plan import DecodePaths, DecodePlan, local_paths
@@ -240,38 +241,24 @@ class AttentionLayer:
         return sum(w.nbytes for w in parts if w is not None) + sum(n.nbytes for n in norms.values())
 
 
-class _SoftCapped:
-    """A head whose logits are soft-capped: c * tanh(logits / c) (final_logit_softcapping)."""
+class _ScaledHead:
+    """A head whose logits are divided by `scale` (granite's logit_scale) and then soft-capped,
+    c * tanh(logits / c) (final_logit_softcapping), in float32 as transformers does."""
 
-    def __init__(self, head, cap: float):
-        self.head, self.cap = head, cap
+    def __init__(self, head, scale: float | None, cap: float | None):
+        self.head, self.scale, self.cap = head, scale, cap
 
     @property
     def bytes_per_token(self) -> int:
         return self.head.bytes_per_token
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        return _torch().soft_cap(self.head(h), self.cap)
-
-
-def rope_tables(base: float, scale: float, d: int, max_ctx: int,
-                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed sin (max_ctx, d) of rotate-half RoPE, float32, as transformers computes
-    them: the inverse frequencies and each position's angle in float32 (an angle's rounding at
-    position p is what transformers' is), the cosine and sine of that float32 angle exactly
-    rounded (torch's own differ from that in the last bit for a few percent of the entries).
-    `factors`: Llama 3.1-style per-frequency scaling; scale: linear, positions / scale."""
-    e = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv_freq = np.float32(1.0) / (np.float64(base) ** e.astype(np.float64)).astype(np.float32)
-    if factors is not None:
-        inv_freq = inv_freq / factors.astype(np.float32)
-    if scale != 1.0:
-        inv_freq = inv_freq / np.float32(scale)
-    angles = np.arange(max_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-    cos = np.cos(angles.astype(np.float64)).astype(np.float32)
-    sin = np.sin(angles.astype(np.float64)).astype(np.float32)
-    # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin)
-    return np.concatenate((cos, cos), 1), np.concatenate((-sin, sin), 1)
+        logits = self.head(h)
+        if self.scale:
+            logits = logits / np.float32(self.scale)
+        if self.cap:
+            logits = np.tanh(logits / np.float32(self.cap)) * np.float32(self.cap)
+        return logits
 
 
 class Transformer:
@@ -281,8 +268,8 @@ class Transformer:
         """decode(native steps) -> DecodePaths: the decode plan (coordinator/decode_plan.py) and
         the objects that run its paths, made once from this model's native attention steps
         (coordinator/engine_build.py); None: attention on the coordinator alone."""
-        if cfg.final_logit_softcap:
-            head = _SoftCapped(head, cfg.final_logit_softcap)
+        if cfg.final_logit_softcap or cfg.logit_scale:
+            head = _ScaledHead(head, cfg.logit_scale, cfg.final_logit_softcap)
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = Norm.read(store, "output_norm.weight")
         self._parallel_attn: list[tuple[int, np.ndarray]] = []  # see _attend_parallel
@@ -290,9 +277,10 @@ class Transformer:
         self.kv_pool = kv_pool  # shared KV caches (sparsecore/kv_pool.py), or None: private ones
         self.cache = self.new_cache()
         self.kv_layer_bytes = self.cache.k[0].nbytes  # one layer of a cache
-        self._rope_tables(store)
+        self.rope = self._rope_tables(store)
         if kv_pool is not None:  # the workers' attention steps read the same tables
-            kv_pool.cos[:], kv_pool.sin[:] = self.cos, self.sin_signed
+            for (cos, sin), (shared_cos, shared_sin) in zip(self.rope, kv_pool.tables):
+                shared_cos[:], shared_sin[:] = cos, sin
         # observer(layer, attention input after attn_norm (T, hidden), attention output before the
         # output matrix (T, heads x head_dim)): input-sparsity calibration watches both (coordinator/
         # tools/calibrate.py). While it is set, prompts take the torch attention, which has them.
@@ -305,7 +293,7 @@ class Transformer:
         # One decoded token's attention block in one native call per layer, where the layer's
         # matrices stay in the file's blocks (a small model's token is mostly dispatch otherwise).
         self.native = [self._native_step(store, i, L, fast) for i, L in enumerate(self.layers)]
-        if not all(self.native) or cfg.final_logit_softcap:
+        if not all(self.native):
             _torch()  # a layer or the head computes in torch: its import (1 s) now, while the workers load
         # Which path a decoded token takes, decided once (DecodePlan): split_attn, decoded tokens'
         # attention split by KV heads across processes (coordinator/attention_split.py; None:
@@ -315,11 +303,11 @@ class Transformer:
         self.split_attn, self.lockstep = paths.split, paths.lockstep
 
     def _native_step(self, store: TensorStore, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
-        # The kernel computes llama's attention: none of the other architectures' extras.
-        if not isinstance(L.wqkv, list) or self.cfg.rope_dim > self.cfg.head_dim or not self.cfg.plain_llama:
+        # The kernel computes the attention of every architecture but LayerNorm / parallel ones.
+        if not isinstance(L.wqkv, list) or not self.cfg.native_attention:
             return None
         try:
-            return attention_step(store, self.cfg, i, self.cos, self.sin_signed, self.cache.k[i], self.cache.v[i], fast)
+            return attention_step(store, self.cfg, i, *L.rope, self.cache.k[i], self.cache.v[i], fast)
         except ValueError:  # a shape the kernel does not take: the torch path
             return None
 
@@ -341,17 +329,15 @@ class Transformer:
         return (sum(L.nbytes for L in self.layers) + self.out_norm.nbytes + self.head.bytes_per_token
                 + self.embed.row_bytes)
 
-    def _rope_tables(self, store: TensorStore) -> None:
-        """cos and signed sin per position for every (base, scale) the layers use; `cos`,
-        `sin_signed` are the global layers' (and every layer's but gemma3's sliding ones)."""
+    def _rope_tables(self, store: TensorStore) -> list[tuple[np.ndarray, np.ndarray]]:
+        """cos and signed sin per position for every (base, scale) the layers use, in
+        sparsecore.rope.layer_tables' order (the KV pool's); each layer's `rope` is its pair."""
         factors = _f32(store.matrix("rope_freqs.weight")) if store.has("rope_freqs.weight") else None
-        tables: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
-        for i, L in enumerate(self.layers):
-            key = self.cfg.layer_rope_base(i)
-            if key not in tables:
-                tables[key] = rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors)
-            L.rope = tables[key]
-        self.cos, self.sin_signed = tables.get((self.cfg.rope_base, self.cfg.rope_scale), next(iter(tables.values())))
+        keys, index = layer_tables(self.cfg)
+        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors) for key in keys]
+        for L, t in zip(self.layers, index):
+            L.rope = tables[t]
+        return tables
 
     def _split_for(self, caches: list[KVCache]) -> SplitStep | None:
         """This decode step of `caches`' sequences when their attention is split across the
@@ -380,9 +366,7 @@ class Transformer:
         """Whether layer i's attention of a T-token prompt runs through the native step: a
         causal chunk is a batch of one sequence's tokens at consecutive positions (attn_part
         writes each token's key and value before the next token attends)."""
-        L = self.layers[i]
         return (self.native[i] is not None and self.attn_observer is None and self.input_filter is None
-                and (L.window is None or cache.pos + T <= L.window)
                 and cache.k.shape == self.cache.k.shape)
 
     def _attend_prompt(self, i: int, h: np.ndarray, cache: KVCache) -> None:
@@ -411,8 +395,7 @@ class Transformer:
         L = self.layers[i]
         if L.parallel:
             return self._attend_parallel(i, h, cache)
-        if (h.shape[0] == 1 and self.native[i] is not None and self.input_filter is None
-                and (L.window is None or cache.pos < L.window)):  # the window still covers every key
+        if h.shape[0] == 1 and self.native[i] is not None and self.input_filter is None:
             if split is not None:  # heads across the processes
                 self.split_attn(i, h, split)
                 return h
@@ -427,7 +410,9 @@ class Transformer:
         if L.parallel:
             return self._ffn_parallel(i, h, decode)
         f = self.ffn(i, L.ffn_norm(h, eps), h, decode=decode)
-        return h + (f if L.post_ffn_norm is None else L.post_ffn_norm(f, eps))
+        if L.post_ffn_norm is not None:
+            f = L.post_ffn_norm(f, eps)
+        return h + (f if self.cfg.residual_scale is None else f * np.float32(self.cfg.residual_scale))
 
     # Falcon: attention and FFN in parallel, both on the layer's input h (its output is
     # h + attn + ffn). forward and decode_batch call _attend (per sequence) and then _ffn (all
@@ -501,7 +486,7 @@ class Transformer:
             v0 = np.array([c.address[1] for c in caches], dtype=np.int64)
         split = self._split_for(caches) if native_ok else None  # the heads across the processes
         for i, L in enumerate(self.layers):
-            if native_ok and self.native[i] is not None and (L.window is None or max(positions) < L.window):
+            if native_ok and self.native[i] is not None:
                 if split is not None:
                     self.split_attn(i, h, split)
                 else:  # one native call: the attention weights read once for every sequence

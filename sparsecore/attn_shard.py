@@ -8,8 +8,9 @@ share of the output; the coordinator sums the shares (coordinator/attention_spli
 coordinator computes its own share with the same step objects, so every process runs the same
 kernel (_kernels.attn_part).
 
-Only llama-shaped attention is split (no biases, Q/K norms, windows or partial rope): the
-kernel's arithmetic; other architectures keep attention on the coordinator.
+Every architecture whose attention the native step computes is split (ModelConfig.native_attention:
+its biases, Q/K norms, output norms and scales, windows and per-layer rope bases travel with the
+step as `AttentionExtras`); LayerNorm and parallel blocks (falcon) keep attention on the coordinator.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from protocol.doorbell import Request
 from protocol.shm_layout import SharedBuffers
 
 from .config import ModelConfig
-from .kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
+from .kernels import MAX_SMALL_BATCH, AttentionExtras, AttentionStep, FileMatrix, supports
 from .kv_pool import KvPool
+from .rope import layer_tables
 from .tensors import TensorStore, unpermute_qk
 
 ATTN_NAMES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
@@ -34,9 +36,9 @@ def qk_order(rows: int, n_heads: int) -> np.ndarray:
 
 
 def native_attention(store: TensorStore, cfg: ModelConfig) -> bool:
-    """Whether every layer's attention runs in the native kernel: llama's arithmetic on matrices
-    of types the kernels read."""
-    if not cfg.plain_llama or cfg.rope_dim > cfg.head_dim or cfg.rope_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
+    """Whether every layer's attention runs in the native kernel: an attention it computes
+    (ModelConfig.native_attention) on matrices of types the kernels read."""
+    if not cfg.native_attention or cfg.rope_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
         return False
     return all(supports(store.info(f"blk.{i}.{n}").tensor_type) for i in range(cfg.n_layers) for n in ATTN_NAMES)
 
@@ -68,18 +70,31 @@ def split_heads(n_kv: int, slots: list[int], unit: int) -> dict[int, tuple[int, 
     return out
 
 
+def layer_extras(store: TensorStore, cfg: ModelConfig, i: int) -> AttentionExtras:
+    """Layer i's attention variants (sparsecore/arch.py), read from the file."""
+    p = f"blk.{i}."
+    f32 = lambda name: np.ascontiguousarray(store.matrix(p + name), dtype=np.float32)  # noqa: E731
+    return AttentionExtras(
+        bias=np.concatenate([f32(f"attn_{n}.bias") for n in "qkv"]) if cfg.qkv_bias else None,
+        q_norm=f32("attn_q_norm.weight") if cfg.qk_norm else None,
+        k_norm=f32("attn_k_norm.weight") if cfg.qk_norm else None,
+        post_norm=f32("post_attention_norm.weight") if cfg.post_norms else None,
+        scale=cfg.attn_scale, out_scale=cfg.residual_scale, window=cfg.layer_window(i))
+
+
 def attention_step(store: TensorStore, cfg: ModelConfig, i: int, cos: np.ndarray, sin: np.ndarray,
                    k_cache: np.ndarray, v_cache: np.ndarray, fast: bool) -> AttentionStep:
-    """Layer i's native step over the file's blocks (Q and K rows in un-permuted order), with the
-    rope tables and this layer's keys and values of a default cache: the coordinator's model and
-    a worker's shard build theirs here alike. Raises ValueError for a shape the kernel refuses."""
+    """Layer i's native step over the file's blocks (Q and K rows in un-permuted order), with its
+    rope tables (`cos`, `sin`: the layer's own) and keys and values of a default cache: the
+    coordinator's model and a worker's shard build theirs here alike. Raises ValueError for a
+    shape the kernel refuses."""
     p = f"blk.{i}."
     q, k, v, o = (FileMatrix(store.info(p + n)) for n in ATTN_NAMES)
     q_rows = qk_order(q.rows, cfg.n_heads) if cfg.permuted_qk else np.arange(q.rows, dtype=np.int32)
     k_rows = qk_order(k.rows, cfg.n_kv_heads) if cfg.permuted_qk else np.arange(k.rows, dtype=np.int32)
     norm = np.ascontiguousarray(store.matrix(p + "attn_norm.weight"), dtype=np.float32)
     return AttentionStep(q, q_rows, k, k_rows, v, o, norm, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.rope_dim, cos, sin, k_cache, v_cache, fast)
+                         cfg.rope_dim, cos, sin, k_cache, v_cache, fast, layer_extras(store, cfg, i))
 
 
 class AttnShard:
@@ -91,7 +106,8 @@ class AttnShard:
     @classmethod
     def load(cls, store: TensorStore, cfg: ModelConfig, pool: KvPool, heads: tuple[int, int],
              fast: bool) -> "AttnShard":
-        steps = [attention_step(store, cfg, i, pool.cos, pool.sin, pool.keys(0)[i], pool.values(0)[i], fast)
+        _, table = layer_tables(cfg)  # the coordinator filled the pool's rope tables in this order
+        steps = [attention_step(store, cfg, i, *pool.tables[table[i]], pool.keys(0)[i], pool.values(0)[i], fast)
                  for i in range(cfg.n_layers)]
         for s in steps:
             s.keep_output_columns(*heads)

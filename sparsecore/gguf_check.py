@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
+from .arch import ARCHS
 from .errors import ModelFileError
 from .kernels import _kernels
 
@@ -314,6 +315,8 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
                     f"has {vocab} rows")
 
     expect = {"output.weight": [hidden, vocab], "output_norm.weight": [hidden]}
+    spec = ARCHS.get(arch)
+    gate_in_up = spec is not None and spec.fused_gate_up
     for i in range(n_layers):
         b = f"blk.{i}."
         expect.update({
@@ -326,7 +329,7 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             b + "ffn_down_t.weight": [hidden, n_ff],
             # phi3 fuses gate and up into ffn_up (no ffn_gate), and Q, K, V into attn_qkv;
             # falcon has no gate at all
-            b + "ffn_up.weight": [hidden, n_ff if b + "ffn_gate.weight" in shapes or arch == "falcon" else 2 * n_ff],
+            b + "ffn_up.weight": [hidden, 2 * n_ff if gate_in_up else n_ff],
             b + "attn_qkv.weight": [hidden, n_heads * head_dim + n_kv * (head_dim + v_dim)],
         })
     for name, want in expect.items():

@@ -8,7 +8,9 @@ The memory is an anonymous memfd (Linux): it has no name, so nothing can be left
 descriptor at spawn. Pages are allocated as positions are first written, so caches reserved
 for server slots cost nothing until used.
 
-    [cos: f32 max_ctx x rope_dim][sin_signed: same][cache 0: keys, values][cache 1] ...
+    [cos 0: f32 max_ctx x rope_dim][sin_signed 0: same] ... [cos, sin of table n_tables - 1]
+    [cache 0: keys, values][cache 1] ...
+The rope tables: one pair per (base, scale) the layers use (sparsecore/rope.py layer_tables).
     one cache's keys (or values): f32 (n_layers, n_kv, max_ctx, head_dim)
 """
 from __future__ import annotations
@@ -28,10 +30,15 @@ class KvShape:
     max_ctx: int
     head_dim: int
     rope_dim: int
+    n_tables: int = 1  # rope table pairs (gemma3: its sliding layers' base and the global layers')
 
     @property
-    def table_bytes(self) -> int:
+    def table_bytes(self) -> int:  # one cos (or sin) table
         return 4 * self.max_ctx * self.rope_dim
+
+    @property
+    def tables_bytes(self) -> int:  # every table pair
+        return 2 * self.n_tables * self.table_bytes
 
     @property
     def half_bytes(self) -> int:  # one cache's keys (or values)
@@ -43,7 +50,7 @@ class KvShape:
 
     @property
     def size(self) -> int:
-        return 2 * self.table_bytes + 2 * self.n_caches * self.half_bytes
+        return self.tables_bytes + 2 * self.n_caches * self.half_bytes
 
 
 def supported() -> bool:
@@ -51,16 +58,18 @@ def supported() -> bool:
 
 
 class KvPool:
-    """numpy views of the pool: `cos`, `sin` (max_ctx, rope_dim) and per cache `keys(i)`,
-    `values(i)` (n_layers, n_kv, max_ctx, head_dim); `addresses(layer, caches)` for the kernels."""
+    """numpy views of the pool: `tables[t]` = (cos, sin) (max_ctx, rope_dim) per rope table and per
+    cache `keys(i)`, `values(i)` (n_layers, n_kv, max_ctx, head_dim); `addresses(layer, caches)`
+    for the kernels."""
 
     def __init__(self, shape: KvShape, fd: int, owner: bool):
         self.shape, self.fd, self.owner = shape, fd, owner
         self._mm = mmap.mmap(fd, shape.size)
         self.base = np.frombuffer(self._mm, np.uint8)
         s = shape
-        self.cos = self.base[: s.table_bytes].view(np.float32).reshape(s.max_ctx, s.rope_dim)
-        self.sin = self.base[s.table_bytes: 2 * s.table_bytes].view(np.float32).reshape(s.max_ctx, s.rope_dim)
+        view = lambda k: self.base[k * s.table_bytes:(k + 1) * s.table_bytes].view(np.float32).reshape(  # noqa: E731
+            s.max_ctx, s.rope_dim)
+        self.tables = [(view(2 * t), view(2 * t + 1)) for t in range(s.n_tables)]
         self.address = self.base.ctypes.data
         self._free = list(range(s.n_caches))
 
@@ -86,7 +95,7 @@ class KvPool:
         s = self.shape
         if not 0 <= cache < s.n_caches:
             raise IndexError(f"KV cache {cache} outside the pool's {s.n_caches}")
-        return 2 * s.table_bytes + (2 * cache + int(values)) * s.half_bytes
+        return s.tables_bytes + (2 * cache + int(values)) * s.half_bytes
 
     def keys(self, cache: int) -> np.ndarray:
         s, off = self.shape, self._half(cache, False)
@@ -101,7 +110,7 @@ class KvPool:
         s = self.shape
         if len(caches) and (caches.min() < 0 or caches.max() >= s.n_caches):
             raise IndexError(f"KV cache index outside the pool's {s.n_caches}")
-        k = self.address + 2 * s.table_bytes + 2 * caches * s.half_bytes + layer * s.layer_bytes
+        k = self.address + s.tables_bytes + 2 * caches * s.half_bytes + layer * s.layer_bytes
         return k, k + s.half_bytes
 
     # Which caches are in use: the coordinator hands them out (Transformer.new_cache).
@@ -113,7 +122,7 @@ class KvPool:
             self._free.append(cache)
 
     def close(self) -> None:
-        self.cos = self.sin = self.base = None
+        self.tables, self.base = [], None
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes at exit

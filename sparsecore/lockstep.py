@@ -9,7 +9,8 @@ waits: 30-40 us a layer of Python on the critical path (the 1.1B shape: 0.8 ms o
 token). Here each process keeps its own copy of the residuals and, per phase:
   1. computes its share into its output slot and raises its phase word;
   2. waits for every other participant's phase word;
-  3. adds all the shares to its residual and normalizes (_kernels.residual_norm).
+  3. adds all the shares to its residual (through the layer's output norm and residual scale
+     where the architecture has them) and normalizes (_kernels.residual_norm).
 Every process sums the same shares in the same order (ascending slots) with the same kernel,
 so all hold the same floats, and the coordinator's copy is what the rest of the model sees.
 
@@ -57,7 +58,10 @@ class Lockstep:
     output slot. Which slots take part comes with each step (a bitmask: `run`, `serve`)."""
 
     def __init__(self, buffers: SharedBuffers, slot: int, attn: list[AttentionStep], heads: tuple[int, int],
-                 ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None):
+                 ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None,
+                 post_ffn_norms: list[np.ndarray | None] | None = None, residual_scale: float | None = None):
+        """post_ffn_norms: per layer the norm of the FFN's output before the residual (gemma3), or
+        None; the attention's own (and the residual scale) come with its steps' extras."""
         n_layers = len(attn)
         if set(ffn) != set(range(n_layers)) or len(ffn_norms) != n_layers:
             raise ValueError("a lockstep process needs a share of every layer's attention and FFN")
@@ -76,6 +80,13 @@ class Lockstep:
         # addresses was 20-30 us of a 0.45 ms layer at 0.7 sparsity): the norm's addresses here,
         # the FFN's and attention's per layer on first use (_one_token_args).
         self._ptrs = (ptr(self.h), ptr(self.x), [ptr(w) for w in self.norms])
+        # What the exchanges apply to the summed shares before the residual, per layer: the
+        # attention's output norm and the FFN's (addresses, 0: none), and the residual scale.
+        self.post_ffn = [None if w is None else np.ascontiguousarray(w, dtype=np.float32)
+                         for w in (post_ffn_norms or [None] * n_layers)]
+        self.post = [(ptr(a.extra_arrays["post_norm"]) if "post_norm" in a.extra_arrays else 0,
+                      0 if f is None else ptr(f)) for a, f in zip(attn, self.post_ffn)]
+        self.scale = float(residual_scale or 0.0)
         self._one: list[tuple | None] = [None] * n_layers
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
@@ -110,13 +121,15 @@ class Lockstep:
               shard, store: TensorStore, cfg: ModelConfig) -> "Lockstep | None":
         """A process's part, or None when it cannot take one: it needs native attention heads and
         neurons of every layer left in the file's blocks (shard: an FfnShard)."""
-        if (not attn or not cfg.plain_llama or cfg.sliding_window is not None
+        if (not attn or not cfg.native_attention
                 or set(shard.layers) != set(range(cfg.n_layers))
                 or not all(isinstance(w, FileLayer) for w in shard.layers.values())
                 or buffers.layout.max_tokens < 2):
             return None
         norms = [store.matrix(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
-        return cls(buffers, slot, attn, heads, shard.layers, shard.activation, norms, cfg.rms_eps, shard.predict)
+        post = [store.matrix(f"blk.{i}.post_ffw_norm.weight") if cfg.post_norms else None for i in range(cfg.n_layers)]
+        return cls(buffers, slot, attn, heads, shard.layers, shard.activation, norms, cfg.rms_eps, shard.predict,
+                   post, cfg.residual_scale)
 
     def fits(self, n_tokens: int) -> bool:
         return 1 <= n_tokens <= self.half
@@ -143,7 +156,7 @@ class Lockstep:
             phase += 1
             off = i * layer_bytes
             attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, self._ptrs[2][i], check)
+            self._exchange(base + phase, peers, sums[phase & 1], B, self._ptrs[2][i], check, self.post[i][0])
             w = self.ffn[i]
             active = self.predict[i].mask_for(hh[0]) if predict else None
             t = float(thresholds[i]) if threshold else None
@@ -152,7 +165,7 @@ class Lockstep:
                 n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
             else:
                 n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, 0, check)
+            self._exchange(base + phase, peers, sums[phase & 1], B, 0, check, self.post[i][1])
         h[:] = hh
         return n_active
 
@@ -176,23 +189,25 @@ class Lockstep:
             args, k = att[phase & 1]
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
             _kernels.attn_part(*args)
-            self._exchange(base + phase, peers, sums[phase & 1], 1, norm_ptrs[i], check)
+            self._exchange(base + phase, peers, sums[phase & 1], 1, norm_ptrs[i], check, self.post[i][0])
             phase += 1
             args = ffn[phase & 1]
             args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
             n_active += _kernels.ffn_token(*args)
-            self._exchange(base + phase, peers, sums[phase & 1], 1, 0, check)
+            self._exchange(base + phase, peers, sums[phase & 1], 1, 0, check, self.post[i][1])
         h[0] = self.h[0]
         return n_active
 
     def _exchange(self, phase: int, peers: list[int], shares: tuple[int, int], B: int, norm: int,
-                  check: Callable[[], None]) -> None:
+                  check: Callable[[], None], post: int = 0) -> None:
         """Announce this process's share of `phase`, wait for every peer's, add them all (shares:
-        the address and count of their addresses) to the residuals, and normalize them into
-        self.x with the norm weights at address `norm` (0: none)."""
+        the address and count of their addresses) to the residuals, through the output norm at
+        address `post` and the residual scale where there are, and normalize them into self.x
+        with the norm weights at address `norm` (0: none)."""
         self.announce_and_wait(phase, peers, check)
         sh, n_sh = shares
-        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, self.eps, self._ptrs[1])
+        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, self.eps, self._ptrs[1], post,
+                               self.scale)
 
     def announce_and_wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
         """Announce this process's share of `phase` and wait for every peer's."""

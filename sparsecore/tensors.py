@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
+from .arch import ARCHS
 from .errors import ModelFileError
 from .gguf_file import SUPPORTED_TYPES, field_value
 
@@ -87,16 +88,16 @@ def conversion_notes(path: Path, tensors) -> list[str]:
 
 
 def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
-    """The llama names of the parts of fused tensors (phi3): `attn_qkv` rows are Q (n_heads *
+    """The llama names of the parts of fused tensors (sparsecore/arch.py: fused_qkv, fused_gate_up): `attn_qkv` rows are Q (n_heads *
     head_dim), then K and V (n_kv_heads * head_dim each); `ffn_up` holds gate rows, then up rows
-    (HF Phi3MLP's gate_up_proj, which the converter keeps whole). Falcon has no gate: its
+    (HF Phi3MLP's gate_up_proj, which the converter keeps whole). A gate-less FFN's (falcon's)
     `ffn_gate` is its `ffn_up` (the FFN step, told ffn_gate = "none", applies the activation to
     that product and reads no second row), so activity, |act(up x)|, is read the one way."""
     arch = field_value(reader, "general.architecture")
     out: dict = {}
-    if arch is None:
+    if arch not in ARCHS:
         return out
-    p = f"{arch}."
+    spec, p = ARCHS[arch], f"{arch}."
     n_heads = field_value(reader, p + "attention.head_count")
     hidden = field_value(reader, p + "embedding_length")
     n_ff = field_value(reader, p + "feed_forward_length")
@@ -108,12 +109,12 @@ def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
             nkv = int(field_value(reader, p + "attention.head_count_kv", n_heads)) * hd
             for part, (a, b) in (("attn_q", (0, nq)), ("attn_k", (nq, nq + nkv)), ("attn_v", (nq + nkv, nq + 2 * nkv))):
                 out.setdefault(blk + part + ".weight", row_slice(t, blk + part + ".weight", a, b))
-        elif (name.endswith(".ffn_up.weight") and n_ff and int(np.prod(t.shape[1:])) == 2 * int(n_ff)
-              and name.replace("ffn_up", "ffn_gate") not in by_name):
+        elif (spec.fused_gate_up and name.endswith(".ffn_up.weight") and n_ff
+              and int(np.prod(t.shape[1:])) == 2 * int(n_ff)):
             blk, f = name[: -len("ffn_up.weight")], int(n_ff)
             out[blk + "ffn_gate.weight"] = row_slice(t, blk + "ffn_gate.weight", 0, f)
             out[blk + "ffn_up.weight"] = row_slice(t, blk + "ffn_up.weight", f, 2 * f)
-        elif name.endswith(".ffn_up.weight") and arch == "falcon":
+        elif name.endswith(".ffn_up.weight") and spec.ffn_gate == "none":
             out.setdefault(name.replace("ffn_up", "ffn_gate"), t)
     return out
 

@@ -62,6 +62,33 @@ def test_greedy_and_logits_match_transformers(arch_models, arch, weights, no_lea
     assert float(np.abs(logits - want).max()) < LOGITS_ATOL
 
 
+NATIVE_ARCHS = [a for a in ARCHS if not a.startswith("falcon")]  # falcon's LayerNorms stay in torch
+
+
+@pytest.mark.parametrize("path", ["lockstep", "split"])
+@pytest.mark.parametrize("arch", NATIVE_ARCHS)
+def test_attention_split_across_processes_matches_transformers(arch_models, arch, path, no_leaks):
+    """Every architecture's attention (biases, Q/K norms, output norms, windows, per-layer rope
+    bases) on the native path with its KV heads split between the coordinator and the worker:
+    decoded tokens through every layer in one post (lockstep) or layer by layer, prompts split
+    too (forced: the tiny layers would never pay for the exchange)."""
+    cases = REF["archs"][arch]
+    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
+                         adaptive_spin=False if path == "lockstep" else None)
+    with Engine(arch_models[arch], opts) as eng:
+        assert eng.model.decode_plan.path.value == ("lockstep" if path == "lockstep" else "split attention")
+        st = eng.ffn.stats
+        for case in cases:
+            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
+                                    stop_at_eos=False))
+            assert got == case["generated_ids"], arch
+        decoded = sum(len(c["generated_ids"]) - 1 for c in cases)
+        assert len(st.lockstep_us) == (decoded if path == "lockstep" else 0)
+        seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
+        logits = eng.forward_logits(seq)
+    assert float(np.abs(logits - _reference_logits(arch)).max()) < LOGITS_ATOL
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_the_sliding_window_is_what_makes_the_match(arch_models, arch, no_leaks):
     """Without the window, positions past it move away from transformers: the test above
@@ -71,8 +98,10 @@ def test_the_sliding_window_is_what_makes_the_match(arch_models, arch, no_leaks)
     with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         window = eng.cfg.sliding_window
         assert window is not None and window < len(seq)
-        for L in eng.model.layers:
-            L.window = None
+        for L, step in zip(eng.model.layers, eng.model.native):
+            L.window = None  # the torch path's (prompts the quality tools watch)
+            if step is not None:  # the native step's, which decoded tokens and prompts take
+                step.set_window(None)
         logits = eng.forward_logits(seq)
     diff = np.abs(logits - _reference_logits(arch)).max(axis=1)
     assert diff[:window].max() < LOGITS_ATOL  # the window covers everything there
@@ -92,7 +121,9 @@ def test_configs_read_as_the_converter_writes_them(arch_models):
     q2, q3, m = cfg("qwen2"), cfg("qwen3"), cfg("mistral")
     assert q2.qkv_bias and not q2.qk_norm and not q2.permuted_qk
     assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32
-    assert m.permuted_qk and m.sliding_window == 8 and m.plain_llama
+    assert m.permuted_qk and m.sliding_window == 8
+    assert all(cfg(a).native_attention for a in ARCHS if not a.startswith("falcon"))
+    assert not cfg("falcon").native_attention
 
 
 def test_other_architectures_get_one_line_naming_the_supported_ones(tmp_path):

@@ -67,12 +67,14 @@ def residual_norm_args(shares: list[np.ndarray]) -> np.ndarray:
 
 
 def residual_norm_into(h: np.ndarray, shares: np.ndarray, B: int, norm: np.ndarray | None, eps: float,
-                       x: np.ndarray) -> None:
-    """Rows [0, B) of h += the sum of the shares (residual_norm_args), added in their order;
-    then x = RMSNorm(h) * norm, unless norm is None. h, x: (>= B, hidden) float32, contiguous;
+                       x: np.ndarray, post: np.ndarray | None = None, scale: float | None = None) -> None:
+    """Rows [0, B) of h += the sum of the shares (residual_norm_args), added in their order,
+    through the output norm `post` (RMSNorm weights) and times `scale` where given; then
+    x = RMSNorm(h) * norm, unless norm is None. h, x: (>= B, hidden) float32, contiguous;
     the shares hold at least B rows of the same width (checked by the callers, once)."""
     _kernels.residual_norm(ptr(h), ptr(shares), len(shares), h.shape[1], B,
-                           0 if norm is None else ptr(norm), float(eps), ptr(x))
+                           0 if norm is None else ptr(norm), float(eps), ptr(x), 0 if post is None else ptr(post),
+                           float(scale or 0.0))
 
 
 def rms_norm(h: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
@@ -83,11 +85,12 @@ def rms_norm(h: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
         raise ValueError("rms_norm: h must be (B, hidden) float32, norm (hidden,) float32")
     x = np.empty_like(h)
     if len(h):
-        _kernels.residual_norm(ptr(h), 0, 0, h.shape[1], len(h), ptr(norm), float(eps), ptr(x))
+        _kernels.residual_norm(ptr(h), 0, 0, h.shape[1], len(h), ptr(norm), float(eps), ptr(x), 0, 0.0)
     return x
 
 
-def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | None, eps: float) -> np.ndarray:
+def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | None, eps: float,
+                  post: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
     """Checked form of residual_norm_into for the whole of h (B, hidden), in place; returns x."""
     B, hidden = h.shape
     if h.dtype != np.float32 or not h.flags.c_contiguous or any(s.shape != h.shape for s in shares) or (
@@ -96,7 +99,9 @@ def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | No
     held = [np.ascontiguousarray(s) for s in shares]  # alive while the kernel reads them
     ptrs = residual_norm_args(held)
     x = np.empty_like(h)
-    residual_norm_into(h, ptrs, B, norm, eps, x)
+    if post is not None and (post.dtype != np.float32 or post.shape != (hidden,) or not post.flags.c_contiguous):
+        raise ValueError("residual_norm: post must be (hidden,) float32, contiguous")
+    residual_norm_into(h, ptrs, B, norm, eps, x, post, scale)
     return x
 
 
@@ -230,166 +235,4 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     return y, n
 
 
-class AttentionStep:
-    """One decoded token's attention block of one layer in one native call (_kernels.attn_token):
-    RMSNorm, Q/K/V products (`q_rows`, `k_rows`: the file's rows in un-permuted order), RoPE
-    from the model's cos / signed-sin tables, the KV cache write, softmax attention (GQA) and
-    the output product, added to the residual in place. Everything is checked here, once."""
-
-    def __init__(self, q: FileMatrix, q_rows: np.ndarray, k: FileMatrix, k_rows: np.ndarray, v: FileMatrix,
-                 o: FileMatrix, norm: np.ndarray, eps: float, n_heads: int, n_kv: int, head_dim: int,
-                 rope_dim: int, cos: np.ndarray, sin_signed: np.ndarray, k_cache: np.ndarray,
-                 v_cache: np.ndarray, fast: bool):
-        hidden, max_ctx = q.cols, k_cache.shape[1]
-        if not (q.rows == len(q_rows) == n_heads * head_dim and k.rows == len(k_rows) == v.rows == n_kv * head_dim
-                and k.cols == v.cols == hidden and o.cols == n_heads * head_dim and o.rows == hidden):
-            raise ValueError("attention shapes disagree")
-        for a, shape in ((norm, (hidden,)), (cos, (max_ctx, rope_dim)), (sin_signed, (max_ctx, rope_dim)),
-                         (k_cache, (n_kv, max_ctx, head_dim)), (v_cache, (n_kv, max_ctx, head_dim))):
-            if a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous:
-                raise ValueError(f"attention table of shape {a.shape} {a.dtype}, expected {shape} float32, contiguous")
-        if rope_dim > min(head_dim, 1024) or rope_dim % 2 or n_heads % n_kv:
-            raise ValueError("attention: rope dimension or head counts not supported natively")
-        self.q_rows, self.k_rows = (np.ascontiguousarray(r, dtype=np.int32) for r in (q_rows, k_rows))
-        for rows, n in ((self.q_rows, n_heads), (self.k_rows, n_kv)):  # attn_part reads Q and K in file order
-            heads = rows.reshape(n, head_dim)
-            if not (np.sort(heads, axis=1) == np.arange(n * head_dim).reshape(n, head_dim)).all():
-                raise ValueError("attention: q_rows and k_rows must order rows within each head only")
-        self.keep = (q, k, v, o, norm, cos, sin_signed, k_cache, v_cache)
-        self.weight_bytes = sum(m.rows * m.row_bytes for m in (q, k, v, o))
-        self.hidden, self.max_ctx = hidden, max_ctx
-        self.scratch = [np.empty(n, np.float32) for n in (hidden, n_heads * head_dim, n_kv * head_dim,
-                                                          n_kv * head_dim, max_ctx, n_heads * head_dim)]
-        self.scratch += [q8_scratch(hidden), q8_scratch(n_heads * head_dim)]
-        self.cos, self.sin = ptr(cos), ptr(sin_signed)
-        self._head = lambda q, k, v, o: (*q.args, ptr(self.q_rows), *k.args, ptr(self.k_rows), *v.args, *o.args,
-                                         ptr(norm), float(eps), hidden, n_heads, n_kv, head_dim, rope_dim)
-        self.head = self._head(q, k, v, o)
-        self.head_dim, self.group = head_dim, n_heads // n_kv
-        self.o_cols_per_kv = n_heads // n_kv * head_dim
-        self.part_heads, self.part_head = None, self.head  # keep_output_columns
-        self.cache_shape = k_cache.shape
-        self.tail = (ptr(k_cache), ptr(v_cache), max_ctx, int(fast), *(ptr(a) for a in self.scratch))
-        self.sizes = (hidden, n_heads * head_dim, n_kv * head_dim)
-        self.fast, self.batch_tail = int(fast), None
-
-    def _check_rows(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
-        B = len(pos)
-        if h.dtype != np.float32 or h.shape != (B, self.hidden) or not h.flags.c_contiguous or not (
-                1 <= B <= MAX_SMALL_BATCH and len(kp) == len(vp) == B
-                and pos.dtype == kp.dtype == vp.dtype == np.int64):
-            raise ValueError(f"attention batch: h must be (B, {self.hidden}) float32 with one position and cache "
-                             f"per row, 1 <= B <= {MAX_SMALL_BATCH}")
-        if self.batch_tail is None:  # room for MAX_SMALL_BATCH rows, made on first use
-            hidden, nq, nk = self.sizes
-            n = MAX_SMALL_BATCH
-            self.batch_scratch = [np.empty(m, np.float32) for m in (n * hidden, n * nq, n * nk, n * nk, self.max_ctx,
-                                                                    n * nq)]
-            self.batch_scratch += [q8_scratch(hidden, n), q8_scratch(nq, n)]
-            self.batch_tail = tuple(ptr(a) for a in self.batch_scratch)
-
-    def keep_output_columns(self, kv0: int, kv1: int) -> None:
-        """A process that computes the share of KV heads [kv0, kv1) (`part`) keeps their columns
-        of the output matrix in memory of their own (FileMatrix.keep_columns: read in part from
-        the file, every row of it would stream whole). Other calls read the file as before."""
-        cols = self.o_cols_per_kv
-        q, k, v, o = self.keep[:4]
-        self.o_part = o.keep_columns(range(kv0 * cols, kv1 * cols))
-        qkv = q, k, v
-        # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
-        # 16 by 16 where they can be (attn_part asks for them as ranges, in file order)
-        if self.fast:
-            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
-            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
-            qkv = tuple(m.for_fast_products(r) for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
-            self.o_part = self.o_part.for_fast_products()
-        self.qkv_part = qkv  # alive as long as the addresses in part_head
-        self.part_heads, self.part_head = (kv0, kv1), self._head(*qkv, self.o_part)
-
-    def add_twins(self, add) -> None:
-        """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
-        the matrix carrying one, or the matrix itself. Q, K and V over the rows of the heads this
-        step computes (input "attn_in"; one fused twin, Q's rows then K's then V's, where add has
-        `fused`), the output matrix over their columns ("attn_out"): the
-        share kept by keep_output_columns, else every head. A one-token product then reads the
-        twin (the kernels' dispatch); prompts and batches the rows as before."""
-        if self.part_heads is not None:
-            kv0, kv1 = self.part_heads
-            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
-            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
-            cols = range(kv0 * self.o_cols_per_kv, kv1 * self.o_cols_per_kv)
-            q, k, v = self.qkv_part
-            fused = getattr(add, "fused", None)
-            if fused is not None:  # Q's rows, K's, V's: one twin (attn_part's one-token products)
-                self.qkv_part = tuple(fused([(q, q_rows), (k, k_rows), (v, k_rows)], None, "attn_in"))
-            else:
-                self.qkv_part = (add(q, q_rows, None, "attn_in"), add(k, k_rows, None, "attn_in"),
-                                 add(v, k_rows, None, "attn_in"))
-            self.o_part = add(self.o_part, None, cols, "attn_out")
-            self.part_head = self._head(*self.qkv_part, self.o_part)
-            return
-        q, k, v, o = self.keep[:4]
-        fused = getattr(add, "fused", None)
-        qkv = fused([(q, None), (k, None), (v, None)], None, "attn_in") if fused is not None else \
-            [add(q, None, None, "attn_in"), add(k, None, None, "attn_in"), add(v, None, None, "attn_in")]
-        whole = (*qkv, add(o, None, None, "attn_out"))
-        self.keep = (*whole, *self.keep[4:])
-        self.head = self.part_head = self._head(*whole)
-
-    def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, kv0: int, kv1: int,
-             out: np.ndarray) -> None:
-        """The share of KV heads [kv0, kv1) (and their query heads) in the attention output of
-        each row of h (_kernels.attn_part): written to out (B, hidden), h left as it is. Their
-        keys and values go into the caches at kp, vp (addresses of head 0 of this layer's caches,
-        as for `batch`). Shares of disjoint ranges summed are the whole attention: processes
-        that split a layer's heads each compute one (coordinator/attention_split.py)."""
-        self._check_rows(h, pos, kp, vp)
-        if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
-            raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
-        held = self.part_heads
-        head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
-        _kernels.attn_part(*head, self.cos, self.sin, len(pos), ptr(pos), ptr(kp), ptr(vp), self.max_ctx,
-                           self.fast, *self.batch_tail, ptr(h), int(kv0), int(kv1), ptr(out))
-
-    def part_args(self, h: np.ndarray, kv0: int, kv1: int, out: np.ndarray) -> tuple[list, int]:
-        """The arguments of _kernels.attn_part for part(h, pos, kp, vp, kv0, kv1, out) with one row
-        (h, out: the same (1, hidden) arrays at every call), resolved once, and the index of the
-        position's address in them: the caller puts there the addresses of pos, kp and vp (one
-        int64 each) before each call (sparsecore/lockstep.py: no per-layer checks and addresses).
-        The step must keep its matrices (twins attached later make other arguments)."""
-        one = np.zeros(1, np.int64)
-        self._check_rows(h, one, one, one)
-        if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
-            raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
-        held = self.part_heads
-        head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
-        args = [*head, self.cos, self.sin, 1, 0, 0, 0, self.max_ctx, self.fast, *self.batch_tail, ptr(h), int(kv0),
-                int(kv1), ptr(out)]
-        return args, len(head) + 3
-
-    def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:
-        """Several sequences' decoded tokens (continuous batching) in one call, the weights read
-        once for all B (_kernels.attn_batch); per row the arithmetic of a call of the step alone.
-        h (B, hidden) float32 contiguous, updated in place; pos, kp, vp: B int64 (positions, and
-        the addresses of this layer's key and value caches, each shaped like the constructor's).
-        The caller (Transformer.decode_batch) checks the caches once per step, not per layer."""
-        self._check_rows(h, pos, kp, vp)
-        _kernels.attn_batch(*self.head, self.cos, self.sin, len(pos), ptr(pos), ptr(kp), ptr(vp), self.max_ctx,
-                            self.fast, *self.batch_tail, ptr(h))
-
-    def __call__(self, h: np.ndarray, pos: int, cache: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """h (hidden,) float32, contiguous: the residual, updated in place; pos: the token's position.
-        `cache`: another sequence's (keys, values) of this layer, shaped like the ones given at
-        construction (continuous batching: one step object, one cache per sequence)."""
-        if h.dtype != np.float32 or h.shape != (self.hidden,) or not h.flags.c_contiguous or not 0 <= pos < self.max_ctx:
-            raise ValueError("attention step: h must be the hidden-size float32 residual, pos within the cache")
-        tail = self.tail
-        if cache is not None:
-            k, v = cache
-            for a in (k, v):
-                if a.dtype != np.float32 or a.shape != self.cache_shape or not a.flags.c_contiguous:
-                    raise ValueError(f"attention step: cache of shape {a.shape} {a.dtype}, expected {self.cache_shape}")
-            tail = (ptr(k), ptr(v), *tail[2:])
-            self.keep_cache = cache  # alive until the next call, like the constructor's
-        _kernels.attn_token(*self.head, self.cos, self.sin, pos,
-                            *tail, ptr(h))
+from .attention import ATTN_EXTRA, AttentionExtras, AttentionStep  # noqa: E402,F401 (uses the names above)

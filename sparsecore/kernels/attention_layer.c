@@ -14,6 +14,24 @@ typedef struct {
     q8blk *xq, *oq;
 } attn_scratch;
 
+/* A layer's attention variants beyond llama's (sparsecore/arch.py names whose), one record per
+ * step. sparsecore/kernels/attention_extra.py's ATTN_EXTRA mirrors this layout field by field
+ * (attn_extra_layout reports it, and a test holds the two together); a zeroed record is llama's
+ * attention. Where a share is summed across processes (attn_part), the sum's owner applies
+ * post_norm and out_scale (residual_norm), since the norm is not linear in the shares. */
+typedef struct {
+    const float *bias;      /* Q | K | V biases in the file's row order (n_heads hd + 2 n_kv hd), or NULL */
+    const float *q_norm;    /* RMSNorm weights (hd) applied to each query head before rope, or NULL */
+    const float *k_norm;    /* and to each key head */
+    const float *post_norm; /* RMSNorm weights (hidden) of the attention output before the residual, or NULL */
+    float scale;            /* the softmax scale; 0: 1/sqrt(hd) */
+    float out_scale;        /* the attention output times this before the residual; 0: 1 */
+    int32_t window;         /* a query at p sees keys p - window < k <= p; 0: every key */
+    int32_t reserved;
+} attn_extra;
+
+static const attn_extra NO_EXTRA = {0};
+
 /* x = RMSNorm(h) * w (the double sum keeps long rows exact enough to match torch's) */
 static void rms_norm_into(const float *h, const float *w, float eps, int n, float *x) {
     double ss = 0.0;
@@ -30,29 +48,36 @@ static void rms_norm_into(const float *h, const float *w, float eps, int n, floa
  * softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] into out (query head i reads KV head i / group).
  * n_heads, n_kv may be a slice of the model's heads, with kc and vc at its first KV head. */
 static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int hd, int d, const float *cos_r,
-                   const float *sin_r, int pos, float *kc, float *vc, int max_ctx, float *att, float *out) {
+                   const float *sin_r, int pos, float *kc, float *vc, int max_ctx, const attn_extra *ex, float eps,
+                   float *att, float *out) {
+    if (ex->q_norm)  /* each head's RMSNorm over its hd values, before rope (qwen3, gemma3) */
+        for (int j = 0; j < n_heads; j++) rms_norm_into(q + (int64_t)j * hd, ex->q_norm, eps, hd, q + (int64_t)j * hd);
+    if (ex->k_norm)
+        for (int j = 0; j < n_kv; j++) rms_norm_into(k + (int64_t)j * hd, ex->k_norm, eps, hd, k + (int64_t)j * hd);
     rope(q, n_heads, hd, d, cos_r, sin_r);
     rope(k, n_kv, hd, d, cos_r, sin_r);
     for (int j = 0; j < n_kv; j++) {
         memcpy(kc + ((int64_t)j * max_ctx + pos) * hd, k + j * hd, sizeof(float) * hd);
         memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, v + j * hd, sizeof(float) * hd);
     }
-    float scale = 1.f / sqrtf((float)hd);
+    float scale = ex->scale > 0.f ? ex->scale : 1.f / sqrtf((float)hd);
     int group = n_heads / n_kv;
+    /* a sliding window: the keys of positions lo..pos (the cache keeps every position) */
+    int lo = ex->window > 0 && pos >= ex->window ? pos - ex->window + 1 : 0, n = pos + 1 - lo;
     for (int j = 0; j < n_kv; j++) {
-        const float *K = kc + (int64_t)j * max_ctx * hd, *V = vc + (int64_t)j * max_ctx * hd;
+        const float *K = kc + ((int64_t)j * max_ctx + lo) * hd, *V = vc + ((int64_t)j * max_ctx + lo) * hd;
         float *qj = q + (int64_t)j * group * hd, *oj = out + (int64_t)j * group * hd;
 #if HAVE_X86
         if (use_avx2 && hd % 8 == 0) {
             for (int h = 0; h < group; h += MAXG) {
                 int g = group - h < MAXG ? group - h : MAXG;
-                if (use_vnni && hd % 16 == 0) attend_heads_avx512(qj + h * hd, g, K, V, pos + 1, hd, scale, oj + h * hd);
-                else attend_heads_avx2(qj + h * hd, g, K, V, pos + 1, hd, scale, oj + h * hd);
+                if (use_vnni && hd % 16 == 0) attend_heads_avx512(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
+                else attend_heads_avx2(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
             }
             continue;
         }
 #endif
-        attend_heads_c(qj, group, K, V, pos + 1, hd, scale, att, oj);
+        attend_heads_c(qj, group, K, V, n, hd, scale, att, oj);
     }
 }
 
@@ -74,9 +99,9 @@ static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(f
  * hd/32 blocks). kv1 - kv0 heads' columns of wo must start on a block of wo's type. */
 static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                      const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
-                      float *const *vcs, int max_ctx, int fast, attn_scratch sc, const float *h, int kv0, int kv1,
-                      float *part) {
+                      const attn_extra *ex, const float *cos_t, const float *sin_t, int B, const int64_t *pos,
+                      float *const *kcs, float *const *vcs, int max_ctx, int fast, attn_scratch sc, const float *h,
+                      int kv0, int kv1, float *part) {
     int group = n_heads / n_kv, lq = (kv1 - kv0) * group, lk = kv1 - kv0;
     int64_t nq = (int64_t)lq * hd, nk = (int64_t)lk * hd, q0 = (int64_t)kv0 * group * hd, k0 = (int64_t)kv0 * hd;
     int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK, head_off = (int64_t)kv0 * max_ctx * hd;
@@ -106,33 +131,80 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
         for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] = sc.v[b * nk + k_rows[k0 + i] - k0];
     products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
     }
+    if (ex->bias) {  /* Q/K/V biases (qwen2): the file's row order, as q_rows and k_rows index it */
+        const float *bq = ex->bias, *bk = bq + (int64_t)n_heads * hd, *bv = bk + (int64_t)n_kv * hd;
+        for (int b = 0; b < B; b++) {
+            for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] += bq[q_rows[q0 + i]];
+            for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] += bk[k_rows[k0 + i]];
+            for (int64_t i = 0; i < nk; i++) sc.v[b * nk + i] += bv[k0 + i];
+        }
+    }
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
         attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,
-               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, sc.att, sc.out + b * nq);
+               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, ex, eps, sc.att,
+               sc.out + b * nq);
         if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
     }
     products(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
 }
 
-/* attn_token for B sequences: every head's share (attn_part) added to the residual h in place. */
+/* attn_token for B sequences: every head's share (attn_part), through the output norm and scale
+ * where the layer has them (ex), added to the residual h in place. */
 static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
                        const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                       const float *cos_t, const float *sin_t, int B, const int64_t *pos, float *const *kcs,
-                       float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
+                       const attn_extra *ex, const float *cos_t, const float *sin_t, int B, const int64_t *pos,
+                       float *const *kcs, float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
     float *part = sc.x;  /* x: free once the products have read it (attn_part's last matmul reads out) */
-    attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, B, pos, kcs,
-              vcs, max_ctx, fast, sc, h, 0, n_kv, part);
-    for (int64_t i = 0; i < (int64_t)B * hidden; i++) h[i] += part[i];
+    attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, ex, cos_t, sin_t, B, pos,
+              kcs, vcs, max_ctx, fast, sc, h, 0, n_kv, part);
+    for (int b = 0; b < B; b++) {
+        float *pb = part + (int64_t)b * hidden, *hb = h + (int64_t)b * hidden;
+        if (ex->post_norm) rms_norm_into(pb, ex->post_norm, eps, hidden, pb);
+        if (ex->out_scale != 0.f)
+            for (int i = 0; i < hidden; i++) hb[i] += pb[i] * ex->out_scale;
+        else
+            for (int i = 0; i < hidden; i++) hb[i] += pb[i];
+    }
 }
 
 /* One sequence's decoded token: attn_batch of one row (one token's products go through matvec) */
 static void attn_token(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
                        const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
-                       const float *cos_t, const float *sin_t, int pos, float *kc, float *vc, int max_ctx,
-                       int fast, attn_scratch sc, float *h) {
+                       const attn_extra *ex, const float *cos_t, const float *sin_t, int pos, float *kc, float *vc,
+                       int max_ctx, int fast, attn_scratch sc, float *h) {
     int64_t p = pos;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
-    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, cos_t, sin_t, 1, &p, kcs,
-               vcs, max_ctx, fast, sc, h);
+    attn_batch(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, ex, cos_t, sin_t, 1, &p,
+               kcs, vcs, max_ctx, fast, sc, h);
+}
+
+/* h[b] += the sum of B rows of shares, after the attention's (or FFN's) output norm `post` and
+ * `scale` where given (0: none): the step that sums a layer's shares across processes
+ * (residual_norm) applies what attn_batch applies to a whole layer, on the same floats. */
+static void add_shares(float *h, const float *const *parts, int n_parts, int n, int B, const float *post,
+                       float eps, float scale) {
+    float *acc = qkv_scratch(n);
+    for (int b = 0; b < B; b++) {
+        float *hb = h + (int64_t)b * n;
+        const int64_t off = (int64_t)b * n;
+        if (!post && scale == 0.f) {  /* the common case: no row buffer */
+            for (int i = 0; i < n; i++) {
+                float a = parts[0][off + i];
+                for (int p = 1; p < n_parts; p++) a += parts[p][off + i];
+                hb[i] += a;
+            }
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            float a = parts[0][off + i];
+            for (int p = 1; p < n_parts; p++) a += parts[p][off + i];
+            acc[i] = a;
+        }
+        if (post) rms_norm_into(acc, post, eps, n, acc);
+        if (scale != 0.f)
+            for (int i = 0; i < n; i++) hb[i] += acc[i] * scale;
+        else
+            for (int i = 0; i < n; i++) hb[i] += acc[i];
+    }
 }

@@ -165,34 +165,40 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* residual_norm(h, parts, n_parts, n, B, w, eps, x): per row b, h[b] += (parts[0][b] + parts[1][b]
- * + ...), summed in the order given, then x[b] = rms_norm(h[b]) * w (w == 0: no norm). The
- * lockstep decode (sparsecore/lockstep.py) runs this in every process on the same shares in
+/* residual_norm(h, parts, n_parts, n, B, w, eps, x, post, scale): per row b, h[b] += (parts[0][b] +
+ * parts[1][b] + ...), summed in the order given, through the output norm `post` and times
+ * `scale` where given (0: none: add_shares), then x[b] = rms_norm(h[b]) * w (w == 0: no norm).
+ * The lockstep decode (sparsecore/lockstep.py) runs this in every process on the same shares in
  * the same order, so each gets the same floats without sending its residual to the others. */
 static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 8 arguments"); return NULL; }
+    if (nargs != 10) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 10 arguments"); return NULL; }
     float *h = ARG_PTR(0);
     const float *const *parts = ARG_PTR(1);
     int n_parts = (int)ARG_LL(2), n = (int)ARG_LL(3), B = (int)ARG_LL(4);
     const float *w = ARG_PTR(5);
     float eps = (float)PyFloat_AsDouble(args[6]);
     float *x = ARG_PTR(7);
+    const float *post = ARG_PTR(8);
+    float scale = (float)PyFloat_AsDouble(args[9]);
     if (PyErr_Occurred()) return NULL;
     if (n_parts < 0 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    for (int b = 0; b < B; b++) {
-        float *hb = h + (int64_t)b * n;
-        const int64_t off = (int64_t)b * n;
-        for (int i = 0; i < n && n_parts > 0; i++) {  /* no parts: the norm alone (kernels.rms_norm) */
-            float acc = parts[0][off + i];
-            for (int p = 1; p < n_parts; p++) acc += parts[p][off + i];
-            hb[i] += acc;
-        }
-        if (w) rms_norm_into(hb, w, eps, n, x + off);
-    }
+    if (n_parts > 0) add_shares(h, parts, n_parts, n, B, post, eps, scale);  /* none: the norm alone (kernels.rms_norm) */
+    if (w)
+        for (int b = 0; b < B; b++) rms_norm_into(h + (int64_t)b * n, w, eps, n, x + (int64_t)b * n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* attn_extra_layout() -> (sizeof(attn_extra), offsets of bias, q_norm, k_norm, post_norm, scale,
+ * out_scale, window): what sparsecore/kernels/attention_extra.py's record must match */
+static PyObject *py_attn_extra_layout(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return Py_BuildValue("(nnnnnnnn)", (Py_ssize_t)sizeof(attn_extra), (Py_ssize_t)offsetof(attn_extra, bias),
+                         (Py_ssize_t)offsetof(attn_extra, q_norm), (Py_ssize_t)offsetof(attn_extra, k_norm),
+                         (Py_ssize_t)offsetof(attn_extra, post_norm), (Py_ssize_t)offsetof(attn_extra, scale),
+                         (Py_ssize_t)offsetof(attn_extra, out_scale), (Py_ssize_t)offsetof(attn_extra, window));
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
@@ -360,11 +366,12 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 /* The attention layer's arguments attn_token and attn_batch share, args[0..ATTN_ARGS):
  * q(MAT_ARGS), q_rows, k(MAT_ARGS), k_rows, v(MAT_ARGS), o(MAT_ARGS), norm_w, eps, hidden, n_heads,
- * n_kv, hd, d, cos_ptr, sin_ptr */
-#define ATTN_ARGS (4 * MAT_ARGS + 11)
+ * n_kv, hd, d, extra_ptr (an attn_extra record), cos_ptr, sin_ptr */
+#define ATTN_ARGS (4 * MAT_ARGS + 12)
 typedef struct {
     mat wq, wk, wv, wo;
     const int32_t *q_rows, *k_rows;
+    const attn_extra *ex;
     const float *norm_w, *cos_r, *sin_r;
     float eps;
     int hidden, n_heads, n_kv, hd, d;
@@ -381,8 +388,10 @@ static int get_attn_layer(PyObject *const *args, attn_layer *L) {
     L->eps = (float)PyFloat_AsDouble(args[1]);
     L->hidden = (int)ARG_LL(2), L->n_heads = (int)ARG_LL(3), L->n_kv = (int)ARG_LL(4);
     L->hd = (int)ARG_LL(5), L->d = (int)ARG_LL(6);
-    L->cos_r = ARG_PTR(7), L->sin_r = ARG_PTR(8);
+    L->ex = ARG_PTR(7);
+    L->cos_r = ARG_PTR(8), L->sin_r = ARG_PTR(9);
     if (PyErr_Occurred()) return -1;
+    if (!L->ex) L->ex = &NO_EXTRA;
     if (L->d > 1024 || L->d > L->hd || L->n_kv <= 0 || L->n_heads % L->n_kv) {
         PyErr_SetString(PyExc_ValueError, "attention: bad head or rope arguments");
         return -1;
@@ -407,7 +416,7 @@ static PyObject *py_attn_token(PyObject *self, PyObject *const *args, Py_ssize_t
     if (pos < 0 || pos >= max_ctx) { PyErr_SetString(PyExc_ValueError, "attn_token: position outside the cache"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
     attn_token(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
-               L.cos_r, L.sin_r, pos, kc, vc, max_ctx, fast, sc, h);
+               L.ex, L.cos_r, L.sin_r, pos, kc, vc, max_ctx, fast, sc, h);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -435,7 +444,7 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
         }
     Py_BEGIN_ALLOW_THREADS
     attn_batch(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
-               L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h);
+               L.ex, L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -469,7 +478,7 @@ static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     Py_BEGIN_ALLOW_THREADS
     attn_part(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
-              L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, kv0, kv1, part);
+              L.ex, L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, kv0, kv1, part);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -487,6 +496,7 @@ static PyMethodDef methods[] = {
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
+    {"attn_extra_layout", py_attn_extra_layout, METH_NOARGS, "the attention variants' record layout"},
     {"cols_bytes", (PyCFunction)(void (*)(void))py_cols_bytes, METH_FASTCALL, "an input-major twin's bytes"},
     {"skip_strings", (PyCFunction)(void (*)(void))py_skip_strings, METH_FASTCALL, "where a GGUF string array ends"},
     {"cols_repack", (PyCFunction)(void (*)(void))py_cols_repack, METH_FASTCALL, "a sub-matrix's input-major twin"},

@@ -1,0 +1,112 @@
+"""Architectures as data: one table entry per model family (`ARCHS`), in the spirit of llama.cpp's
+llama-arch.cpp. An entry says how the family's GGUF file is laid out (which tensors, fused or
+not, which are optional) and which shared pieces its math is built from (norm, rope style,
+activation, how the FFN combines gate and up, attention variants, scalars). read_config
+(sparsecore/config.py) turns an entry plus the file's metadata into a `ModelConfig`; nothing
+outside this module asks which architecture a file is.
+
+Adding a dense architecture whose math is made of the pieces below is one entry here. The facts
+come from llama.cpp (its per-architecture flags are not in the file: e.g. gemma3's every-6th
+global layer, its sliding layers' rope base) and from the converter (convert_hf_to_gguf.py),
+which decides the tensors' layout:
+
+- llama, mistral, bamboo, granite: the converter permutes Q/K rows for llama.cpp's "normal"
+  rope; the model un-permutes them and applies rotate-half rope. The others use "neox" rope
+  (HF's own row order). `{arch}.attention.sliding_window`, where present, limits attention
+  (Mistral v0.1; phi3 writes 0 for none).
+- qwen2: Q/K/V biases. qwen3: per-head RMSNorm of Q and K (head_dim wide) before rope.
+- gemma3: embeddings times sqrt(hidden); RMSNorm weights stored as 1 + w by the converter (plain
+  weights here); norms of the attention and FFN outputs; Q/K norms; GeGLU (tanh GELU); every
+  6th layer global (`attention.sliding_window_pattern` where the file has it), the others
+  attend within `attention.sliding_window` with rope base 10000 (`rope.freq_base_swa`); the
+  global layers use `rope.freq_base` and the linear `rope.scaling.factor`. Scale 1/sqrt(head_dim)
+  except the 62-layer 27B (hidden / n_heads, as llama.cpp); `final_logit_softcapping`.
+- phi3: Q, K, V fused as `attn_qkv`, gate and up as `ffn_up` (gate rows first).
+- bamboo (PowerInfer): llama's layout under `bamboo.`, ReLU, relu(gate x) * relu(up x).
+- falcon: LayerNorms with bias (`attention.layer_norm_epsilon`), attention and FFN in parallel
+  on the layer's input (attn_norm_2 for attention where present: the 40B layout), Q, K, V fused
+  (all Q heads, then K, then V), no gate: down(act(up x)), GELU (ReLU with predictors).
+- granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
+  block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
+  `attention.scale`, logits divided by `logit_scale`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per-layer tensors (blk.N.<name>.weight unless the name ends in .bias), by role.
+ATTN_SPLIT = ("attn_q", "attn_k", "attn_v")
+ATTN_FUSED = ("attn_qkv",)
+FFN_SPLIT = ("ffn_gate", "ffn_up")
+FFN_FUSED = ("ffn_up",)  # gate rows, then up rows
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One model family's layout and math pieces (module doc)."""
+    name: str
+    rope: str = "neox"  # "normal": Q/K rows permuted by the converter (llama.cpp's rope type NORM)
+    norm: str = "rms"  # "layer": LayerNorm with bias
+    eps_key: str = "attention.layer_norm_rms_epsilon"
+    activation: str = "silu"  # with predictors in the file (blk.0.fc1): relu
+    ffn_gate: str = "par"  # sparsecore.ffn.GATE_MODES: "par", "sym" (both activated), "none" (no gate)
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    parallel: bool = False  # attention and FFN both read the layer's input
+    post_norms: bool = False  # post_attention_norm, post_ffw_norm
+    embed_scale: str | None = None  # "sqrt_hidden", or the metadata key of the factor
+    sliding_pattern: int | None = None  # every n-th layer global; None: the window (if any) on every layer
+    rope_base_swa: float | None = None  # the sliding layers' own rope base (default; the file may say)
+    residual_scale_key: str | None = None  # outputs of attention and FFN times this before the residual
+    attn_scale_key: str | None = None  # the softmax scale, from the file
+    logit_scale_key: str | None = None  # logits divided by this
+    # the 62-layer gemma3 (27B) scales by hidden / n_heads (llama.cpp), not 1/sqrt(head_dim)
+    scale_by_hidden_at_layers: int | None = None
+
+    def attn_tensors(self) -> tuple[str, ...]:
+        return ATTN_FUSED if self.fused_qkv else ATTN_SPLIT
+
+    def ffn_tensors(self) -> tuple[str, ...]:
+        if self.ffn_gate == "none" or self.fused_gate_up:
+            return FFN_FUSED
+        return FFN_SPLIT
+
+    def required_tensors(self, n_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool) -> list[str]:
+        """Every tensor a file of this family must hold, by the names the file uses (fused
+        tensors whole; sparsecore.tensors.TensorStore shows their parts under llama's names)."""
+        names = ["token_embd.weight", "output_norm.weight"] + ([] if tied else ["output.weight"])
+        if self.norm == "layer":
+            names.append("output_norm.bias")
+        per_layer = ["attn_norm", *self.attn_tensors(), "attn_output", *self.ffn_tensors(), "ffn_down"]
+        if self.norm == "layer":
+            per_layer.append("attn_norm.bias")
+        if not self.parallel:
+            per_layer.append("ffn_norm")
+        if qk_norm:
+            per_layer += ["attn_q_norm", "attn_k_norm"]
+        if self.post_norms:
+            per_layer += ["post_attention_norm", "post_ffw_norm"]
+        if qkv_bias:
+            per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        return names + [f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight"
+                        for i in range(n_layers) for n in per_layer]
+
+
+_LLAMA = dict(rope="normal")
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (
+    Arch("llama", **_LLAMA),
+    Arch("mistral", **_LLAMA),
+    Arch("qwen2"),
+    Arch("qwen3"),
+    Arch("gemma3", activation="gelu_tanh", post_norms=True, embed_scale="sqrt_hidden", sliding_pattern=6,
+         rope_base_swa=10000.0, scale_by_hidden_at_layers=62),
+    Arch("phi3", fused_qkv=True, fused_gate_up=True),
+    Arch("bamboo", activation="relu", ffn_gate="sym", **_LLAMA),
+    Arch("falcon", norm="layer", eps_key="attention.layer_norm_epsilon", activation="gelu", ffn_gate="none",
+         fused_qkv=True, parallel=True),
+    Arch("granite", embed_scale="embedding_scale", residual_scale_key="residual_scale",
+         attn_scale_key="attention.scale", logit_scale_key="logit_scale", **_LLAMA),
+)}
+
+SUPPORTED_ARCHS = tuple(ARCHS)
