@@ -19,8 +19,12 @@ def test_the_page_examples_run(code, smollm2_path, no_leaks):
     exec(compile(code, str(PAGE), "exec"), {})
 
 
-def test_the_page_has_examples():
-    assert len(EXAMPLES) >= 3
+def test_every_python_block_of_the_page_is_an_example_that_compiles():
+    """The examples run above are every ```python block of the page (a block the pattern missed
+    would go untested), and each compiles, also where SmolLM2 is absent and they are skipped."""
+    assert EXAMPLES and len(EXAMPLES) == PAGE.read_text().count("```python")
+    for i, code in enumerate(EXAMPLES):
+        compile(code, f"{PAGE} example {i + 1}", "exec")
 
 
 def _workers() -> list[int]:
