@@ -39,10 +39,10 @@ def test_samples_cover_every_message_type():
 def test_round_trip(cls):
     msg = SAMPLES[cls]
     data = encode(msg)
-    assert isinstance(data, bytes)
     back = decode(data)
     assert type(back) is cls
     assert back == msg
+    assert encode(back) == data  # nothing changed form on the way (a tuple become a list, 1.0 become 1)
     # Field types survive too (== alone would accept 1 == 1.0 or True == 1).
     for f in dataclasses.fields(cls):
         assert type(getattr(back, f.name)) is type(getattr(msg, f.name)), f.name
@@ -158,17 +158,24 @@ UNSAFE_LOAD = re.compile(r"\b(import|from)\s+(c?pickle|dill|marshal)\b|\bpickle\
                          r"|weights_only\s*=\s*False")
 
 
+def test_the_pickle_pattern_catches_what_it_names():
+    """The scan below is only as good as its pattern: each unsafe form matches, safe ones do not."""
+    unsafe = ["import pickle", "from pickle import loads", "import dill", "data = pickle.loads(b)",
+              "np.load(f, allow_pickle=True)", "torch.load(f, weights_only=False)", "import marshal"]
+    safe = ["np.load(f)", "np.load(f, allow_pickle=False)", "torch.load(f, weights_only=True)", "import msgpack",
+            "unpickled = 0"]
+    assert [line for line in unsafe if not UNSAFE_LOAD.search(line)] == []
+    assert [line for line in safe if UNSAFE_LOAD.search(line)] == []
+
+
 def test_no_pickle_outside_tests():
     """No pickle crosses a process boundary: nothing in the runtime packages uses it."""
     offenders = []
-    checked = 0
     for pkg in ("protocol", "coordinator", "cpu_worker", "gpu_worker", "sparsecore"):
         files = sorted((REPO / pkg).rglob("*.py"))
         assert files, f"no python sources found in {pkg}/"
         for path in files:
-            checked += 1
             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if UNSAFE_LOAD.search(line):
                     offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert checked >= 10
     assert not offenders, "pickle used in runtime code:\n" + "\n".join(offenders)
