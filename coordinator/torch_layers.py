@@ -54,6 +54,8 @@ def attend(model, i: int, h: np.ndarray, cache, residual: bool = True) -> np.nda
         return a.numpy()
     if L.post_attn_norm is not None:
         a = norm(a, L.post_attn_norm.weight, None, cfg.rms_eps)
+    if cfg.residual_scale is not None:
+        a = a * cfg.residual_scale
     return (torch.from_numpy(h) + a).numpy()
 
 

@@ -19,7 +19,8 @@ zeroed: keys `<arch>.predicted` (ids) and `<arch>.predicted` logits (positions o
 last token and its continuation), with the smallest |score| met (a flip margin).
 
 Run it where transformers is installed (not a test dependency):
-  /tmp/refvenv/bin/python scripts/make_arch_reference.py
+  python3 scripts/make_arch_reference.py            # every architecture
+  python3 scripts/make_arch_reference.py granite    # one, merged into the committed files
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def build(arch: str):
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "bamboo": (tf.MistralConfig, tf.MistralForCausalLM),
            "falcon": (tf.FalconConfig, tf.FalconForCausalLM), "falcon40b": (tf.FalconConfig, tf.FalconForCausalLM),
-           "relufalcon": (tf.FalconConfig, tf.FalconForCausalLM)}[arch]
+           "relufalcon": (tf.FalconConfig, tf.FalconForCausalLM),
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
     model = cls[1](cfg).float().eval()
@@ -123,11 +125,17 @@ def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return seq[len(ids):], margins
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
+    """Every architecture, or (`only`) those named, their entries merged into the committed files."""
     import transformers
     out = {"transformers": transformers.__version__, "torch": torch.__version__, "n_new": N_NEW, "archs": {}}
     arrays = {}
-    for arch in ARCHS + POWERINFER:
+    if only:
+        out = json.loads((FIXTURES / "arch_reference.json").read_text())
+        out.setdefault("versions", {}).update({a: {"transformers": transformers.__version__,
+                                                   "torch": torch.__version__} for a in only})
+        arrays = dict(np.load(FIXTURES / "arch_reference_logits.npz"))
+    for arch in only or ARCHS + POWERINFER:
         model = build(arch)
         cases = []
         for k, p in enumerate(PROMPTS):
@@ -159,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])  # architectures to (re)make alone, e.g. granite; none: all
