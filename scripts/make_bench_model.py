@@ -4,6 +4,13 @@
     python scripts/make_bench_model.py --shape 7b --type q4_k_m -o /tmp/bench-7b-q4_k_m.gguf
     python scripts/make_bench_model.py --shape 1.1b --type q4_0 --relu --active 0.1 -o /tmp/b.pwri.gguf
     python scripts/make_bench_model.py --shape 1.1b --type q3_k_m   # by llama.cpp's quantizer
+    python scripts/make_bench_model.py --shape 1.1b --type q4_k_m --arch qwen3
+
+--arch writes the shape as another architecture's file (sparsecore/arch.py), with what its
+attention adds: qwen2 Q/K/V biases (rope base 1e6); qwen3 per-head Q/K norms (rope base 1e6);
+gemma3 Q/K norms, norms of the attention and FFN outputs, tied embeddings (no output.weight),
+a sliding window of 512 on five layers of six (llama.cpp's pattern), GeGLU. The extra tensors
+are F32, as llama.cpp's quantizer leaves them.
 
 Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
 (Llama-2 7B); --hidden/--ff/--layers/--heads/--kv-heads override any of them. The vocabulary
@@ -184,16 +191,29 @@ def tensor_specs(a) -> list[Spec]:
         t = tensor_type(name, a.type, layer, L, shape[1])
         specs.append(Spec(name, shape, t, normal(shape, scale, len(specs))))
 
+    def f32(name, n, scale=0.1):
+        specs.append(Spec(name, (n,), QT.F32, normal((n,), scale, len(specs))))
+
     mat("token_embd.weight", (a.vocab, h), 1.0)
     specs.append(Spec("output_norm.weight", (h,), QT.F32, ones(h)))
-    mat("output.weight", (a.vocab, h), 1 / np.sqrt(h))
+    if a.arch != "gemma3":  # gemma3 ties its head to the embeddings
+        mat("output.weight", (a.vocab, h), 1 / np.sqrt(h))
     for i in range(L):
         p = f"blk.{i}."
         specs.append(Spec(p + "attn_norm.weight", (h,), QT.F32, ones(h)))
         mat(p + "attn_q.weight", (h, h), 1 / np.sqrt(h), i)
         mat(p + "attn_k.weight", (kv, h), 1 / np.sqrt(h), i)
         mat(p + "attn_v.weight", (kv, h), 1 / np.sqrt(h), i)
+        if a.arch == "qwen2":
+            for n, size in (("q", h), ("k", kv), ("v", kv)):
+                f32(p + f"attn_{n}.bias", size)
+        if a.arch in ("qwen3", "gemma3"):
+            specs.append(Spec(p + "attn_q_norm.weight", (hd,), QT.F32, ones(hd)))
+            specs.append(Spec(p + "attn_k_norm.weight", (hd,), QT.F32, ones(hd)))
         mat(p + "attn_output.weight", (h, h), out_scale / np.sqrt(h), i)
+        if a.arch == "gemma3":
+            specs.append(Spec(p + "post_attention_norm.weight", (h,), QT.F32, ones(h)))
+            specs.append(Spec(p + "post_ffw_norm.weight", (h,), QT.F32, ones(h)))
         specs.append(Spec(p + "ffn_norm.weight", (h,), QT.F32, ones(h)))
         mat(p + "ffn_gate.weight", (ff, h), 1 / np.sqrt(h), i)
         mat(p + "ffn_up.weight", (ff, h), 1 / np.sqrt(h), i)
@@ -304,10 +324,10 @@ def write_own(a, report: bool = True) -> Path:
     t0 = time.perf_counter()
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(out, "llama")
+    w = gguf.GGUFWriter(out, a.arch)
     a.vocab = copy_tokenizer(w, Path(a.tokenizer_from))
     hd = a.hidden // a.n_heads
-    w.add_name(f"sparseinfer bench {a.shape} {a.type}{' relu' if a.relu else ''}")
+    w.add_name(f"sparseinfer bench {a.shape} {a.type}{' relu' if a.relu else ''}{'' if a.arch == 'llama' else ' ' + a.arch}")
     w.add_context_length(a.ctx)
     w.add_embedding_length(a.hidden)
     w.add_block_count(a.n_layers)
@@ -315,8 +335,13 @@ def write_own(a, report: bool = True) -> Path:
     w.add_head_count(a.n_heads)
     w.add_head_count_kv(a.n_kv_heads)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0 if a.arch == "llama" else 1e6)
+    w.add_layer_norm_rms_eps(1e-5 if a.arch == "llama" else 1e-6)
+    if a.arch in ("qwen3", "gemma3"):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if a.arch == "gemma3":
+        w.add_sliding_window(512)
     w.add_vocab_size(a.vocab)
     w.add_file_type(int(FILE_TYPES[a.type]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -369,6 +394,8 @@ def parse_args(argv=None):
     ap.add_argument("--active", type=float, default=0.1, help="--relu: fraction of neurons predicted active")
     ap.add_argument("--rank", type=int, help="--relu: predictor rank (default hidden/4, a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"], default="llama",
+                    help="the file's architecture: what its attention adds to llama's (module doc)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     for k, v in SHAPES[a.shape].items():
@@ -383,6 +410,8 @@ def parse_args(argv=None):
         a.quantizer = "own" if a.type in FILE_TYPES else "llama"
     if a.quantizer == "own" and a.type not in FILE_TYPES:
         ap.error(f"--type {a.type} is made by llama.cpp's quantizer only (--quantizer llama)")
+    if a.arch != "llama" and a.relu:
+        ap.error("--relu writes PowerInfer's llama layout: not with --arch")
     if a.quantizer == "llama" and a.relu:
         ap.error("--relu writes PowerInfer's layout, which llama.cpp's quantizer does not know: "
                  f"use --type {' / '.join(FILE_TYPES)}")
@@ -392,7 +421,8 @@ def parse_args(argv=None):
         ap.error("--rank must be a multiple of 32 and --active in (0, 1)")
     if a.output is None:
         a.output = str(Path.home() / ".cache/sparseinfer/models" /
-                       f"bench-{a.shape}-{a.type}{'-relu' if a.relu else ''}.gguf")
+                       f"bench-{a.shape}-{a.type}{'-relu' if a.relu else ''}"
+                       f"{'' if a.arch == 'llama' else '-' + a.arch}.gguf")
     return a
 
 
