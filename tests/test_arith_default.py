@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator import cli
+from coordinator.cli.engine_args import open_engine
 from coordinator.engine import Engine, EngineOptions
 
 ENGINE_COMMANDS = ["generate", "serve", "chat", "bench", "perplexity", "calibrate", "profile", "train-predictor"]
@@ -44,9 +45,9 @@ def test_the_cli_passes_its_arith_to_the_engine(monkeypatch, args, fast, weights
         raise _Opened
 
     monkeypatch.setattr("coordinator.engine.Engine", fake_engine)
-    ctx = cli.generate.make_context("generate", ["-p", "hi", *args])
+    ctx = cli.main.commands["generate"].make_context("generate", ["-p", "hi", *args])
     with ctx, pytest.raises(_Opened):
-        cli._open_engine("m.gguf", None, None, None, 64, "ipc")
+        open_engine("m.gguf", None, None, None, 64, "ipc")
     assert len(seen) == 1 and seen[0].fast is fast and seen[0].weights == weights
 
 

@@ -1,0 +1,67 @@
+"""The engine a command runs on: the model (default: SmolLM2, pulled on first use), the level
+generate, chat and serve decode at, and `open_engine`, which makes EngineOptions from the
+command's options (those passed through the click context included)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..model_fetch import default_model_path, pull
+from .options import (arith_from_context, meta, placement_from_context, predictor_from_context,
+                      sparse_method_from_context, weights_from_context)
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    path = default_model_path()
+    return str(path if path.exists() else pull())
+
+
+def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
+    """(the level generate, chat and serve decode at, the line that says which, or ""):
+    --sparsity as given (0: dense), else the calibrated level within the quality budget
+    (coordinator/sparsity_level.py). Exact arithmetic (transformers' tokens), predictors and float
+    weights stay dense. The caller prints the line once the engine has loaded (a file it refuses
+    gets its one error line only)."""
+    if sparsity is not None:
+        return (None if sparsity == 0 else sparsity), ""
+    if arith_from_context() != "fast" or weights_from_context() != "gguf" or predictor_from_context():
+        return None, ""
+    from sparsecore.gguf_file import open_gguf
+
+    from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
+    from ..sparsity_level import choose
+
+    if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
+        return None, ""
+    return choose(Path(path), sparse_method_from_context(), meta("sparseinfer.quality_budget", 0.02))
+
+
+def say(line: str) -> None:
+    if line:
+        click.echo(line, err=True)
+
+
+def open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2,
+                interleave=None):
+    """`interleave`: EngineOptions.interleave (False for a command that switches to sparse steps)."""
+    from ..engine import Engine, EngineOptions
+
+    return Engine(resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
+                                                      gpu_share=gpu_share, ctx=ctx, transport=transport,
+                                                      sparsity=sparsity, predictor=predictor_from_context(),
+                                                      sparse_method=sparse_method_from_context(),
+                                                      kv_caches=kv_caches, interleave=interleave,
+                                                      weights=weights_from_context(),
+                                                      fast=arith_from_context() == "fast",
+                                                      **placement_from_context()))
+
+
+def text_chunks(eng, corpus, part, chunks, chunk_len):
+    """`chunks` windows of `chunk_len` tokens of the corpus's calibration or held-out half."""
+    from ..tools import corpus as corpus_mod
+
+    ids = eng.tokenizer.encode(corpus_mod.load(corpus, part))
+    return corpus_mod.token_chunks(ids, chunk_len, chunks)

@@ -1,0 +1,140 @@
+"""What the commands refuse before anything loads: one line naming the option (`OptionError`),
+exit 1. The engine's options are checked with the model's header (`check_engine_args`: fast;
+the engine's load is the slow part); the sampling options become checked SamplingParams."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .engine_args import resolve_model
+from .options import PENALTY_OPTIONS, explicit, meta, placement_from_context
+
+
+class OptionError(ValueError):
+    """A value the CLI refuses before anything loads: one line naming the option, exit 1."""
+
+    def __init__(self, option: str, value, why: str):
+        super().__init__(f"{option} {value}: {why}")
+
+
+def _usable_cores() -> int:
+    from protocol.doorbell import usable_cores
+
+    return usable_cores()
+
+
+def check_range(option: str, value, lo=None, hi=None, why: str = "") -> None:
+    """`value` within [lo, hi] (either end open when None); NaN is never within."""
+    if value is None:
+        return
+    if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
+        span = f"{lo if lo is not None else ''}..{hi if hi is not None else ''}"
+        raise OptionError(option, value, why or f"choose {span}")
+
+
+def check_text(option: str, text: str | None) -> None:
+    """Refuse an empty text and one that is not valid Unicode: bytes the terminal's encoding could
+    not decode reach Python as lone surrogates, which no tokenizer can encode."""
+    if text is None:
+        return
+    if text == "":
+        raise OptionError(option, "''", "empty: give some text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise OptionError(option, "(text)", f"{byte} at character {e.start} is not valid in the terminal's "
+                                            f"encoding ({sys.getfilesystemencoding()}); pass UTF-8 text") from None
+
+
+def check_seed(seed: int | None) -> int | None:
+    """llama.cpp's convention: --seed -1 means a random seed (as no --seed does)."""
+    if seed is not None and seed < -1:
+        raise OptionError("--seed", seed, "choose -1 (random) or a seed >= 0")
+    return None if seed == -1 else seed
+
+
+def sampling_params(temperature, top_k, top_p, seed, defaults: dict | None = None):
+    """SamplingParams from the options; `defaults` (chat's: the model's recommended sampling)
+    replace the options the user did not give."""
+    from ..sampling import SamplingParams
+
+    d = defaults or {}
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = {k: (v if explicit(k) or k not in d else d[k]) for k, v in given.items()}
+    for _, key, _, _ in PENALTY_OPTIONS:
+        v = meta(f"sparseinfer.{key}", None)
+        if v is not None or key in d:
+            kw[key] = v if v is not None else d[key]
+    params = SamplingParams(seed=check_seed(seed), **kw)
+    params.validate()
+    return params
+
+
+def check_engine_args(model, threads, cpu_workers, ctx, gpu_share=None, sparsity=None,
+                      need: tuple[str, int] | None = None):
+    """What an engine's options must satisfy, checked before anything heavy loads: the cores, then
+    the model's header (read_config: fast; the engine's load is the slow part). Returns (model path,
+    config, the context size to use): --ctx beyond the model's trained context is capped, saying so.
+    `need`: (the options, tokens) a command needs in one window, which must fit the trained context
+    (the command raises --ctx to it, as it always did)."""
+    cores = _usable_cores()
+    check_range("-t/--threads", threads, 1, cores, f"this machine has {cores} usable cores: choose 1..{cores}")
+    # More workers than cores never helps (each wait becomes a scheduler wake-up) and each one maps
+    # the model and imports torch: refuse rather than start dozens of processes.
+    check_range("--cpu-workers", cpu_workers, 1, cores,
+                f"at most one worker per usable core ({cores} here): choose 1..{cores}")
+    check_range("--ctx", ctx, 1, None, "the context must hold at least one token")
+    check_range("--gpu-share", gpu_share, 0.0, 1.0)
+    if sparsity is not None and not 0.0 <= sparsity < 1.0:
+        raise OptionError("--sparsity", sparsity, "choose a fraction in [0, 1)")
+    check_range("--quality-budget", meta("sparseinfer.quality_budget", None), 0.0, None,
+                "a budget cannot be negative")
+    placement = placement_from_context()
+    share = placement.get("coordinator_share")
+    if share is not None and not 0.0 <= share < 1.0:  # the engine's own words (static_plan)
+        raise ValueError(f"coordinator share must be within [0, 1), got {share}")
+    check_range("--vram-budget", placement.get("vram_budget_gb"), 0.0, None, "a budget cannot be negative")
+    from sparsecore.config import read_config
+    from sparsecore.gguf_file import open_gguf
+
+    path = resolve_model(model)
+    cfg = read_config(path, open_gguf(path))
+    trained = cfg.context_length
+    if ctx is not None and ctx > trained:
+        if explicit("ctx"):
+            click.echo(f"note: --ctx {ctx} capped at the model's trained context, {trained} tokens", err=True)
+        ctx = trained
+    if need is not None and need[1] > trained:
+        raise ValueError(f"{need[0]}: {need[1]} tokens do not fit the model's trained context of {trained}")
+    return path, cfg, ctx
+
+
+def check_tokens(option: str, n: int, ctx: int, least: int = 1) -> None:
+    check_range(option, n, least, None, f"generate at least {least} token{'s' if least > 1 else ''}")
+    if n + 1 > ctx:  # a prompt has at least one token
+        raise OptionError(option, n, f"does not fit the context of {ctx} tokens with a prompt (raise --ctx "
+                                     f"up to the model's trained context, or lower {option.split('/')[-1]})")
+
+
+def count_prompt_tokens(path, text: str) -> int | None:
+    """The prompt's tokens as the engine will count them (0.3 s for SmolLM2's vocabulary: far less
+    than loading); None if the tokenizer cannot be built, which the engine then reports."""
+    from sparsecore.gguf_file import open_gguf
+
+    from ..tokenizer import GGUFTokenizer
+
+    try:
+        return len(GGUFTokenizer.from_reader(open_gguf(path)).encode(text))
+    except Exception:  # noqa: BLE001 - the engine's load names the problem
+        return None
+
+
+def check_corpus(corpus, chunks, chunk_len) -> None:
+    check_range("--chunks", chunks, 1, None, "use at least 1 window")
+    check_range("--chunk-len", chunk_len, 2, None, "a window needs at least 2 tokens")
+    if corpus is not None and not Path(corpus).is_file():
+        raise OptionError("--corpus", corpus, "no such file")
