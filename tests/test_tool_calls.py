@@ -17,7 +17,7 @@ import pytest
 from coordinator.chat_template import CHATML_TEMPLATE, render_chat
 from coordinator.structured_output import Constraint, TokenTable, grammar_for
 from coordinator.tokenizer import GGUFTokenizer
-from coordinator.tool_calls import CallParser, Tool, call_grammar, parse_tools, prepare, template_style
+from coordinator.serve.tool_calls import CallParser, Tool, call_grammar, parse_tools, prepare, template_style
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.http_server import launched
 from tests.fixtures.tiny_gguf import write_tiny_llama

@@ -53,7 +53,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
                                  f"out of the process list), or --no-api-key to serve anyone", param_hint="--host")
     path, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     sparsity, line = decode_sparsity(path, sparsity)
-    from ..server import serve as serve_http  # after the checks: it imports the engine (torch)
+    from ..serve.server import serve as serve_http  # after the checks: it imports the engine (torch)
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits
     opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,

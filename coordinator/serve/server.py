@@ -33,11 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import tool_calls
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
+from ..batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from .reaper import start_reaper
-from .sampling import SamplingParams
-from .structured_output import Constraint, GrammarError, TokenTable, grammar_for
+from ..reaper import start_reaper
+from ..sampling import SamplingParams
+from ..structured_output import Constraint, GrammarError, TokenTable, grammar_for
 
 MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused before it is parsed
 HEADER_TIMEOUT_S = 10.0  # a connection's time to deliver a request's headers (idle and slowloris ones)
@@ -67,7 +67,7 @@ class ServerState:
     scheduler: Scheduler | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     exit_status: int = 0  # non-zero: the server stopped because its engine failed for good
-    metrics: object = None  # coordinator.metrics.ServerMetrics, made with the app
+    metrics: object = None  # coordinator.serve.metrics.ServerMetrics, made with the app
     work_limiter: object = None  # anyio.CapacityLimiter of off_loop, made on the server's event loop
 
     def ready(self) -> Scheduler:
@@ -175,7 +175,7 @@ def header_timeout_protocol(seconds: float):
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                  "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
-# the routes requests are counted by (coordinator/metrics.py); any other path counts as "other"
+# the routes requests are counted by (coordinator/serve/metrics.py); any other path counts as "other"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
           "/")
 
@@ -229,14 +229,14 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/")
     async def chat_page():
-        """The chat page (coordinator/web/chat.html): static, so open to all; it asks for the key
+        """The chat page (coordinator/serve/web/chat.html): static, so open to all; it asks for the key
         and sends it with its API calls. Its CSP lets it reach this server only (offline, no CDN)."""
         return HTMLResponse(page, headers={"Content-Security-Policy": CHAT_PAGE_CSP,
                                            "X-Content-Type-Options": "nosniff"})
 
     @app.get("/metrics")
     async def prometheus():
-        """Prometheus text format (coordinator/metrics.py), behind the key like every route but /health."""
+        """Prometheus text format (coordinator/serve/metrics.py), behind the key like every route but /health."""
         return Response(metrics.text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
@@ -483,7 +483,7 @@ def _choice(choice):
 
 class _ToolUse:
     """A chat request's tools: the messages and variables its template gets, the grammar a
-    required call needs, and a parser of the calls in the reply (coordinator/tool_calls.py)."""
+    required call needs, and a parser of the calls in the reply (coordinator/serve/tool_calls.py)."""
 
     def __init__(self, messages: list[dict], template_vars: dict, style: str, tools: list, grammar: str | None):
         self.messages, self.template_vars, self.style, self.tools, self.grammar = \
