@@ -99,6 +99,15 @@ class EngineBuilder:
         missing = [n for n in required_tensors(cfg) if n not in names and n.replace("ffn_down", "ffn_down_t") not in names]
         if missing:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        if cfg.routed:  # what routed experts (ExpertsLayer) run with so far
+            refused = [what for what, on in (("--weights " + opts.weights, opts.weights != "gguf"),
+                                             ("--sparsity", opts.sparsity is not None),
+                                             ("--vram-budget", opts.vram_budget_gb is not None),
+                                             ("--predictor", bool(opts.predictor) and opts.predictor != "none"))
+                       if on]
+            if refused:
+                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks with "
+                                 f"every chosen expert dense for now: not with {refused[0]}")
         self.down_t = down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks

@@ -34,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.tiny_arch import ARCHS, POWERINFER, gguf_tensors, hf_config, hf_weights  # noqa: E402
+from tests.fixtures.tiny_arch import ARCHS, MOE, POWERINFER, gguf_tensors, hf_config, hf_weights  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures"
 N_NEW = 16
@@ -52,7 +52,8 @@ def build(arch: str):
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "bamboo": (tf.MistralConfig, tf.MistralForCausalLM),
            "falcon": (tf.FalconConfig, tf.FalconForCausalLM), "falcon40b": (tf.FalconConfig, tf.FalconForCausalLM),
            "relufalcon": (tf.FalconConfig, tf.FalconForCausalLM),
-           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[arch]
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+           "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
     model = cls[1](cfg).float().eval()
@@ -65,7 +66,25 @@ def build(arch: str):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     if arch in POWERINFER:
         _powerinfer_ffn(arch, model)
+    if arch in MOE:
+        _watch_routing(model)
     return model
+
+
+class _Routing:
+    """The smallest gap met between the k-th and the (k+1)-th router probability: routing is
+    discontinuous, so a reference is only as good as this margin (the engine's float order
+    differs from transformers' by about 1e-6)."""
+    min_gap: float = float("inf")
+
+
+def _watch_routing(model) -> None:
+    for layer in model.model.layers:
+        def hook(mod, args, out):
+            probs = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
+            k = mod.top_k
+            _Routing.min_gap = min(_Routing.min_gap, float((probs[:, k - 1] - probs[:, k]).min()))
+        layer.mlp.gate.register_forward_hook(hook)
 
 
 class _Predicted:
@@ -135,12 +154,15 @@ def main(only: list[str]) -> None:
         out.setdefault("versions", {}).update({a: {"transformers": transformers.__version__,
                                                    "torch": torch.__version__} for a in only})
         arrays = dict(np.load(FIXTURES / "arch_reference_logits.npz"))
-    for arch in only or ARCHS + POWERINFER:
+    for arch in only or ARCHS + POWERINFER + MOE:
         model = build(arch)
         cases = []
         for k, p in enumerate(PROMPTS):
+            _Routing.min_gap = float("inf")
             ids, margins = greedy(model, p, N_NEW)
             cases.append({"prompt_ids": p, "generated_ids": ids, "min_margin": min(margins)})
+            if arch in MOE:
+                cases[-1]["min_route_gap"] = _Routing.min_gap
             if k == 0:
                 with torch.inference_mode():
                     arrays[arch] = model(input_ids=torch.tensor([p + ids]), use_cache=False).logits[0].float().numpy()

@@ -26,6 +26,11 @@ which decides the tensors' layout:
 - falcon: LayerNorms with bias (`attention.layer_norm_epsilon`), attention and FFN in parallel
   on the layer's input (attn_norm_2 for attention where present: the 40B layout), Q, K, V fused
   (all Q heads, then K, then V), no gate: down(act(up x)), GELU (ReLU with predictors).
+- qwen3moe (Qwen3-30B-A3B's layout): qwen3's attention; every layer's FFN routed experts: the
+  router `ffn_gate_inp` (E x hidden) scores the FFN input, softmax, the top `expert_used_count`
+  weights renormalized to sum 1, and the chosen experts' SwiGLU FFNs (slices of the 3-D
+  `ffn_{gate,up,down}_exps`, `expert_feed_forward_length` neurons each) summed with those
+  weights (llama.cpp's build_moe_ffn with its qwen3moe flags). `feed_forward_length` is unused.
 - granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
   block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
   `attention.scale`, logits divided by `logit_scale`.
@@ -39,6 +44,11 @@ ATTN_SPLIT = ("attn_q", "attn_k", "attn_v")
 ATTN_FUSED = ("attn_qkv",)
 FFN_SPLIT = ("ffn_gate", "ffn_up")
 FFN_FUSED = ("ffn_up",)  # gate rows, then up rows
+FFN_ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # router, stacked experts
+
+# FFN kinds (Arch.ffn): "dense", one set of neurons per layer; "routed", E experts of
+# n_ff_expert neurons each, k chosen per token by a router (sparsecore/shard.py ExpertsLayer).
+FFN_KINDS = ("dense", "routed")
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,16 @@ class Arch:
     logit_scale_key: str | None = None  # logits divided by this
     # the 62-layer gemma3 (27B) scales by hidden / n_heads (llama.cpp), not 1/sqrt(head_dim)
     scale_by_hidden_at_layers: int | None = None
+    ffn: str = "dense"  # FFN_KINDS
+    expert_gating: str = "softmax"  # routed: the router's probabilities
+    expert_norm: bool = False  # routed: the top-k weights renormalized to sum 1
 
     def attn_tensors(self) -> tuple[str, ...]:
         return ATTN_FUSED if self.fused_qkv else ATTN_SPLIT
 
     def ffn_tensors(self) -> tuple[str, ...]:
+        if self.ffn == "routed":
+            return FFN_ROUTED
         if self.ffn_gate == "none" or self.fused_gate_up:
             return FFN_FUSED
         return FFN_SPLIT
@@ -77,7 +92,9 @@ class Arch:
         names = ["token_embd.weight", "output_norm.weight"] + ([] if tied else ["output.weight"])
         if self.norm == "layer":
             names.append("output_norm.bias")
-        per_layer = ["attn_norm", *self.attn_tensors(), "attn_output", *self.ffn_tensors(), "ffn_down"]
+        per_layer = ["attn_norm", *self.attn_tensors(), "attn_output", *self.ffn_tensors()]
+        if self.ffn == "dense":
+            per_layer.append("ffn_down")
         if self.norm == "layer":
             per_layer.append("attn_norm.bias")
         if not self.parallel:
@@ -99,6 +116,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("mistral", **_LLAMA),
     Arch("qwen2"),
     Arch("qwen3"),
+    Arch("qwen3moe", ffn="routed", expert_norm=True),
     Arch("gemma3", activation="gelu_tanh", post_norms=True, embed_scale="sqrt_hidden", sliding_pattern=6,
          rope_base_swa=10000.0, scale_by_hidden_at_layers=62),
     Arch("phi3", fused_qkv=True, fused_gate_up=True),

@@ -52,6 +52,15 @@ class ModelConfig:
     parallel: bool = False  # attention and FFN both read the layer's input
     residual_scale: float | None = None  # attention and FFN outputs times this before the residual
     logit_scale: float | None = None  # logits divided by this
+    # Routed experts (sparsecore/arch.py FFN_KINDS): n_ff is then one expert's neurons, the unit
+    # every process owns a range of in each expert.
+    n_experts: int = 0  # 0: a dense FFN
+    n_experts_used: int = 0
+    expert_norm: bool = False  # the chosen experts' weights renormalized to sum 1
+
+    @property
+    def routed(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def spec(self) -> Arch:
@@ -132,11 +141,17 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     elif spec.scale_by_hidden_at_layers == n_layers:
         attn_scale = (hidden / n_heads) ** -0.5
     cap = field_value(reader, p + "final_logit_softcapping")
+    n_ff_key = "expert_feed_forward_length" if spec.ffn == "routed" else "feed_forward_length"
+    experts = {}
+    if spec.ffn == "routed":  # bounds and shapes checked by check_model_metadata
+        experts = dict(n_experts=int(_require(path, reader, p + "expert_count")),
+                       n_experts_used=int(_require(path, reader, p + "expert_used_count")),
+                       expert_norm=spec.expert_norm)
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
         hidden=hidden,
-        n_ff=int(_require(path, reader, p + "feed_forward_length")),
+        n_ff=int(_require(path, reader, p + n_ff_key)),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -165,6 +180,7 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         parallel=spec.parallel,
         residual_scale=_scalar(path, reader, p + spec.residual_scale_key) if spec.residual_scale_key else None,
         logit_scale=_scalar(path, reader, p + spec.logit_scale_key) if spec.logit_scale_key else None,
+        **experts,
     )
 
 

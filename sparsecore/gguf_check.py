@@ -45,6 +45,7 @@ MAX_ALIGNMENT = 1 << 16
 MAX_LAYERS = 4096
 MAX_HIDDEN = 1 << 17
 MAX_FF = 1 << 20
+MAX_EXPERTS = 1 << 12
 MAX_HEADS = 1 << 12
 MAX_CONTEXT = 1 << 24
 
@@ -317,6 +318,15 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
     expect = {"output.weight": [hidden, vocab], "output_norm.weight": [hidden]}
     spec = ARCHS.get(arch)
     gate_in_up = spec is not None and spec.fused_gate_up
+    if spec is not None and spec.ffn == "routed":  # nothing is sized from an unchecked count
+        n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
+        _int(path, reader, p + "expert_used_count", None, 1, n_exp, f" ({p}expert_count = {n_exp})")
+        f_exp = _int(path, reader, p + "expert_feed_forward_length", None, 1, MAX_FF)
+        for i in range(n_layers):
+            b = f"blk.{i}."
+            expect.update({b + "ffn_gate_inp.weight": [hidden, n_exp], b + "ffn_gate_exps.weight": [hidden, f_exp, n_exp],
+                           b + "ffn_up_exps.weight": [hidden, f_exp, n_exp],
+                           b + "ffn_down_exps.weight": [f_exp, hidden, n_exp]})
     for i in range(n_layers):
         b = f"blk.{i}."
         expect.update({

@@ -118,15 +118,22 @@ class FileLayer:
     each row read once for all tokens, each token's output the one it would get alone)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch,
-                 gate_mode: str = "par", row_layout: str = ""):
+                 gate_mode: str = "par", row_layout: str = "", expert: int | None = None):
+        """`expert`: expert e of a routed layer (its slices of ffn_{gate,up,down}_exps), else the
+        layer's dense FFN."""
         p = f"blk.{layer}."
         self.gate_mode = gate_mode  # "none": gate is the up matrix, read once (sparsecore.ffn.GATE_MODES)
-        # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
-        # of blocks, read only when the neuron is active.
-        self.down_t = store.has(p + "ffn_down_t.weight")
-        down = "ffn_down_t.weight" if self.down_t else "ffn_down.weight"
-        self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in ("ffn_gate.weight", "ffn_up.weight",
-                                                                                 down))
+        if expert is not None:
+            self.down_t = False
+            self.gate, self.up, self.down = (FileMatrix(store.expert(p + n, expert)) for n in (
+                "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+        else:
+            # PowerInfer files hold down transposed (ffn_down_t): a neuron's down column is a row
+            # of blocks, read only when the neuron is active.
+            self.down_t = store.has(p + "ffn_down_t.weight")
+            down = "ffn_down_t.weight" if self.down_t else "ffn_down.weight"
+            self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in ("ffn_gate.weight",
+                                                                                     "ffn_up.weight", down))
         self.own, self.fast, self.scratch = own, fast, scratch
         self.idx = np.arange(own.start, own.stop)
         if not self.down_t:  # a share of the neurons reads a part of every down row: hold that part
@@ -174,8 +181,10 @@ class FileLayer:
 
     @staticmethod
     def down_name(store: TensorStore, layer: int) -> str:
-        t = f"blk.{layer}.ffn_down_t.weight"
-        return t if store.has(t) else f"blk.{layer}.ffn_down.weight"
+        for n in ("ffn_down_t", "ffn_down_exps"):
+            if store.has(f"blk.{layer}.{n}.weight"):
+                return f"blk.{layer}.{n}.weight"
+        return f"blk.{layer}.ffn_down.weight"
 
     @staticmethod
     def align(store: TensorStore, layer: int) -> int:
@@ -188,8 +197,10 @@ class FileLayer:
     @staticmethod
     def fits(store: TensorStore, layer: int, own: range | None) -> bool:
         """Whether the kernels can run this layer's neurons `own` (None: not a range) in place."""
-        names = [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight", FileLayer.down_name(store, layer)]
-        return own is not None and all(store.has(n) and supports(store.info(n).tensor_type) for n in names)
+        down = FileLayer.down_name(store, layer)
+        parts = ("ffn_gate_exps", "ffn_up_exps") if down.endswith("_exps.weight") else ("ffn_gate", "ffn_up")
+        names = [f"blk.{layer}.{n}.weight" for n in parts] + [down]
+        return own is not None and all(store.has(n) and supports(store.raw(n).tensor_type) for n in names)
 
     @property
     def nbytes(self) -> int:
@@ -271,6 +282,87 @@ class FileLayer:
         return y, n_active
 
 
+class ExpertsLayer:
+    """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of every
+    expert's neurons, each expert a FileLayer over its slices of the stacked ffn_*_exps tensors,
+    and the router. Every process routes each token itself, with the same native kernel on the
+    same FFN input (so all choose the same experts: no routing crosses the wire), and computes
+    its share of the chosen experts, each times its weight:
+        y = sum over the token's k experts e of w_e * down_e[:, own] (act(gate_e[own] x) * up_e[own] x)
+    Routing as llama.cpp's build_moe_ffn: softmax of router . x, the top k (ties to the lower
+    index), renormalized to sum 1 where the architecture says (qwen3moe)."""
+
+    def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch, cfg,
+                 row_layout: str = ""):
+        self.router = FileMatrix(store.info(f"blk.{layer}.ffn_gate_inp.weight"))
+        if self.router.rows != cfg.n_experts:
+            raise ValueError(f"blk.{layer}.ffn_gate_inp.weight scores {self.router.rows} experts, the file says "
+                             f"{cfg.n_experts}")
+        self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        self.experts = [FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e)
+                        for e in range(cfg.n_experts)]
+        self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
+        self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
+        self.logits = np.empty(cfg.n_experts, np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file a token reads here: its k experts' owned rows and the router."""
+        return self.k * self.experts[0].nbytes + self.router.rows * self.router.row_bytes
+
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The experts of each row of x (T, hidden) and their weights: (T, k) int64, (T, k) float32."""
+        T = len(x)
+        ids, weights = np.empty((T, self.k), np.int64), np.empty((T, self.k), np.float32)
+        for t in range(T):
+            logits = self.router.matvec(x[t], out=self.logits)  # exact arithmetic: every process alike
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            top = np.argsort(-p, kind="stable")[: self.k]
+            w = p[top]
+            if self.renormalize:
+                w = w / max(float(w.sum()), 6.1e-5)  # llama.cpp's floor
+            ids[t], weights[t] = top, w
+        return ids, weights
+
+    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        """One token into `out` (hidden,): the weighted sum of its experts' shares."""
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        ids, weights = self.route(x[None])
+        part, n = self.part[0], 0
+        out[:] = 0.0
+        for e, w in zip(ids[0], weights[0]):
+            n += self.experts[e].token_into(x, activation, None, None, part)
+            out += w * part
+        return n
+
+    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        """A small batch (T, hidden) into out (T, hidden): each row as token_into gives it alone."""
+        return sum(self.token_into(x[t], activation, active, threshold, out[t]) for t in range(len(x)))
+
+    def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
+             threshold: float | None) -> tuple[np.ndarray, int]:
+        """x (T, hidden) -> (this shard's partial output (T, hidden), active pairs): the tokens
+        grouped by expert, each expert's tokens in one batched step (FileLayer.step), weighted."""
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        if len(xs) == 1:
+            y = np.empty_like(xs)
+            return y, self.token_into(xs[0], activation, None, None, y[0])
+        ids, weights = self.route(xs)
+        y, n = np.zeros_like(xs), 0
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            part, k = self.experts[e].step(xs[rows], activation, None, None)
+            y[rows] += weights[rows, slot][:, None] * part
+            n += k
+        return y, n
+
+
 class FfnShard:
     def __init__(self, layers: dict[int, LayerRows], activation: str, device: "torch.device | str",
                  head: HeadRows | None = None, gate_mode: str = "par", predict: dict[int, PredictorRows] | None = None):
@@ -309,7 +401,12 @@ class FfnShard:
         for layer, idx in enumerate(neurons):
             if not len(idx):
                 continue
-            if weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
+            if cfg.routed:  # experts stay in the file's blocks (the engine refuses other formats for them)
+                if not (device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer])):
+                    raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
+                                     f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
+                layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+            elif weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
                 layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
             else:
                 import torch
@@ -353,7 +450,7 @@ class FfnShard:
 
         from .ffn import ffn_partial, ffn_partial_threshold
         w = self.layers[layer]
-        if isinstance(w, FileLayer):
+        if isinstance(w, (FileLayer, ExpertsLayer)):
             y, n = w.step(x.cpu().numpy(), self.activation, active, threshold)
             return torch.from_numpy(y), n
         if threshold is not None:
@@ -385,14 +482,14 @@ class FfnShard:
                 raise ValueError(f"a predictor step of {req.n_tokens} tokens for layer {req.layer}, which this "
                                  f"shard {'cannot score' if req.layer not in self.predict else 'scores one at a time'}")
             active = self.predict[req.layer].mask_for(buf.x[1])
-        if req.n_tokens == 1 and isinstance(w, FileLayer):  # a decoded token: the kernel writes the slot
+        if req.n_tokens == 1 and isinstance(w, (FileLayer, ExpertsLayer)):  # a decoded token: the kernel writes the slot
             n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0])
             return n_active, int((time.perf_counter() - t0) * 1e9)
-        if req.n_tokens <= MAX_SMALL_BATCH and isinstance(w, FileLayer):  # sequences decoded together: the same
+        if req.n_tokens <= MAX_SMALL_BATCH and isinstance(w, (FileLayer, ExpertsLayer)):  # sequences decoded together: the same
             n_active = w.batch_into(buf.x[:req.n_tokens], self.activation, active, threshold,
                                     buf.out[slot, :req.n_tokens])
             return n_active, int((time.perf_counter() - t0) * 1e9)
-        if isinstance(w, FileLayer):  # a prompt: numpy's GEMM or integer tiles, no torch
+        if isinstance(w, (FileLayer, ExpertsLayer)):  # a prompt: numpy's GEMM or integer tiles, no torch
             y, n_active = w.step(buf.x[:req.n_tokens], self.activation, active, threshold)
             buf.out[slot, :req.n_tokens] = y
             return n_active, int((time.perf_counter() - t0) * 1e9)

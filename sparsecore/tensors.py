@@ -158,6 +158,16 @@ class TensorStore:
         """The tensor as the native kernels read it: the file's, or converted (conversion)."""
         return self._native(self.raw(name))
 
+    def expert(self, name: str, e: int):
+        """Expert e's 2-D matrix of the stacked 3-D tensor `name` (ffn_*_exps: ggml dims {cols,
+        rows, E}): its rows are a contiguous run of the file, viewed in place (as `info`: a type
+        the kernels cannot read comes converted)."""
+        t = self.raw(name)
+        if len(t.shape) != 3 or not 0 <= e < int(t.shape[2]):
+            raise ModelFileError(f"{self.path}: tensor {name} has shape {list(t.shape)}: no expert {e}")
+        rows = int(t.shape[1])
+        return self._native(row_slice(t, f"{name}[{e}]", e * rows, (e + 1) * rows))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy order (rows, cols) — GGUF lists dimensions the other way round."""
         return tuple(int(d) for d in reversed(self.raw(name).shape))

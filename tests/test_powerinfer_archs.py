@@ -54,7 +54,7 @@ def test_files_read_as_powerinfer_writes_them(models):
     f = read_config(models["relufalcon"], open_gguf(models["relufalcon"]))
     assert (f.arch, f.activation, f.ffn_gate, f.layer_norm, f.parallel, f.permuted_qk) == (
         "falcon", "relu", "none", True, True, False)
-    assert f.n_ff == 256 and f.n_kv_heads == 2 and not f.plain_llama
+    assert f.n_ff == 256 and f.n_kv_heads == 2 and not f.native_attention
     g = read_config(models["falcon"], open_gguf(models["falcon"]))
     assert g.activation == "gelu" and g.n_kv_heads == 1 and g.sparse_threshold is None
 

@@ -1,0 +1,116 @@
+"""Mixture-of-experts models (routed FFNs: sparsecore/arch.py FFN_KINDS, sparsecore/shard.py
+ExpertsLayer) against transformers, through the real coordinator and worker processes.
+
+The tiny qwen3moe model (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen, 64 neurons each) is
+written as llama.cpp's converter writes Qwen3-30B-A3B (stacked ffn_*_exps, the router as
+ffn_gate_inp); scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM on the same
+weights with norm_topk_prob (llama.cpp's qwen3moe flag) and recorded the smallest gap between a
+token's k-th and (k+1)-th router probability (0.002, against float differences of about 1e-6):
+no near-tie decides a route. Exact arithmetic; ids must match, logits within LOGITS_ATOL.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.engine import Engine, EngineOptions
+from coordinator.sampling import SamplingParams
+from sparsecore.config import read_config
+from sparsecore.errors import ModelFileError
+from sparsecore.gguf_file import open_gguf
+from tests.fixtures.tiny_arch import MOE, N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "arch_reference.json").read_text())
+LOGITS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    return {arch: write_tiny_arch(d / f"tiny-{arch}.gguf", arch) for arch in MOE}
+
+
+def test_the_reference_routes_with_a_margin():
+    for arch in MOE:
+        assert min(c["min_route_gap"] for c in REF["archs"][arch]) > 1e-3
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_config_reads_the_experts(moe_models, arch):
+    cfg = read_config(moe_models[arch], open_gguf(moe_models[arch]))
+    assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
+    assert cfg.expert_norm and cfg.qk_norm and cfg.native_attention
+
+
+@pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (0.0, "auto")],
+                         ids=["coordinator+worker", "split-attention", "worker-alone"])
+@pytest.mark.parametrize("arch", MOE)
+def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, no_leaks):
+    """Each process computes its range of every chosen expert's neurons (64 split 32 / 32 with a
+    worker), routing each token itself; prompts group their tokens by expert."""
+    cases = REF["archs"][arch]
+    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
+                         coordinator_share=share)
+    with Engine(moe_models[arch], opts) as eng:
+        owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
+        assert sum(owned) == eng.cfg.n_layers * N_FF_EXPERT
+        assert sum(1 for n in owned if n) == (1 if share == 0.0 else 2)  # split where there is a share
+        for case in cases:
+            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
+                                    stop_at_eos=False))
+            assert got == case["generated_ids"], arch
+        seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
+        logits = eng.forward_logits(seq)
+    want = np.load(FIXTURES / "arch_reference_logits.npz")[arch]
+    assert logits.shape == want.shape
+    assert float(np.abs(logits - want).max()) < LOGITS_ATOL
+
+
+def test_fast_arithmetic_decodes_close_to_exact(moe_models, no_leaks):
+    """Fast mode (8-bit activations, interleaved rows) on the experts: the same greedy start as
+    the exact reference on this F32 file, logits close."""
+    case = REF["archs"]["qwen3moe"][0]
+    with Engine(moe_models["qwen3moe"], EngineOptions(cpu_workers=1, threads=2, fast=True)) as eng:
+        logits = eng.forward_logits(case["prompt_ids"])
+    want = np.load(FIXTURES / "arch_reference_logits.npz")["qwen3moe"][: len(case["prompt_ids"])]
+    assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("opt,word", [(dict(weights="f32"), "--weights f32"), (dict(sparsity=0.5), "--sparsity")])
+def test_what_experts_do_not_run_with_is_refused_in_one_line(moe_models, opt, word):
+    with pytest.raises(ValueError) as e:
+        Engine(moe_models["qwen3moe"], EngineOptions(cpu_workers=1, threads=2, **opt), plan_only=True)
+    assert word in str(e.value) and "mixture-of-experts" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key,value,word", [("qwen3moe.expert_used_count", 9, "expert_used_count = 9"),
+                                            ("qwen3moe.expert_count", 0, "expert_count = 0")])
+def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, key, value, word):
+    import gguf
+
+    src = write_tiny_arch(tmp_path / "ok.gguf", "qwen3moe")
+    reader = open_gguf(src)
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", "qwen3moe")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        v = value if f.name == key else f.contents()
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, v, vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, v, vt)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(d) for d in t.shape])),
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError) as e:
+        read_config(tmp_path / "bad.gguf", open_gguf(tmp_path / "bad.gguf"))
+    assert word in str(e.value) and "\n" not in str(e.value)
