@@ -1,3 +1,14 @@
 """`sparseinfer serve`: the OpenAI-compatible HTTP server over the continuous-batching
-Scheduler (coordinator/batching.py), its request bodies (api_schema.py), its Prometheus
-metrics (metrics.py), tool calls (tool_calls.py) and the chat page (web/chat.html)."""
+Scheduler (coordinator/batching.py, which the terminal chat drives too).
+
+    server.py            serve(): bind, load the engine on a thread, run uvicorn, restart or stop
+    app.py               the FastAPI app: routes, API key, errors, the chat page (web/chat.html)
+    completion.py        one request from its token ids to its reply
+    streaming.py         a reply as server-sent events
+    responses.py         OpenAI's response objects
+    api_schema.py        the request bodies (pydantic)
+    tool_use.py          a chat request's tools; tool_calls.py the call formats and their grammar
+    metrics.py           GET /metrics (Prometheus)
+    limits.py            body size and time, connections; uvicorn_protocol.py the header deadline
+    state.py             ServerState, ApiError, off_loop
+"""
