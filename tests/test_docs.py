@@ -15,7 +15,8 @@ engine:
   `FfnShard.serve`, `file_matrix.py`: `FileMatrix`, `ffn_step.c` `ffn_teal`, `model.py:forward`)
   names something that file defines (Python: `ast`; C: a function definition, macro, type or
   constant);
-- a class-like name alone (`FfnShard`, `Scheduler`) is a name the Python code uses;
+- a class-like name alone (`FfnShard`, `Scheduler`) is a name the Python code defines or takes
+  from another project, and a constant alone (`MAX_SMALL_BATCH`, `K_AHEAD`) one the code defines;
 - a link to another page, and its #anchor, resolves.
 
 Prose is left alone: option values, commands, JSON keys, GGUF keys (`general.architecture`,
@@ -80,8 +81,12 @@ def repo_files() -> tuple[str, ...]:
     return tuple(sorted(files))
 
 
+SELF = str(Path(__file__).resolve().relative_to(ROOT)) if Path(__file__).resolve().is_relative_to(ROOT) else ""
+
+
 def python_files() -> list[str]:
-    return [f for f in repo_files() if f.endswith(".py")]
+    """The repository's Python, this test left out (its docstring names code as examples)."""
+    return [f for f in repo_files() if f.endswith(".py") and f != SELF]
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,6 +203,35 @@ def python_names() -> frozenset[str]:
                 names.update(a.asname or a.name for a in node.names)
             elif isinstance(node, ast.Import):
                 names.update(a.asname or a.name.split(".")[0] for a in node.names)
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=None)
+def constants() -> frozenset[str]:
+    """What a constant the docs name alone (`MAX_SMALL_BATCH`, `K_AHEAD`, `GGML_CPU_REPACK`) may
+    be: a name the Python assigns or the C defines (a macro, an enum member, a constant), a word
+    of the shell scripts and build files (another project's flags they set), or a constant of the
+    system modules (`MADV_RANDOM`). Used alone elsewhere does not count: a constant renamed where
+    it is defined leaves it stale."""
+    names: set[str] = set()
+    for f in repo_files():
+        if f == SELF:
+            continue
+        if f.endswith(".py"):
+            tree = parse(f)
+            for node in ast.walk(tree) if tree else ():
+                if isinstance(node, ast.stmt):
+                    names.update(t.id for t in _assigned(node) if isinstance(t, ast.Name))
+        elif f.endswith((".c", ".h")):
+            text = c_text(f)
+            names.update(re.findall(r"^\s*#\s*define\s+(\w+)", text, re.M))
+            names.update(re.findall(r"^\s*([A-Z][A-Z0-9_]*)\s*(?:=[^,;]*)?,", text, re.M))  # enum members
+            names.update(re.findall(r"\b([A-Z][A-Z0-9_]*)\s*(?:\[[^\]]*\])*\s*=", text))
+        elif f.startswith(("scripts/", ".ci/")) or f.endswith((".toml", ".cfg", ".sh")):
+            names.update(re.findall(r"\w+", (ROOT / f).read_text(encoding="utf-8", errors="replace")))
+    import errno, mmap, os, resource, signal  # noqa: E401 (the system's constants)
+    for mod in (errno, mmap, os, resource, signal):
+        names.update(dir(mod))
     return frozenset(names)
 
 
@@ -437,6 +471,9 @@ def check_doc(doc: Path) -> list[str]:
             why = resolve_dotted(call.group(1))
             if why:
                 report(a, f"`{token}`: {why}")
+        # a constant alone: CAPS_WITH_UNDERSCORES
+        if re.fullmatch(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+", token) and token not in constants():
+            report(a, f"`{token}`: no code of ours defines {token}")
         # a class-like name alone
         m_cls = re.fullmatch(r"(_?[A-Z]\w*)(?:\(.*\))?", token)
         if m_cls and CLASSLIKE_RE.match(m_cls.group(1)) and m_cls.group(1) not in python_names():
