@@ -38,7 +38,7 @@ from .config import ModelConfig
 from .kernels import (FFN_TOKEN_THRESHOLD, MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
                       residual_norm_args)
 from .kv_pool import KvPool
-from .shard import FileLayer
+from .shard import ExpertsLayer, FileLayer
 from .tensors import TensorStore
 
 PHASE_STRIDE = 1 << 12  # phases per step: 2 per layer, so at most 2047 layers
@@ -108,11 +108,12 @@ class Lockstep:
         parity), made again where a matrix or the step's head changed (twins attached)."""
         w, attn, kv0, kv1 = self.ffn[i], self.attn[i], *self.heads
         held = self._one[i]
-        key = (w.gate, w.up, w.down, w.scratch, attn.head, attn.part_head)
+        routed = isinstance(w, ExpertsLayer)  # its kernel calls depend on the token's experts: none kept
+        key = (attn.head, attn.part_head) if routed else (w.gate, w.up, w.down, w.scratch, attn.head, attn.part_head)
         if held is None or any(a is not b for a, b in zip(held[0], key)):
             h1, x1 = self.h[:1], self.x[0]
             att = [attn.part_args(h1, kv0, kv1, self.mine[p][:1]) for p in (0, 1)]
-            ffn = [w.token_args(x1, self.activation, self.mine[p][0]) for p in (0, 1)]
+            ffn = None if routed else [w.token_args(x1, self.activation, self.mine[p][0]) for p in (0, 1)]
             held = self._one[i] = (key, att, ffn)
         return held
 
@@ -123,7 +124,7 @@ class Lockstep:
         neurons of every layer left in the file's blocks (shard: an FfnShard)."""
         if (not attn or not cfg.native_attention
                 or set(shard.layers) != set(range(cfg.n_layers))
-                or not all(isinstance(w, FileLayer) for w in shard.layers.values())
+                or not all(isinstance(w, (FileLayer, ExpertsLayer)) for w in shard.layers.values())
                 or buffers.layout.max_tokens < 2):
             return None
         norms = [store.matrix(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
@@ -191,9 +192,12 @@ class Lockstep:
             _kernels.attn_part(*args)
             self._exchange(base + phase, peers, sums[phase & 1], 1, norm_ptrs[i], check, self.post[i][0])
             phase += 1
-            args = ffn[phase & 1]
-            args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
-            n_active += _kernels.ffn_token(*args)
+            if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
+                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, None, self.mine[phase & 1][0])
+            else:
+                args = ffn[phase & 1]
+                args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
+                n_active += _kernels.ffn_token(*args)
             self._exchange(base + phase, peers, sums[phase & 1], 1, 0, check, self.post[i][1])
         h[0] = self.h[0]
         return n_active

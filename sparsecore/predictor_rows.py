@@ -58,7 +58,9 @@ class PredictorRows:
             fc1, fc2 = fc1.for_fast_products(), fc2.for_fast_products(range(own.start // 16 * 16, own.stop))
         start = fc2.row_range.start if fc2.interleaved else own.start
         self._fc1 = fc1.prepare(fast=fast)
-        self._fc2 = fc2.prepare(rows=range(start, own.stop), fast=fast)
+        # fc2's rows this shard reads: from the group of 16 holding own.start where interleaved
+        self.fc2_rows = range(start, own.stop)
+        self._fc2 = fc2.prepare(rows=self.fc2_rows, fast=fast)
         self._skip = own.start - start  # scores of rows before own.start: not ours
         self.mask = np.zeros(fc2.rows, np.uint8)  # outside [own]: 0, never written
 

@@ -46,23 +46,27 @@ def test_config_reads_the_experts(moe_models, arch):
     assert cfg.expert_norm and cfg.qk_norm and cfg.native_attention
 
 
-@pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (0.0, "auto")],
-                         ids=["coordinator+worker", "split-attention", "worker-alone"])
+@pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
+                         ids=["coordinator+worker", "split-attention", "lockstep", "worker-alone"])
 @pytest.mark.parametrize("arch", MOE)
 def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, no_leaks):
     """Each process computes its range of every chosen expert's neurons (64 split 32 / 32 with a
     worker), routing each token itself; prompts group their tokens by expert."""
     cases = REF["archs"][arch]
     opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
-                         coordinator_share=share)
+                         coordinator_share=share, adaptive_spin=False if path == "lockstep" else None)
     with Engine(moe_models[arch], opts) as eng:
         owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
         assert sum(owned) == eng.cfg.n_layers * N_FF_EXPERT
         assert sum(1 for n in owned if n) == (1 if share == 0.0 else 2)  # split where there is a share
+        assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
+                                                    "lockstep": "lockstep"}[path]
         for case in cases:
             got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
                                     stop_at_eos=False))
             assert got == case["generated_ids"], arch
+        decoded = sum(len(c["generated_ids"]) - 1 for c in cases)
+        assert len(eng.ffn.stats.lockstep_us) == (decoded if path == "lockstep" else 0)
         seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
         logits = eng.forward_logits(seq)
     want = np.load(FIXTURES / "arch_reference_logits.npz")[arch]

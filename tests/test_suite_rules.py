@@ -27,11 +27,6 @@ ALLOWED = {
         "'private'): a forked child must leave without running pytest's atexit handlers",
     ("tests/fixtures/mock_worker.py", "os._exit"):
         "os._exit, documented: the mock worker dies abruptly as a crashed worker does",
-    ("tests/test_interleaved.py", "rows._skip"):
-        "lead: pending. sparsecore/predictor_rows.py names no public way to see which of fc2's "
-        "rows a shard reads (from the group of 16 holding own.start where interleaved); needed: a "
-        "public attribute, e.g. PredictorRows.fc2_rows = range(start, own.stop), then the test "
-        "asserts rows.fc2_rows == (range(own.start // 16 * 16, own.stop) if K.interleaving() else own)",
 }
 
 INTROSPECTION = {"getattr", "setattr", "delattr", "hasattr"}  # builtins; monkeypatch's setattr/delattr too
