@@ -10,11 +10,12 @@ from pathlib import Path
 
 import click
 
+from ..engine_options import check_values
 from . import reports
 from .app import main
 from .engine_args import open_engine, text_chunks
-from .options import (arith_from_context, corpus_options, engine_options, sparse_method_from_context,
-                      weights_from_context, weights_option)
+from .options import (ENGINE_OPTION_NAMES, arith_from_context, corpus_options, engine_options,
+                      sparse_method_from_context, weights_from_context, weights_option)
 from .validation import check_corpus, check_engine_args, check_range
 
 
@@ -67,6 +68,7 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 
+    check_values(ENGINE_OPTION_NAMES, ctx=ctx)  # the plan's context, as given (not capped at the trained one)
     path, _, _ = check_engine_args(model, threads, cpu_workers, None)
     reader = open_gguf(path)
     cfg = read_config(path, reader)

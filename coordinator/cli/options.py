@@ -137,6 +137,13 @@ quality_budget_option = click.option(
          "over dense (calibrated levels)")
 
 
+# How the command line spells the EngineOptions fields it checks (EngineOptions' rules name
+# the option so in the one line that refuses it).
+ENGINE_OPTION_NAMES = {"threads": "-t/--threads", "cpu_workers": "--cpu-workers", "ctx": "--ctx",
+                       "gpu_share": "--gpu-share", "sparsity": "--sparsity", "vram_budget_gb": "--vram-budget",
+                       "coordinator_share": "--coordinator-share"}
+
+
 # ---- what the context holds -------------------------------------------------------------------
 
 def meta(key, default):

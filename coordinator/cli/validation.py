@@ -1,6 +1,8 @@
 """What the commands refuse before anything loads: one line naming the option (`OptionError`),
-exit 1. The engine's options are checked with the model's header (`check_engine_args`: fast;
-the engine's load is the slow part); the sampling options become checked SamplingParams."""
+exit 1. The engine's options follow EngineOptions' own rules (coordinator/engine_options.py,
+the Python API's too), spelled as the command line spells them, then the model's header is
+read (`check_engine_args`: fast; the engine's load is the slow part); the sampling options
+become checked SamplingParams."""
 from __future__ import annotations
 
 import sys
@@ -8,30 +10,9 @@ from pathlib import Path
 
 import click
 
+from ..engine_options import OptionError, check_range, check_values
 from .engine_args import resolve_model
-from .options import PENALTY_OPTIONS, explicit, meta, placement_from_context
-
-
-class OptionError(ValueError):
-    """A value the CLI refuses before anything loads: one line naming the option, exit 1."""
-
-    def __init__(self, option: str, value, why: str):
-        super().__init__(f"{option} {value}: {why}")
-
-
-def _usable_cores() -> int:
-    from protocol.doorbell import usable_cores
-
-    return usable_cores()
-
-
-def check_range(option: str, value, lo=None, hi=None, why: str = "") -> None:
-    """`value` within [lo, hi] (either end open when None); NaN is never within."""
-    if value is None:
-        return
-    if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
-        span = f"{lo if lo is not None else ''}..{hi if hi is not None else ''}"
-        raise OptionError(option, value, why or f"choose {span}")
+from .options import ENGINE_OPTION_NAMES, PENALTY_OPTIONS, explicit, meta, placement_from_context
 
 
 def check_text(option: str, text: str | None) -> None:
@@ -81,23 +62,13 @@ def check_engine_args(model, threads, cpu_workers, ctx, gpu_share=None, sparsity
     config, the context size to use): --ctx beyond the model's trained context is capped, saying so.
     `need`: (the options, tokens) a command needs in one window, which must fit the trained context
     (the command raises --ctx to it, as it always did)."""
-    cores = _usable_cores()
-    check_range("-t/--threads", threads, 1, cores, f"this machine has {cores} usable cores: choose 1..{cores}")
-    # More workers than cores never helps (each wait becomes a scheduler wake-up) and each one maps
-    # the model and imports torch: refuse rather than start dozens of processes.
-    check_range("--cpu-workers", cpu_workers, 1, cores,
-                f"at most one worker per usable core ({cores} here): choose 1..{cores}")
-    check_range("--ctx", ctx, 1, None, "the context must hold at least one token")
-    check_range("--gpu-share", gpu_share, 0.0, 1.0)
-    if sparsity is not None and not 0.0 <= sparsity < 1.0:
-        raise OptionError("--sparsity", sparsity, "choose a fraction in [0, 1)")
+    check_values(ENGINE_OPTION_NAMES, threads=threads, cpu_workers=cpu_workers, ctx=ctx, gpu_share=gpu_share,
+                 sparsity=sparsity)
     check_range("--quality-budget", meta("sparseinfer.quality_budget", None), 0.0, None,
                 "a budget cannot be negative")
     placement = placement_from_context()
-    share = placement.get("coordinator_share")
-    if share is not None and not 0.0 <= share < 1.0:  # the engine's own words (static_plan)
-        raise ValueError(f"coordinator share must be within [0, 1), got {share}")
-    check_range("--vram-budget", placement.get("vram_budget_gb"), 0.0, None, "a budget cannot be negative")
+    check_values(ENGINE_OPTION_NAMES, coordinator_share=placement.get("coordinator_share"),
+                 vram_budget_gb=placement.get("vram_budget_gb"))
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 
