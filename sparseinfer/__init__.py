@@ -30,16 +30,24 @@ class LLM:
 
     model: a GGUF path (default: SmolLM2-135M-Instruct, pulled into the cache on first use).
     sparsity: "auto" (the calibrated level within +2 % perplexity, as `generate` picks it; dense
-    without a calibration), a level, or 0 / None for dense."""
+    without a calibration), a level, or 0 / None for dense.
+    A value the command line refuses is refused here too, before the model is read or fetched,
+    with the same words and the keyword's name: ValueError("threads 64: this machine has 2
+    usable cores: choose 1..2") (coordinator/engine_options.py)."""
 
     def __init__(self, model: str | Path | None = None, *, sparsity: float | str | None = "auto", **options):
         from coordinator.engine import Engine, EngineOptions
+        from coordinator.engine_options import check_values
         from coordinator.model_fetch import pull
 
+        opts = EngineOptions(**options)  # a keyword that is no option: TypeError naming it
+        if sparsity != "auto":
+            check_values(sparsity=sparsity)
+            opts.sparsity = sparsity or None
+        opts.validate()
         path = Path(model) if model is not None else pull(quiet=True)
         if sparsity == "auto":
-            sparsity = self._default_level(path, options)
-        opts = EngineOptions(**{**options, "sparsity": sparsity or None})
+            opts.sparsity = self._default_level(path, options)
         self.path = path
         self._engine = Engine(path, opts)
         self._close = weakref.finalize(self, self._engine.close)  # also at exit, or when dropped
