@@ -1,4 +1,4 @@
-"""The chat page at GET / (coordinator/web/chat.html): served without the API key, self-contained
+"""The chat page at GET / (coordinator/serve/web/chat.html): served without the API key, self-contained
 (it names no other host, so it works offline), and driven in a real headless Chromium (Debian's
 /usr/bin/chromium through Playwright, nothing downloaded) against a real server on SmolLM2: it
 asks for the key on a 401, shows the model's name, streams a reply to a message sent with the
