@@ -266,7 +266,7 @@ class EngineBuilder:
                                    heads[-1], self.ffn.stats, plan.split_min_bytes, plan.every_token)
         if plan.path is DecodePath.LOCKSTEP:
             lockstep = LockstepDecode(pool.bell, pool.buffers, part, np.array(plan.lockstep_slots, dtype=np.intp),
-                                      self.ffn, split, plan.lockstep_min_bytes)
+                                      self.ffn, split, plan.lockstep_min_bytes, pool.head_rows)
         return DecodePaths(plan, split, lockstep)
 
     # ---- stage 1's parts ---------------------------------------------------------------------

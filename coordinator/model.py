@@ -253,7 +253,10 @@ class _ScaledHead:
         return self.head.bytes_per_token
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        logits = self.head(h)
+        return self.finish(self.head(h))
+
+    def finish(self, logits: np.ndarray) -> np.ndarray:
+        """The scale and the cap on logits the head's rows gave (a lockstep step's too)."""
         if self.scale:
             logits = logits / np.float32(self.scale)
         if self.cap:
@@ -350,17 +353,28 @@ class Transformer:
         return sa.begin(pos, np.array([c.index for c in caches], np.int64)) if sa.pays(pos) else None
 
     def _lockstep(self, caches: list[KVCache], h: np.ndarray) -> np.ndarray | None:
+        """This decode step through every layer in lockstep: its logits, or None where it
+        cannot run so (the per-layer path then)."""
+        done = self._lockstep_layers(caches, h)
+        if done is None:
+            return None
+        logits, h = done
+        if logits is None:  # the step did not end with the head's rows: the head computes them
+            return self.head(self.out_norm(h, self.cfg.rms_eps))
+        return self.head.finish(logits) if isinstance(self.head, _ScaledHead) else logits
+
+    def _lockstep_layers(self, caches: list[KVCache], h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
         """This decode step (h: the caches' tokens' embeddings, (B, hidden), contiguous) through
-        every layer in lockstep (coordinator/lockstep_decode.py): the last layer's residuals, in
-        h, or None where it cannot run so (the per-layer path then)."""
+        every layer in lockstep (coordinator/lockstep_decode.py): (the logits where the step's
+        last phase computed them, else None; the last layer's residuals, in h), or None where it
+        cannot run so."""
         ls = self.lockstep
         if ls is None or self.ffn is not ls.ffn or any(c.index is None for c in caches):
             return None
         pos = np.array([c.pos for c in caches], np.int64)
         if not ls.usable(pos):
             return None
-        ls(h, self.split_attn.begin(pos, np.array([c.index for c in caches], np.int64)))
-        return h
+        return ls(h, self.split_attn.begin(pos, np.array([c.index for c in caches], np.int64))), h
 
     def _native_prompt(self, i: int, cache: KVCache, T: int) -> bool:
         """Whether layer i's attention of a T-token prompt runs through the native step: a
@@ -443,10 +457,10 @@ class Transformer:
             raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = np.ascontiguousarray(self.embed(ids), dtype=np.float32)
         eps = self.cfg.rms_eps
-        done = self._lockstep([cache], h) if T == 1 else None
-        if done is not None:
+        logits = self._lockstep([cache], h) if T == 1 else None
+        if logits is not None:  # one post: every layer and the logits
             cache.pos += 1
-            return self.head(self.out_norm(done, eps))
+            return logits
         split = self._split_for([cache]) if T == 1 else None  # once a step, not per layer
         for i in range(len(self.layers)):
             if T > 1 and self._native_prompt(i, cache, T):
@@ -473,11 +487,11 @@ class Transformer:
         if len(ids) == 1:
             return self.forward(ids, cache=caches[0])
         h = np.ascontiguousarray(self.embed(ids), dtype=np.float32)
-        done = self._lockstep(caches, h)
-        if done is not None:
+        logits = self._lockstep(caches, h)
+        if logits is not None:
             for c in caches:
                 c.pos += 1
-            return self.head(self.out_norm(done, self.cfg.rms_eps))
+            return logits
         positions = [c.pos for c in caches]
         native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
         if native_ok:  # checked here once per step, not per layer: positions and cache addresses

@@ -13,6 +13,10 @@ token). Here each process keeps its own copy of the residuals and, per phase:
      where the architecture has them) and normalizes (_kernels.residual_norm).
 Every process sums the same shares in the same order (ascending slots) with the same kernel,
 so all hold the same floats, and the coordinator's copy is what the rest of the model sees.
+Where the lm_head's vocabulary rows are split across the same processes, the step ends with one
+more phase (`head`): the last exchange normalizes with the output norm, each process writes its
+rows' logits into its slot and announces them, and the coordinator gathers them; a decoded token
+is then one post for every layer and its logits.
 
 Shares alternate between two halves of each slot (phase parity): a process writes phase k+2
 only after it saw every peer reach k+1, and a peer reaches k+1 only after it read phase k, so
@@ -59,9 +63,12 @@ class Lockstep:
 
     def __init__(self, buffers: SharedBuffers, slot: int, attn: list[AttentionStep], heads: tuple[int, int],
                  ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None,
-                 post_ffn_norms: list[np.ndarray | None] | None = None, residual_scale: float | None = None):
+                 post_ffn_norms: list[np.ndarray | None] | None = None, residual_scale: float | None = None,
+                 head=None, out_norm: np.ndarray | None = None):
         """post_ffn_norms: per layer the norm of the FFN's output before the residual (gemma3), or
-        None; the attention's own (and the residual scale) come with its steps' extras."""
+        None; the attention's own (and the residual scale) come with its steps' extras. `head`:
+        this process's lm_head rows (sparsecore.lm_head.HeadRows) and `out_norm` the model's
+        output norm weights, where steps end with the logits (`head_fits`)."""
         n_layers = len(attn)
         if set(ffn) != set(range(n_layers)) or len(ffn_norms) != n_layers:
             raise ValueError("a lockstep process needs a share of every layer's attention and FFN")
@@ -87,6 +94,10 @@ class Lockstep:
         self.post = [(ptr(a.extra_arrays["post_norm"]) if "post_norm" in a.extra_arrays else 0,
                       0 if f is None else ptr(f)) for a, f in zip(attn, self.post_ffn)]
         self.scale = float(residual_scale or 0.0)
+        self.head, self._head_parity = head, (2 * n_layers + 1) & 1
+        self.out_norm = None if out_norm is None else np.ascontiguousarray(out_norm, dtype=np.float32)
+        if head is not None and self.out_norm is None:
+            raise ValueError("a lockstep part with lm_head rows needs the output norm")
         self._one: list[tuple | None] = [None] * n_layers
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
@@ -130,10 +141,30 @@ class Lockstep:
         norms = [store.matrix(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
         post = [store.matrix(f"blk.{i}.post_ffw_norm.weight") if cfg.post_norms else None for i in range(cfg.n_layers)]
         return cls(buffers, slot, attn, heads, shard.layers, shard.activation, norms, cfg.rms_eps, shard.predict,
-                   post, cfg.residual_scale)
+                   post, cfg.residual_scale, shard.head, store.matrix("output_norm.weight"))
 
     def fits(self, n_tokens: int) -> bool:
         return 1 <= n_tokens <= self.half
+
+    def head_fits(self, n_tokens: int, rows: int | None = None) -> bool:
+        """Whether a step of n_tokens ends with the logits of `rows` vocabulary rows (default:
+        this process's) in one half of an output slot; the coordinator asks it of every part."""
+        rows = (self.head.stop - self.head.start if self.head is not None else 0) if rows is None else rows
+        return rows > 0 and n_tokens * rows <= self.half * self.h.shape[1]
+
+    def head_share(self, n_tokens: int) -> np.ndarray:
+        """Where a step of n_tokens leaves this process's logits: (n_tokens, rows), in its slot."""
+        return self.head_share_of(self.mine[self._head_parity], n_tokens, self.head.stop - self.head.start)
+
+    @staticmethod
+    def head_share_of(half: np.ndarray, n_tokens: int, rows: int) -> np.ndarray:
+        """The logits a part left in `half` (of its output slot): (n_tokens, rows)."""
+        return half.reshape(-1)[: n_tokens * rows].reshape(n_tokens, rows)
+
+    @property
+    def head_half(self) -> int:
+        """Which half of an output slot a step's logits go to: the parity of its last phase."""
+        return (2 * len(self.attn) + 1) & 1
 
     def run(self, step: int, parts: int, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray,
             layer_bytes: int, threshold: bool, predict: bool, check: Callable[[], None]) -> int:
@@ -142,17 +173,36 @@ class Lockstep:
         (one bit per output slot, this one's included). pos, kp, vp: as for
         AttentionStep.part, for layer 0 (layer i adds i * layer_bytes). `threshold`: CATS
         thresholds from shared memory; `predict`: each process scores its own neurons (one
-        token). Returns the active neuron-token pairs this process computed."""
+        token). Where head_fits, the step ends with this process's logits (head_share): a worker's
+        are read once it has marked the step done. Returns the active neuron-token pairs this
+        process computed."""
         B = len(h)
         if not self.fits(B) or (predict and B != 1):
             raise ValueError(f"a lockstep step of {B} tokens (at most {self.half}; predictors one at a time)")
         peers, sums, _ = self._plan(parts)
-        mine, hh, x = self.mine, self.h[:B], self.x[:B]
-        hh[:] = h
-        base, n_active, phase = step * PHASE_STRIDE, 0, 0
-        thresholds = self.buffers.thresholds
+        self.h[:B] = h  # this process's copy of the residuals
+        base = step * PHASE_STRIDE
+        head = self.head_fits(B)
+        last_norm = ptr(self.out_norm) if head else 0  # the last exchange: the head's input
         if B == 1 and not predict:  # the decode step of one sequence: prepared calls
-            return self._run_one(base, peers, sums, h, pos, kp, vp, layer_bytes, threshold, check)
+            n_active = self._run_one(base, peers, sums, h, pos, kp, vp, layer_bytes, threshold, check, last_norm)
+        else:
+            n_active = self._run_layers(base, peers, sums, h, pos, kp, vp, layer_bytes, threshold, predict, check,
+                                        last_norm)
+        if head:  # the last phase: this process's logits, written into the half no peer reads now
+            phase = base + 2 * len(self.attn) + 1
+            self._head_parity = phase & 1
+            self.head_share(B)[:] = self.head(self.x[:B]).reshape(B, -1)
+            self.words[self.slot, SLOT_PHASE] = phase
+        return n_active
+
+    def _run_layers(self, base: int, peers: list[int], sums: list[tuple[int, int]], h: np.ndarray, pos: np.ndarray,
+                    kp: np.ndarray, vp: np.ndarray, layer_bytes: int, threshold: bool, predict: bool,
+                    check: Callable[[], None], last_norm: int) -> int:
+        """run's layers for any rows (a continuous batch, predictors)."""
+        B = len(h)
+        mine, hh, x = self.mine, self.h[:B], self.x[:B]
+        n_active, phase, thresholds = 0, 0, self.buffers.thresholds
         for i, attn in enumerate(self.attn):
             phase += 1
             off = i * layer_bytes
@@ -166,12 +216,14 @@ class Lockstep:
                 n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
             else:
                 n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, 0, check, self.post[i][1])
+            last = i == len(self.attn) - 1
+            self._exchange(base + phase, peers, sums[phase & 1], B, last_norm if last else 0, check, self.post[i][1])
         h[:] = hh
         return n_active
 
     def _run_one(self, base: int, peers: list[int], sums: list[tuple[int, int]], h: np.ndarray, pos: np.ndarray,
-                 kp: np.ndarray, vp: np.ndarray, layer_bytes: int, threshold: bool, check: Callable[[], None]) -> int:
+                 kp: np.ndarray, vp: np.ndarray, layer_bytes: int, threshold: bool, check: Callable[[], None],
+                 last_norm: int) -> int:
         """run's steps for one row with every kernel's arguments prepared (_one_token_args):
         the same calls, the same floats."""
         n = len(self.attn)
@@ -198,7 +250,8 @@ class Lockstep:
                 args = ffn[phase & 1]
                 args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
                 n_active += _kernels.ffn_token(*args)
-            self._exchange(base + phase, peers, sums[phase & 1], 1, 0, check, self.post[i][1])
+            self._exchange(base + phase, peers, sums[phase & 1], 1, last_norm if i == n - 1 else 0, check,
+                           self.post[i][1])
         h[0] = self.h[0]
         return n_active
 

@@ -73,6 +73,29 @@ def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor
         assert gt == wt
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decoded_step_in_lockstep_is_one_post_logits_included(tiny_model_factory, batch, no_leaks):
+    """The lm_head's rows are split over the same processes: the step's last phase computes
+    them, so decoding posts once per step (no separate head post), and the logits are those the
+    per-layer path's split head gives."""
+    path = tiny_model_factory(tensor_type="Q4_0", seed=6, n_heads=4, n_kv_heads=2)
+    with _engine(path, False, lockstep=False) as layered:
+        want = [greedy_decode(layered, p)[1] for p in PROMPTS[:batch]]
+    with _engine(path, False, lockstep=True) as eng:
+        m, bell, st = eng.model, eng.pool.bell, eng.ffn.stats
+        assert m.lockstep.head_rows and m.lockstep.head_in_step(batch)
+        caches = [m.new_cache() for _ in range(batch)]
+        tokens = [int(np.argmax(m.forward(p, cache=c)[-1])) for p, c in zip(PROMPTS, caches)]
+        posts, heads, got = bell.step, len(st.head_us), []
+        for _ in range(6):
+            logits = m.decode_batch(tokens, caches) if batch > 1 else m.forward(tokens, cache=caches[0])
+            got.append(logits.copy())
+            tokens = [int(t) for t in np.argmax(logits, axis=1)]
+        assert bell.step - posts == 6 and len(st.head_us) == heads
+    for b in range(batch):
+        np.testing.assert_allclose(np.array([g[b] for g in got]), want[b], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_lockstep_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, fast, no_leaks):
     path = tiny_model_factory(tensor_type="Q4_0", seed=5, n_heads=4, n_kv_heads=2)
