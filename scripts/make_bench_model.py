@@ -9,8 +9,10 @@
 --arch writes the shape as another architecture's file (sparsecore/arch.py), with what its
 attention adds: qwen2 Q/K/V biases (rope base 1e6); qwen3 per-head Q/K norms (rope base 1e6);
 gemma3 Q/K norms, norms of the attention and FFN outputs, tied embeddings (no output.weight),
-a sliding window of 512 on five layers of six (llama.cpp's pattern), GeGLU. The extra tensors
-are F32, as llama.cpp's quantizer leaves them.
+a sliding window of 512 on five layers of six (llama.cpp's pattern), GeGLU; qwen3moe qwen3's
+attention and routed experts (--experts, --experts-used, --expert-ff; the 30b-a3b shape has
+Qwen3-30B-A3B's) stacked as ffn_{gate,up,down}_exps with the router ffn_gate_inp. The extra
+tensors (biases, norms, the router) are F32, as llama.cpp's quantizer leaves them.
 
 Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
 (Llama-2 7B); --hidden/--ff/--layers/--heads/--kv-heads override any of them. The vocabulary
@@ -77,6 +79,9 @@ SHAPES = {
     "1.1b": dict(hidden=2048, n_ff=5632, n_layers=22, n_heads=32, n_kv_heads=4),   # TinyLlama 1.1B
     "3b": dict(hidden=3200, n_ff=8640, n_layers=26, n_heads=32, n_kv_heads=32),    # OpenLLaMA 3B
     "7b": dict(hidden=4096, n_ff=11008, n_layers=32, n_heads=32, n_kv_heads=32),   # Llama-2 7B
+    # Qwen3-30B-A3B (--arch qwen3moe; --layers 8 for a file of its shape that fits anywhere)
+    "30b-a3b": dict(hidden=2048, n_ff=6144, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128,
+                    n_experts_used=8, expert_ff=768),
 }
 FILE_TYPES = {"f16": FT.MOSTLY_F16, "q8_0": FT.MOSTLY_Q8_0, "q4_0": FT.MOSTLY_Q4_0,
               "q4_k_m": FT.MOSTLY_Q4_K_M}
@@ -170,8 +175,8 @@ def calibrate_offset(fc1: np.ndarray, z: np.ndarray, active: float, seed: int, s
 
 def tensor_specs(a) -> list[Spec]:
     h, ff, L = a.hidden, a.n_ff, a.n_layers
-    hd = h // a.n_heads
-    kv = a.n_kv_heads * hd
+    hd = a.head_dim
+    kv, nq = a.n_kv_heads * hd, a.n_heads * hd
     out_scale = 1 / np.sqrt(2 * L)
 
     def normal(shape, scale, idx):
@@ -188,7 +193,7 @@ def tensor_specs(a) -> list[Spec]:
     specs: list[Spec] = []
 
     def mat(name, shape, scale, layer=None):
-        t = tensor_type(name, a.type, layer, L, shape[1])
+        t = tensor_type(name, a.type, layer, L, shape[-1])
         specs.append(Spec(name, shape, t, normal(shape, scale, len(specs))))
 
     def f32(name, n, scale=0.1):
@@ -201,20 +206,27 @@ def tensor_specs(a) -> list[Spec]:
     for i in range(L):
         p = f"blk.{i}."
         specs.append(Spec(p + "attn_norm.weight", (h,), QT.F32, ones(h)))
-        mat(p + "attn_q.weight", (h, h), 1 / np.sqrt(h), i)
+        mat(p + "attn_q.weight", (nq, h), 1 / np.sqrt(h), i)
         mat(p + "attn_k.weight", (kv, h), 1 / np.sqrt(h), i)
         mat(p + "attn_v.weight", (kv, h), 1 / np.sqrt(h), i)
         if a.arch == "qwen2":
-            for n, size in (("q", h), ("k", kv), ("v", kv)):
+            for n, size in (("q", nq), ("k", kv), ("v", kv)):
                 f32(p + f"attn_{n}.bias", size)
-        if a.arch in ("qwen3", "gemma3"):
+        if a.arch in ("qwen3", "gemma3", "qwen3moe"):
             specs.append(Spec(p + "attn_q_norm.weight", (hd,), QT.F32, ones(hd)))
             specs.append(Spec(p + "attn_k_norm.weight", (hd,), QT.F32, ones(hd)))
-        mat(p + "attn_output.weight", (h, h), out_scale / np.sqrt(h), i)
+        mat(p + "attn_output.weight", (h, nq), out_scale / np.sqrt(nq), i)
         if a.arch == "gemma3":
             specs.append(Spec(p + "post_attention_norm.weight", (h,), QT.F32, ones(h)))
             specs.append(Spec(p + "post_ffw_norm.weight", (h,), QT.F32, ones(h)))
         specs.append(Spec(p + "ffn_norm.weight", (h,), QT.F32, ones(h)))
+        if a.arch == "qwen3moe":  # the router, then the experts stacked on an outer axis
+            E, f = a.n_experts, a.expert_ff
+            specs.append(Spec(p + "ffn_gate_inp.weight", (E, h), QT.F32, normal((E, h), 1 / np.sqrt(h), len(specs))))
+            mat(p + "ffn_gate_exps.weight", (E, f, h), 1 / np.sqrt(h), i)
+            mat(p + "ffn_up_exps.weight", (E, f, h), 1 / np.sqrt(h), i)
+            mat(p + "ffn_down_exps.weight", (E, h, f), out_scale / np.sqrt(f), i)
+            continue
         mat(p + "ffn_gate.weight", (ff, h), 1 / np.sqrt(h), i)
         mat(p + "ffn_up.weight", (ff, h), 1 / np.sqrt(h), i)
         if not a.relu:
@@ -326,7 +338,7 @@ def write_own(a, report: bool = True) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(out, a.arch)
     a.vocab = copy_tokenizer(w, Path(a.tokenizer_from))
-    hd = a.hidden // a.n_heads
+    hd = a.head_dim
     w.add_name(f"sparseinfer bench {a.shape} {a.type}{' relu' if a.relu else ''}{'' if a.arch == 'llama' else ' ' + a.arch}")
     w.add_context_length(a.ctx)
     w.add_embedding_length(a.hidden)
@@ -337,9 +349,13 @@ def write_own(a, report: bool = True) -> Path:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(10000.0 if a.arch == "llama" else 1e6)
     w.add_layer_norm_rms_eps(1e-5 if a.arch == "llama" else 1e-6)
-    if a.arch in ("qwen3", "gemma3"):
+    if a.arch in ("qwen3", "gemma3", "qwen3moe"):
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if a.arch == "qwen3moe":
+        w.add_expert_count(a.n_experts)
+        w.add_expert_used_count(a.n_experts_used)
+        w.add_expert_feed_forward_length(a.expert_ff)
     if a.arch == "gemma3":
         w.add_sliding_window(512)
     w.add_vocab_size(a.vocab)
@@ -394,14 +410,26 @@ def parse_args(argv=None):
     ap.add_argument("--active", type=float, default=0.1, help="--relu: fraction of neurons predicted active")
     ap.add_argument("--rank", type=int, help="--relu: predictor rank (default hidden/4, a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3"], default="llama",
+    ap.add_argument("--head-dim", dest="head_dim", type=int, help="default hidden / heads")
+    ap.add_argument("--experts", dest="n_experts", type=int, help="qwen3moe: experts per layer")
+    ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="qwen3moe: experts per token")
+    ap.add_argument("--expert-ff", dest="expert_ff", type=int, help="qwen3moe: one expert's neurons")
+    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"], default="llama",
                     help="the file's architecture: what its attention adds to llama's (module doc)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     for k, v in SHAPES[a.shape].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if a.hidden % a.n_heads or a.n_heads % a.n_kv_heads or (a.hidden // a.n_heads) % 2:
+    if a.head_dim is None:
+        a.head_dim = a.hidden // a.n_heads
+    if a.arch == "qwen3moe":
+        for k, v in dict(n_experts=8, n_experts_used=2, expert_ff=a.n_ff // 4).items():
+            if getattr(a, k) is None:
+                setattr(a, k, v)
+        if not 1 <= a.n_experts_used <= a.n_experts:
+            ap.error(f"--experts-used {a.n_experts_used}: between 1 and --experts {a.n_experts}")
+    if a.n_heads % a.n_kv_heads or a.head_dim % 2 or (a.hidden % a.n_heads and a.head_dim == a.hidden // a.n_heads):
         ap.error(f"hidden {a.hidden}, heads {a.n_heads}, kv heads {a.n_kv_heads} do not divide (even head_dim)")
     if a.type in NEEDS_IMATRIX:
         ap.error(f"--type {a.type}: llama.cpp's quantizer makes it only with an importance matrix from "

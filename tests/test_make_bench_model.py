@@ -151,7 +151,7 @@ def test_llama_cpp_types_are_made_by_its_quantizer_and_load(tmp_path, tiny_model
         assert len(list(eng.generate([1, 2, 3], 3, stop_at_eos=False))) == 3
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "qwen3moe"])
 def test_arch_files_carry_their_attention_and_decode_natively(tmp_path, tiny_model, arch, no_leaks):
     """--arch writes the family's extra tensors and keys; the engine reads the file as that
     architecture and decodes it on the native attention path (not torch's)."""
@@ -162,6 +162,9 @@ def test_arch_files_carry_their_attention_and_decode_natively(tmp_path, tiny_mod
     assert cfg.arch == arch and cfg.native_attention
     assert cfg.qkv_bias == ("blk.0.attn_v.bias" in names) == (arch == "qwen2")
     assert cfg.qk_norm == ("blk.0.attn_k_norm.weight" in names) == (arch != "qwen2")
+    assert cfg.routed == ("blk.0.ffn_down_exps.weight" in names) == (arch == "qwen3moe")
+    if cfg.routed:  # the defaults: 8 experts of a quarter of the shape's FFN, 2 used
+        assert (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (8, 2, 128)
     assert cfg.post_norms == (arch == "gemma3") and cfg.tied_embeddings == (arch == "gemma3")
     if arch == "gemma3":
         assert cfg.sliding_window == 512 and cfg.activation == "gelu_tanh"
