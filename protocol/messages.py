@@ -108,7 +108,7 @@ class Shutdown:
     """Coordinator -> worker: exit now."""
 
 
-# Clients speak HTTP to the coordinator (coordinator/server.py); ZeroMQ is only between the
+# Clients speak HTTP to the coordinator (coordinator/serve/); ZeroMQ is only between the
 # coordinator and its workers.
 MESSAGE_TYPES = [Hello, Assign, Ready, WorkerFailed, Shutdown]
 _KIND = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}

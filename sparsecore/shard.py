@@ -27,8 +27,8 @@ from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
 from .gguf_file import open_gguf
-from .kernels import (MAX_SMALL_BATCH, FfnScratch, FileMatrix, ffn_batch, ffn_token, ffn_token_args,
-                      neuron_align, supports)
+from .kernels import (ACT_IDS, GATE_BITS, MAX_SMALL_BATCH, FfnScratch, FileMatrix, _kernels, ffn_batch, ffn_token,
+                      ffn_token_args, neuron_align, ptr, supports)
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
@@ -303,7 +303,13 @@ class ExpertsLayer:
                         for e in range(cfg.n_experts)]
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
-        self.logits = np.empty(cfg.n_experts, np.float32)
+        self.probs = np.empty(cfg.n_experts, np.float32)
+        self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
+        # every expert's (gate, up, down) kernel arguments, looked up by the native token step
+        self.table = np.array([[*e.gate.args, *e.up.args, *e.down.args] for e in self.experts], np.int64)
+        self._head = (ptr(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
+                      ptr(self.probs), ptr(self.ids), ptr(self.weights))
+        self._calls: dict[tuple[int, int], list] = {}  # (x, out) addresses -> the call's arguments
 
     @property
     def nbytes(self) -> int:
@@ -313,16 +319,11 @@ class ExpertsLayer:
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int64, (T, k) float32."""
         T = len(x)
-        ids, weights = np.empty((T, self.k), np.int64), np.empty((T, self.k), np.float32)
-        for t in range(T):
-            logits = self.router.matvec(x[t], out=self.logits)  # exact arithmetic: every process alike
-            p = np.exp(logits - logits.max())
-            p /= p.sum()
-            top = np.argsort(-p, kind="stable")[: self.k]
-            w = p[top]
-            if self.renormalize:
-                w = w / max(float(w.sum()), 6.1e-5)  # llama.cpp's floor
-            ids[t], weights[t] = top, w
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        ids, weights = np.empty((T, self.k), np.int32), np.empty((T, self.k), np.float32)
+        for t in range(T):  # the kernel the token step routes with (moe_step.c moe_route)
+            _kernels.moe_route(*self.router.args, ptr(xs[t]), xs.shape[1], len(self.experts), self.k,
+                               int(self.renormalize), ptr(self.probs), ptr(ids[t]), ptr(weights[t]))
         return ids, weights
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
@@ -330,13 +331,18 @@ class ExpertsLayer:
         """One token into `out` (hidden,): the weighted sum of its experts' shares."""
         if active is not None or threshold is not None:
             raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
-        ids, weights = self.route(x[None])
-        part, n = self.part[0], 0
-        out[:] = 0.0
-        for e, w in zip(ids[0], weights[0]):
-            n += self.experts[e].token_into(x, activation, None, None, part)
-            out += w * part
-        return n
+        key = (x.ctypes.data, out.ctypes.data)
+        args = self._calls.get(key)
+        if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
+            e = self.experts[0]
+            ffn = ffn_token_args(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
+                                 self.gate_mode)
+            if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
+                raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
+            args = self._calls[key] = [*self._head, ptr(out), *ffn]
+            if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
+                self._calls = {key: args}
+        return _kernels.moe_token(*args)
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:

@@ -44,6 +44,7 @@
 #include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */
+#include "moe_step.c"            /* routed experts: moe_route, moe_token (a token's experts in one call) */
 #include "attention_generic.c"   /* RoPE and softmax attention, portable */
 #include "attention_avx2.c"      /* RMSNorm's sums and softmax attention, AVX2 */
 #include "attention_avx512.c"    /* softmax attention, AVX-512 */

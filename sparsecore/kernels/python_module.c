@@ -99,6 +99,52 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n_active);
 }
 
+/* moe_route(<router: MAT_ARGS>, x_ptr, hidden, E, k, renorm, probs_ptr, ids_ptr (k int32), w_ptr (k float)) */
+static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != MAT_ARGS + 8) { PyErr_Format(PyExc_TypeError, "moe_route takes %d arguments", MAT_ARGS + 8); return NULL; }
+    mat r;
+    if (get_mat(args, &r)) return NULL;
+    args += MAT_ARGS;
+    const float *x = ARG_PTR(0);
+    int hidden = (int)ARG_LL(1), E = (int)ARG_LL(2), k = (int)ARG_LL(3), renorm = (int)ARG_LL(4);
+    float *probs = ARG_PTR(5), *w = ARG_PTR(7);
+    int32_t *ids = ARG_PTR(6);
+    if (PyErr_Occurred()) return NULL;
+    if (E < 1 || k < 1 || k > E) { PyErr_SetString(PyExc_ValueError, "moe_route: bad expert counts"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    moe_route(r, x, hidden, E, k, renorm, probs, ids, w);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* moe_token(table_ptr (E x 15 int64: each expert's gate, up, down MAT_ARGS), E, k, renorm,
+ *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, <FFN_ARGS: the matrices any
+ *           expert's, y the one-expert scratch>) -> active neurons */
+static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != MAT_ARGS + 8 + FFN_ARGS) {
+        PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MAT_ARGS + 8 + FFN_ARGS);
+        return NULL;
+    }
+    const int64_t *table = ARG_PTR(0);
+    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), renorm = (int)ARG_LL(3);
+    mat r;
+    if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
+    args += 4 + MAT_ARGS;
+    float *probs = ARG_PTR(0), *w = ARG_PTR(2), *out = ARG_PTR(3);
+    int32_t *ids = ARG_PTR(1);
+    ffn_call c;
+    if (PyErr_Occurred() || get_ffn_call("moe_token", args + 4, FFN_ARGS, &c)) return NULL;
+    if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask || c.threshold >= 0.f) {
+        PyErr_SetString(PyExc_ValueError, "moe_token: one token, dense experts, 1 <= k <= E");
+        return NULL;
+    }
+    int64_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = moe_token(table, E, k, renorm, r, probs, ids, w, &c, out);
+    Py_END_ALLOW_THREADS
+    return ffn_result(n);
+}
+
 /* matmul(<mat: MAT_ARGS>, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
  * xq: room for B (n/32 rounded up) q8 blocks */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -491,6 +537,8 @@ static PyMethodDef methods[] = {
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
     {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
+    {"moe_route", (PyCFunction)(void (*)(void))py_moe_route, METH_FASTCALL, "a token's experts and weights"},
+    {"moe_token", (PyCFunction)(void (*)(void))py_moe_token, METH_FASTCALL, "a token's share of its experts"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "rows of the X16 types, 16 side by side"},
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
