@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
@@ -264,6 +264,18 @@ class _ScaledHead:
         return logits
 
 
+class DecodeStep(NamedTuple):
+    """How one decode step runs (Transformer._decode_step): every layer in one post (`lockstep`),
+    or layer by layer with the heads split across the processes (`split` without lockstep), or
+    layer by layer on the coordinator (neither). `split`: the step's positions and caches in the
+    shared pool (SplitAttention.begin), which lockstep runs on too."""
+    lockstep: bool
+    split: SplitStep | None
+
+
+LOCAL_STEP = DecodeStep(False, None)
+
+
 class Transformer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
                  head: Callable[[np.ndarray], np.ndarray], weights: str = "f32", fast: bool = False,
@@ -342,39 +354,27 @@ class Transformer:
             L.rope = tables[t]
         return tables
 
-    def _split_for(self, caches: list[KVCache]) -> SplitStep | None:
-        """This decode step of `caches`' sequences when their attention is split across the
-        processes, or None: not splittable (a private cache), or too little work for an extra
-        exchange a layer to pay (SplitAttention.pays)."""
-        sa = self.split_attn
-        if sa is None or any(c.index is None for c in caches):
-            return None
+    def _decode_step(self, caches: list[KVCache]) -> DecodeStep:
+        """How this decode step of `caches`' sequences runs, decided once for all its layers from
+        the plan's paths (coordinator/decode_plan.py) and the step's size: in lockstep where it
+        can (LockstepDecode.usable), else layer by layer with the heads split where that pays
+        (SplitAttention.pays), else layer by layer on the coordinator."""
+        sa, ls = self.split_attn, self.lockstep
+        if sa is None or any(c.index is None for c in caches):  # a private cache: no process shares it
+            return LOCAL_STEP
         pos = np.array([c.pos for c in caches], np.int64)
-        return sa.begin(pos, np.array([c.index for c in caches], np.int64)) if sa.pays(pos) else None
+        locked = ls is not None and self.ffn is ls.ffn and ls.usable(pos)
+        if not (locked or sa.pays(pos)):
+            return LOCAL_STEP
+        return DecodeStep(locked, sa.begin(pos, np.array([c.index for c in caches], np.int64)))
 
-    def _lockstep(self, caches: list[KVCache], h: np.ndarray) -> np.ndarray | None:
-        """This decode step through every layer in lockstep: its logits, or None where it
-        cannot run so (the per-layer path then)."""
-        done = self._lockstep_layers(caches, h)
-        if done is None:
-            return None
-        logits, h = done
-        if logits is None:  # the step did not end with the head's rows: the head computes them
+    def _run_lockstep(self, step: DecodeStep, h: np.ndarray) -> np.ndarray:
+        """Every layer of the step in one post (coordinator/lockstep_decode.py): its logits (the
+        step's last phase computed them, or the head from the last layer's residuals)."""
+        logits = self.lockstep(h, step.split)
+        if logits is None:
             return self.head(self.out_norm(h, self.cfg.rms_eps))
         return self.head.finish(logits) if isinstance(self.head, _ScaledHead) else logits
-
-    def _lockstep_layers(self, caches: list[KVCache], h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
-        """This decode step (h: the caches' tokens' embeddings, (B, hidden), contiguous) through
-        every layer in lockstep (coordinator/lockstep_decode.py): (the logits where the step's
-        last phase computed them, else None; the last layer's residuals, in h), or None where it
-        cannot run so."""
-        ls = self.lockstep
-        if ls is None or self.ffn is not ls.ffn or any(c.index is None for c in caches):
-            return None
-        pos = np.array([c.pos for c in caches], np.int64)
-        if not ls.usable(pos):
-            return None
-        return ls(h, self.split_attn.begin(pos, np.array([c.index for c in caches], np.int64))), h
 
     def _native_prompt(self, i: int, cache: KVCache, T: int) -> bool:
         """Whether layer i's attention of a T-token prompt runs through the native step: a
@@ -405,7 +405,7 @@ class Transformer:
     def _attend(self, i: int, h: np.ndarray, cache: KVCache, split: SplitStep | None = None) -> np.ndarray:
         """h (T, hidden) of one sequence, contiguous, plus its attention at `cache`'s position
         (with gemma3's norm of the attention output where the layer has one). `split`: a decoded
-        token's step when its heads are split across the processes (_split_for)."""
+        token's step when its heads are split across the processes (_decode_step)."""
         L = self.layers[i]
         if L.parallel:
             return self._attend_parallel(i, h, cache)
@@ -457,17 +457,17 @@ class Transformer:
             raise ValueError(f"context full: {cache.pos} + {T} tokens exceeds the context size {self.max_ctx}")
         h = np.ascontiguousarray(self.embed(ids), dtype=np.float32)
         eps = self.cfg.rms_eps
-        logits = self._lockstep([cache], h) if T == 1 else None
-        if logits is not None:  # one post: every layer and the logits
+        step = self._decode_step([cache]) if T == 1 else LOCAL_STEP  # the path, once for the step
+        if step.lockstep:  # one post: every layer and the logits
+            logits = self._run_lockstep(step, h)
             cache.pos += 1
             return logits
-        split = self._split_for([cache]) if T == 1 else None  # once a step, not per layer
         for i in range(len(self.layers)):
             if T > 1 and self._native_prompt(i, cache, T):
                 self._attend_prompt(i, h, cache)
                 h = self._ffn(i, h)
             else:
-                h = self._ffn(i, self._attend(i, h, cache, split))
+                h = self._ffn(i, self._attend(i, h, cache, step.split))
         cache.pos += T
         return self.head(self.out_norm(h if all_logits else h[-1:], eps))
 
@@ -487,22 +487,21 @@ class Transformer:
         if len(ids) == 1:
             return self.forward(ids, cache=caches[0])
         h = np.ascontiguousarray(self.embed(ids), dtype=np.float32)
-        logits = self._lockstep(caches, h)
-        if logits is not None:
+        native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
+        step = self._decode_step(caches) if native_ok else LOCAL_STEP  # the path, once for the step
+        if step.lockstep:
+            logits = self._run_lockstep(step, h)
             for c in caches:
                 c.pos += 1
             return logits
-        positions = [c.pos for c in caches]
-        native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
         if native_ok:  # checked here once per step, not per layer: positions and cache addresses
-            pos = np.asarray(positions, dtype=np.int64)
+            pos = np.array([c.pos for c in caches], dtype=np.int64)
             k0 = np.array([c.address[0] for c in caches], dtype=np.int64)
             v0 = np.array([c.address[1] for c in caches], dtype=np.int64)
-        split = self._split_for(caches) if native_ok else None  # the heads across the processes
         for i, L in enumerate(self.layers):
             if native_ok and self.native[i] is not None:
-                if split is not None:
-                    self.split_attn(i, h, split)
+                if step.split is not None:
+                    self.split_attn(i, h, step.split)
                 else:  # one native call: the attention weights read once for every sequence
                     self.native[i].batch(h, pos, k0 + i * self.kv_layer_bytes, v0 + i * self.kv_layer_bytes)
             else:
