@@ -23,6 +23,7 @@ from protocol.shm_layout import SharedBuffers, StepKind
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, residual_norm
 from sparsecore.kv_pool import KvPool
 
+from .posted_step import run_posted
 from .sparse_ffn import ExchangeStats
 
 # Whether a step's split pays for its exchange (`pays`): the thresholds and their measurements are
@@ -75,10 +76,9 @@ class SplitAttention:
         t0 = time.perf_counter()
         B, buf = len(h), self.buffers
         buf.x[:B] = h
-        posted = self.bell.post(StepKind.ATTENTION, layer, B, True, False, self.part)
         own, off = self.scratch[:B], layer * step.layer_bytes
-        self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own)
-        self.bell.wait(posted.step, self.part)
+        run_posted(self.bell, StepKind.ATTENTION, layer, B, self.part,
+                   lambda posted: self.steps[layer].part(h, step.pos, step.kp + off, step.vp + off, *self.own, own))
         step = self.steps[layer]
         post = step.extra_arrays.get("post_norm")
         if post is None and not step.extras.out_scale:

@@ -16,6 +16,7 @@ from protocol.shm_layout import REQ_PARTS, SharedBuffers, StepKind
 from sparsecore.lockstep import Lockstep
 
 from .attention_split import SplitAttention, SplitStep
+from .posted_step import run_posted
 from .sparse_ffn import SparseFfn
 
 # Whether a step runs in lockstep (`usable`): its threshold and measurement are
@@ -64,11 +65,13 @@ class LockstepDecode:
         predict = ffn.predictors is not None
         buf.x[:B] = h
         buf.request[REQ_PARTS] = self.parts  # before post writes the step number
-        posted = self.bell.post(StepKind.LOCKSTEP, 0, B, not (ffn.thresholds or predict), ffn.thresholds and not predict,
-                                self.part, predict)
-        n_own = self.own.run(posted.step, self.parts, h, split.pos, split.kp, split.vp, split.layer_bytes,
-                             posted.threshold, posted.predict, self.bell.watch)
-        n_active, _ = self.bell.wait(posted.step, self.part)
+        step = run_posted(self.bell, StepKind.LOCKSTEP, 0, B, self.part,
+                          lambda posted: self.own.run(posted.step, self.parts, h, split.pos, split.kp, split.vp,
+                                                      split.layer_bytes, posted.threshold, posted.predict,
+                                                      self.bell.watch),
+                          dense=not (ffn.thresholds or predict), threshold=ffn.thresholds and not predict,
+                          predict=predict)
+        n_own, n_active = step.own, step.n_active
         st = ffn.stats
         for i in range(self.n_layers):  # the meters read sums over the layers
             st.tokens[i] = st.tokens.get(i, 0) + B

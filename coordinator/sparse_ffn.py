@@ -25,6 +25,7 @@ from sparsecore.kernels import MAX_SMALL_BATCH
 from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 
+from .posted_step import run_posted, sum_slots
 from .worker_pool import WorkerPool
 
 if TYPE_CHECKING:  # coordinator/predictor.py imports torch: only a run with predictors loads it
@@ -155,23 +156,18 @@ class SparseFfn:
             raise ValueError(f"n_tokens {n_tokens} outside 1..{self.max_tokens}")
         t0 = time.perf_counter()
         buf, part = self.buffers, self.participants[layer]
-        posted = self.bell.post(StepKind.FFN, layer, n_tokens, dense, threshold, part, predict)
-        n_own = own_ns = 0
+        own = None
         if self.own is not None and layer in self.own.layers:  # our neurons while the workers compute theirs
-            n_own, own_ns = self.own.serve(buf, self.own_slot, posted)
-        n_active, slowest_ns = self.bell.wait(posted.step, part)
+            own = lambda posted: self.own.serve(buf, self.own_slot, posted)  # noqa: E731
+        step = run_posted(self.bell, StepKind.FFN, layer, n_tokens, part, own, dense, threshold, predict)
+        (n_own, own_ns), n_active, slowest_ns = step.own or (0, 0), step.n_active, step.slowest_ns
         st = self.stats
         st.active[layer] = st.active.get(layer, 0) + n_active + n_own
         st.tokens[layer] = st.tokens.get(layer, 0) + n_tokens
         rt = (time.perf_counter() - t0) * 1e6
         st.round_trip_us.append(rt)
         st.overhead_us.append(rt - max(slowest_ns, own_ns) / 1e3)
-        summed = self.sum_slots[layer]
-        if len(summed) == 1:
-            return buf.out[summed[0], :n_tokens].copy()
-        if len(summed) == 2:  # one worker and the coordinator: the common CPU-only case
-            return np.add(buf.out[summed[0], :n_tokens], buf.out[summed[1], :n_tokens])
-        return buf.out[summed, :n_tokens].sum(axis=0)
+        return sum_slots(buf.out, self.sum_slots[layer], n_tokens)
 
 
 class SplitHead:
@@ -202,9 +198,8 @@ class SplitHead:
         for a in range(0, len(hs), self.per_post):
             n = min(self.per_post, len(hs) - a)
             buf.x[:n] = hs[a:a + n]
-            posted = self.bell.post(StepKind.HEAD, 0, n, True, False, self.part)
-            logits[a:a + n, head.start:] = head(buf.x[:n]).reshape(n, -1)
-            self.bell.wait(posted.step, self.part)
+            mine = run_posted(self.bell, StepKind.HEAD, 0, n, self.part, lambda posted: head(buf.x[:n])).own
+            logits[a:a + n, head.start:] = mine.reshape(n, -1)
             for slot, (lo, hi) in self.rows.items():
                 logits[a:a + n, lo:hi] = buf.out[slot].reshape(-1)[: n * (hi - lo)].reshape(n, hi - lo)
         self.stats.head_us.append((time.perf_counter() - t0) * 1e6)
