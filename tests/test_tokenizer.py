@@ -307,3 +307,36 @@ def test_minimal_byte_level_vocab(tmp_path):
     tok = GGUFTokenizer.from_reader(_write(tmp_path / "ok.gguf", merges=["a b"]))
     assert tok.encode("abab") == [2, 2]
     assert not tok.add_bos and tok.bos_id is None
+
+
+def test_generated_merges_are_cached_by_header_and_read_back(tmp_path, monkeypatch):
+    """A sentencepiece vocabulary without merges (Gemma's) has them generated from its scores
+    once: kept under the cache directory, keyed by a hash of the file's header, and read back by
+    the next start instead of generated; a damaged cache file is generated again."""
+    import coordinator.tokenizer as tokenizer_module
+
+    monkeypatch.setenv("SPARSEINFER_CACHE", str(tmp_path / "cache"))
+    path = write_spm_gguf(tmp_path / "spm.gguf")
+    texts = ["Hello world", "the quick brown fox", "  spaced  out ", "ünïcödé"]
+    first = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
+    cached = tokenizer_module.merges_cache_path(gguf.GGUFReader(str(path)))
+    assert cached.is_file() and cached.parent == tmp_path / "cache" / "tokenizers"
+    generate = tokenizer_module.generate_merges
+
+    def not_again(*args):
+        raise AssertionError("merges generated although cached")
+
+    monkeypatch.setattr(tokenizer_module, "generate_merges", not_again)
+    second = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    cached.write_bytes(b"not an npy file")
+    monkeypatch.setattr(tokenizer_module, "generate_merges", generate)
+    third = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
+    assert [third.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert np.load(cached, allow_pickle=False).shape[1] == 2  # written again, whole
+    other = tmp_path / "other.gguf"  # another header (a byte of metadata changed): another key
+    data = bytearray(path.read_bytes())
+    at = data.index(b"llama.context_length") + len(b"llama.context_length") + 4  # the value, after its type
+    data[at] += 1
+    other.write_bytes(bytes(data))
+    assert tokenizer_module.merges_cache_path(gguf.GGUFReader(str(other))) != cached
