@@ -389,12 +389,17 @@ def bench(children: list[Child], prompt, tg: int, reps: int, warmup: int,
 def touched_bytes(model: Path) -> int:
     """Bytes of the tensors one dense decoded token touches, from the file itself: every tensor
     but the embedding table (one row of it; all of it where it is also the lm_head) and
-    PowerInfer's predictors."""
+    PowerInfer's predictors; of routed experts (ffn_*_exps) the k a token uses."""
+    from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf, tensor_nbytes
 
-    ts = {t.name: t for t in open_gguf(model, vocabulary=False).tensors}
+    reader = open_gguf(model, vocabulary=False)
+    cfg = read_config(model, reader)
+    ts = {t.name: t for t in reader.tensors}
     emb = ts.get("token_embd.weight")
-    total = sum(tensor_nbytes(t) for n, t in ts.items()
+    used = (lambda n: cfg.n_experts_used / cfg.n_experts if n.endswith("_exps.weight") else 1.0) if cfg.routed \
+        else (lambda n: 1.0)
+    total = sum(int(tensor_nbytes(t) * used(n)) for n, t in ts.items()
                 if n != "token_embd.weight" and not n.endswith(("fc1.weight", "fc2.weight")))
     if emb is not None:
         rows = int(emb.shape[1])

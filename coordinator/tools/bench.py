@@ -76,7 +76,7 @@ def ffn_bytes_per_token(engine, mode: Mode, active_fraction: float) -> float:
     cfg = observe.config(engine)
     per_neuron = observe.ffn_neuron_bytes(engine)
     row = per_neuron / 3
-    n = cfg.n_ff * cfg.n_layers
+    n = cfg.n_ff * cfg.n_layers * (cfg.n_experts_used if cfg.routed else 1)  # routed: the k experts' neurons
     if mode.sparsity is not None:
         return n * (row + 2 * row * active_fraction)
     b = n * per_neuron * active_fraction

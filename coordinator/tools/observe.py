@@ -67,6 +67,10 @@ def ffn_neuron_bytes(engine) -> float:
     # 0's alone counted 1.054x the bytes on the 1.1B shape). PowerInfer files hold down
     # transposed (ffn_down_t): its rows are the columns.
     store = engine.store
+    if cfg.routed:  # a neuron of an expert: the stacked tensors over every expert's neurons
+        total = sum(int(store.raw(f"blk.{i}.{n}.weight").n_bytes) for i in range(cfg.n_layers)
+                    for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        return total / (cfg.n_ff * cfg.n_experts * cfg.n_layers)
     total = sum(int(store.info(n).n_bytes) for i in range(cfg.n_layers)
                 for n in (f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight", FileLayer.down_name(store, i)))
     return total / (cfg.n_ff * cfg.n_layers)
@@ -234,7 +238,8 @@ class FfnMeter:
 
     def __init__(self, engine):
         self._stats = st = engine.ffn.stats
-        self._n_ff = engine.cfg.n_ff
+        cfg = engine.cfg  # a routed layer's token can compute its k experts' neurons
+        self._n_ff = cfg.n_ff * (cfg.n_experts_used if cfg.routed else 1)
         self._exchanges = len(st.round_trip_us)
         self._active = sum(st.active.values())
         self._tokens = sum(st.tokens.values())
