@@ -17,9 +17,10 @@ from coordinator.tools import observe
 from coordinator.tools.bench import Mode, ffn_bytes_per_token, ratios
 
 
-def _fake_engine(hidden=8, n_ff=10, n_layers=3):
-    return SimpleNamespace(cfg=SimpleNamespace(hidden=hidden, n_ff=n_ff, n_layers=n_layers),
-                           opts=SimpleNamespace(weights="f32"))
+def _fake_engine(hidden=8, n_ff=10, n_layers=3, n_experts_used=0):
+    cfg = SimpleNamespace(hidden=hidden, n_ff=n_ff, n_layers=n_layers, routed=n_experts_used > 0,
+                          n_experts_used=n_experts_used)
+    return SimpleNamespace(cfg=cfg, opts=SimpleNamespace(weights="f32"))
 
 
 def test_ffn_bytes_follow_what_each_mode_reads():
@@ -34,6 +35,9 @@ def test_ffn_bytes_follow_what_each_mode_reads():
         n * 3 * row * 0.5 + 3 * (16 + 20) * 4)
     eng.opts.weights = "int8"  # int8 values and a float32 scale per row
     assert ffn_bytes_per_token(eng, Mode("dense"), 1.0) == n * 3 * (8 + 4)
+    # routed experts: a dense token computes its k experts' neurons (active fraction 1 of those)
+    routed = _fake_engine(n_experts_used=4)
+    assert ffn_bytes_per_token(routed, Mode("dense"), 1.0) == 4 * n * 3 * row
 
 
 def test_ratios_against_the_base_mode():
