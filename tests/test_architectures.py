@@ -11,10 +11,8 @@ default is llama.cpp's 8-bit activations).
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,37 +27,20 @@ from sparsecore.config import SUPPORTED_ARCHS, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
 from tests.conftest import REPO
-from tests.fixtures.tiny_arch import ARCHS, write_tiny_arch
-
-FIXTURES = Path(__file__).parent / "fixtures"
-REF = json.loads((FIXTURES / "arch_reference.json").read_text())
-LOGITS_ATOL = 1e-4
-
+from tests.fixtures.arch_oracle import LOGITS_ATOL, REF, assert_matches, reference_logits, tiny_models
+from tests.fixtures.tiny_arch import ARCHS
+from tests.fixtures.tiny_gguf import write_gguf
 
 @pytest.fixture(scope="module")
 def arch_models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("arch")
-    return {arch: write_tiny_arch(d / f"tiny-{arch}.gguf", arch) for arch in ARCHS}
-
-
-def _reference_logits(arch: str) -> np.ndarray:
-    return np.load(FIXTURES / "arch_reference_logits.npz")[arch]
+    return tiny_models(tmp_path_factory.mktemp("arch"), ARCHS)
 
 
 @pytest.mark.parametrize("weights", ["gguf", "f32"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_and_logits_match_transformers(arch_models, arch, weights, no_leaks):
-    cases = REF["archs"][arch]
     with Engine(arch_models[arch], EngineOptions(cpu_workers=1, threads=2, weights=weights, fast=False)) as eng:
-        for case in cases:
-            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
-                                    stop_at_eos=False))
-            assert got == case["generated_ids"], arch
-        seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
-        logits = eng.forward_logits(seq)
-    want = _reference_logits(arch)
-    assert logits.shape == want.shape
-    assert float(np.abs(logits - want).max()) < LOGITS_ATOL
+        assert_matches(eng, arch)
 
 
 NATIVE_ARCHS = [a for a in ARCHS if not a.startswith("falcon")]  # falcon's LayerNorms stay in torch
@@ -72,21 +53,13 @@ def test_attention_split_across_processes_matches_transformers(arch_models, arch
     bases) on the native path with its KV heads split between the coordinator and the worker:
     decoded tokens through every layer in one post (lockstep) or layer by layer, prompts split
     too (forced: the tiny layers would never pay for the exchange)."""
-    cases = REF["archs"][arch]
     opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
                          adaptive_spin=False if path == "lockstep" else None)
     with Engine(arch_models[arch], opts) as eng:
         assert eng.model.decode_plan.path.value == ("lockstep" if path == "lockstep" else "split attention")
-        st = eng.ffn.stats
-        for case in cases:
-            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
-                                    stop_at_eos=False))
-            assert got == case["generated_ids"], arch
-        decoded = sum(len(c["generated_ids"]) - 1 for c in cases)
-        assert len(st.lockstep_us) == (decoded if path == "lockstep" else 0)
-        seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
-        logits = eng.forward_logits(seq)
-    assert float(np.abs(logits - _reference_logits(arch)).max()) < LOGITS_ATOL
+        assert_matches(eng, arch)
+        decoded = sum(len(c["generated_ids"]) - 1 for c in REF["archs"][arch])
+        assert len(eng.ffn.stats.lockstep_us) == (decoded if path == "lockstep" else 0)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
@@ -103,7 +76,7 @@ def test_the_sliding_window_is_what_makes_the_match(arch_models, arch, no_leaks)
             if step is not None:  # the native step's, which decoded tokens and prompts take
                 step.set_window(None)
         logits = eng.forward_logits(seq)
-    diff = np.abs(logits - _reference_logits(arch)).max(axis=1)
+    diff = np.abs(logits - reference_logits(arch)).max(axis=1)
     assert diff[:window].max() < LOGITS_ATOL  # the window covers everything there
     assert diff[window:].max() > 1e-2
 
@@ -128,11 +101,7 @@ def test_configs_read_as_the_converter_writes_them(arch_models):
 
 def test_other_architectures_get_one_line_naming_the_supported_ones(tmp_path):
     import gguf
-    w = gguf.GGUFWriter(tmp_path / "falcon.gguf", "starcoder2")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(gguf.GGUFWriter(tmp_path / "falcon.gguf", "starcoder2"))
     with pytest.raises(ModelFileError) as e:
         read_config(tmp_path / "falcon.gguf", open_gguf(tmp_path / "falcon.gguf"))
     msg = str(e.value)

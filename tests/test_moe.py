@@ -10,28 +10,21 @@ no near-tie decides a route. Exact arithmetic; ids must match, logits within LOG
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
+from tests.fixtures.arch_oracle import REF, assert_matches, reference_logits, tiny_models
 from tests.fixtures.tiny_arch import MOE, N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
-
-FIXTURES = Path(__file__).parent / "fixtures"
-REF = json.loads((FIXTURES / "arch_reference.json").read_text())
-LOGITS_ATOL = 1e-4
-
+from tests.fixtures.tiny_gguf import write_gguf
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("moe")
-    return {arch: write_tiny_arch(d / f"tiny-{arch}.gguf", arch) for arch in MOE}
+    return tiny_models(tmp_path_factory.mktemp("moe"), MOE)
 
 
 def test_the_reference_routes_with_a_margin():
@@ -61,17 +54,9 @@ def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, no_
         assert sum(1 for n in owned if n) == (1 if share == 0.0 else 2)  # split where there is a share
         assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
                                                     "lockstep": "lockstep"}[path]
-        for case in cases:
-            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(temperature=0.0),
-                                    stop_at_eos=False))
-            assert got == case["generated_ids"], arch
+        assert_matches(eng, arch)
         decoded = sum(len(c["generated_ids"]) - 1 for c in cases)
         assert len(eng.ffn.stats.lockstep_us) == (decoded if path == "lockstep" else 0)
-        seq = cases[0]["prompt_ids"] + cases[0]["generated_ids"]
-        logits = eng.forward_logits(seq)
-    want = np.load(FIXTURES / "arch_reference_logits.npz")[arch]
-    assert logits.shape == want.shape
-    assert float(np.abs(logits - want).max()) < LOGITS_ATOL
 
 
 def test_fast_arithmetic_decodes_close_to_exact(moe_models, no_leaks):
@@ -80,7 +65,7 @@ def test_fast_arithmetic_decodes_close_to_exact(moe_models, no_leaks):
     case = REF["archs"]["qwen3moe"][0]
     with Engine(moe_models["qwen3moe"], EngineOptions(cpu_workers=1, threads=2, fast=True)) as eng:
         logits = eng.forward_logits(case["prompt_ids"])
-    want = np.load(FIXTURES / "arch_reference_logits.npz")["qwen3moe"][: len(case["prompt_ids"])]
+    want = reference_logits("qwen3moe")[: len(case["prompt_ids"])]
     assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
 
 
@@ -111,10 +96,7 @@ def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, key, 
     for t in reader.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(d) for d in t.shape])),
                      raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     with pytest.raises(ModelFileError) as e:
         read_config(tmp_path / "bad.gguf", open_gguf(tmp_path / "bad.gguf"))
     assert word in str(e.value) and "\n" not in str(e.value)
