@@ -3,7 +3,7 @@
 Two planners, one Plan shape (per worker, per layer, sorted int32 index arrays):
   - static_plan: the GPU worker takes `gpu_share` of every layer's neurons, the CPU workers
     split the rest evenly (no profile needed).
-  - budget_plan: from activation frequencies (coordinator.profiling) and a VRAM budget, the
+  - budget_plan: from activation frequencies (coordinator/tools/profile.py) and a VRAM budget, the
     GPU worker takes the globally most frequently active neurons that fit; each layer's cold
     neurons are sharded across the CPU workers balanced by expected activations.
 

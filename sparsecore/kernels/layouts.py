@@ -138,7 +138,7 @@ def interleave_blocks(m: FileMatrix) -> "FileMatrix":
 def for_row_products(m: FileMatrix, rows: range | None = None) -> "FileMatrix":
     """The matrix to run fast-mode products of rows picked one by one on (rows: the range a
     shard may pick from; None: all): those rows with their blocks interleaved where they can
-    be (interleave_blocks: Q4_0, Q4_1 or Q8_0, the CPU with AVX-512 VNNI), else this matrix
+    be (interleave_blocks: Q4_0, Q4_1 or Q8_0, at any SIMD level: formats.blocked_rows), else this matrix
     as it is."""
     if not (can_interleave_blocks(m) and blocked_rows()):
         return m
