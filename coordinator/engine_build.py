@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
     """Every tensor the model needs, by the names the file itself uses (sparsecore/arch.py)."""
-    return cfg.spec.required_tensors(cfg.n_layers, cfg.tied_embeddings, cfg.qkv_bias, cfg.qk_norm)
+    return cfg.spec.required_tensors(cfg.n_layers, cfg.tied_embeddings, cfg.qkv_bias, cfg.qk_norm, cfg.routed)
 
 
 def load_level(model: Path, opts: EngineOptions, sparsity: float) -> list:

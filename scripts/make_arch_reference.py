@@ -53,7 +53,8 @@ def build(arch: str):
            "falcon": (tf.FalconConfig, tf.FalconForCausalLM), "falcon40b": (tf.FalconConfig, tf.FalconForCausalLM),
            "relufalcon": (tf.FalconConfig, tf.FalconForCausalLM),
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
-           "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
+           "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
     model = cls[1](cfg).float().eval()
@@ -76,14 +77,17 @@ class _Routing:
     discontinuous, so a reference is only as good as this margin (the engine's float order
     differs from transformers' by about 1e-6)."""
     min_gap: float = float("inf")
+    min_logit_gap: float = float("inf")  # the same in the router's logits, which the order follows
 
 
 def _watch_routing(model) -> None:
     for layer in model.model.layers:
         def hook(mod, args, out):
+            logits = out[0].float().sort(dim=-1, descending=True).values
             probs = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
             k = mod.top_k
             _Routing.min_gap = min(_Routing.min_gap, float((probs[:, k - 1] - probs[:, k]).min()))
+            _Routing.min_logit_gap = min(_Routing.min_logit_gap, float((logits[:, k - 1] - logits[:, k]).min()))
         layer.mlp.gate.register_forward_hook(hook)
 
 
@@ -158,11 +162,12 @@ def main(only: list[str]) -> None:
         model = build(arch)
         cases = []
         for k, p in enumerate(PROMPTS):
-            _Routing.min_gap = float("inf")
+            _Routing.min_gap = _Routing.min_logit_gap = float("inf")
             ids, margins = greedy(model, p, N_NEW)
             cases.append({"prompt_ids": p, "generated_ids": ids, "min_margin": min(margins)})
             if arch in MOE:
                 cases[-1]["min_route_gap"] = _Routing.min_gap
+                cases[-1]["min_route_logit_gap"] = _Routing.min_logit_gap
             if k == 0:
                 with torch.inference_mode():
                     arrays[arch] = model(input_ids=torch.tensor([p + ids]), use_cache=False).logits[0].float().numpy()

@@ -26,6 +26,10 @@ which decides the tensors' layout:
 - falcon: LayerNorms with bias (`attention.layer_norm_epsilon`), attention and FFN in parallel
   on the layer's input (attn_norm_2 for attention where present: the 40B layout), Q, K, V fused
   (all Q heads, then K, then V), no gate: down(act(up x)), GELU (ReLU with predictors).
+- llama with experts (Mixtral, which its converter writes as `llama`): where the file carries
+  `llama.expert_count`, every FFN is routed experts (the stacked tensors, the router), softmax,
+  the top k renormalized (llama.cpp's flags for LLM_ARCH_LLAMA with experts); one expert's
+  neurons are `feed_forward_length`.
 - qwen3moe (Qwen3-30B-A3B's layout): qwen3's attention; every layer's FFN routed experts: the
   router `ffn_gate_inp` (E x hidden) scores the FFN input, softmax, the top `expert_used_count`
   weights renormalized to sum 1, and the chosen experts' SwiGLU FFNs (slices of the 3-D
@@ -46,8 +50,9 @@ FFN_SPLIT = ("ffn_gate", "ffn_up")
 FFN_FUSED = ("ffn_up",)  # gate rows, then up rows
 FFN_ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # router, stacked experts
 
-# FFN kinds (Arch.ffn): "dense", one set of neurons per layer; "routed", E experts of
-# n_ff_expert neurons each, k chosen per token by a router (sparsecore/shard.py ExpertsLayer).
+# FFN kinds: "dense", one set of neurons per layer; "routed", E experts of n_ff_expert neurons
+# each, k chosen per token by a router (sparsecore/shard.py ExpertsLayer). Arch.ffn is one of
+# them, or "dense|routed": routed where the file carries {arch}.expert_count (Mixtral as llama).
 FFN_KINDS = ("dense", "routed")
 
 
@@ -72,28 +77,33 @@ class Arch:
     logit_scale_key: str | None = None  # logits divided by this
     # the 62-layer gemma3 (27B) scales by hidden / n_heads (llama.cpp), not 1/sqrt(head_dim)
     scale_by_hidden_at_layers: int | None = None
-    ffn: str = "dense"  # FFN_KINDS
+    ffn: str = "dense"  # FFN_KINDS, or "dense|routed"
     expert_gating: str = "softmax"  # routed: the router's probabilities
     expert_norm: bool = False  # routed: the top-k weights renormalized to sum 1
+
+    def routed(self, has_expert_count: bool) -> bool:
+        """Whether a file of this family with (or without) {arch}.expert_count has routed FFNs."""
+        return self.ffn == "routed" or (self.ffn == "dense|routed" and has_expert_count)
 
     def attn_tensors(self) -> tuple[str, ...]:
         return ATTN_FUSED if self.fused_qkv else ATTN_SPLIT
 
-    def ffn_tensors(self) -> tuple[str, ...]:
-        if self.ffn == "routed":
+    def ffn_tensors(self, routed: bool = False) -> tuple[str, ...]:
+        if routed:
             return FFN_ROUTED
         if self.ffn_gate == "none" or self.fused_gate_up:
             return FFN_FUSED
         return FFN_SPLIT
 
-    def required_tensors(self, n_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool) -> list[str]:
+    def required_tensors(self, n_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool,
+                         routed: bool = False) -> list[str]:
         """Every tensor a file of this family must hold, by the names the file uses (fused
         tensors whole; sparsecore.tensors.TensorStore shows their parts under llama's names)."""
         names = ["token_embd.weight", "output_norm.weight"] + ([] if tied else ["output.weight"])
         if self.norm == "layer":
             names.append("output_norm.bias")
-        per_layer = ["attn_norm", *self.attn_tensors(), "attn_output", *self.ffn_tensors()]
-        if self.ffn == "dense":
+        per_layer = ["attn_norm", *self.attn_tensors(), "attn_output", *self.ffn_tensors(routed)]
+        if not routed:
             per_layer.append("ffn_down")
         if self.norm == "layer":
             per_layer.append("attn_norm.bias")
@@ -112,7 +122,7 @@ class Arch:
 _LLAMA = dict(rope="normal")
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("llama", **_LLAMA),
+    Arch("llama", ffn="dense|routed", expert_norm=True, **_LLAMA),
     Arch("mistral", **_LLAMA),
     Arch("qwen2"),
     Arch("qwen3"),

@@ -141,9 +141,11 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     elif spec.scale_by_hidden_at_layers == n_layers:
         attn_scale = (hidden / n_heads) ** -0.5
     cap = field_value(reader, p + "final_logit_softcapping")
-    n_ff_key = "expert_feed_forward_length" if spec.ffn == "routed" else "feed_forward_length"
+    routed = spec.routed(p + "expert_count" in reader.fields)
+    n_ff_key = "expert_feed_forward_length" if routed and p + "expert_feed_forward_length" in reader.fields \
+        else "feed_forward_length"  # Mixtral (llama) has no expert length: its FFN length is one expert's
     experts = {}
-    if spec.ffn == "routed":  # bounds and shapes checked by check_model_metadata
+    if routed:  # bounds and shapes checked by check_model_metadata
         experts = dict(n_experts=int(_require(path, reader, p + "expert_count")),
                        n_experts_used=int(_require(path, reader, p + "expert_used_count")),
                        expert_norm=spec.expert_norm)

@@ -318,10 +318,10 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
     expect = {"output.weight": [hidden, vocab], "output_norm.weight": [hidden]}
     spec = ARCHS.get(arch)
     gate_in_up = spec is not None and spec.fused_gate_up
-    if spec is not None and spec.ffn == "routed":  # nothing is sized from an unchecked count
+    if spec is not None and spec.routed(p + "expert_count" in reader.fields):  # nothing sized from an unchecked count
         n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
         _int(path, reader, p + "expert_used_count", None, 1, n_exp, f" ({p}expert_count = {n_exp})")
-        f_exp = _int(path, reader, p + "expert_feed_forward_length", None, 1, MAX_FF)
+        f_exp = _int(path, reader, p + "expert_feed_forward_length", n_ff, 1, MAX_FF)
         for i in range(n_layers):
             b = f"blk.{i}."
             expect.update({b + "ffn_gate_inp.weight": [hidden, n_exp], b + "ffn_gate_exps.weight": [hidden, f_exp, n_exp],

@@ -1,12 +1,13 @@
 """Mixture-of-experts models (routed FFNs: sparsecore/arch.py FFN_KINDS, sparsecore/shard.py
 ExpertsLayer) against transformers, through the real coordinator and worker processes.
 
-The tiny qwen3moe model (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen, 64 neurons each) is
-written as llama.cpp's converter writes Qwen3-30B-A3B (stacked ffn_*_exps, the router as
-ffn_gate_inp); scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM on the same
-weights with norm_topk_prob (llama.cpp's qwen3moe flag) and recorded the smallest gap between a
-token's k-th and (k+1)-th router probability (0.002, against float differences of about 1e-6):
-no near-tie decides a route. Exact arithmetic; ids must match, logits within LOGITS_ATOL.
+The tiny qwen3moe and Mixtral models (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen, 64
+neurons each) are written as llama.cpp's converter writes Qwen3-30B-A3B and Mixtral (a `llama`
+file with Q/K permuted; stacked ffn_*_exps, the router as ffn_gate_inp);
+scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM (norm_topk_prob, llama.cpp's
+qwen3moe flag) and MixtralForCausalLM on the same weights and recorded the smallest gap between a
+token's k-th and (k+1)-th router probability and logit (at least 0.001 and 0.008, against float
+differences of about 1e-6; Mixtral's seed was chosen for it): no near-tie decides a route. Exact arithmetic; ids must match, logits within LOGITS_ATOL.
 """
 from __future__ import annotations
 
@@ -28,15 +29,17 @@ def moe_models(tmp_path_factory):
 
 
 def test_the_reference_routes_with_a_margin():
-    for arch in MOE:
+    for arch in MOE:  # probabilities and logits: the engine's floats differ from transformers' by ~1e-6
         assert min(c["min_route_gap"] for c in REF["archs"][arch]) > 1e-3
+        assert min(c["min_route_logit_gap"] for c in REF["archs"][arch]) > 1e-3
 
 
 @pytest.mark.parametrize("arch", MOE)
 def test_config_reads_the_experts(moe_models, arch):
     cfg = read_config(moe_models[arch], open_gguf(moe_models[arch]))
     assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
-    assert cfg.expert_norm and cfg.qk_norm and cfg.native_attention
+    assert cfg.expert_norm and cfg.native_attention and cfg.qk_norm == (arch == "qwen3moe")
+    assert cfg.arch == ("llama" if arch == "mixtral" else arch) and cfg.permuted_qk == (arch == "mixtral")
 
 
 @pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
