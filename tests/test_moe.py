@@ -103,3 +103,19 @@ def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, key, 
     with pytest.raises(ModelFileError) as e:
         read_config(tmp_path / "bad.gguf", open_gguf(tmp_path / "bad.gguf"))
     assert word in str(e.value) and "\n" not in str(e.value)
+
+
+def test_generate_on_experts_does_not_suggest_calibrating(moe_models, no_leaks):
+    """`generate` on a mixture-of-experts file decodes densely and says nothing about
+    calibrating (its experts take no sparsity level yet: the hint would send the user to a
+    refusal)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.fixtures.child_env import repo_env
+
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(moe_models["qwen3moe"]), "-p",
+                        "Hello", "-n", "3"], capture_output=True, text=True, timeout=300, cwd=REPO, env=repo_env())
+    assert r.returncode == 0, r.stderr
+    assert "decode 2 tok" in r.stderr and "calibrate" not in r.stderr

@@ -34,7 +34,12 @@ def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
     from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
     from ..sparsity_level import choose
 
-    if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
+    reader = open_gguf(path)
+    if has_predictors(reader):  # PowerInfer's files decode with their own predictors
+        return None, ""
+    from sparsecore.config import read_config
+
+    if read_config(Path(path), reader).routed:  # experts decode densely for now: no level to calibrate
         return None, ""
     return choose(Path(path), sparse_method_from_context(), meta("sparseinfer.quality_budget", 0.02))
 
