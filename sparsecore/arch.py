@@ -30,6 +30,10 @@ which decides the tensors' layout:
   `llama.expert_count`, every FFN is routed experts (the stacked tensors, the router), softmax,
   the top k renormalized (llama.cpp's flags for LLM_ARCH_LLAMA with experts); one expert's
   neurons are `feed_forward_length`.
+- qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B): qwen2's attention (Q/K/V biases); routed experts
+  without renormalizing the top k (llama.cpp's flag), plus a shared expert every token runs
+  (`ffn_{gate,up,down}_shexp`, `expert_shared_feed_forward_length` neurons) times
+  sigmoid(`ffn_gate_inp_shexp` . x).
 - qwen3moe (Qwen3-30B-A3B's layout): qwen3's attention; every layer's FFN routed experts: the
   router `ffn_gate_inp` (E x hidden) scores the FFN input, softmax, the top `expert_used_count`
   weights renormalized to sum 1, and the chosen experts' SwiGLU FFNs (slices of the 3-D
@@ -49,6 +53,7 @@ ATTN_FUSED = ("attn_qkv",)
 FFN_SPLIT = ("ffn_gate", "ffn_up")
 FFN_FUSED = ("ffn_up",)  # gate rows, then up rows
 FFN_ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # router, stacked experts
+FFN_SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")  # its gate, a dense FFN
 
 # FFN kinds: "dense", one set of neurons per layer; "routed", E experts of n_ff_expert neurons
 # each, k chosen per token by a router (sparsecore/shard.py ExpertsLayer). Arch.ffn is one of
@@ -80,6 +85,7 @@ class Arch:
     ffn: str = "dense"  # FFN_KINDS, or "dense|routed"
     expert_gating: str = "softmax"  # routed: the router's probabilities
     expert_norm: bool = False  # routed: the top-k weights renormalized to sum 1
+    shared_expert: bool = False  # routed: plus a dense FFN every token runs, times sigmoid(gate . x)
 
     def routed(self, has_expert_count: bool) -> bool:
         """Whether a file of this family with (or without) {arch}.expert_count has routed FFNs."""
@@ -90,7 +96,7 @@ class Arch:
 
     def ffn_tensors(self, routed: bool = False) -> tuple[str, ...]:
         if routed:
-            return FFN_ROUTED
+            return FFN_ROUTED + (FFN_SHARED if self.shared_expert else ())
         if self.ffn_gate == "none" or self.fused_gate_up:
             return FFN_FUSED
         return FFN_SPLIT
@@ -127,6 +133,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("qwen2"),
     Arch("qwen3"),
     Arch("qwen3moe", ffn="routed", expert_norm=True),
+    Arch("qwen2moe", ffn="routed", shared_expert=True),
     Arch("gemma3", activation="gelu_tanh", post_norms=True, embed_scale="sqrt_hidden", sliding_pattern=6,
          rope_base_swa=10000.0, scale_by_hidden_at_layers=62),
     Arch("phi3", fused_qkv=True, fused_gate_up=True),

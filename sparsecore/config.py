@@ -57,6 +57,7 @@ class ModelConfig:
     n_experts: int = 0  # 0: a dense FFN
     n_experts_used: int = 0
     expert_norm: bool = False  # the chosen experts' weights renormalized to sum 1
+    n_ff_shared: int = 0  # the shared expert's neurons (a multiple of n_ff), 0: none
 
     @property
     def routed(self) -> bool:
@@ -149,6 +150,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         experts = dict(n_experts=int(_require(path, reader, p + "expert_count")),
                        n_experts_used=int(_require(path, reader, p + "expert_used_count")),
                        expert_norm=spec.expert_norm)
+        if spec.shared_expert:
+            experts["n_ff_shared"] = int(_require(path, reader, p + "expert_shared_feed_forward_length"))
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,

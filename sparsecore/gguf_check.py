@@ -322,11 +322,24 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
         n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
         _int(path, reader, p + "expert_used_count", None, 1, n_exp, f" ({p}expert_count = {n_exp})")
         f_exp = _int(path, reader, p + "expert_feed_forward_length", n_ff, 1, MAX_FF)
+        f_sh = 0
+        if spec.shared_expert:  # the shared expert: each process runs the same multiple of its expert range
+            f_sh = _int(path, reader, p + "expert_shared_feed_forward_length", None, f_exp, MAX_FF)
+            if f_sh % f_exp:
+                _fail(path, f"metadata {p}expert_shared_feed_forward_length = {f_sh}: must be a multiple of "
+                            f"{p}expert_feed_forward_length = {f_exp}")
         for i in range(n_layers):
             b = f"blk.{i}."
             expect.update({b + "ffn_gate_inp.weight": [hidden, n_exp], b + "ffn_gate_exps.weight": [hidden, f_exp, n_exp],
                            b + "ffn_up_exps.weight": [hidden, f_exp, n_exp],
                            b + "ffn_down_exps.weight": [f_exp, hidden, n_exp]})
+            if f_sh:
+                expect.update({b + "ffn_gate_shexp.weight": [hidden, f_sh], b + "ffn_up_shexp.weight": [hidden, f_sh],
+                               b + "ffn_down_shexp.weight": [f_sh, hidden]})
+                gate = shapes.get(b + "ffn_gate_inp_shexp.weight")
+                if gate is not None and gate not in ([hidden], [hidden, 1]):  # the converter keeps HF's (1, hidden)
+                    _fail(path, f"tensor {b}ffn_gate_inp_shexp.weight has shape {gate}, expected [{hidden}] or "
+                                f"[{hidden}, 1] ({p}embedding_length = {hidden})")
     for i in range(n_layers):
         b = f"blk.{i}."
         expect.update({

@@ -118,12 +118,16 @@ class FileLayer:
     each row read once for all tokens, each token's output the one it would get alone)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch,
-                 gate_mode: str = "par", row_layout: str = "", expert: int | None = None):
-        """`expert`: expert e of a routed layer (its slices of ffn_{gate,up,down}_exps), else the
-        layer's dense FFN."""
+                 gate_mode: str = "par", row_layout: str = "", expert: int | None = None, shared: bool = False):
+        """`expert`: expert e of a routed layer (its slices of ffn_{gate,up,down}_exps); `shared`:
+        its shared expert (ffn_{gate,up,down}_shexp); else the layer's dense FFN."""
         p = f"blk.{layer}."
         self.gate_mode = gate_mode  # "none": gate is the up matrix, read once (sparsecore.ffn.GATE_MODES)
-        if expert is not None:
+        if shared:
+            self.down_t = False
+            self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in (
+                "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"))
+        elif expert is not None:
             self.down_t = False
             self.gate, self.up, self.down = (FileMatrix(store.expert(p + n, expert)) for n in (
                 "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
@@ -304,6 +308,16 @@ class ExpertsLayer:
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
+        # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
+        # times sigmoid(gate . x), which each process computes alike and applies to its own share.
+        self.shared = self.shared_gate = None
+        if cfg.n_ff_shared:
+            m = cfg.n_ff_shared // cfg.n_ff
+            own_shared = range(m * own.start, m * own.stop)
+            self.shared = FileLayer(store, layer, own_shared, fast, FfnScratch(self.router.cols, len(own_shared)),
+                                    cfg.ffn_gate, row_layout, shared=True)
+            self.shared_gate = np.ascontiguousarray(
+                store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
         # every expert's (gate, up, down) kernel arguments, looked up by the native token step
         self.table = np.array([[*e.gate.args, *e.up.args, *e.down.args] for e in self.experts], np.int64)
@@ -313,8 +327,15 @@ class ExpertsLayer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the file a token reads here: its k experts' owned rows and the router."""
-        return self.k * self.experts[0].nbytes + self.router.rows * self.router.row_bytes
+        """Bytes of the file a token reads here: its k experts' owned rows, the shared expert's
+        and the router."""
+        shared = 0 if self.shared is None else self.shared.nbytes
+        return self.k * self.experts[0].nbytes + shared + self.router.rows * self.router.row_bytes
+
+    def _shared_scale(self, x: np.ndarray) -> np.ndarray:
+        """sigmoid(gate . x) per row of x (T, hidden): float64 sums, every process alike."""
+        g = x.astype(np.float64) @ self.shared_gate.astype(np.float64)
+        return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int64, (T, k) float32."""
@@ -342,7 +363,12 @@ class ExpertsLayer:
             args = self._calls[key] = [*self._head, ptr(out), *ffn]
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
                 self._calls = {key: args}
-        return _kernels.moe_token(*args)
+        n = _kernels.moe_token(*args)
+        if self.shared is not None:  # its share of the shared expert, scaled by the gate
+            part = self.part[0]
+            n += self.shared.token_into(x, activation, None, None, part)
+            out += self._shared_scale(x[None])[0] * part
+        return n
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
@@ -365,6 +391,10 @@ class ExpertsLayer:
             rows, slot = np.nonzero(ids == e)
             part, k = self.experts[e].step(xs[rows], activation, None, None)
             y[rows] += weights[rows, slot][:, None] * part
+            n += k
+        if self.shared is not None:
+            part, k = self.shared.step(xs, activation, None, None)
+            y += self._shared_scale(xs)[:, None] * part
             n += k
         return y, n
 

@@ -1,13 +1,16 @@
 """Mixture-of-experts models (routed FFNs: sparsecore/arch.py FFN_KINDS, sparsecore/shard.py
 ExpertsLayer) against transformers, through the real coordinator and worker processes.
 
-The tiny qwen3moe and Mixtral models (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen, 64
-neurons each) are written as llama.cpp's converter writes Qwen3-30B-A3B and Mixtral (a `llama`
-file with Q/K permuted; stacked ffn_*_exps, the router as ffn_gate_inp);
+The tiny qwen3moe, Mixtral and qwen2moe models (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen,
+64 neurons each; qwen2moe's shared expert 128) are written as llama.cpp's converter writes
+Qwen3-30B-A3B, Mixtral (a `llama` file with Q/K permuted) and Qwen1.5-MoE (stacked ffn_*_exps,
+the router as ffn_gate_inp, the shared expert as ffn_*_shexp and its gate ffn_gate_inp_shexp).
 scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM (norm_topk_prob, llama.cpp's
-qwen3moe flag) and MixtralForCausalLM on the same weights and recorded the smallest gap between a
-token's k-th and (k+1)-th router probability and logit (at least 0.001 and 0.008, against float
-differences of about 1e-6; Mixtral's seed was chosen for it): no near-tie decides a route. Exact arithmetic; ids must match, logits within LOGITS_ATOL.
+qwen3moe flag), MixtralForCausalLM and Qwen2MoeForCausalLM (no renormalization) on the same
+weights and recorded the smallest gap between a token's k-th and (k+1)-th router probability and
+logit (at least 0.001 and 0.007, against float differences of about 1e-6; Mixtral's and
+qwen2moe's seeds were chosen for it): no near-tie decides a route. Exact arithmetic; ids must
+match, logits within LOGITS_ATOL.
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ def test_the_reference_routes_with_a_margin():
 def test_config_reads_the_experts(moe_models, arch):
     cfg = read_config(moe_models[arch], open_gguf(moe_models[arch]))
     assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
-    assert cfg.expert_norm and cfg.native_attention and cfg.qk_norm == (arch == "qwen3moe")
+    assert cfg.native_attention and cfg.qk_norm == (arch == "qwen3moe") and cfg.qkv_bias == (arch == "qwen2moe")
+    assert cfg.expert_norm == (arch != "qwen2moe")  # llama.cpp renormalizes qwen3moe's and Mixtral's top k only
+    assert cfg.n_ff_shared == (2 * N_FF_EXPERT if arch == "qwen2moe" else 0)
     assert cfg.arch == ("llama" if arch == "mixtral" else arch) and cfg.permuted_qk == (arch == "mixtral")
 
 
@@ -79,14 +84,16 @@ def test_what_experts_do_not_run_with_is_refused_in_one_line(moe_models, opt, wo
     assert word in str(e.value) and "mixture-of-experts" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("key,value,word", [("qwen3moe.expert_used_count", 9, "expert_used_count = 9"),
-                                            ("qwen3moe.expert_count", 0, "expert_count = 0")])
-def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, key, value, word):
+@pytest.mark.parametrize("arch,key,value,word", [
+    ("qwen3moe", "qwen3moe.expert_used_count", 9, "expert_used_count = 9"),
+    ("qwen3moe", "qwen3moe.expert_count", 0, "expert_count = 0"),
+    ("qwen2moe", "qwen2moe.expert_shared_feed_forward_length", 96, "must be a multiple of")])
+def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, arch, key, value, word):
     import gguf
 
-    src = write_tiny_arch(tmp_path / "ok.gguf", "qwen3moe")
+    src = write_tiny_arch(tmp_path / "ok.gguf", arch)
     reader = open_gguf(src)
-    w = gguf.GGUFWriter(tmp_path / "bad.gguf", "qwen3moe")
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
     for f in reader.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
