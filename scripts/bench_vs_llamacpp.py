@@ -19,12 +19,9 @@ VmHWM over the process and all its descendants (ours: coordinator + workers; the
 process), and PSS summed at the end (shared pages counted once); the machine's read bandwidth,
 measured by `sparseinfer bench`'s reduction in a clean process of its own.
 
-Our engine runs dense, at each --sparsity level (calibrated thresholds, default 0.2), and with
-the file's own predictors if it has any (PowerInfer PWRI files). llama.cpp cannot load PWRI
-files: give it the dense file of the same shape with --llama-model.
-
-Usage: python scripts/bench_vs_llamacpp.py [--model M] [--threads 2] [--pp 128] [--tg 64]
-           [--reps 3] [--sparsity 0.2 0.5] [--weights gguf-fast gguf f32] [--llama-model M2] [--json out]
+Our engine runs dense, at each --sparsity level named (calibrated thresholds), and with a PWRI
+file's own predictors (llama.cpp cannot load those: give it the dense file with --llama-model).
+Usage: scripts/bench_vs_llamacpp.py [--model M] [--pp 128] [--tg 64] [--reps 3] [--sparsity 0.5 ...]
 """
 
 from __future__ import annotations
@@ -394,12 +391,9 @@ def touched_bytes(model: Path) -> int:
     from sparsecore.gguf_file import open_gguf, tensor_nbytes
 
     reader = open_gguf(model, vocabulary=False)
-    cfg = read_config(model, reader)
-    ts = {t.name: t for t in reader.tensors}
-    emb = ts.get("token_embd.weight")
-    used = (lambda n: cfg.n_experts_used / cfg.n_experts if n.endswith("_exps.weight") else 1.0) if cfg.routed \
-        else (lambda n: 1.0)
-    total = sum(int(tensor_nbytes(t) * used(n)) for n, t in ts.items()
+    cfg, ts = read_config(model, reader), {t.name: t for t in reader.tensors}
+    emb, k = ts.get("token_embd.weight"), cfg.n_experts_used / cfg.n_experts if cfg.routed else 1.0
+    total = sum(int(tensor_nbytes(t) * (k if n.endswith("_exps.weight") else 1.0)) for n, t in ts.items()
                 if n != "token_embd.weight" and not n.endswith(("fc1.weight", "fc2.weight")))
     if emb is not None:
         rows = int(emb.shape[1])

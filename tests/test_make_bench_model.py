@@ -175,3 +175,24 @@ def test_arch_files_carry_their_attention_and_decode_natively(tmp_path, tiny_mod
         logits = eng.forward_logits([1, 2, 3])
     assert len(out) == 4
     assert np.isfinite(logits).all() and 0.1 < float(np.std(logits)) < 30  # activations stay O(1)
+
+
+def test_moe_file_in_q4_k_m_with_a_skewed_router(tmp_path, tiny_model, no_leaks):
+    """--arch qwen3moe --type q4_k_m: experts in llama.cpp's Q4_K_M mix (down's more-bits layers
+    included, or their fallback where a row is not 256 wide), and --router-skew scales each
+    router row by (rank + 1)^-skew against the same seed's unskewed file; the engine decodes it."""
+    plain, _ = _make(tmp_path, tiny_model, "moe.gguf", "--type", "q4_k_m", "--arch", "qwen3moe")
+    skewed, _ = _make(tmp_path, tiny_model, "skew.gguf", "--type", "q4_k_m", "--arch", "qwen3moe",
+                      "--router-skew", "0.35")
+    types = _types(skewed)
+    assert types["blk.0.ffn_gate_exps.weight"] == QT.Q4_K  # 256-wide rows
+    assert types["blk.0.ffn_down_exps.weight"] in (QT.Q5_0, QT.Q8_0)  # 128-wide rows: the K-quants' fallback
+    for layer in range(4):
+        name = f"blk.{layer}.ffn_gate_inp.weight"
+        a = np.asarray(next(t for t in open_gguf(plain).tensors if t.name == name).data)
+        b = np.asarray(next(t for t in open_gguf(skewed).tensors if t.name == name).data)
+        scale = np.sort((np.linalg.norm(b, axis=1) / np.linalg.norm(a, axis=1)))[::-1]
+        np.testing.assert_allclose(scale, np.arange(1, 9) ** -0.35, rtol=1e-5)
+    with Engine(skewed, EngineOptions(**OPTS)) as eng:
+        out = list(eng.generate([1, 2, 3], 4, SamplingParams(temperature=0.0), stop_at_eos=False))
+    assert len(out) == 4
