@@ -202,9 +202,13 @@ class FileLayer:
     def fits(store: TensorStore, layer: int, own: range | None) -> bool:
         """Whether the kernels can run this layer's neurons `own` (None: not a range) in place."""
         down = FileLayer.down_name(store, layer)
-        parts = ("ffn_gate_exps", "ffn_up_exps") if down.endswith("_exps.weight") else ("ffn_gate", "ffn_up")
-        names = [f"blk.{layer}.{n}.weight" for n in parts] + [down]
-        return own is not None and all(store.has(n) and supports(store.raw(n).tensor_type) for n in names)
+        routed = down.endswith("_exps.weight")
+        names = [f"blk.{layer}.{n}.weight" for n in (("ffn_gate_exps", "ffn_up_exps") if routed else
+                                                       ("ffn_gate", "ffn_up"))] + [down]
+        # as the kernels will read them: a type they cannot read comes converted (an expert's slice
+        # converts alone: expert 0 stands for all, the stacked tensor has one type)
+        info = (lambda n: store.expert(n, 0)) if routed else store.info
+        return own is not None and all(store.has(n) and supports(info(n).tensor_type) for n in names)
 
     @property
     def nbytes(self) -> int:

@@ -54,7 +54,7 @@ def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     from .kernels import supports
 
     tt = t.tensor_type
-    if supports(tt) or len(t.shape) != 2 or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+    if supports(tt) or len(t.shape) not in (2, 3) or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                    GGMLQuantizationType.BF16):
         return None
     block, size = GGML_QUANT_SIZES[tt]
@@ -136,7 +136,7 @@ class TensorStore:
             return t
         if t.name not in self.converted:
             new_type, fn = conv
-            n_rows = int(t.shape[1])
+            n_rows = int(np.prod(t.shape[1:]))  # a stacked tensor's (ffn_*_exps) rows of every expert
             data = fn(np.asarray(t.data).reshape(n_rows, -1))
             self.converted[t.name] = t._replace(tensor_type=new_type, data=data, n_bytes=data.nbytes)
         return self.converted[t.name]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from coordinator.engine import Engine, EngineOptions
+from coordinator.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
@@ -126,3 +127,41 @@ def test_generate_on_experts_does_not_suggest_calibrating(moe_models, no_leaks):
                         "Hello", "-n", "3"], capture_output=True, text=True, timeout=300, cwd=REPO, env=repo_env())
     assert r.returncode == 0, r.stderr
     assert "decode 2 tok" in r.stderr and "calibrate" not in r.stderr
+
+
+def test_experts_of_a_type_without_kernels_are_converted_and_run(tmp_path, tiny_model, capfd, no_leaks):
+    """Experts in a type the kernels cannot read (TQ2_0 here, like the 1- and 2-bit i-quants
+    big MoE files come in) are requantized at load, one expert's slice at a time, said in one
+    line, and decode; a dense check: the same file in Q8_0 decodes the same first token."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from tests.conftest import run_make_bench_model
+
+    src = tmp_path / "moe.gguf"
+    run_make_bench_model(["--shape", "tiny", "--layers", "2", "--quiet", "--tokenizer-from", str(tiny_model), "-o",
+                          str(src), "--type", "q8_0", "--arch", "qwen3moe"])
+    reader = open_gguf(src)
+    w = gguf.GGUFWriter(tmp_path / "tq2.gguf", "qwen3moe")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), vt)
+    for t in reader.tensors:  # the data as the reader shapes it: rows of block bytes, the writer's raw form
+        if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # 256-wide rows: TQ2_0 takes them
+            values = dequantize(np.asarray(t.data), t.tensor_type)
+            w.add_tensor(t.name, quantize(values, gguf.GGMLQuantizationType.TQ2_0),
+                         raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    write_gguf(w)
+    with Engine(tmp_path / "tq2.gguf", EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        out = list(eng.generate([1, 2, 3], 3, SamplingParams(temperature=0.0), stop_at_eos=False))
+        assert "TQ2_0" in eng.memory.converted_types
+    assert len(out) == 3 and all(0 <= t < 49152 for t in out)
+    err = capfd.readouterr().err
+    assert "TQ2_0 tensors" in err and "requantized once at load" in err
