@@ -337,8 +337,10 @@ class ExpertsLayer:
         return self.k * self.experts[0].nbytes + shared + self.router.rows * self.router.row_bytes
 
     def _shared_scale(self, x: np.ndarray) -> np.ndarray:
-        """sigmoid(gate . x) per row of x (T, hidden): float64 sums, every process alike."""
-        g = x.astype(np.float64) @ self.shared_gate.astype(np.float64)
+        """sigmoid(gate . x) per row of x (T, hidden): a float64 dot a row, the same whatever
+        the batch (a matrix product may sum in another order), every process alike."""
+        g64 = self.shared_gate.astype(np.float64)
+        g = np.array([np.dot(row, g64) for row in x.astype(np.float64)])
         return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -376,8 +378,33 @@ class ExpertsLayer:
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
-        """A small batch (T, hidden) into out (T, hidden): each row as token_into gives it alone."""
-        return sum(self.token_into(x[t], activation, active, threshold, out[t]) for t in range(len(x)))
+        """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
+        grouped by expert: each chosen expert's rows are read once for every token that chose it
+        (ffn_batch gives each token what ffn_token gives it alone), then each token's shares are
+        summed in its own order of experts, as moe_token sums them: a row is what token_into
+        gives, bit for bit (continuous batching must not change a reply)."""
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        B = len(x)
+        if B == 1:
+            return self.token_into(x[0], activation, None, None, out[0])
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        ids, weights = self.route(xs)
+        parts = np.empty((B, self.k, xs.shape[1]), np.float32)
+        n = 0
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            share = self.part[:len(rows)]
+            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None, None, share)
+            parts[rows, slot] = share
+        out[:B] = 0.0
+        for j in range(self.k):
+            out[:B] += weights[:, j, None] * parts[:, j]
+        if self.shared is not None:
+            share = self.part[:B]
+            n += self.shared.batch_into(xs, activation, None, None, share)
+            out[:B] += self._shared_scale(xs)[:, None] * share
+        return n
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[np.ndarray, int]:

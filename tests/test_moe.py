@@ -165,3 +165,28 @@ def test_experts_of_a_type_without_kernels_are_converted_and_run(tmp_path, tiny_
     assert len(out) == 3 and all(0 <= t < 49152 for t in out)
     err = capfd.readouterr().err
     assert "TQ2_0 tensors" in err and "requantized once at load" in err
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_models, arch, fast, no_leaks):
+    """Sequences decoded together share each chosen expert's rows (tokens grouped by expert), and
+    every row's logits equal its sequence's decoded alone, bit for bit."""
+    prompts = [c["prompt_ids"] for c in REF["archs"][arch]] + [[5, 6, 7, 8, 9]]
+    # every cache in the shared pool, as the server sizes it: a private cache's attention is not
+    # split across the processes, so it would be summed in another order
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, kv_caches=2 * len(prompts) + 1)
+    with Engine(moe_models[arch], opts) as eng:
+        m = eng.model
+        alone = []
+        for p in prompts:
+            c = m.new_cache()
+            m.forward(p, cache=c)
+            alone.append([m.forward([t], cache=c)[0].copy() for t in (60, 61, 62)])
+        caches = [m.new_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):
+            m.forward(p, cache=c)
+        for step, t in enumerate((60, 61, 62)):
+            got = m.decode_batch([t] * len(prompts), caches)
+            for b in range(len(prompts)):
+                np.testing.assert_array_equal(got[b], alone[b][step])
