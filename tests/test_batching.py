@@ -14,6 +14,7 @@ from coordinator.batching import (DoneEvent, FailedEvent, Overloaded, Request, S
 from coordinator.sampling import SamplingParams
 from coordinator.tokenizer import GGUFTokenizer
 from sparsecore.gguf_file import open_gguf
+from tests.fixtures.decoding import assert_batch_is_alone
 
 
 class FakeCache:
@@ -260,20 +261,7 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
     # every cache in the shared pool, as the server sizes it (--parallel + 1): a private cache's
     # attention cannot be split across the processes, so it would be summed otherwise
     with Engine(path, EngineOptions(threads=2, cpu_workers=1, fast=fast, kv_caches=2 * len(prompts) + 1)) as eng:
-        m = eng.model
-        alone = []
-        for p in prompts:
-            c = m.new_cache()
-            m.forward(p, cache=c)
-            alone.append([m.forward([t], cache=c)[0].copy() for t in (60, 61, 62)])
-        caches = [m.new_cache() for _ in prompts]
-        for p, c in zip(prompts, caches):
-            m.forward(p, cache=c)
-        for step, t in enumerate((60, 61, 62)):
-            got = m.decode_batch([t] * len(prompts), caches)
-            for b in range(len(prompts)):
-                np.testing.assert_array_equal(got[b], alone[b][step])
-        assert [c.pos for c in caches] == [len(p) + 3 for p in prompts]
+        assert_batch_is_alone(eng.model, prompts)
 
 
 def test_exchange_timings_stay_bounded():

@@ -24,6 +24,7 @@ from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.arch_oracle import REF, assert_matches, reference_logits, tiny_models
+from tests.fixtures.decoding import assert_batch_is_alone
 from tests.fixtures.tiny_arch import MOE, N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
 from tests.fixtures.tiny_gguf import write_gguf
 
@@ -177,16 +178,4 @@ def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_model
     # split across the processes, so it would be summed in another order
     opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, kv_caches=2 * len(prompts) + 1)
     with Engine(moe_models[arch], opts) as eng:
-        m = eng.model
-        alone = []
-        for p in prompts:
-            c = m.new_cache()
-            m.forward(p, cache=c)
-            alone.append([m.forward([t], cache=c)[0].copy() for t in (60, 61, 62)])
-        caches = [m.new_cache() for _ in prompts]
-        for p, c in zip(prompts, caches):
-            m.forward(p, cache=c)
-        for step, t in enumerate((60, 61, 62)):
-            got = m.decode_batch([t] * len(prompts), caches)
-            for b in range(len(prompts)):
-                np.testing.assert_array_equal(got[b], alone[b][step])
+        assert_batch_is_alone(eng.model, prompts)
