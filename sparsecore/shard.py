@@ -27,7 +27,7 @@ from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
 from .gguf_file import open_gguf
-from .kernels import (ACT_IDS, GATE_BITS, MAX_SMALL_BATCH, FfnScratch, FileMatrix, _kernels, ffn_batch, ffn_token,
+from .kernels import (MAX_SMALL_BATCH, FfnScratch, FileMatrix, _kernels, ffn_batch, ffn_token,
                       ffn_token_args, neuron_align, ptr, supports)
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
