@@ -283,8 +283,11 @@ class Transformer:
         """decode(native steps) -> DecodePaths: the decode plan (coordinator/decode_plan.py) and
         the objects that run its paths, made once from this model's native attention steps
         (coordinator/engine_build.py); None: attention on the coordinator alone."""
+        # finish: what the logits of the head's rows go through (a lockstep step computes the rows)
+        self.finish = lambda logits: logits  # noqa: E731
         if cfg.final_logit_softcap or cfg.logit_scale:
             head = _ScaledHead(head, cfg.logit_scale, cfg.final_logit_softcap)
+            self.finish = head.finish
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = Norm.read(store, "output_norm.weight")
         self._parallel_attn: list[tuple[int, np.ndarray]] = []  # see _attend_parallel
@@ -374,7 +377,7 @@ class Transformer:
         logits = self.lockstep(h, step.split)
         if logits is None:
             return self.head(self.out_norm(h, self.cfg.rms_eps))
-        return self.head.finish(logits) if isinstance(self.head, _ScaledHead) else logits
+        return self.finish(logits)
 
     def _native_prompt(self, i: int, cache: KVCache, T: int) -> bool:
         """Whether layer i's attention of a T-token prompt runs through the native step: a

