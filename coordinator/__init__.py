@@ -1,4 +1,5 @@
-"""The coordinator process: tokenizer, attention + KV cache, predictors, sampling, token loop."""
+"""The coordinator process: the forward pass (model/), the executor and its processes
+(runtime/), text in and out (text/), and the commands (cli/, serve/, tools/)."""
 import os
 import sys
 
@@ -20,7 +21,7 @@ _torch_threads: int | None = None
 
 def set_torch_threads(n: int) -> None:
     """torch's intra-op thread count in this process: now if torch is loaded, else as soon as
-    it is (coordinator/torch_layers.py and the tools import it where a path needs it)."""
+    it is (coordinator/model/torch_layers.py and the tools import it where a path needs it)."""
     global _torch_threads
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "set_num_threads"):

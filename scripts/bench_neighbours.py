@@ -28,8 +28,8 @@ def child(args) -> None:
     """One run in this process: load, warm up, decode, print one JSON line."""
     import numpy as np
 
-    from coordinator.engine import Engine, EngineOptions
-    from coordinator.model_fetch import default_model_path
+    from coordinator.runtime.engine import Engine, EngineOptions
+    from coordinator.runtime.model_fetch import default_model_path
     from coordinator.tools import corpus
 
     with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads)) as eng:

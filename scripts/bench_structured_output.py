@@ -60,7 +60,7 @@ def _libraries(tk, n_vocab: int) -> None:
         return per
 
     try:
-        from coordinator.structured_output import Constraint, TokenTable, grammar_for
+        from coordinator.text.structured_output import Constraint, TokenTable, grammar_for
         t0 = time.perf_counter()
         table = TokenTable(tk, n_vocab)
         t1 = time.perf_counter()
@@ -117,9 +117,9 @@ def _libraries(tk, n_vocab: int) -> None:
 
 
 def _batch(engine, tokens: int, reps: int) -> None:
-    from coordinator.batching import DoneEvent, FailedEvent, Request, Scheduler
-    from coordinator.sampling import SamplingParams
-    from coordinator.structured_output import Constraint, TokenTable, grammar_for
+    from coordinator.runtime.batching import DoneEvent, FailedEvent, Request, Scheduler
+    from coordinator.runtime.sampling import SamplingParams
+    from coordinator.text.structured_output import Constraint, TokenTable, grammar_for
     table = TokenTable.of(engine.tokenizer, engine.model.cfg.vocab_size)
     grammar = grammar_for(json_schema=LONG)
     prompt = engine.tokenizer.encode("List some words as JSON:", add_bos=None)
@@ -163,8 +163,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    from coordinator.engine import Engine, EngineOptions
-    from coordinator.model_fetch import pull
+    from coordinator.runtime.engine import Engine, EngineOptions
+    from coordinator.runtime.model_fetch import pull
     path = Path(a.model) if a.model else pull()
     engine = Engine(path, EngineOptions(threads=a.threads))
     try:

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coordinator.sparsity_level import machine  # noqa: E402  the CPU's name, as figures name it
+from coordinator.runtime.sparsity_level import machine  # noqa: E402  the CPU's name, as figures name it
 
 SOURCE = r"""
 #include <stdint.h>

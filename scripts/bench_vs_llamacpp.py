@@ -112,7 +112,7 @@ class OursSide:
     def __init__(self, model: str, threads: int, n_ctx: int, weights: str, cpu_workers: int,
                  sparsity: list[float], label: str, dense: bool = True, sparse_method: str = "input"):
         sys.path.insert(0, str(REPO))
-        from coordinator.engine import Engine, EngineOptions
+        from coordinator.runtime.engine import Engine, EngineOptions
         from coordinator.tools.bench import Mode
 
         # "gguf-fast": the file's blocks with 8-bit activations (the engine's default, --weights gguf
@@ -330,7 +330,7 @@ def prompt_ids(model: Path, pp: int) -> list[int]:
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "scripts"))
     from compare_llamacpp import heldout_chunks
-    from coordinator.tokenizer import GGUFTokenizer
+    from coordinator.text.tokenizer import GGUFTokenizer
     from sparsecore.gguf_file import open_gguf
 
     tok = GGUFTokenizer.from_reader(open_gguf(model))

@@ -18,8 +18,8 @@ import statistics
 
 import numpy as np
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_fetch import default_model_path
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_fetch import default_model_path
 
 
 def main() -> None:

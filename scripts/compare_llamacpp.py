@@ -58,7 +58,7 @@ def load_tokenizer(model: Path):
     try:
         return load_hf_tokenizer(model)
     except ImportError:
-        from coordinator.tokenizer import GGUFTokenizer
+        from coordinator.text.tokenizer import GGUFTokenizer
         from sparsecore.gguf_file import open_gguf
 
         print("transformers is not installed: tokenizing with our GGUF tokenizer")
@@ -150,7 +150,7 @@ def logits_transformers(model: Path, chunks, threads: int):
 
 
 def logits_ours(model: Path, chunks, threads: int, cpu_workers: int):
-    from coordinator.engine import Engine, EngineOptions
+    from coordinator.runtime.engine import Engine, EngineOptions
 
     with Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads)) as eng:
         return [np.asarray(eng.forward_logits(c), dtype=np.float32) for c in chunks]
@@ -181,8 +181,8 @@ def greedy_llamacpp(model: Path, prompts, n_new: int, threads: int):
 
 
 def greedy_ours(model: Path, prompts, n_new: int, threads: int, cpu_workers: int):
-    from coordinator.engine import Engine, EngineOptions
-    from coordinator.sampling import SamplingParams
+    from coordinator.runtime.engine import Engine, EngineOptions
+    from coordinator.runtime.sampling import SamplingParams
 
     with Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads)) as eng:
         return [list(eng.generate(p, max_tokens=n_new, sampling=SamplingParams(temperature=0.0),

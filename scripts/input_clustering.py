@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coordinator.engine import Engine, EngineOptions  # noqa: E402
-from coordinator.model_fetch import default_model_path  # noqa: E402
+from coordinator.runtime.engine import Engine, EngineOptions  # noqa: E402
+from coordinator.runtime.model_fetch import default_model_path  # noqa: E402
 from coordinator.tools import corpus, observe  # noqa: E402
 
 

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_fetch import default_model_path
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_fetch import default_model_path
 from coordinator.tools import observe
 
 
@@ -53,7 +53,7 @@ def main() -> None:
             return lambda: m.forward([5])
 
         lockstep = m.lockstep
-        if lockstep is not None:  # every layer in one post (coordinator/lockstep_decode.py)
+        if lockstep is not None:  # every layer in one post (coordinator/runtime/lockstep_decode.py)
             locked = median_ms(steps(eng.ffn), n)
             locked_layers = np.median(eng.ffn.stats.lockstep_us[-n:]) / 1e3
             m.lockstep = None  # the rest of the profile: layer by layer, each step timed alone

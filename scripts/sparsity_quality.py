@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from coordinator.engine import Engine, EngineOptions  # noqa: E402
-from coordinator.model_files import thresholds_path  # noqa: E402
+from coordinator.runtime.engine import Engine, EngineOptions  # noqa: E402
+from coordinator.runtime.model_files import thresholds_path  # noqa: E402
 from coordinator.tools import corpus  # noqa: E402
 from coordinator.tools.perplexity import perplexity  # noqa: E402
 from protocol.shm_layout import INPUT_SITES  # noqa: E402

@@ -4,7 +4,7 @@ Decoding reads a layer's Q, K, V and output matrices once per token, and on a CP
 the coordinator used to do that alone while its workers' cores waited. Split by KV heads, each
 process reads only its heads' rows of Q, K and V (and their columns of the output matrix),
 writes their keys and values into the shared caches (sparsecore/kv_pool.py) and computes its
-share of the output; the coordinator sums the shares (coordinator/attention_split.py). The
+share of the output; the coordinator sums the shares (coordinator/runtime/attention_split.py). The
 coordinator computes its own share with the same step objects, so every process runs the same
 kernel (_kernels.attn_part).
 

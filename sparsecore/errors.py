@@ -6,4 +6,4 @@ class ModelFileError(Exception):
 
 
 class NotEnoughMemory(ModelFileError):
-    """A model that cannot fit in the memory this machine has free (coordinator/memory_plan.py)."""
+    """A model that cannot fit in the memory this machine has free (coordinator/runtime/memory_plan.py)."""

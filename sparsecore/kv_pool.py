@@ -1,6 +1,6 @@
 """`KvPool`: the KV caches of every sequence and the rope tables, in memory the coordinator and
 its CPU workers share, so that a decoded token's attention heads can be split across them
-(coordinator/attention_split.py, sparsecore/attn_shard.py): each process writes the keys and
+(coordinator/runtime/attention_split.py, sparsecore/attn_shard.py): each process writes the keys and
 values of its own heads, and the coordinator's prompt (prefill) steps write every head.
 
 The memory is an anonymous memfd (Linux): it has no name, so nothing can be left behind in

@@ -3,7 +3,7 @@ through the coordinator between layers.
 
 A layer split across processes is two all-reduces: each process computes its KV heads' share
 of the attention output and its neurons' share of the FFN, and the layer needs the sum. In the
-posted protocol (coordinator/attention_split.py, coordinator/sparse_ffn.py) the coordinator
+posted protocol (coordinator/runtime/attention_split.py, coordinator/runtime/sparse_ffn.py) the coordinator
 sums the shares, adds the residual, normalizes and posts the next step, while every worker
 waits: 30-40 us a layer of Python on the critical path (the 1.1B shape: 0.8 ms of a 19 ms
 token). Here each process keeps its own copy of the residuals and, per phase:

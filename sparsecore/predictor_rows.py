@@ -7,7 +7,7 @@ A predictor scores every neuron as fc2 @ relu(fc1 @ h) (h: the residual before f
 marks it active above a threshold. Scoring is a row product per neuron, so each process scores
 the neurons it owns while the others score theirs: fc1 (rank x hidden, small) is read by every
 process, fc2's rows once across them. On the coordinator alone it was a serial step of every
-layer while the workers' cores waited (coordinator/predictor.py keeps that path for predictors
+layer while the workers' cores waited (coordinator/model/predictor.py keeps that path for predictors
 of other types or swapped in at run time). Same kernels and arithmetic as that path, so a
 neuron gets the same decision either way; but in fast mode on AVX-512 VNNI, where the rows
 here are interleaved 16 by 16 (the same integers, another float order: a score within

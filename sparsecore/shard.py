@@ -47,7 +47,7 @@ def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b in float32. Where torch is already loaded (the coordinator's own share) through
     torch, whose thread count the engine sets: numpy's BLAS would start a thread per core there
     and fight the workers for them (exact prefill lost 10-14 % that way); a worker's numpy BLAS
-    has its thread count from its environment (coordinator/worker_pool.py)."""
+    has its thread count from its environment (coordinator/runtime/worker_pool.py)."""
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.from_numpy(a).matmul(torch.from_numpy(b)).numpy()

@@ -8,7 +8,7 @@ text in and text out, as the command line's `generate` and `chat` do (docs/PYTHO
         for piece in llm.chat([{"role": "user", "content": "Say hi"}], stream=True):
             print(piece, end="", flush=True)
 
-Everything an engine takes (coordinator.engine.EngineOptions: threads, cpu_workers, ctx,
+Everything an engine takes (coordinator.runtime.engine.EngineOptions: threads, cpu_workers, ctx,
 weights, fast, ...) is a keyword of LLM; sampling keywords are SamplingParams' fields
 (temperature, top_k, top_p, min_p, seed, repeat_penalty, presence_penalty, frequency_penalty,
 repeat_last_n). Leaving the `with` block (or close()) stops the workers and frees the shared
@@ -22,7 +22,7 @@ from typing import Iterator
 
 __all__ = ["LLM", "SamplingParams"]
 
-from coordinator.sampling import SamplingParams  # noqa: E402
+from coordinator.runtime.sampling import SamplingParams  # noqa: E402
 
 
 class LLM:
@@ -33,12 +33,12 @@ class LLM:
     without a calibration), a level, or 0 / None for dense.
     A value the command line refuses is refused here too, before the model is read or fetched,
     with the same words and the keyword's name: ValueError("threads 64: this machine has 2
-    usable cores: choose 1..2") (coordinator/engine_options.py)."""
+    usable cores: choose 1..2") (coordinator/runtime/engine_options.py)."""
 
     def __init__(self, model: str | Path | None = None, *, sparsity: float | str | None = "auto", **options):
-        from coordinator.engine import Engine, EngineOptions
-        from coordinator.engine_options import check_values
-        from coordinator.model_fetch import pull
+        from coordinator.runtime.engine import Engine, EngineOptions
+        from coordinator.runtime.engine_options import check_values
+        from coordinator.runtime.model_fetch import pull
 
         opts = EngineOptions(**options)  # a keyword that is no option: TypeError naming it
         if sparsity != "auto":
@@ -57,7 +57,7 @@ class LLM:
     def _default_level(path: Path, options: dict) -> float | None:
         if options.get("weights", "gguf") != "gguf" or not options.get("fast", True) or options.get("predictor"):
             return None
-        from coordinator.sparsity_level import choose
+        from coordinator.runtime.sparsity_level import choose
 
         return choose(path, options.get("sparse_method", "input"), say=False)[0]
 
@@ -79,7 +79,7 @@ class LLM:
         rendered with the model's own chat template. Sampling as `sparseinfer chat` samples: the
         model's recommended sampling, else llama.cpp's defaults, under the keywords given.
         `json_schema`, `regex` or `grammar` constrain the reply as in `generate`."""
-        from coordinator.sampling import chat_defaults
+        from coordinator.runtime.sampling import chat_defaults
 
         ids = self._engine.encode_chat(messages)
         return self._run(ids, max_tokens, stream, stop, False, {**chat_defaults(self._engine.store.reader),
@@ -94,7 +94,7 @@ class LLM:
         return pieces if stream else "".join(pieces)
 
     def _constraint(self, json_schema, regex, grammar):
-        from coordinator.structured_output import Constraint, TokenTable, grammar_for
+        from coordinator.text.structured_output import Constraint, TokenTable, grammar_for
 
         g = grammar_for(json_schema=json_schema, regex=regex, grammar=grammar)
         if g is None:
@@ -103,7 +103,7 @@ class LLM:
         return Constraint(TokenTable.of(eng.tokenizer, eng.model.cfg.vocab_size), g)
 
     def _pieces(self, ids, max_tokens, params, stop, ignore_eos, constraint=None) -> Iterator[str]:
-        from coordinator.tokenizer import StreamDecoder
+        from coordinator.text.tokenizer import StreamDecoder
 
         eng, eos = self._engine, self._engine.tokenizer.eos_ids
         dec = StreamDecoder(eng.tokenizer, skip_special=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.model_fetch import FetchError, default_model_path, model_path, pull
+from coordinator.runtime.model_fetch import FetchError, default_model_path, model_path, pull
 from protocol.shm_layout import SHM_PREFIX
 from tests.fixtures import procs
 from tests.fixtures.tiny_gguf import write_tiny_llama

@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_files import load_thresholds, save_thresholds
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_files import load_thresholds, save_thresholds
+from coordinator.runtime.sampling import SamplingParams
 from coordinator.tools import corpus
 from coordinator.tools.calibrate import calibrate
 from coordinator.tools.perplexity import perplexity

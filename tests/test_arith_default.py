@@ -10,7 +10,7 @@ import pytest
 
 from coordinator import cli
 from coordinator.cli.engine_args import open_engine
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 
 ENGINE_COMMANDS = ["generate", "serve", "chat", "bench", "perplexity", "calibrate", "profile", "train-predictor"]
 
@@ -44,7 +44,7 @@ def test_the_cli_passes_its_arith_to_the_engine(monkeypatch, args, fast, weights
         seen.append(opts)
         raise _Opened
 
-    monkeypatch.setattr("coordinator.engine.Engine", fake_engine)
+    monkeypatch.setattr("coordinator.runtime.engine.Engine", fake_engine)
     ctx = cli.main.commands["generate"].make_context("generate", ["-p", "hi", *args])
     with ctx, pytest.raises(_Opened):
         open_engine("m.gguf", None, None, None, 64, "ipc")

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from coordinator.batching import (DoneEvent, FailedEvent, Overloaded, Request, Scheduler, StopMatcher,
+from coordinator.runtime.batching import (DoneEvent, FailedEvent, Overloaded, Request, Scheduler, StopMatcher,
                                   TokenEvent)
-from coordinator.sampling import SamplingParams
-from coordinator.tokenizer import GGUFTokenizer
+from coordinator.runtime.sampling import SamplingParams
+from coordinator.text.tokenizer import GGUFTokenizer
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.decoding import assert_batch_is_alone
 
@@ -58,7 +58,7 @@ class FakeModel:
 
 class FakeEngine:
     def __init__(self, model, tokenizer):
-        from coordinator.sparse_ffn import ExchangeStats
+        from coordinator.runtime.sparse_ffn import ExchangeStats
 
         self.model, self.tokenizer = model, tokenizer
         self.ffn = type("Ffn", (), {"stats": ExchangeStats()})()
@@ -128,7 +128,7 @@ def test_a_constrained_sequence_follows_its_grammar_and_leaves_its_neighbours_al
     forbidden by a grammar of 4 lowercase letters, so the constrained sequence takes what the
     grammar allows and ends when it is complete ("stop"); the free sequences beside it decode
     exactly as they do alone; a second constrained one, beside them, gets the same as the first."""
-    from coordinator.structured_output import Constraint, TokenTable, grammar_for
+    from coordinator.text.structured_output import Constraint, TokenTable, grammar_for
     table = TokenTable.of(tokenizer, tokenizer.vocab_size)
     grammar = grammar_for(regex="[a-z]{4}")
     model = FakeModel(tokenizer.vocab_size)
@@ -254,7 +254,7 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
     """The real engine: a continuous batch's logits are, row for row, exactly those of each
     sequence decoded alone (batched attention, FFN exchange and split head included), so a
     greedy request gives the same tokens alone and inside a batch."""
-    from coordinator.engine import Engine, EngineOptions
+    from coordinator.runtime.engine import Engine, EngineOptions
 
     path = tiny_model_factory(tensor_type=tensor_type, seed=3)
     prompts = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3], [11, 12, 13]]
@@ -265,7 +265,7 @@ def test_decode_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, 
 
 
 def test_exchange_timings_stay_bounded():
-    from coordinator.sparse_ffn import ExchangeStats
+    from coordinator.runtime.sparse_ffn import ExchangeStats
 
     st = ExchangeStats()
     st.round_trip_us.extend(range(250))

@@ -12,7 +12,7 @@ import pytest
 import numpy as np
 import torch
 
-from coordinator.model_files import thresholds_path
+from coordinator.runtime.model_files import thresholds_path
 from coordinator.tools import observe
 from coordinator.tools.bench import Mode, ffn_bytes_per_token, ratios
 
@@ -98,7 +98,7 @@ def test_bench_runs_dense_and_sparse_on_a_tiny_model(tiny_model_factory, tmp_pat
     assert res["sparse 0.50"]["weight_mb_per_token"] < res["dense"]["weight_mb_per_token"]
     assert set(out["ratios_vs_dense"]) == {"sparse 0.50"}
     assert out["read_bandwidth_gb_s"] > 0
-    # the decode path the engine chose, and why, in one line (coordinator/decode_plan.py)
+    # the decode path the engine chose, and why, in one line (coordinator/runtime/decode_plan.py)
     assert out["decode_path"].split(":")[0] in ("lockstep", "split attention", "native", "torch")
     if method == "input":  # the text report says it too (thresholds calibrated above: no second calibration)
         r = subprocess.run([sys.executable, "-m", "coordinator", "bench", "-m", str(model), "-p", "12", "-n", "3",
@@ -119,7 +119,7 @@ def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, tmp_pa
     from the file's tensor table by scripts/bench_vs_llamacpp.py (issue 14: <= 1.15x)."""
     import importlib.util
 
-    from coordinator.engine import Engine, EngineOptions
+    from coordinator.runtime.engine import Engine, EngineOptions
     from coordinator.tools import observe
     from tests.conftest import REPO, run_make_bench_model
 
@@ -146,7 +146,7 @@ def test_a_dense_token_reads_each_touched_tensor_once(tiny_model_factory, tmp_pa
 
 def test_neuron_bytes_of_a_powerinfer_file_count_its_transposed_down(tiny_pwri, no_leaks):
     """A PWRI file holds ffn_down_t, not ffn_down: the benchmark's bytes per token read it."""
-    from coordinator.engine import Engine, EngineOptions
+    from coordinator.runtime.engine import Engine, EngineOptions
     from coordinator.tools import observe
     from sparsecore.gguf_file import open_gguf
 

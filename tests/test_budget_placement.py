@@ -1,4 +1,4 @@
-"""coordinator.placement under a VRAM budget: greedy optimality, the budget, coverage, CPU shard
+"""coordinator.runtime.placement under a VRAM budget: greedy optimality, the budget, coverage, CPU shard
 balance by expected activations, and the <model>.generated.gpuidx cache (PowerInfer's layout)."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from coordinator.model_files import (
+from coordinator.runtime.model_files import (
     Profile, gpuidx_path, profile_path, read_gpuidx, save_profile, write_gguf, write_gpuidx,
 )
-from coordinator.placement import (
+from coordinator.runtime.placement import (
     balance_by_load, budget_plan, choose_hot, neuron_bytes, plan_summary, plan_under_budget, static_plan,
 )
 from sparsecore.gguf_file import field_value, open_gguf

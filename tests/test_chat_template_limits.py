@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from coordinator import chat_template as ct
-from coordinator.chat_template import ChatTemplateError, render_chat
-from coordinator.template_renderer import renderer
+from coordinator.text import chat_template as ct
+from coordinator.text.chat_template import ChatTemplateError, render_chat
+from coordinator.text.template_renderer import renderer
 from tests.conftest import HANG_S, children_of, hang_guard
 from tests.fixtures import procs
 
@@ -47,7 +47,7 @@ def fast_limits(monkeypatch):
 
 
 def _renderers() -> set[int]:
-    return {p for p in children_of(os.getpid()) if "coordinator.template_renderer" in procs.cmdline(p)}
+    return {p for p in children_of(os.getpid()) if "coordinator.text.template_renderer" in procs.cmdline(p)}
 
 
 def _threads(pid: int) -> int:

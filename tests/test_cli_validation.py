@@ -25,7 +25,7 @@ WRAP = ("import runpy, sys\n"
         "try:\n"
         "    runpy.run_module('coordinator', run_name='__main__', alter_sys=True)\n"
         "finally:\n"
-        "    print('\\n[engine started: %s]' % ('coordinator.model' in sys.modules))\n")
+        "    print('\\n[engine started: %s]' % ('coordinator.model.transformer' in sys.modules))\n")
 
 
 def _cli(args: list, timeout: float = HANG_S):

@@ -1,13 +1,13 @@
-"""coordinator/decode_plan.py: the one decision of which path a decoded token takes (lockstep,
+"""coordinator/runtime/decode_plan.py: the one decision of which path a decoded token takes (lockstep,
 split attention, native, torch), why, and with which thresholds; a forced path is taken at every
 size or refused at start with the reason."""
 from __future__ import annotations
 
 import pytest
 
-from coordinator.decode_plan import (MIN_LOCKSTEP_BYTES, MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, DecodePath,
+from coordinator.runtime.decode_plan import (MIN_LOCKSTEP_BYTES, MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH, DecodePath,
                                      plan_decode)
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 
 HEADS = {0: (0, 1), -1: (1, 2)}
 
@@ -76,7 +76,7 @@ def test_which_path_ran_a_token_does_not_change_its_reply(smollm2_path, no_leaks
     (DecodePlan.every_token), so they compute the same floats (tests/test_lockstep.py checks the
     two paths bit for bit): one engine's greedy reply is the same on every run. SmolLM2's drifted
     between runs ("Napoli", "Napa") as the governor switched paths on a busy machine."""
-    from coordinator.sampling import SamplingParams
+    from coordinator.runtime.sampling import SamplingParams
 
     assert plan_decode("auto", HEADS, "", True, "", "", (0,)).every_token
     with Engine(smollm2_path, EngineOptions(threads=2)) as eng:

@@ -4,15 +4,15 @@ README.md and docs/*.md name files, classes, methods and functions; a rename tha
 sentence behind makes the docs lie. This reads every doc and checks, without importing the
 engine:
 
-- a path (`coordinator/model.py`, `sparsecore/kernels/interleaved_*.c`, `tests/x.py::test_y`,
+- a path (`coordinator/model/transformer.py`, `sparsecore/kernels/interleaved_*.c`, `tests/x.py::test_y`,
   `tools/observe.py`, a bare `engine_build.py`) names a file or folder of the repository;
 - a `Class.member` (in inline code, or in a fenced block's diagram) whose class is one of ours
   names a method, attribute or field of that class (or of a base class of ours); a
   `module.name` (`sparsecore.ffn.is_active`, `sampling.pick_next`) names something defined or
   imported at the module's top level; `_kernels.name` names a function of the C module's
   method table (sparsecore/kernels/python_module.c);
-- a file followed by a name (`coordinator/decode_plan.py` `plan_decode`, `sparsecore/shard.py`,
-  `FfnShard.serve`, `file_matrix.py`: `FileMatrix`, `ffn_step.c` `ffn_teal`, `model.py:forward`)
+- a file followed by a name (`coordinator/runtime/decode_plan.py` `plan_decode`, `sparsecore/shard.py`,
+  `FfnShard.serve`, `file_matrix.py`: `FileMatrix`, `ffn_step.c` `ffn_teal`, `transformer.py:forward`)
   names something that file defines (Python: `ast`; C: a function definition, macro, type or
   constant);
 - a class-like name alone (`FfnShard`, `Scheduler`) is a name the Python code defines or takes
@@ -41,7 +41,7 @@ TOP = ("coordinator", "sparsecore", "cpu_worker", "gpu_worker", "protocol", "spa
 PACKAGES = ("coordinator", "sparsecore", "cpu_worker", "gpu_worker", "protocol", "sparseinfer")
 # Files of other projects the docs name (DESIGN.md's conventions worth copying, llama.cpp's
 # converter, gguf-py's reader): no file of ours.
-EXTERNAL_FILES = {"convert_hf_to_gguf.py", "convert.py", "gguf_reader.py", "quants.py", "generate.py",
+EXTERNAL_FILES = {"convert_hf_to_gguf.py", "convert.py", "gguf_reader.py", "quants.py", "generate.py", "model.py",
                   "engine/core.py", "core_client.py", "shm_broadcast.py", "run.c",
                   "src/llama-kv-cache.*", "llama-sampling.*"}
 # Heads of GGUF metadata keys and tensor names, which read like dotted code but are not.
@@ -420,7 +420,7 @@ def defines(path: str, name: str) -> bool:
         if tree is None:
             return False
         if first not in top_level_names(tree):
-            # a method named on its own after its file (`model.py:forward`)
+            # a method named on its own after its file (`transformer.py:forward`)
             return not rest and any(first in c.members for cs in classes().values() for c in cs if c.path == path)
         return not rest or first not in classes() or class_has(first, rest[0])
     if path.endswith((".c", ".h")):

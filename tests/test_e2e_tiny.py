@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
 from tests.fixtures.reference_llama import ReferenceLlama
 
 PROMPT = "the quick brown fox jumps over the lazy dog"

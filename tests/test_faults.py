@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.worker_pool import WorkerError
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.worker_pool import WorkerError
 from protocol.shm_layout import SHM_PREFIX
 from tests.conftest import HANG_S, shm_segments
 from tests.fixtures import procs
@@ -394,7 +394,7 @@ def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
 
 def test_sigkill_of_the_whole_tree_while_workers_start_leaves_nothing(long_model):
     """The same kill before the workers are ready, while the segment and the run directory still
-    have their names: the run's reaper (coordinator/reaper.py), outside the process group,
+    have their names: the run's reaper (coordinator/runtime/reaper.py), outside the process group,
     removes them once the coordinator is gone."""
     with Generate(long_model, *LONG) as run:
         run.wait_workers()
@@ -513,7 +513,7 @@ def test_bad_coordinator_share_is_one_clear_error(tiny_model, args, needle):
 # --------------------------------------------------------------------------- 7. worker channel
 
 def _mock_pool(behaviors=None, **kw):
-    from coordinator.placement import static_plan
+    from coordinator.runtime.placement import static_plan
     return make_pool(static_plan(n_layers=2, n_ff=40, gpu_share=0.4, n_cpu_workers=1), behaviors, **kw)
 
 

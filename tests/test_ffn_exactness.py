@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.placement import static_plan
+from coordinator.runtime.placement import static_plan
 from tests.fixtures.exchange_rig import Rig
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import ACTIVATIONS

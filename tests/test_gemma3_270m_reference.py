@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REF = json.loads((FIXTURES / "gemma3_270m_reference.json").read_text())

@@ -251,7 +251,7 @@ def test_all_mutations_under_memory_limit(valid, tmp_path):
 
 
 def test_tokenizer_errors_are_one_line(valid, tmp_path):
-    from coordinator.tokenizer import GGUFTokenizer
+    from coordinator.text.tokenizer import GGUFTokenizer
     data = bytearray(valid.read_bytes())
     reader = gguf.GGUFReader(valid)
     set_kv(data, reader, "tokenizer.ggml.eos_token_id", 10**6)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from coordinator.tools.observe import coordinator_bytes_per_token
-from coordinator.engine import Engine, EngineOptions
-from coordinator.placement import neuron_bytes
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.placement import neuron_bytes
+from coordinator.runtime.sampling import SamplingParams
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import (ACTIVATIONS, HalfRows, ffn_partial, ffn_partial_threshold,
                             quantize_rows, x_wt)

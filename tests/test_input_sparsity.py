@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_files import load_input_thresholds, save_thresholds, thresholds_path
-from coordinator.sampling import SamplingParams
-from coordinator.sparsity_level import choose, machine
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_files import load_input_thresholds, save_thresholds, thresholds_path
+from coordinator.runtime.sampling import SamplingParams
+from coordinator.runtime.sparsity_level import choose, machine
 from coordinator.tools import corpus
 from coordinator.tools.calibrate import calibrate, quality
 from coordinator.tools.emulate import InputMasks, input_sparsity

@@ -270,8 +270,8 @@ def test_a_fast_engine_interleaves_what_its_steps_read_whole(tiny_model_factory,
 def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     import shutil
 
-    from coordinator.engine import Engine, EngineOptions
-    from coordinator.model_files import save_thresholds
+    from coordinator.runtime.engine import Engine, EngineOptions
+    from coordinator.runtime.model_files import save_thresholds
     from coordinator.tools import corpus
     from coordinator.tools.calibrate import calibrate
     from sparsecore.shard import FileLayer

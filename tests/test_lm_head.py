@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model import Embedding, LmHead, Transformer
+from coordinator.model.transformer import Embedding, LmHead, Transformer
 from sparsecore.lm_head import HeadRows, Q8Head, head_tensor_name
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf

@@ -1,4 +1,4 @@
-"""Lockstep decode steps (sparsecore/lockstep.py, coordinator/lockstep_decode.py): every layer of
+"""Lockstep decode steps (sparsecore/lockstep.py, coordinator/runtime/lockstep_decode.py): every layer of
 a decoded token in one post, each process summing the others' shares itself. They give what the
 per-layer posted steps give (exact arithmetic: up to summation order), a continuous batch's rows
 bit for bit those of each sequence alone, thresholds and shard predictors as before; a worker
@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.worker_pool import WorkerError
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.worker_pool import WorkerError
 from sparsecore import kernels
 from tests.conftest import hang_guard
 from tests.fixtures.decoding import greedy_decode

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
 from tests.fixtures.lowbit_smollm2 import LOW_BIT_TYPES, sha256, write_lowbit_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -12,9 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.predictor import Predictors
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.model.predictor import Predictors
+from coordinator.runtime.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
 from tests.conftest import REPO, run_make_bench_model

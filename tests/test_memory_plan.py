@@ -1,4 +1,4 @@
-"""The memory plan (coordinator/memory_plan.py): made from the tensor table before anything is
+"""The memory plan (coordinator/runtime/memory_plan.py): made from the tensor table before anything is
 loaded; a plan that does not fit in what is available ends in one line naming the numbers and
 what would fit, before any worker process is started; the plan bounds what the processes then
 really hold; `sparseinfer info` prints it."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.kernels import interleaving
 from tests.conftest import REPO

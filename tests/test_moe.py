@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf

@@ -1,4 +1,4 @@
-"""One set of rules for the engine's options (coordinator/engine_options.py): the Python API
+"""One set of rules for the engine's options (coordinator/runtime/engine_options.py): the Python API
 refuses what the command line refuses, before the model is read or fetched, in one line with
 the same words, naming the keyword where the command line names its option; the engine itself
 refuses the same values; the command line still prints its one-line errors."""
@@ -65,7 +65,7 @@ def test_a_refusal_comes_before_the_default_model_is_fetched(monkeypatch):
     def no_pull(*a, **kw):
         raise AssertionError("the model was fetched before the options were checked")
 
-    monkeypatch.setattr("coordinator.model_fetch.pull", no_pull)
+    monkeypatch.setattr("coordinator.runtime.model_fetch.pull", no_pull)
     with pytest.raises(ValueError, match=r"^threads 0: "):
         sparseinfer.LLM(threads=0)
     with pytest.raises(ValueError, match=r"^sparsity 2: "):
@@ -73,7 +73,7 @@ def test_a_refusal_comes_before_the_default_model_is_fetched(monkeypatch):
 
 
 def test_the_engine_refuses_the_same_values():
-    from coordinator.engine import Engine, EngineOptions
+    from coordinator.runtime.engine import Engine, EngineOptions
 
     with pytest.raises(ValueError, match=rf"^threads {CORES + 1}: this machine has {CORES} usable cores"):
         Engine(NOWHERE, EngineOptions(threads=CORES + 1))
@@ -82,7 +82,7 @@ def test_the_engine_refuses_the_same_values():
 
 
 def test_good_values_pass():
-    from coordinator.engine_options import EngineOptions
+    from coordinator.runtime.engine_options import EngineOptions
 
     EngineOptions().validate()
     EngineOptions(threads=CORES, cpu_workers=1, ctx=1, gpu_share=0.0, sparsity=0.0, vram_budget_gb=0.0,

@@ -1,11 +1,11 @@
-"""coordinator.placement.static_plan: every neuron of every layer owned exactly once, GPU share
+"""coordinator.runtime.placement.static_plan: every neuron of every layer owned exactly once, GPU share
 respected, CPU shards balanced, bad arguments refused."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from coordinator.placement import Plan, WorkerShard, static_plan
+from coordinator.runtime.placement import Plan, WorkerShard, static_plan
 
 COMBOS = [  # (n_layers, n_ff, gpu_share, n_cpu_workers)
     (2, 160, 0.4, 2),

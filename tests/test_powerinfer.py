@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.predictor import Predictors
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.model.predictor import Predictors
+from coordinator.runtime.sampling import SamplingParams
 from coordinator.tools import observe
 from coordinator.tools.perplexity import perplexity
 from sparsecore.config import read_config

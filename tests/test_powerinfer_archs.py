@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_files import gpuidx_path, load_thresholds, profile_path, save_profile, save_thresholds
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_files import gpuidx_path, load_thresholds, profile_path, save_profile, save_thresholds
+from coordinator.runtime.sampling import SamplingParams
 from coordinator.tools import corpus
 from coordinator.tools import train_predictor as pt
 from coordinator.tools.calibrate import calibrate

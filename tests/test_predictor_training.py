@@ -6,8 +6,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_files import load_predictor, load_thresholds, save_predictor, save_thresholds
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_files import load_predictor, load_thresholds, save_predictor, save_thresholds
 from coordinator.tools import corpus, observe
 from coordinator.tools import train_predictor as pt
 from coordinator.tools.calibrate import calibrate

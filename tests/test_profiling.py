@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.model_files import gpuidx_path, load_profile, plot_path, profile_path, save_profile
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.model_files import gpuidx_path, load_profile, plot_path, profile_path, save_profile
+from coordinator.runtime.sampling import SamplingParams
 from coordinator.tools import corpus, observe
 from coordinator.tools.profile import collect, load_powerinfer_activations, plot_profile, profile_from_powerinfer
 from tests.conftest import REPO

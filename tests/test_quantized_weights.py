@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 from tests.fixtures.ffn_reference import ffn_dense_reference
 from sparsecore.ffn import ACTIVATIONS, Int8Rows, ffn_partial, ffn_partial_threshold, quantize_rows
 from tests.fixtures.ffn_checks import (assert_close, check_float32_steps, ffn_rows, rows_reference, rows_rig,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model import rope_tables
-from coordinator.torch_layers import rope
+from coordinator.model.transformer import rope_tables
+from coordinator.model.torch_layers import rope
 
 
 def textbook(x, cos, sin, d):

@@ -1,9 +1,9 @@
-"""coordinator/sampling.py: greedy and temperature sampling with top-k, top-p and min-p, seeds,
+"""coordinator/runtime/sampling.py: greedy and temperature sampling with top-k, top-p and min-p, seeds,
 the penalties, the chat defaults a GGUF recommends, and the token step generate and the server share."""
 import numpy as np
 import pytest
 
-from coordinator.sampling import Sampler, SamplingParams
+from coordinator.runtime.sampling import Sampler, SamplingParams
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
 
@@ -83,7 +83,7 @@ def test_chat_samples_as_the_model_recommends_else_as_llama_cpp_does():
     of the wrong kind in the file are ignored."""
     import gguf
 
-    from coordinator.sampling import CHAT_DEFAULTS, chat_defaults
+    from coordinator.runtime.sampling import CHAT_DEFAULTS, chat_defaults
 
     def reader(tmp, **kv):
         w = gguf.GGUFWriter(tmp, "llama")
@@ -108,7 +108,7 @@ def test_chat_samples_as_the_model_recommends_else_as_llama_cpp_does():
 def test_pick_next_samples_appends_to_history_and_says_when_the_sequence_ends():
     """The token step Engine.generate and the scheduler share: the history (the penalties'
     window) gains the token; an end-of-sequence token ends the sequence unless told otherwise."""
-    from coordinator.sampling import pick_next
+    from coordinator.runtime.sampling import pick_next
 
     logits = np.array([0.0, 3.0, 1.0, 2.0], np.float32)
     history = [0]

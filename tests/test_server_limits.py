@@ -148,7 +148,7 @@ def test_a_7_mb_tokenize_beside_a_stream_is_refused_without_stalling_it(tiny_mod
 
 
 def _longest_token_chars(model) -> int:
-    from coordinator.tokenizer import GGUFTokenizer
+    from coordinator.text.tokenizer import GGUFTokenizer
     from sparsecore.gguf_file import open_gguf
     return GGUFTokenizer.from_reader(open_gguf(model)).longest_token_chars
 

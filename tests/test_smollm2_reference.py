@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
-from coordinator.sampling import SamplingParams
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
 from sparsecore.kernels import MAX_SMALL_BATCH
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,5 +1,5 @@
 """Decoded tokens' attention split by KV heads across the coordinator and a CPU worker
-(coordinator/attention_split.py, sparsecore/attn_shard.py, sparsecore/kv_pool.py): the same
+(coordinator/runtime/attention_split.py, sparsecore/attn_shard.py, sparsecore/kv_pool.py): the same
 tokens and (up to summation order) the same logits as one process computing every head, a
 continuous batch's rows bit for bit those of each sequence alone, and a sequence whose cache is
 not in the shared pool still decodes (on the coordinator alone). Prompts go through the same
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 from sparsecore.attn_shard import split_heads
 from sparsecore.kernels import MAX_SMALL_BATCH
 from tests.fixtures.decoding import greedy_decode
@@ -155,8 +155,8 @@ def test_attention_stays_on_the_coordinator_when_not_split(tiny_model_factory, n
 def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
     from types import SimpleNamespace
 
-    from coordinator.attention_split import SplitAttention
-    from coordinator.decode_plan import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH
+    from coordinator.runtime.attention_split import SplitAttention
+    from coordinator.runtime.decode_plan import MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH
 
     small = SimpleNamespace(every_token=False, weight_bytes=550_000, kv_bytes_per_pos=1536,
                             min_bytes=(MIN_SPLIT_BYTES, MIN_SPLIT_BYTES_BATCH), max_tokens=16)

@@ -2,7 +2,7 @@
 through the official `openai` client against real servers on SmolLM2 (49k vocabulary, byte-level
 BPE) and Gemma 3 270M (262k, SentencePiece); every reply checked by `jsonschema`, streamed and
 not, alone and inside a batch of 4; errors name the field; and the grammar's state machine on
-its own (coordinator/structured_output.py)."""
+its own (coordinator/text/structured_output.py)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from coordinator.structured_output import Constraint, GrammarError, TokenTable, grammar_for
-from coordinator.tokenizer import GGUFTokenizer
+from coordinator.text.structured_output import Constraint, GrammarError, TokenTable, grammar_for
+from coordinator.text.tokenizer import GGUFTokenizer
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.http_server import launched
 

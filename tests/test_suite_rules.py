@@ -177,7 +177,7 @@ def test_it(part, mp, mod):
     mod.__secret
     write(path, _override=1)
     mp.setattr(mod, "_download", None)
-    mp.setattr("coordinator.model_fetch._pull", None)
+    mp.setattr("coordinator.runtime.model_fetch._pull", None)
     getattr(part, "_skip")
 '''
 
@@ -209,7 +209,7 @@ def test_the_checks_catch_what_they_name():
     assert [what for _, what in private_findings(tree)] == [
         "from sparsecore.gguf_file import _OPENED", "from sparsecore.kernels._kernels import ...",
         "import sparsecore.kernels._kernels", "part._ptrs", "part._exchange", "mod.__secret", "_override=",
-        "setattr(..., '_download')", "setattr(..., 'coordinator.model_fetch._pull')", "getattr(..., '_skip')"]
+        "setattr(..., '_download')", "setattr(..., 'coordinator.runtime.model_fetch._pull')", "getattr(..., '_skip')"]
     assert [line for line, _ in private_findings(tree)] == [7, 8, 9, 11, 12, 13, 14, 15, 16, 17]
     clean = ast.parse(PASSED)
     assert import_findings(clean) == [] and private_findings(clean) == []

@@ -31,7 +31,8 @@ def _spin_count(code: str) -> tuple[str, str]:
 def test_engine_import_makes_openmp_passive_without_exporting_it():
     # the engine imports torch once its workers are started (EngineBuilder.start); torch's libgomp
     # loads then, under the policy coordinator/__init__.py sets for that import alone
-    spins, leaked = _spin_count("import coordinator.engine, os, sys; sys.stderr.write('MARK\\n'); sys.stderr.flush(); "
+    spins, leaked = _spin_count("import coordinator.runtime.engine, os, sys; "
+                                "sys.stderr.write('MARK\\n'); sys.stderr.flush(); "
                                 "import torch; print('OMP_WAIT_POLICY' in os.environ)")
     assert spins == "0"  # passive: threads sleep at once
     assert leaked == "False"
@@ -129,7 +130,7 @@ def test_sync_policy_from_the_environment(monkeypatch):
 
 
 def test_threads_default_to_the_usable_cores(monkeypatch):
-    from coordinator import placement
+    from coordinator.runtime import placement
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert placement.resolve_threads(None, None) == (3, 2, 1)

@@ -14,8 +14,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from coordinator.chat_template import CHATML_TEMPLATE, render_chat
-from coordinator.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader
+from coordinator.text.chat_template import CHATML_TEMPLATE, render_chat
+from coordinator.text.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_reference.json"
 SMOLLM2 = Path.home() / ".cache" / "sparseinfer" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -313,7 +313,7 @@ def test_generated_merges_are_cached_by_header_and_read_back(tmp_path, monkeypat
     """A sentencepiece vocabulary without merges (Gemma's) has them generated from its scores
     once: kept under the cache directory, keyed by a hash of the file's header, and read back by
     the next start instead of generated; a damaged cache file is generated again."""
-    import coordinator.tokenizer as tokenizer_module
+    import coordinator.text.tokenizer as tokenizer_module
 
     monkeypatch.setenv("SPARSEINFER_CACHE", str(tmp_path / "cache"))
     path = write_spm_gguf(tmp_path / "spm.gguf")

@@ -14,9 +14,9 @@ import numpy as np
 import openai
 import pytest
 
-from coordinator.chat_template import CHATML_TEMPLATE, render_chat
-from coordinator.structured_output import Constraint, TokenTable, grammar_for
-from coordinator.tokenizer import GGUFTokenizer
+from coordinator.text.chat_template import CHATML_TEMPLATE, render_chat
+from coordinator.text.structured_output import Constraint, TokenTable, grammar_for
+from coordinator.text.tokenizer import GGUFTokenizer
 from coordinator.serve.tool_calls import CallParser, Tool, call_grammar, parse_tools, prepare, template_style
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.http_server import launched

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 from sparsecore.gguf_file import SUPPORTED_TYPES, open_gguf
 from sparsecore.kernels import supports
 from sparsecore.tensors import TensorStore, conversion, converted_size

@@ -5,8 +5,8 @@ import select
 import signal
 import time
 
-from coordinator.placement import static_plan
-from coordinator.worker_pool import WorkerPool
+from coordinator.runtime.placement import static_plan
+from coordinator.runtime.worker_pool import WorkerPool
 from protocol.doorbell import WakePipe
 from tests.conftest import HANG_S
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.engine import Engine, EngineOptions
+from coordinator.runtime.engine import Engine, EngineOptions
 from tests.fixtures import procs
 
 

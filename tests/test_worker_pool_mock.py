@@ -1,4 +1,4 @@
-"""coordinator.worker_pool.WorkerPool and the exchange of coordinator.sparse_ffn against mock workers
+"""coordinator.runtime.worker_pool.WorkerPool and the exchange of coordinator.runtime.sparse_ffn against mock workers
 (tests/fixtures/mock_worker.py) that speak the real ZMQ/msgpack/shared-memory/doorbell protocol but compute
 a known function, so the handshake, x/mask handoff, both the spinning and the sleeping doorbell,
 slot summation, failure reporting and cleanup are tested without real weights."""
@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.placement import Plan, WorkerShard, static_plan
-from coordinator import worker_pool
-from coordinator.worker_pool import WorkerError, WorkerPool
+from coordinator.runtime.placement import Plan, WorkerShard, static_plan
+from coordinator.runtime import worker_pool
+from coordinator.runtime.worker_pool import WorkerError, WorkerPool
 from tests.conftest import children_of, hang_guard, shm_segments
 from tests.fixtures.mock_pool import (HIDDEN, MAX_TOKENS, MODEL, expected_dense, ffn_of, make_pool, run_ffn,
                                      shuffled_plan, write_x)

@@ -10,8 +10,8 @@ import click
 
 from sparsecore.errors import ModelFileError
 
-from ..interrupts import exit_status, stop_on_signals
-from ..model_fetch import FetchError
+from ..runtime.interrupts import exit_status, stop_on_signals
+from ..runtime.model_fetch import FetchError
 
 EXIT_ERROR = 1
 
@@ -73,7 +73,7 @@ class _Cli(click.Group):
         except Exception as e:
             # worker_pool imports torch (2 s): only a run that got that far can raise its error,
             # so look it up rather than import it, and a refused option fails fast.
-            pool = sys.modules.get("coordinator.worker_pool")
+            pool = sys.modules.get("coordinator.runtime.worker_pool")
             if isinstance(e, (ModelFileError, FetchError, ValueError) + ((pool.WorkerError,) if pool else ())):
                 fail(str(e))
             raise

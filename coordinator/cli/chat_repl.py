@@ -9,9 +9,9 @@ import sys
 
 import click
 
-from .. import interrupts
-from ..batching import DoneEvent, FailedEvent, Request, Scheduler, TokenEvent
-from ..sampling import SamplingParams
+from ..runtime import interrupts
+from ..runtime.batching import DoneEvent, FailedEvent, Request, Scheduler, TokenEvent
+from ..runtime.sampling import SamplingParams
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) ends it; Ctrl-C stops a reply"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..model_fetch import default_model_path, pull
+from ..runtime.model_fetch import default_model_path, pull
 from .options import (arith_from_context, meta, placement_from_context, predictor_from_context,
                       sparse_method_from_context, weights_from_context)
 
@@ -22,7 +22,7 @@ def resolve_model(model: str | None) -> str:
 def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
     """(the level generate, chat and serve decode at, the line that says which, or ""):
     --sparsity as given (0: dense), else the calibrated level within the quality budget
-    (coordinator/sparsity_level.py). Exact arithmetic (transformers' tokens), predictors and float
+    (coordinator/runtime/sparsity_level.py). Exact arithmetic (transformers' tokens), predictors and float
     weights stay dense. The caller prints the line once the engine has loaded (a file it refuses
     gets its one error line only)."""
     if sparsity is not None:
@@ -31,8 +31,8 @@ def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
         return None, ""
     from sparsecore.gguf_file import open_gguf
 
-    from sparsecore.predictor_rows import has_predictors  # not coordinator.predictor's import of torch
-    from ..sparsity_level import choose
+    from sparsecore.predictor_rows import has_predictors  # not coordinator.model.predictor's import of torch
+    from ..runtime.sparsity_level import choose
 
     reader = open_gguf(path)
     if has_predictors(reader):  # PowerInfer's files decode with their own predictors
@@ -52,7 +52,7 @@ def say(line: str) -> None:
 def open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity=None, kv_caches=2,
                 interleave=None):
     """`interleave`: EngineOptions.interleave (False for a command that switches to sparse steps)."""
-    from ..engine import Engine, EngineOptions
+    from ..runtime.engine import Engine, EngineOptions
 
     return Engine(resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                       gpu_share=gpu_share, ctx=ctx, transport=transport,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_options import check_values
+from ..runtime.engine_options import check_values
 from . import reports
 from .app import main
 from .engine_args import open_engine, text_chunks
@@ -22,8 +22,8 @@ from .validation import check_corpus, check_engine_args, check_range
 def _memory_report(path, threads, cpu_workers, ctx, parallel):
     """The memory plan an engine with these options makes (Engine(plan_only=True): no process
     started, nothing loaded but the tensor table)."""
-    from ..engine import Engine, EngineOptions
-    from ..sparsity_level import choose
+    from ..runtime.engine import Engine, EngineOptions
+    from ..runtime.sparsity_level import choose
 
     # generate's and serve's default level, where the model is calibrated: its twins count
     level = choose(Path(path), "input", say=False)[0] if weights_from_context() == "gguf" else None
@@ -35,7 +35,7 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel):
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
     import torch
 
-    from ..placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
+    from ..runtime.placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
 
     _, n_cpu, _ = resolve_threads(threads, cpu_workers, torch.cuda.is_available())
     weights = weights_from_context()
@@ -125,7 +125,8 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
     check_range("--warmup", warmup, 0, None, "cannot be negative")
     model, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity,
                                       need=(f"-p {pp} + -n {tg} + 1", pp + tg + 1))
-    from ..model_files import level_key, load_input_thresholds, load_thresholds, save_thresholds, thresholds_path
+    from ..runtime.model_files import (level_key, load_input_thresholds, load_thresholds, save_thresholds,
+                                       thresholds_path)
     from ..tools import bench as b
     from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration
     from ..tools.observe import predictors

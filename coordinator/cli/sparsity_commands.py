@@ -40,7 +40,7 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
                                      need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from ..model_files import save_thresholds
+    from ..runtime.model_files import save_thresholds
     from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, quality as run_quality
 
     grid = sorted(set(given) if given else set(DEFAULT_LEVELS))
@@ -66,7 +66,7 @@ def _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus)
     (coordinator/tools/speed_check.py), written into the thresholds file beside the levels."""
     from tqdm import tqdm
 
-    from ..model_files import calibration, level_keys, save_speed
+    from ..runtime.model_files import calibration, level_keys, save_speed
     from ..tools import corpus as corpus_mod, speed_check
 
     levels = [float(k) for k in level_keys(calibration(model_path), sparse_method_from_context())]
@@ -102,7 +102,7 @@ def profile(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, co
                                       need=None if powerinfer_activations else (f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from .. import model_files
+    from ..runtime import model_files
     from ..tools import profile as profiling
 
     path = Path(model)
@@ -165,7 +165,7 @@ def train_predictor(model, sparsity, rank, recall, corpus, chunks, heldout_chunk
     model, _, _ = check_engine_args(model, threads, None, None, need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from ..model_files import load_thresholds, predictor_path, save_predictor
+    from ..runtime.model_files import load_thresholds, predictor_path, save_predictor
     from ..tools import train_predictor as pt
 
     t0 = time.perf_counter()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .. import interrupts
-from ..model_fetch import MODELS, pull
+from ..runtime import interrupts
+from ..runtime.model_fetch import MODELS, pull
 from . import reports
 from .app import exit_at_once, main
 from .engine_args import decode_sparsity, open_engine, say
@@ -35,7 +35,7 @@ def pull_cmd(name, list_models):
 def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_tokens, temperature, top_k,
              top_p, seed, chat, ignore_eos, prompt, stats):
     """Start coordinator and workers, generate a continuation of PROMPT, shut down."""
-    from ..tokenizer import StreamDecoder
+    from ..text.tokenizer import StreamDecoder
 
     check_text("-p/--prompt", prompt)
     sampling = sampling_params(temperature, top_k, top_p, seed)
@@ -80,7 +80,7 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     path, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     from sparsecore.gguf_file import open_gguf
 
-    from ..sampling import chat_defaults
+    from ..runtime.sampling import chat_defaults
 
     # a conversation samples as llama.cpp's and ollama's do: the model's own recommendation
     sampling = sampling_params(temperature, top_k, top_p, seed, chat_defaults(open_gguf(path)))

@@ -1,5 +1,5 @@
 """What the commands refuse before anything loads: one line naming the option (`OptionError`),
-exit 1. The engine's options follow EngineOptions' own rules (coordinator/engine_options.py,
+exit 1. The engine's options follow EngineOptions' own rules (coordinator/runtime/engine_options.py,
 the Python API's too), spelled as the command line spells them, then the model's header is
 read (`check_engine_args`: fast; the engine's load is the slow part); the sampling options
 become checked SamplingParams."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_options import OptionError, check_range, check_values
+from ..runtime.engine_options import OptionError, check_range, check_values
 from .engine_args import resolve_model
 from .options import ENGINE_OPTION_NAMES, PENALTY_OPTIONS, explicit, meta, placement_from_context
 
@@ -41,7 +41,7 @@ def check_seed(seed: int | None) -> int | None:
 def sampling_params(temperature, top_k, top_p, seed, defaults: dict | None = None):
     """SamplingParams from the options; `defaults` (chat's: the model's recommended sampling)
     replace the options the user did not give."""
-    from ..sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     d = defaults or {}
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -96,7 +96,7 @@ def count_prompt_tokens(path, text: str) -> int | None:
     than loading); None if the tokenizer cannot be built, which the engine then reports."""
     from sparsecore.gguf_file import open_gguf
 
-    from ..tokenizer import GGUFTokenizer
+    from ..text.tokenizer import GGUFTokenizer
 
     try:
         return len(GGUFTokenizer.from_reader(open_gguf(path)).encode(text))

@@ -1,5 +1,5 @@
 """`sparseinfer serve`: the OpenAI-compatible HTTP server over the continuous-batching
-Scheduler (coordinator/batching.py, which the terminal chat drives too).
+Scheduler (coordinator/runtime/batching.py, which the terminal chat drives too).
 
     server.py            serve(): bind, load the engine on a thread, run uvicorn, restart or stop
     app.py               the FastAPI app: routes, API key, errors, the chat page (web/chat.html)

@@ -50,7 +50,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    # Structured output (coordinator/structured_output.py): OpenAI's response_format, or
+    # Structured output (coordinator/text/structured_output.py): OpenAI's response_format, or
     # llama.cpp's json_schema and grammar (GBNF or Lark) fields, or a regex.
     response_format: ResponseFormat | None = None
     json_schema: Any = None  # checked by structured_output.grammar_for, which names what is wrong

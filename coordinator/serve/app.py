@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..batching import Overloaded
+from ..runtime.batching import Overloaded
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .completion import chat_message, check_model, checked_text, fits_at_all, run_request
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics

@@ -9,9 +9,9 @@ import uuid
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
-from ..sampling import SamplingParams
-from ..structured_output import Constraint, GrammarError, TokenTable, grammar_for
+from ..runtime.batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
+from ..runtime.sampling import SamplingParams
+from ..text.structured_output import Constraint, GrammarError, TokenTable, grammar_for
 from .responses import ReplyFormat
 from .state import ApiError, ServerState, off_loop
 from .streaming import sse_stream

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..batching import DoneEvent, TokenEvent
+from ..runtime.batching import DoneEvent, TokenEvent
 from . import tool_calls
 from .state import ServerState
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: `serve` runs the FastAPI app (app.py) on uvicorn over the
-continuous-batching `Scheduler` (coordinator/batching.py).
+continuous-batching `Scheduler` (coordinator/runtime/batching.py).
 
 The socket is bound before the model loads (a taken port fails at once, in one line); the
 engine loads on a thread while /health answers 503 "loading"; requests then go to the
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..batching import Scheduler
-from ..reaper import start_reaper
+from ..runtime.batching import Scheduler
+from ..runtime.reaper import start_reaper
 from .app import create_app
 from .limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, BodyLimit, room_for_connections
 from .state import ServerState

@@ -11,7 +11,7 @@ import anyio
 import anyio.to_thread
 from fastapi.responses import JSONResponse
 
-from ..batching import Scheduler
+from ..runtime.batching import Scheduler
 
 
 class ApiError(Exception):

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import Request as HttpRequest
 
-from ..batching import DoneEvent, FailedEvent, Request, TokenEvent
+from ..runtime.batching import DoneEvent, FailedEvent, Request, TokenEvent
 from .responses import ReplyFormat
 
 

@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..structured_output import JSON_WHITESPACE
+from ..text.structured_output import JSON_WHITESPACE
 
 FORMATS = ("hermes", "llama3", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -10,7 +10,7 @@
 
 Calibration runs the dense model over calibration text and sets each threshold at the quantile
 of the magnitudes equal to the target sparsity. Thresholds for a grid of sparsities are stored
-beside the model in `<model>.thresholds.json` (coordinator.model_files), so any of them can be
+beside the model in `<model>.thresholds.json` (coordinator.runtime.model_files), so any of them can be
 chosen at run time; `quality` adds the held-out perplexity of each (coordinator/tools/perplexity.py).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from protocol.shm_layout import INPUT_SITES
 
-from ..model_files import THRESHOLDS_FORMAT, level_key
+from ..runtime.model_files import THRESHOLDS_FORMAT, level_key
 from . import observe
 
 DEFAULT_LEVELS = tuple(round(0.1 * i, 2) for i in range(1, 10))
@@ -115,7 +115,7 @@ def quality(engine, chunks: list[list[int]], table: dict, progress=None) -> dict
     """Held-out perplexity of the dense model and of input sparsity at each calibrated level of
     `table` (calibrate's), emulated over whole prompts (coordinator/tools/emulate.py), with the
     fraction of inputs each level reads: what the engine's default level is chosen from
-    (coordinator/sparsity_level.py). `progress(1)` after each level."""
+    (coordinator/runtime/sparsity_level.py). `progress(1)` after each level."""
     from .emulate import input_sparsity
     from .perplexity import perplexity
 

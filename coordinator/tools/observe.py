@@ -40,7 +40,7 @@ def config(engine):
 
 
 def model(engine):
-    """The engine's coordinator.model.Transformer (its hooks: attn_observer, input_filter, ffn)."""
+    """The engine's coordinator.model.transformer.Transformer (its hooks: attn_observer, input_filter, ffn)."""
     return engine.model
 
 
@@ -58,7 +58,7 @@ def ffn_neuron_bytes(engine) -> float:
     in the file's own blocks with --weights gguf, else in the converted format."""
     cfg = engine.cfg
     if engine.opts.weights != "gguf":
-        from ..placement import neuron_bytes
+        from ..runtime.placement import neuron_bytes
 
         return neuron_bytes(cfg.hidden, engine.opts.weights)
     from sparsecore.shard import FileLayer
@@ -86,14 +86,14 @@ def input_thresholds(engine) -> tuple[list[list[float]], float] | None:
     lm_head input's), or None when it decodes densely or by another method."""
     if engine.sparsity is None or engine.opts.sparse_method != "input":
         return None
-    from ..model_files import load_input_level
+    from ..runtime.model_files import load_input_level
 
     path = Path(engine.opts.thresholds_file) if engine.opts.thresholds_file else None
     return load_input_level(engine.path, engine.sparsity, path)
 
 
 def predictors(engine):
-    """The engine's activation predictors (coordinator.predictor.Predictors), or None."""
+    """The engine's activation predictors (coordinator.model.predictor.Predictors), or None."""
     return engine.predictors
 
 
@@ -158,7 +158,7 @@ def head_replaced(engine, head: Callable) -> Iterator[None]:
     still applies after it."""
     model = engine.model
     outer = model.head
-    capped = hasattr(outer, "cap")  # coordinator.model._SoftCapped around the lm_head
+    capped = hasattr(outer, "cap")  # coordinator.model.transformer._SoftCapped around the lm_head
     if capped:
         inner, outer.head = outer.head, head
     else:
@@ -225,7 +225,7 @@ def sparse_batches(engine) -> Iterator[None]:
 def greedy(engine, prompt: list[int], n_tokens: int) -> Iterator[int]:
     """Greedy continuation: the prompt's next token, then decoded ones, `n_tokens` in all (EOS
     does not stop it)."""
-    from ..sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     return engine.generate(prompt, max_tokens=n_tokens, sampling=SamplingParams(temperature=0.0),
                            stop_at_eos=False)

@@ -7,10 +7,10 @@ rule of coordinator.tools.observe):
     (`<model>.thresholds.json`, written by `sparseinfer calibrate`); without calibrated
     thresholds, the per-layer quantile S of |act(gate x)| on this same text is used instead;
   - ReLU models: relu(gate x) > 0.
-Placement under a VRAM budget (coordinator.placement) puts the most frequently active
+Placement under a VRAM budget (coordinator.runtime.placement) puts the most frequently active
 neurons on the GPU worker.
 
-The result is `<model>.profile.npz` (coordinator.model_files: one float32 array of frequencies
+The result is `<model>.profile.npz` (coordinator.runtime.model_files: one float32 array of frequencies
 in [0, 1] per layer and a JSON metadata document). A PNG beside it plots the sorted frequencies
 per layer on log-log axes (the hot/cold split) and the share of activations covered by the
 hottest neurons.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model_files import PROFILE_FORMAT, Profile
+from ..runtime.model_files import PROFILE_FORMAT, Profile
 from . import observe
 
 DEFAULT_SPARSITY = 0.2  # the default operating point of SwiGLU models

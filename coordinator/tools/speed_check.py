@@ -1,20 +1,20 @@
 """Whether skipping pays on this machine: decode speed at each calibrated level against dense,
 measured by `sparseinfer calibrate` and stored beside the thresholds (`speed` in
-`<model>.thresholds.json`), so that the default level (coordinator/sparsity_level.py) is one that
+`<model>.thresholds.json`), so that the default level (coordinator/runtime/sparsity_level.py) is one that
 decodes faster here, not only one within the quality budget.
 
 Whether skipped inputs pay depends on the CPU as much as on the model: the twins' kernels run
 per group of 32 inputs, so a small model's matrices (SmolLM2: 576 inputs) gain nothing at 0.2-0.3
 on the 2-core Zen 4 EPYC where the 1.1B shape gains 1.4x at 0.5 (docs/SPARSITY.md). A stored
 measurement is used only on the CPU and instruction set level it was taken on
-(coordinator/sparsity_level.py).
+(coordinator/runtime/sparsity_level.py).
 """
 from __future__ import annotations
 
 import statistics
 
-from ..model_files import level_key
-from ..sparsity_level import machine
+from ..runtime.model_files import level_key
+from ..runtime.sparsity_level import machine
 
 
 def measure(engine, levels: list[float], prompt: list[int], tokens: int = 16, reps: int = 3,

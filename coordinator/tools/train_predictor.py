@@ -24,7 +24,7 @@ threshold has the same sign, each fc2 is rescaled so that all layers share one t
 (all equal to `powerinfer.sparse_threshold` when folded); `sparseinfer.predictor.per_layer` says
 whether they differ. Recall, precision and the predicted-active fraction are then measured on the
 held-out half of the corpus with the weights exactly as stored. The file is written by
-coordinator.model_files.save_predictor (`<model>.predictor.gguf`).
+coordinator.runtime.model_files.save_predictor (`<model>.predictor.gguf`).
 """
 from __future__ import annotations
 

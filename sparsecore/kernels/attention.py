@@ -178,7 +178,7 @@ class AttentionStep:
         each row of h (_kernels.attn_part): written to out (B, hidden), h left as it is. Their
         keys and values go into the caches at kp, vp (addresses of head 0 of this layer's caches,
         as for `batch`). Shares of disjoint ranges summed are the whole attention: processes
-        that split a layer's heads each compute one (coordinator/attention_split.py)."""
+        that split a layer's heads each compute one (coordinator/runtime/attention_split.py)."""
         self._check_rows(h, pos, kp, vp)
         if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
             raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")

@@ -7,7 +7,7 @@
  *   Python model's tables hold them); k, v into the layer's cache at pos;
  *   per query head: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] (query head i reads KV head
  *   i / (n_heads / n_kv)); h += Wo (heads side by side).
- * The same arithmetic as coordinator/model.py's torch path in float32, in one call instead of
+ * The same arithmetic as coordinator/model/transformer.py's torch path in float32, in one call instead of
  * some twenty small torch operations (each 3-10 us, most of a small model's token). */
 typedef struct {
     float *x, *q, *k, *v, *att, *out;

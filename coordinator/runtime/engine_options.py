@@ -3,7 +3,7 @@ decode path...), the choices its string fields allow, and the one set of rules e
 value must follow (`check_values`, `EngineOptions.validate`), which refuses a bad value in one
 line naming the option before the model file is read: the command line (with its option
 names), the Python API and the engine itself (`check`) all ask here. The engine
-(coordinator/engine.py) re-exports EngineOptions."""
+(coordinator/runtime/engine.py) re-exports EngineOptions."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -56,7 +56,7 @@ class EngineOptions:
     # Split decoded tokens' attention heads across the coordinator and the CPU workers (llama-
     # shaped attention in the file's blocks; the KV caches then live in shared memory).
     split_attention: bool = True
-    # Which path decoded tokens take (coordinator/decode_plan.py, DECODE_CHOICES): "auto", the
+    # Which path decoded tokens take (coordinator/runtime/decode_plan.py, DECODE_CHOICES): "auto", the
     # best the processes support wherever a step's size pays for it; "lockstep" or "split",
     # that path at every size (and prompts' attention split at every size), refused at start
     # where the processes cannot take it (tests: a tiny model's layers never pay).

@@ -1,5 +1,5 @@
 """The forward pass, gpt-fast style: embeddings, norms, attention with its `KVCache`, and the
-FFN and the head as objects passed in (coordinator/sparse_ffn.py computes the FFN across the
+FFN and the head as objects passed in (coordinator/runtime/sparse_ffn.py computes the FFN across the
 processes; `LmHead` the logits).
 
 Arithmetic follows transformers' LlamaForCausalLM in float32 (RMSNorm, rotate-half RoPE on
@@ -7,7 +7,7 @@ un-permuted Q/K, SDPA) so greedy decoding matches it token for token.
 
 The hidden states are numpy arrays. A layer the native attention step takes (llama's
 attention on the file's blocks) never touches torch; the others go through
-coordinator/torch_layers.py, imported on first use: a plain llama model in the file's
+coordinator/model/torch_layers.py, imported on first use: a plain llama model in the file's
 blocks starts and decodes without torch in the coordinator (its import is about 1 s).
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.rope import layer_tables, rope_tables
 from sparsecore.tensors import TensorStore, unpermute_qk
 
-from .decode_plan import DecodePaths, DecodePlan, local_paths
+from ..runtime.decode_plan import DecodePaths, DecodePlan, local_paths
 
-if TYPE_CHECKING:  # the split is passed in (coordinator/engine_build.py), like the FFN and the head
-    from .attention_split import SplitStep
+if TYPE_CHECKING:  # the split is passed in (coordinator/runtime/engine_build.py), like the FFN and the head
+    from ..runtime.attention_split import SplitStep
 
 Ffn = Callable[..., np.ndarray]
 """ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden), decode=None) -> FFN output (T, hidden),
@@ -41,7 +41,7 @@ so decoding's sparsity applies to each; None: one row is a decoded token, severa
 
 
 def _torch():
-    """coordinator/torch_layers.py, imported where a path first needs torch."""
+    """coordinator/model/torch_layers.py, imported where a path first needs torch."""
     from . import torch_layers
 
     return torch_layers
@@ -280,9 +280,9 @@ class Transformer:
     def __init__(self, store: TensorStore, cfg: ModelConfig, max_ctx: int, embed: Embedding, ffn: Ffn,
                  head: Callable[[np.ndarray], np.ndarray], weights: str = "f32", fast: bool = False,
                  kv_pool: KvPool | None = None, decode: Callable[[list], DecodePaths] | None = None):
-        """decode(native steps) -> DecodePaths: the decode plan (coordinator/decode_plan.py) and
+        """decode(native steps) -> DecodePaths: the decode plan (coordinator/runtime/decode_plan.py) and
         the objects that run its paths, made once from this model's native attention steps
-        (coordinator/engine_build.py); None: attention on the coordinator alone."""
+        (coordinator/runtime/engine_build.py); None: attention on the coordinator alone."""
         # finish: what the logits of the head's rows go through (a lockstep step computes the rows)
         self.finish = lambda logits: logits  # noqa: E731
         if cfg.final_logit_softcap or cfg.logit_scale:
@@ -314,8 +314,8 @@ class Transformer:
         if not all(self.native):
             _torch()  # a layer or the head computes in torch: its import (1 s) now, while the workers load
         # Which path a decoded token takes, decided once (DecodePlan): split_attn, decoded tokens'
-        # attention split by KV heads across processes (coordinator/attention_split.py; None:
-        # here alone); lockstep, every layer in one post (coordinator/lockstep_decode.py).
+        # attention split by KV heads across processes (coordinator/runtime/attention_split.py; None:
+        # here alone); lockstep, every layer in one post (coordinator/runtime/lockstep_decode.py).
         paths = decode(self.native) if decode is not None else local_paths(self.native, weights, cfg)
         self.decode_plan: DecodePlan = paths.plan
         self.split_attn, self.lockstep = paths.split, paths.lockstep
@@ -359,7 +359,7 @@ class Transformer:
 
     def _decode_step(self, caches: list[KVCache]) -> DecodeStep:
         """How this decode step of `caches`' sequences runs, decided once for all its layers from
-        the plan's paths (coordinator/decode_plan.py) and the step's size: in lockstep where it
+        the plan's paths (coordinator/runtime/decode_plan.py) and the step's size: in lockstep where it
         can (LockstepDecode.usable), else layer by layer with the heads split where that pays
         (SplitAttention.pays), else layer by layer on the coordinator."""
         sa, ls = self.split_attn, self.lockstep
@@ -372,7 +372,7 @@ class Transformer:
         return DecodeStep(locked, sa.begin(pos, np.array([c.index for c in caches], np.int64)))
 
     def _run_lockstep(self, step: DecodeStep, h: np.ndarray) -> np.ndarray:
-        """Every layer of the step in one post (coordinator/lockstep_decode.py): its logits (the
+        """Every layer of the step in one post (coordinator/runtime/lockstep_decode.py): its logits (the
         step's last phase computed them, or the head from the last layer's residuals)."""
         logits = self.lockstep(h, step.split)
         if logits is None:

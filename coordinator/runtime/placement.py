@@ -134,7 +134,7 @@ def neuron_bytes(hidden: int, weights: str = "f32", on_cpu: bool = False) -> int
     values in the workers' weight format (whatever the file's quantization). `on_cpu`: a worker
     computing on the CPU, where f16 keeps the down rows transposed too (sparsecore.ffn.HalfRows)."""
     from sparsecore.ffn import row_nbytes  # here: that module imports torch, which the engine imports after
-    # starting its workers (coordinator/engine_build.py)
+    # starting its workers (coordinator/runtime/engine_build.py)
 
     extra = row_nbytes(hidden, weights) if on_cpu and weights == "f16" else 0
     return 3 * row_nbytes(hidden, weights) + extra

@@ -4,7 +4,7 @@
 |---|---|---|
 | `<model>.thresholds.json` | `sparseinfer calibrate` (coordinator.tools.calibrate) | the engine (`--sparsity`) |
 | `<model>.profile.npz` (+ `.png`) | `sparseinfer profile` (coordinator.tools.profile) | placement (`--vram-budget`) |
-| `<model>.predictor.gguf` | `sparseinfer train-predictor` | the engine (`--predictor`), coordinator.predictor |
+| `<model>.predictor.gguf` | `sparseinfer train-predictor` | the engine (`--predictor`), coordinator.model.predictor |
 | `<model>.generated.gpuidx` | placement, a cache of a budget plan's GPU share | placement |
 
 Every writer writes a temporary file in the same directory and renames it over the target, so a
@@ -163,7 +163,7 @@ def load_input_thresholds(model: Path, sparsity: float, path: Path | None = None
 
 
 def calibration(model: Path, path: Path | None = None) -> dict:
-    """What a calibration stored, for choosing a default level (coordinator/sparsity_level.py) and
+    """What a calibration stored, for choosing a default level (coordinator/runtime/sparsity_level.py) and
     timing the levels (the speed check): the whole table, or {} where there is no readable
     thresholds file of this format (the choice then falls back to dense)."""
     path = path or thresholds_path(model)
@@ -277,7 +277,7 @@ def save_predictor(path: Path, p, *, arch: str = "llama", model: Path | None = N
 
 def load_predictor(path: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[float], dict]:
     """(fc1s, fc2s, per-layer thresholds, metadata) from a file `save_predictor` wrote (for tests
-    and tools; the engine reads predictors with coordinator.predictor)."""
+    and tools; the engine reads predictors with coordinator.model.predictor)."""
     from gguf import GGUFReader
 
     from sparsecore.gguf_file import field_value

@@ -27,7 +27,7 @@ from .posted_step import run_posted
 from .sparse_ffn import ExchangeStats
 
 # Whether a step's split pays for its exchange (`pays`): the thresholds and their measurements are
-# coordinator/decode_plan.py's (MIN_SPLIT_BYTES), passed in with the plan.
+# coordinator/runtime/decode_plan.py's (MIN_SPLIT_BYTES), passed in with the plan.
 
 
 class SplitAttention:

@@ -1,7 +1,7 @@
 """The coordinator's engine: one model, its worker processes, and the token loop. Engine runs
-what coordinator/engine_build.py builds (EngineBuilder: the options checked, the file read, the
+what coordinator/runtime/engine_build.py builds (EngineBuilder: the options checked, the file read, the
 neurons placed, the memory planned, the workers started, the model built); its options are
-coordinator/engine_options.py's EngineOptions, re-exported here.
+coordinator/runtime/engine_options.py's EngineOptions, re-exported here.
 
     with Engine(path, EngineOptions()) as eng:
         for tok in eng.generate(eng.tokenizer.encode("Hello"), max_tokens=32): ...
@@ -24,7 +24,7 @@ from .engine_options import EngineOptions  # noqa: F401 (re-exported: callers im
 from .sampling import Sampler, SamplingParams, pick_next
 
 if TYPE_CHECKING:
-    from .predictor import Predictors
+    from ..model.predictor import Predictors
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Engine:
 
     @property
     def decode_plan(self) -> DecodePlan:
-        """Which path decoded tokens take, and why (coordinator/decode_plan.py)."""
+        """Which path decoded tokens take, and why (coordinator/runtime/decode_plan.py)."""
         return self.model.decode_plan
 
     @property
@@ -181,7 +181,7 @@ class Engine:
         tk = self.tokenizer
         bos = tk.tokens[tk.bos_id] if tk.bos_id is not None else ""
         eos = tk.tokens[tk.eos_id] if tk.eos_id is not None else ""
-        from .chat_template import render_chat  # jinja2: imported by the runs that render a chat
+        from ..text.chat_template import render_chat  # jinja2: imported by the runs that render a chat
 
         return render_chat(self.chat_template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos,
                            **variables)

@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 if TYPE_CHECKING:
-    from .structured_output import Constraint
+    from ..text.structured_output import Constraint
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..text.structured_output import Constraint, GrammarError
+from ..text.tokenizer import GGUFTokenizer, StreamDecoder
 from .sampling import Sampler, SamplingParams, log_softmax, pick_next
-from .structured_output import Constraint, GrammarError
-from .tokenizer import GGUFTokenizer, StreamDecoder
 
 MAX_TOP_LOGPROBS = 20
 

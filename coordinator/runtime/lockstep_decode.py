@@ -1,7 +1,7 @@
 """The coordinator's side of a lockstep decode step: one post for every layer of a decoded token
 (or of a small continuous batch), each process running sparsecore/lockstep.py on its own heads
 and neurons and summing the others' shares itself. The per-layer posted steps
-(coordinator/attention_split.py, coordinator/sparse_ffn.py) stay for everything this does not
+(coordinator/runtime/attention_split.py, coordinator/runtime/sparse_ffn.py) stay for everything this does not
 cover: prompts, batches beyond the lockstep's rows, a predictor the coordinator scores,
 calibration's observer, and cores shared with other programs (waits here are spins).
 """
@@ -20,7 +20,7 @@ from .posted_step import run_posted
 from .sparse_ffn import SparseFfn
 
 # Whether a step runs in lockstep (`usable`): its threshold and measurement are
-# coordinator/decode_plan.py's (MIN_LOCKSTEP_BYTES), passed in with the plan.
+# coordinator/runtime/decode_plan.py's (MIN_LOCKSTEP_BYTES), passed in with the plan.
 
 
 class LockstepDecode:

@@ -2,7 +2,7 @@
 
 The pool owns what a run's processes share and must not outlive it: the private run directory
 (ipc socket, wake pipes), the ZeroMQ socket, the shared-memory segment and the coordinator's
-end of the doorbell (`bell`). The per-layer exchange itself is coordinator/sparse_ffn.py; it
+end of the doorbell (`bell`). The per-layer exchange itself is coordinator/runtime/sparse_ffn.py; it
 calls `check_alive` (through the bell) while it waits, so a dead or failing worker ends the
 wait with its name within a fraction of a second instead of hanging the token loop.
 
@@ -142,7 +142,7 @@ class WorkerPool:
         self.own_slot = len(self.proc_shards) if len(self.proc_shards) < len(plan.shards) else None
         self.run_dir = private_runtime_dir()
         shm_name = new_segment_name()
-        # whatever happens to this process from here, the names go (coordinator/reaper.py)
+        # whatever happens to this process from here, the names go (coordinator/runtime/reaper.py)
         self.reaper_fd: int | None = start_reaper(str(self.run_dir), shm_name)
         self.secret, self.secret_path = write_secret(self.run_dir)
         self.authenticated: set[bytes] = set()  # identities whose Hello carried the secret

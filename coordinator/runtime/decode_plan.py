@@ -1,11 +1,11 @@
 """Which path a decoded token takes, decided in one place: `plan_decode` makes a `DecodePlan`
-once, when the engine starts, and the model is built with it (coordinator/model.py).
+once, when the engine starts, and the model is built with it (coordinator/model/transformer.py).
 
 The paths, fastest first where the processes support them:
   - lockstep: every layer of the token in one post, each process summing the others' shares
-    itself (coordinator/lockstep_decode.py, sparsecore/lockstep.py);
+    itself (coordinator/runtime/lockstep_decode.py, sparsecore/lockstep.py);
   - split attention: per layer, the attention's KV heads split across the coordinator and the
-    CPU workers (coordinator/attention_split.py), then the FFN's exchange;
+    CPU workers (coordinator/runtime/attention_split.py), then the FFN's exchange;
   - native: per layer, the whole attention block in one native call on the coordinator
     (`AttentionStep`), then the FFN's exchange;
   - torch: per layer, torch's attention on the coordinator (architectures the kernel does not

@@ -1,5 +1,5 @@
 """Building an engine: `EngineBuilder` turns (model path, EngineOptions) into the parts an
-Engine runs (coordinator/engine.py), in two stages:
+Engine runs (coordinator/runtime/engine.py), in two stages:
 
   - `EngineBuilder(path, opts)` plans: checks the options, reads and checks the file (config,
     chat template, predictors, thresholds), places the neurons and the lm_head's rows, and
@@ -9,7 +9,7 @@ Engine runs (coordinator/engine.py), in two stages:
     worker pool (which loads on another core meanwhile: bench_startup.py), and builds the
     tokenizer, the FFN, the head, the model's layers, then its decode plan (which waits for
     the workers' Ready), and the input-major twins. torch is imported only
-    by the paths that need it (coordinator/torch_layers.py, predictors, float copies, a GPU):
+    by the paths that need it (coordinator/model/torch_layers.py, predictors, float copies, a GPU):
     a plain llama model in the file's blocks starts without it. On any failure it closes what it
     made (`close`): no process or shared memory is left behind.
 
@@ -39,21 +39,21 @@ from sparsecore.rope import layer_tables
 from sparsecore.shard import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
-from . import set_torch_threads
+from .. import set_torch_threads
+from ..text.tokenizer import GGUFTokenizer, chat_template_from_reader
 from .decode_plan import DecodePath, DecodePaths, attention_heads, plan_decode, why_not_native
 from .engine_options import SPARSE_METHODS, EngineOptions, check
 from .memory_plan import fit_hints, plan_memory
 from .model_files import load_input_level, load_thresholds
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
-from .tokenizer import GGUFTokenizer, chat_template_from_reader
 from .worker_pool import WorkerPool
 
 if TYPE_CHECKING:
-    from .predictor import Predictors
+    from ..model.predictor import Predictors
 
 # torch's import takes about 1 s on these CPUs: nothing here imports it, and the model and the
-# FFN import it only where a path needs it (coordinator/model.py).
+# FFN import it only where a path needs it (coordinator/model/transformer.py).
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -195,7 +195,7 @@ class EngineBuilder:
         try:
             self.pool.spawn()  # workers load while we build the tokenizer, our share, the head and the model
             self.load_tokenizer()
-            from .model import Embedding, LmHead, Transformer
+            from ..model.transformer import Embedding, LmHead, Transformer
             from .sparse_ffn import SparseFfn, SplitHead
 
             # While workers spin on their cores, torch (where a path imports it) computes on the
@@ -228,7 +228,7 @@ class EngineBuilder:
         close_started(self.pool, self.model, self.kv_pool)
 
     def _decode_paths(self, native: list) -> DecodePaths:
-        """The decode plan (coordinator/decode_plan.py plan_decode) from what the processes
+        """The decode plan (coordinator/runtime/decode_plan.py plan_decode) from what the processes
         support, and the objects that run its paths; the model calls this once while it is
         built, with its native attention steps (`native`, None for a layer without one): the
         workers load meanwhile, and their Ready says what each can take."""
@@ -296,7 +296,7 @@ class EngineBuilder:
         return plan, source, head_rows, per_worker, total
 
     def _plan_memory(self):
-        """What this run will hold (coordinator/memory_plan.py), before any worker starts."""
+        """What this run will hold (coordinator/runtime/memory_plan.py), before any worker starts."""
         opts, cfg, store, predictors = self.opts, self.cfg, self.store, self.predictors
         names = required_tensors(cfg) + [n for n in self.down_t if store.has(n)]
         if predictors is not None and predictors.in_file and Path(predictors.path) == self.path:
@@ -315,12 +315,12 @@ class EngineBuilder:
         if p is not None:
             if self.opts.sparsity is not None:
                 raise ValueError("choose one sparsity source: --sparsity (thresholds) or --predictor, not both")
-            from .predictor import Predictors  # torch: imported before the workers start only with predictors
+            from ..model.predictor import Predictors  # torch: imported before the workers start only with predictors
 
             return Predictors.load(p, self.cfg, in_file=self.opts.weights == "gguf", fast=self.opts.fast)
         # A model's own predictors are the default unless thresholds were asked for explicitly.
         if self.opts.sparsity is None and has_predictors(reader):
-            from .predictor import Predictors
+            from ..model.predictor import Predictors
 
             return Predictors.load(self.path, self.cfg, reader, self.opts.weights == "gguf", self.opts.fast)
         return None

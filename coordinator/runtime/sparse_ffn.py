@@ -28,8 +28,8 @@ from sparsecore.tensors import TensorStore
 from .posted_step import run_posted, sum_slots
 from .worker_pool import WorkerPool
 
-if TYPE_CHECKING:  # coordinator/predictor.py imports torch: only a run with predictors loads it
-    from .predictor import Predictors
+if TYPE_CHECKING:  # coordinator/model/predictor.py imports torch: only a run with predictors loads it
+    from ..model.predictor import Predictors
 
 # observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)):
 # calibration and profiling watch every FFN input through it (coordinator/tools/).

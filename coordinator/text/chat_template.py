@@ -5,7 +5,7 @@ Templates come from model files, i.e. untrusted input, hence the immutable sandb
 to Python internals) and limits on what a render may cost. The sandbox alone bounds neither
 time nor memory (nested loops; `'x' * 10**7` in a loop; `s ~ s` doubling; `'{:>999999999}'`),
 and most such costs are single C calls that no in-process hook can interrupt or measure. So
-renders run in a small long-lived renderer process (coordinator/template_renderer.py): its
+renders run in a small long-lived renderer process (coordinator/text/template_renderer.py): its
 address space is capped (RENDER_MEMORY_BYTES above its size at start, so a memory bomb is a
 MemoryError), the parent kills and replaces it when a render takes more than RENDER_SECONDS,
 and the text it sends back is capped at MAX_OUTPUT_CHARS. Every failure is one

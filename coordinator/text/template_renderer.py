@@ -3,7 +3,7 @@ process, so a hostile template's cost (time, memory) lands there, never here, an
 does not pay for forking a large process (88 ms for the 370 MB server, a copy of its page
 tables each time).
 
-The child (`python -m coordinator.template_renderer`) imports only jinja2 and msgpack, caps its
+The child (`python -m coordinator.text.template_renderer`) imports only jinja2 and msgpack, caps its
 address space at start (its size then plus RENDER_MEMORY_BYTES: a memory bomb becomes a
 MemoryError, after which it answers and exits so the next render gets a fresh one), ignores
 Ctrl-C (the parent's to handle) and exits when its stdin closes or its parent is gone. Requests and
@@ -78,7 +78,7 @@ class Renderer:
         if self._proc is None or self._proc.poll() is not None:
             self._discard()
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.template_renderer", str(memory_bytes)],
+                [sys.executable, "-m", "coordinator.text.template_renderer", str(memory_bytes)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), close_fds=True)
             self.started += 1

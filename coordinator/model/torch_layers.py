@@ -1,4 +1,4 @@
-"""The torch side of the forward pass (coordinator/model.py): attention of the layers the native
+"""The torch side of the forward pass (coordinator/model/transformer.py): attention of the layers the native
 step does not take (architectures with extras, float weights, prompts the quality tools watch),
 LayerNorm, soft-capped logits and the float copies' products (--weights f32/f16), in
 transformers' float32 arithmetic (SDPA, rotate-half RoPE).
@@ -123,7 +123,7 @@ def float_rows(a: np.ndarray, weights: str) -> Rows:
 
 @torch.inference_mode()
 def float_head(head, h: np.ndarray) -> np.ndarray:
-    """An lm_head of float copies (coordinator/model.py LmHead): one token through the Q8_0
+    """An lm_head of float copies (coordinator/model/transformer.py LmHead): one token through the Q8_0
     copy where there is one, else x @ W.T."""
     x = torch.from_numpy(h)
     if h.shape[0] == 1 and head.q8 is not None:

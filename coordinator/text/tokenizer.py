@@ -15,7 +15,7 @@ StarCoder-style `pre` values do isolate digits. One deliberate difference, follo
 `add_space_prefix = false` is honoured (transformers always prepends "▁").
 
 Also here: `chat_template_from_reader`, the file's chat template string (its rendering:
-coordinator/chat_template.py, which imports jinja2 only for a run that renders one).
+coordinator/text/chat_template.py, which imports jinja2 only for a run that renders one).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from .model_fetch import cache_root
+from ..runtime.model_fetch import cache_root
 
 log = logging.getLogger(__name__)
 
