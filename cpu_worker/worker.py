@@ -49,7 +49,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(endpoint)
         self.shard: FfnShard | None = None
-        self.attn: AttnShard | None = None  # KV heads of decoded tokens' attention, if assigned
+        self.attn: AttnShard | None = None  # query heads of decoded tokens' attention, if assigned
         self.pool: KvPool | None = None
         self.buffers: SharedBuffers | None = None
         self.bell: WorkerBell | None = None
@@ -82,7 +82,7 @@ class Worker:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)
             cfg = read_config(a.model_path, store.reader)
             self.attn = AttnShard.load(store, cfg, self.pool, (a.attn_heads[0], a.attn_heads[1]), a.fast)
-            self.lockstep = Lockstep.build(self.buffers, a.slot, self.attn.steps, (self.attn.kv0, self.attn.kv1),
+            self.lockstep = Lockstep.build(self.buffers, a.slot, self.attn.steps, (self.attn.h0, self.attn.h1),
                                            self.shard, store, cfg)
         if a.input_major:  # after the attention's share is kept: its twins are the share's
             layers = {i: w for i, w in self.shard.layers.items() if isinstance(w, FileLayer)}

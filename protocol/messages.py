@@ -59,7 +59,7 @@ class Assign:
     # With weights "gguf": quantize activations to 8 bits (llama.cpp's arithmetic) instead of
     # multiplying float32 activations by the dequantized blocks (exact, the oracle's).
     fast: bool = False
-    # [kv0, kv1): KV heads of every layer whose share of decoded tokens' attention this worker
+    # [h0, h1): query heads of every layer whose share of decoded tokens' attention this worker
     # computes (shm_layout.StepKind.ATTENTION steps); empty: none. The KV caches are in
     # the pool the worker inherited as descriptor kv_fd, of kv_shape (sparsecore.kv_pool.KvShape's
     # fields in order).

@@ -66,7 +66,7 @@ class StepKind(IntEnum):
     """What a posted step computes (request[REQ_WHAT], with the layer: step_word)."""
     FFN = 0  # the worker's neurons of one layer
     HEAD = 1  # logits of the worker's lm_head vocabulary rows (layer 0)
-    ATTENTION = 2  # the worker's KV heads of one layer's attention of decoded tokens
+    ATTENTION = 2  # the worker's heads of one layer's attention of decoded tokens
     LOCKSTEP = 3  # every layer of decoded tokens in lockstep (layer 0)
 
 

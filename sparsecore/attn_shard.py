@@ -1,7 +1,8 @@
 """`AttnShard`: the attention heads one process computes for decoded tokens, in every layer.
 
 Decoding reads a layer's Q, K, V and output matrices once per token, and on a CPU-only machine
-the coordinator used to do that alone while its workers' cores waited. Split by KV heads, each
+the coordinator used to do that alone while its workers' cores waited. Split by heads (whole KV
+heads where there are enough, query heads of one KV head where not: split_heads), each
 process reads only its heads' rows of Q, K and V (and their columns of the output matrix),
 writes their keys and values into the shared caches (sparsecore/kv_pool.py) and computes its
 share of the output; the coordinator sums the shares (coordinator/runtime/attention_split.py). The
@@ -14,6 +15,7 @@ step as `AttentionExtras`); LayerNorm and parallel blocks (falcon) keep attentio
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -44,21 +46,27 @@ def native_attention(store: TensorStore, cfg: ModelConfig) -> bool:
 
 
 def head_unit(store: TensorStore, cfg: ModelConfig) -> int:
-    """Fewest KV heads a share may hold: its output-matrix columns must start on whole blocks."""
-    cols = cfg.n_heads // cfg.n_kv_heads * cfg.head_dim  # output columns per KV head
+    """Fewest query heads a share may hold: its output-matrix columns must start on whole blocks."""
     block = max(FileMatrix(store.info(f"blk.{i}.attn_output.weight")).block for i in range(cfg.n_layers))
     unit = 1
-    while (unit * cols) % block:
+    while (unit * cfg.head_dim) % block:
         unit += 1
     return unit
 
 
-def split_heads(n_kv: int, slots: list[int], unit: int) -> dict[int, tuple[int, int]]:
-    """KV head ranges for `slots` (the coordinator's last), as even as `unit` allows; the
-    coordinator, which also sums the shares, gets the smaller part of an uneven split. Slots
-    left without a head are left out; {} when fewer than two processes get one."""
-    units = n_kv // unit
-    if n_kv % unit or units < 2 or len(slots) < 2:
+def split_heads(n_heads: int, group: int, slots: list[int], unit: int) -> dict[int, tuple[int, int]]:
+    """Query head ranges for `slots` (the coordinator's last), as even as `unit` allows; the
+    coordinator, which also sums the shares, gets the smaller part of an uneven split. Whole KV
+    heads (`group` query heads each) where there are at least two, so that no KV head's keys and
+    values are computed twice; else a KV head's query heads split between processes, which then
+    each compute it (Gemma 3 270M's one KV head: its prompts' attention on both cores, not the
+    coordinator's alone). Slots left without a head are left out; {} when fewer than two
+    processes get one."""
+    whole = math.lcm(unit, group)
+    if n_heads % whole == 0 and n_heads // whole >= 2:
+        unit = whole
+    units = n_heads // unit
+    if n_heads % unit or units < 2 or len(slots) < 2:
         return {}
     n = min(len(slots), units)
     counts = [units // n + (1 if k < units % n else 0) for k in range(n)]  # larger parts first
@@ -98,10 +106,10 @@ def attention_step(store: TensorStore, cfg: ModelConfig, i: int, cos: np.ndarray
 
 
 class AttnShard:
-    """KV heads [kv0, kv1) of every layer, for a worker: `serve` computes a posted attention step."""
+    """Query heads [h0, h1) of every layer, for a worker: `serve` computes a posted attention step."""
 
     def __init__(self, steps: list[AttentionStep], pool: KvPool, heads: tuple[int, int]):
-        self.steps, self.pool, (self.kv0, self.kv1) = steps, pool, heads
+        self.steps, self.pool, (self.h0, self.h1) = steps, pool, heads
 
     @classmethod
     def load(cls, store: TensorStore, cfg: ModelConfig, pool: KvPool, heads: tuple[int, int],
@@ -122,5 +130,5 @@ class AttnShard:
             raise ValueError(f"attention step for layer {layer} with {B} tokens")
         pos, caches = buf.seq[:B, 0].copy(), buf.seq[:B, 1].copy()
         kp, vp = self.pool.addresses(layer, caches)
-        self.steps[layer].part(buf.x[:B], pos, kp, vp, self.kv0, self.kv1, buf.out[slot, :B])
+        self.steps[layer].part(buf.x[:B], pos, kp, vp, self.h0, self.h1, buf.out[slot, :B])
         return 0, int((time.perf_counter() - t0) * 1e9)

@@ -1,7 +1,7 @@
 """`Lockstep`: every layer of a decode step run by each process at once, with no round trip
 through the coordinator between layers.
 
-A layer split across processes is two all-reduces: each process computes its KV heads' share
+A layer split across processes is two all-reduces: each process computes its heads' share
 of the attention output and its neurons' share of the FFN, and the layer needs the sum. In the
 posted protocol (coordinator/runtime/attention_split.py, coordinator/runtime/sparse_ffn.py) the coordinator
 sums the shares, adds the residual, normalizes and posts the next step, while every worker
@@ -57,7 +57,7 @@ class Abandoned(Exception):
 
 
 class Lockstep:
-    """One process's part of a lockstep decode step: KV heads `heads` of every layer's attention
+    """One process's part of a lockstep decode step: query heads `heads` of every layer's attention
     (`attn`), its FFN neurons (`ffn[layer]`, a FileLayer) and the FFN norms; `slot` is its
     output slot. Which slots take part comes with each step (a bitmask: `run`, `serve`)."""
 
@@ -117,13 +117,13 @@ class Lockstep:
         """Layer i's prepared one-token calls: (its matrices and step head, the attention's
         arguments per phase parity and the index of their position address, the FFN's per
         parity), made again where a matrix or the step's head changed (twins attached)."""
-        w, attn, kv0, kv1 = self.ffn[i], self.attn[i], *self.heads
+        w, attn, (h0, h1) = self.ffn[i], self.attn[i], self.heads
         held = self._one[i]
         routed = isinstance(w, ExpertsLayer)  # its kernel calls depend on the token's experts: none kept
         key = (attn.head, attn.part_head) if routed else (w.gate, w.up, w.down, w.scratch, attn.head, attn.part_head)
         if held is None or any(a is not b for a, b in zip(held[0], key)):
-            h1, x1 = self.h[:1], self.x[0]
-            att = [attn.part_args(h1, kv0, kv1, self.mine[p][:1]) for p in (0, 1)]
+            x1 = self.x[0]
+            att = [attn.part_args(self.h[:1], h0, h1, self.mine[p][:1]) for p in (0, 1)]
             ffn = None if routed else [w.token_args(x1, self.activation, self.mine[p][0]) for p in (0, 1)]
             held = self._one[i] = (key, att, ffn)
         return held

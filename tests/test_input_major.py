@@ -185,4 +185,4 @@ def test_attention_on_a_fused_qkv_twin(tmp_path, isa):
     shapes = {"q": (hidden, hidden), "k": (n_kv * hd, hidden), "v": (n_kv * hd, hidden), "o": (hidden, hidden)}
     ts = write_tensors(tmp_path / "attn.gguf", {n: ((rng.standard_normal(s) * 0.2).astype(np.float32), T.Q4_0)
                                                 for n, s in shapes.items()})
-    check_fused_qkv(ts, n_heads, n_kv, hd, (1, 2))
+    check_fused_qkv(ts, n_heads, n_kv, hd, [(2, 4), (1, 2)])  # KV head 1's query heads; half of KV head 0's

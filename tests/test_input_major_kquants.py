@@ -184,12 +184,12 @@ def test_ffn_token_on_a_fused_gate_up_twin(fused_ffn, t, fast, isa):
 
 @pytest.mark.parametrize("t", (T.Q4_K, T.Q6_K, T.Q5_0), ids=lambda t: t.name)
 def test_attention_on_a_fused_qkv_twin(tmp_path, t, isa):
-    """8 heads of 64 (hidden 512: whole super-blocks), 2 KV heads; the share of KV head 1 reads
-    the output matrix's columns 256..512"""
+    """8 heads of 64 (hidden 512: whole super-blocks), 2 KV heads; the share of KV head 1's
+    query heads reads the output matrix's columns 256..512, the share of query heads 4..8 too"""
     n_heads, n_kv, hd = 8, 2, 64
     hidden = n_heads * hd
     rng = np.random.default_rng(7)
     shapes = {"q": (hidden, hidden), "k": (n_kv * hd, hidden), "v": (n_kv * hd, hidden), "o": (hidden, hidden)}
     arrays = {n: (random_kquant(rng, *s, t, size=0.05) if group(t) == 256 else
                   (rng.standard_normal(s) * 0.05).astype(np.float32), t) for n, s in shapes.items()}
-    check_fused_qkv(write_tensors(tmp_path / "attn.gguf", arrays), n_heads, n_kv, hd, (1, 2))
+    check_fused_qkv(write_tensors(tmp_path / "attn.gguf", arrays), n_heads, n_kv, hd, [(4, 8)])

@@ -55,10 +55,12 @@ def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:
 
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K", "F16"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor_type, fast, no_leaks):
-    # K-quant blocks are 256 wide: two KV heads' output columns need a hidden size of 512
+@pytest.mark.parametrize("n_kv", [2, 1], ids=["whole-kv-heads", "one-kv-head"])
+def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor_type, fast, n_kv, no_leaks):
+    """One KV head (Gemma 3 270M's shape): its query heads split, both processes computing it."""
+    # K-quant blocks are 256 wide: two shares' output columns need a hidden size of 512
     wide = dict(hidden=512, n_ff=512) if tensor_type == "Q4_K" else {}
-    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2, **wide)
+    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=n_kv, **wide)
     with _engine(path, fast, lockstep=False) as layered:
         want = [greedy_decode(layered, p) for p in PROMPTS]
         assert not layered.ffn.stats.lockstep_us
@@ -97,8 +99,9 @@ def test_a_decoded_step_in_lockstep_is_one_post_logits_included(tiny_model_facto
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_lockstep_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, fast, no_leaks):
-    path = tiny_model_factory(tensor_type="Q4_0", seed=5, n_heads=4, n_kv_heads=2)
+@pytest.mark.parametrize("n_kv", [2, 1], ids=["whole-kv-heads", "one-kv-head"])
+def test_lockstep_batch_rows_equal_decoding_alone_bit_for_bit(tiny_model_factory, fast, n_kv, no_leaks):
+    path = tiny_model_factory(tensor_type="Q4_0", seed=5, n_heads=4, n_kv_heads=n_kv)
     with _engine(path, fast, lockstep=True) as eng:
         m = eng.model
         alone = []

@@ -1,4 +1,4 @@
-"""Decoded tokens' attention split by KV heads across the coordinator and a CPU worker
+"""Decoded tokens' attention split by heads across the coordinator and a CPU worker
 (coordinator/runtime/attention_split.py, sparsecore/attn_shard.py, sparsecore/kv_pool.py): the same
 tokens and (up to summation order) the same logits as one process computing every head, a
 continuous batch's rows bit for bit those of each sequence alone, and a sequence whose cache is
@@ -18,17 +18,26 @@ PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
 
 
 def test_heads_split_evenly_with_the_coordinator_taking_the_smaller_part():
-    assert split_heads(4, [0, -1], 1) == {0: (0, 2), -1: (2, 4)}
-    assert split_heads(3, [0, -1], 1) == {0: (0, 2), -1: (2, 3)}
-    assert split_heads(8, [0, 1, -1], 2) == {0: (0, 4), 1: (4, 6), -1: (6, 8)}
-    assert split_heads(2, [0, 1, 2, -1], 1) == {0: (0, 1), -1: (1, 2)}  # more processes than heads
+    # split_heads(query heads, query heads per KV head, slots, fewest query heads a share holds)
+    assert split_heads(4, 1, [0, -1], 1) == {0: (0, 2), -1: (2, 4)}
+    assert split_heads(3, 1, [0, -1], 1) == {0: (0, 2), -1: (2, 3)}
+    assert split_heads(8, 1, [0, 1, -1], 2) == {0: (0, 4), 1: (4, 6), -1: (6, 8)}
+    assert split_heads(2, 1, [0, 1, 2, -1], 1) == {0: (0, 1), -1: (1, 2)}  # more processes than heads
+
+
+def test_whole_kv_heads_where_there_are_two_else_one_kv_heads_queries_split():
+    assert split_heads(8, 2, [0, -1], 1) == {0: (0, 4), -1: (4, 8)}
+    assert split_heads(6, 2, [0, -1], 1) == {0: (0, 4), -1: (4, 6)}  # 3 KV heads: whole, uneven
+    assert split_heads(8, 4, [0, 1, -1], 1) == {0: (0, 4), -1: (4, 8)}  # 2 KV heads, 3 processes
+    assert split_heads(4, 4, [0, -1], 1) == {0: (0, 2), -1: (2, 4)}  # one KV head (Gemma 3 270M)
+    assert split_heads(4, 4, [0, 1, -1], 1) == {0: (0, 2), 1: (2, 3), -1: (3, 4)}
 
 
 def test_no_split_without_two_shares():
-    assert split_heads(1, [0, -1], 1) == {}
-    assert split_heads(4, [-1], 1) == {}  # no worker
-    assert split_heads(4, [0, -1], 4) == {}  # one unit of heads: the output's blocks forbid a cut
-    assert split_heads(6, [0, -1], 4) == {}  # heads not a whole number of units
+    assert split_heads(1, 1, [0, -1], 1) == {}
+    assert split_heads(4, 1, [-1], 1) == {}  # no worker
+    assert split_heads(4, 1, [0, -1], 4) == {}  # one unit of heads: the output's blocks forbid a cut
+    assert split_heads(6, 1, [0, -1], 4) == {}  # heads not a whole number of units
 
 
 def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
@@ -43,8 +52,11 @@ def _engine(path, fast: bool, split: bool, kv_caches: int = 8) -> Engine:
 
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0", "F16", "F32"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type, fast, no_leaks):
-    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=2)
+@pytest.mark.parametrize("n_kv", [2, 1], ids=["whole-kv-heads", "one-kv-head"])
+def test_split_heads_give_what_one_process_gives(tiny_model_factory, tensor_type, fast, n_kv, no_leaks):
+    """Two KV heads: one each. One KV head (Gemma 3 270M's shape): its query heads split, both
+    processes computing its keys and values into the shared cache."""
+    path = tiny_model_factory(tensor_type=tensor_type, seed=4, n_heads=4, n_kv_heads=n_kv)
     with _engine(path, fast, split=False) as whole:
         assert whole.model.split_attn is None
         want = [greedy_decode(whole, p) for p in PROMPTS]

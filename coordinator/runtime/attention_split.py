@@ -5,7 +5,7 @@ Per layer (`SplitAttention.__call__`, called by the model for one decoded token 
 batch of them, whose KV caches are in the shared pool):
   1. the residuals go into shared memory with each sequence's (position, cache), the doorbell
      rings (a StepKind.ATTENTION step);
-  2. the coordinator computes its own KV heads' share meanwhile (the same kernel, _kernels.attn_part);
+  2. the coordinator computes its own heads' share meanwhile (the same kernel, _kernels.attn_part);
   3. it waits for the workers that hold the other heads;
   4. the residual plus the shares is the layer's attention output.
 Each process reads only its heads' rows of Q, K, V and columns of the output matrix: a decoded
@@ -31,7 +31,7 @@ from .sparse_ffn import ExchangeStats
 
 
 class SplitAttention:
-    """`heads[slot]` = [kv0, kv1) per worker slot and `own` the coordinator's range; `steps`: the
+    """`heads[slot]` = [h0, h1) (query heads) per worker slot and `own` the coordinator's range; `steps`: the
     model's native step objects (one per layer), which compute the coordinator's share."""
 
     def __init__(self, bell: CoordinatorBell, buffers: SharedBuffers, pool: KvPool, steps: list[AttentionStep],

@@ -4,7 +4,7 @@ once, when the engine starts, and the model is built with it (coordinator/model/
 The paths, fastest first where the processes support them:
   - lockstep: every layer of the token in one post, each process summing the others' shares
     itself (coordinator/runtime/lockstep_decode.py, sparsecore/lockstep.py);
-  - split attention: per layer, the attention's KV heads split across the coordinator and the
+  - split attention: per layer, the attention's heads split across the coordinator and the
     CPU workers (coordinator/runtime/attention_split.py), then the FFN's exchange;
   - native: per layer, the whole attention block in one native call on the coordinator
     (`AttentionStep`), then the FFN's exchange;
@@ -60,8 +60,8 @@ class DecodePath(str, Enum):
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """The decode path of one engine: `path`, `reason` (in words), the KV heads each process
-    computes where attention is split (`heads`: worker slot -> [kv0, kv1), -1 the coordinator's;
+    """The decode path of one engine: `path`, `reason` (in words), the query heads each process
+    computes where attention is split (`heads`: worker slot -> [h0, h1), -1 the coordinator's;
     empty: none), the worker slots of a lockstep step, and the thresholds a step's work must
     reach for its path to pay (bytes: SplitAttention.pays, LockstepDecode.usable)."""
     path: DecodePath
@@ -86,7 +86,7 @@ class DecodePlan:
         """One line: the path, why, and the shares (`sparseinfer bench` prints it)."""
         shares = ""
         if self.heads:
-            shares = "; KV heads " + ", ".join(
+            shares = "; heads " + ", ".join(
                 f"{'coordinator' if s < 0 else f'worker slot {s}'} {a}-{b}" for s, (a, b) in sorted(
                     self.heads.items(), key=lambda kv: (kv[0] < 0, kv[0])))
         when = " (forced: every size)" if self.forced else ""
@@ -94,7 +94,7 @@ class DecodePlan:
 
 
 def attention_heads(split_attention: bool, weights: str, store, cfg, shards) -> tuple[dict[int, tuple[int, int]], str]:
-    """KV heads per CPU worker slot and the coordinator's (key -1) for decoded tokens' attention,
+    """Query heads per CPU worker slot and the coordinator's (key -1) for decoded tokens' attention,
     and "" ; or ({}, why they stay on the coordinator). `shards`: the placement plan's, by slot.
     Decided before any process starts: the KV caches then live in shared memory."""
     if not split_attention:
@@ -108,8 +108,8 @@ def attention_heads(split_attention: bool, weights: str, store, cfg, shards) -> 
     workers = [slot for slot, sh in enumerate(shards) if sh.role == "cpu" and any(len(n) for n in sh.neurons)]
     if not workers:
         return {}, "no CPU worker computes neurons"
-    heads = split_heads(cfg.n_kv_heads, workers + [-1], head_unit(store, cfg))
-    return heads, "" if heads else f"{cfg.n_kv_heads} KV heads do not split into two whole shares"
+    heads = split_heads(cfg.n_heads, cfg.n_heads // cfg.n_kv_heads, workers + [-1], head_unit(store, cfg))
+    return heads, "" if heads else f"{cfg.n_heads} heads do not split into two shares on whole blocks"
 
 
 def plan_decode(choice: str, heads: dict[int, tuple[int, int]], no_split: str, native: bool, no_native: str,

@@ -94,7 +94,6 @@ class AttentionStep:
                                          ptr(self.extra))
         self.head = self._head(q, k, v, o)
         self.head_dim, self.group = head_dim, n_heads // n_kv
-        self.o_cols_per_kv = n_heads // n_kv * head_dim
         self.part_heads, self.part_head = None, self.head  # keep_output_columns
         self.cache_shape = k_cache.shape
         self.tail = (ptr(k_cache), ptr(v_cache), max_ctx, int(fast), *(ptr(a) for a in self.scratch))
@@ -124,23 +123,27 @@ class AttentionStep:
             self.batch_scratch += [q8_scratch(hidden, n), q8_scratch(nq, n)]
             self.batch_tail = tuple(ptr(a) for a in self.batch_scratch)
 
-    def keep_output_columns(self, kv0: int, kv1: int) -> None:
-        """A process that computes the share of KV heads [kv0, kv1) (`part`) keeps their columns
+    def head_rows(self, h0: int, h1: int) -> tuple[range, range, range]:
+        """Query heads [h0, h1)'s rows of Q, their KV heads' rows of K and V (every KV head one of
+        them reads, whole), and their columns of the output matrix."""
+        hd, g = self.head_dim, self.group
+        return range(h0 * hd, h1 * hd), range(h0 // g * hd, -(-h1 // g) * hd), range(h0 * hd, h1 * hd)
+
+    def keep_output_columns(self, h0: int, h1: int) -> None:
+        """A process that computes the share of query heads [h0, h1) (`part`) keeps their columns
         of the output matrix in memory of their own (FileMatrix.keep_columns: read in part from
         the file, every row of it would stream whole). Other calls read the file as before."""
-        cols = self.o_cols_per_kv
+        q_rows, k_rows, cols = self.head_rows(h0, h1)
         q, k, v, o = self.keep[:4]
-        self.o_part = o.keep_columns(range(kv0 * cols, kv1 * cols))
+        self.o_part = o.keep_columns(cols)
         qkv = q, k, v
         # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
         # 16 by 16 where they can be (attn_part asks for them as ranges, in file order)
         if self.fast:
-            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
-            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
             qkv = tuple(m.for_fast_products(r) for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
             self.o_part = self.o_part.for_fast_products()
         self.qkv_part = qkv  # alive as long as the addresses in part_head
-        self.part_heads, self.part_head = (kv0, kv1), self._head(*qkv, self.o_part)
+        self.part_heads, self.part_head = (h0, h1), self._head(*qkv, self.o_part)
 
     def add_twins(self, add) -> None:
         """Input-major twins (sparsecore/input_sparsity.py): add(matrix, rows, cols, site) gives
@@ -150,10 +153,7 @@ class AttentionStep:
         share kept by keep_output_columns, else every head. A one-token product then reads the
         twin (the kernels' dispatch); prompts and batches the rows as before."""
         if self.part_heads is not None:
-            kv0, kv1 = self.part_heads
-            q_rows = range(kv0 * self.group * self.head_dim, kv1 * self.group * self.head_dim)
-            k_rows = range(kv0 * self.head_dim, kv1 * self.head_dim)
-            cols = range(kv0 * self.o_cols_per_kv, kv1 * self.o_cols_per_kv)
+            q_rows, k_rows, cols = self.head_rows(*self.part_heads)
             q, k, v = self.qkv_part
             fused = getattr(add, "fused", None)
             if fused is not None:  # Q's rows, K's, V's: one twin (attn_part's one-token products)
@@ -172,23 +172,24 @@ class AttentionStep:
         self.keep = (*whole, *self.keep[4:])
         self.head = self.part_head = self._head(*whole)
 
-    def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, kv0: int, kv1: int,
+    def part(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray, h0: int, h1: int,
              out: np.ndarray) -> None:
-        """The share of KV heads [kv0, kv1) (and their query heads) in the attention output of
-        each row of h (_kernels.attn_part): written to out (B, hidden), h left as it is. Their
-        keys and values go into the caches at kp, vp (addresses of head 0 of this layer's caches,
-        as for `batch`). Shares of disjoint ranges summed are the whole attention: processes
-        that split a layer's heads each compute one (coordinator/runtime/attention_split.py)."""
+        """The share of query heads [h0, h1) in the attention output of each row of h
+        (_kernels.attn_part): written to out (B, hidden), h left as it is. Their KV heads' keys
+        and values go into the caches at kp, vp (addresses of head 0 of this layer's caches, as
+        for `batch`; a KV head whose query heads two shares split is written by both, the same
+        bytes). Shares of disjoint ranges summed are the whole attention: processes that split
+        a layer's heads each compute one (coordinator/runtime/attention_split.py)."""
         self._check_rows(h, pos, kp, vp)
         if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
             raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
         held = self.part_heads
-        head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
+        head = self.part_head if held is not None and held[0] <= h0 <= h1 <= held[1] else self.head
         _kernels.attn_part(*head, self.cos, self.sin, len(pos), ptr(pos), ptr(kp), ptr(vp), self.max_ctx,
-                           self.fast, *self.batch_tail, ptr(h), int(kv0), int(kv1), ptr(out))
+                           self.fast, *self.batch_tail, ptr(h), int(h0), int(h1), ptr(out))
 
-    def part_args(self, h: np.ndarray, kv0: int, kv1: int, out: np.ndarray) -> tuple[list, int]:
-        """The arguments of _kernels.attn_part for part(h, pos, kp, vp, kv0, kv1, out) with one row
+    def part_args(self, h: np.ndarray, h0: int, h1: int, out: np.ndarray) -> tuple[list, int]:
+        """The arguments of _kernels.attn_part for part(h, pos, kp, vp, h0, h1, out) with one row
         (h, out: the same (1, hidden) arrays at every call), resolved once, and the index of the
         position's address in them: the caller puts there the addresses of pos, kp and vp (one
         int64 each) before each call (sparsecore/lockstep.py: no per-layer checks and addresses).
@@ -198,9 +199,9 @@ class AttentionStep:
         if out.dtype != np.float32 or out.shape != h.shape or not out.flags.c_contiguous:
             raise ValueError(f"attention share: out must be {h.shape} float32, contiguous")
         held = self.part_heads
-        head = self.part_head if held is not None and held[0] <= kv0 <= kv1 <= held[1] else self.head
-        args = [*head, self.cos, self.sin, 1, 0, 0, 0, self.max_ctx, self.fast, *self.batch_tail, ptr(h), int(kv0),
-                int(kv1), ptr(out)]
+        head = self.part_head if held is not None and held[0] <= h0 <= h1 <= held[1] else self.head
+        args = [*head, self.cos, self.sin, 1, 0, 0, 0, self.max_ctx, self.fast, *self.batch_tail, ptr(h), int(h0),
+                int(h1), ptr(out)]
         return args, len(head) + 3
 
     def batch(self, h: np.ndarray, pos: np.ndarray, kp: np.ndarray, vp: np.ndarray) -> None:

@@ -45,11 +45,15 @@ static void rms_norm_into(const float *h, const float *w, float eps, int n, floa
 }
 
 /* One sequence at position pos: rope on q and k, k and v into the cache, then per query head
- * softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] into out (query head i reads KV head i / group).
- * n_heads, n_kv may be a slice of the model's heads, with kc and vc at its first KV head. */
-static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int hd, int d, const float *cos_r,
-                   const float *sin_r, int pos, float *kc, float *vc, int max_ctx, const attn_extra *ex, float eps,
-                   float *att, float *out) {
+ * softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] into out. n_heads query heads from the group
+ * position `first` of the first of n_kv KV heads (query head i, counted from that KV head's
+ * first, reads KV head i / group): a slice of the model's heads, kc and vc at its first KV head.
+ * A slice may start or end inside a group (one KV head shared by processes): each process then
+ * computes that KV head's keys and values and writes them to the cache, the same bytes from the
+ * same rows by the same kernels, so every reader sees one value whichever write lands last. */
+static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int group, int first, int hd, int d,
+                   const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
+                   const attn_extra *ex, float eps, float *att, float *out) {
     if (ex->q_norm)  /* each head's RMSNorm over its hd values, before rope (qwen3, gemma3) */
         for (int j = 0; j < n_heads; j++) rms_norm_into(q + (int64_t)j * hd, ex->q_norm, eps, hd, q + (int64_t)j * hd);
     if (ex->k_norm)
@@ -61,23 +65,26 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
         memcpy(vc + ((int64_t)j * max_ctx + pos) * hd, v + j * hd, sizeof(float) * hd);
     }
     float scale = ex->scale > 0.f ? ex->scale : 1.f / sqrtf((float)hd);
-    int group = n_heads / n_kv;
     /* a sliding window: the keys of positions lo..pos (the cache keeps every position) */
     int lo = ex->window > 0 && pos >= ex->window ? pos - ex->window + 1 : 0, n = pos + 1 - lo;
     for (int j = 0; j < n_kv; j++) {
         const float *K = kc + ((int64_t)j * max_ctx + lo) * hd, *V = vc + ((int64_t)j * max_ctx + lo) * hd;
-        float *qj = q + (int64_t)j * group * hd, *oj = out + (int64_t)j * group * hd;
+        int a = j * group - first, b = a + group;  /* this KV head's query heads, in q's numbering */
+        if (a < 0) a = 0;
+        if (b > n_heads) b = n_heads;
+        float *qj = q + (int64_t)a * hd, *oj = out + (int64_t)a * hd;
+        int heads = b - a;
 #if HAVE_X86
         if (use_avx2 && hd % 8 == 0) {
-            for (int h = 0; h < group; h += MAXG) {
-                int g = group - h < MAXG ? group - h : MAXG;
+            for (int h = 0; h < heads; h += MAXG) {
+                int g = heads - h < MAXG ? heads - h : MAXG;
                 if (use_vnni && hd % 16 == 0) attend_heads_avx512(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
                 else attend_heads_avx2(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
             }
             continue;
         }
 #endif
-        attend_heads_c(qj, group, K, V, n, hd, scale, att, oj);
+        attend_heads_c(qj, heads, K, V, n, hd, scale, att, oj);
     }
 }
 
@@ -86,7 +93,7 @@ static _Thread_local void *qkv_buf;
 static _Thread_local int64_t qkv_cap;
 static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(float) * n); }
 
-/* The attention of KV heads [kv0, kv1) (and their query heads) for B sequences decoded together
+/* The attention of query heads [h0, h1) (and their KV heads) for B sequences decoded together
  * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
  * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
  * attention per sequence, then those heads' columns of the output product: `part` (B rows of
@@ -96,14 +103,14 @@ static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(f
  * the same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d); kcs[b],
  * vcs[b]: the layer's caches of sequence b at KV head 0. Scratch: x (B hidden), q and out
  * (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32 blocks), oq (B n_heads
- * hd/32 blocks). kv1 - kv0 heads' columns of wo must start on a block of wo's type. */
+ * hd/32 blocks). The heads' columns of wo must start on a block of wo's type. */
 static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, mat wv, mat wo,
                       const float *norm_w, float eps, int hidden, int n_heads, int n_kv, int hd, int d,
                       const attn_extra *ex, const float *cos_t, const float *sin_t, int B, const int64_t *pos,
                       float *const *kcs, float *const *vcs, int max_ctx, int fast, attn_scratch sc, const float *h,
-                      int kv0, int kv1, float *part) {
-    int group = n_heads / n_kv, lq = (kv1 - kv0) * group, lk = kv1 - kv0;
-    int64_t nq = (int64_t)lq * hd, nk = (int64_t)lk * hd, q0 = (int64_t)kv0 * group * hd, k0 = (int64_t)kv0 * hd;
+                      int h0, int h1, float *part) {
+    int group = n_heads / n_kv, kv0 = h0 / group, kv1 = (h1 + group - 1) / group, lq = h1 - h0, lk = kv1 - kv0;
+    int64_t nq = (int64_t)lq * hd, nk = (int64_t)lk * hd, q0 = (int64_t)h0 * hd, k0 = (int64_t)kv0 * hd;
     int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK, head_off = (int64_t)kv0 * max_ctx * hd;
     for (int b = 0; b < B; b++) {
         float *xb = sc.x + (int64_t)b * hidden;
@@ -141,7 +148,7 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     }
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
-        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, hd, d, cos_t + (int64_t)p0 * d,
+        attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, group, h0 - kv0 * group, hd, d, cos_t + (int64_t)p0 * d,
                sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, ex, eps, sc.att,
                sc.out + b * nq);
         if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
@@ -157,7 +164,7 @@ static void attn_batch(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_r
                        float *const *kcs, float *const *vcs, int max_ctx, int fast, attn_scratch sc, float *h) {
     float *part = sc.x;  /* x: free once the products have read it (attn_part's last matmul reads out) */
     attn_part(wq, q_rows, wk, k_rows, wv, wo, norm_w, eps, hidden, n_heads, n_kv, hd, d, ex, cos_t, sin_t, B, pos,
-              kcs, vcs, max_ctx, fast, sc, h, 0, n_kv, part);
+              kcs, vcs, max_ctx, fast, sc, h, 0, n_heads, part);
     for (int b = 0; b < B; b++) {
         float *pb = part + (int64_t)b * hidden, *hb = h + (int64_t)b * hidden;
         if (ex->post_norm) rms_norm_into(pb, ex->post_norm, eps, hidden, pb);

@@ -495,7 +495,7 @@ static PyObject *py_attn_batch(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* attn_part(<attn_batch's arguments, h read only>, kv0, kv1, part_ptr (B x hidden)): ATTN_ARGS + 18 arguments */
+/* attn_part(<attn_batch's arguments, h read only>, h0, h1 (query heads), part_ptr (B x hidden)): ATTN_ARGS + 18 arguments */
 static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != ATTN_ARGS + 18) { PyErr_Format(PyExc_TypeError, "attn_part takes %d arguments", ATTN_ARGS + 18); return NULL; }
@@ -508,13 +508,13 @@ static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t 
     int max_ctx = (int)ARG_LL(4), fast = (int)ARG_LL(5);
     attn_scratch sc = {ARG_PTR(6), ARG_PTR(7), ARG_PTR(8), ARG_PTR(9), ARG_PTR(10), ARG_PTR(11), ARG_PTR(12), ARG_PTR(13)};
     const float *h = ARG_PTR(14);
-    int kv0 = (int)ARG_LL(15), kv1 = (int)ARG_LL(16);
+    int h0 = (int)ARG_LL(15), h1 = (int)ARG_LL(16);
     float *part = ARG_PTR(17);
     if (PyErr_Occurred()) return NULL;
     if (B < 1 || B > MAXB) { PyErr_Format(PyExc_ValueError, "attn_part: %d tokens, at most %d", B, MAXB); return NULL; }
-    if (kv0 < 0 || kv1 <= kv0 || kv1 > L.n_kv
-        || ((int64_t)kv0 * (L.n_heads / L.n_kv) * L.hd) % block_size(L.wo.t)) {
-        PyErr_SetString(PyExc_ValueError, "attn_part: KV head range outside the layer or off the output's blocks");
+    if (h0 < 0 || h1 <= h0 || h1 > L.n_heads || ((int64_t)h0 * L.hd) % block_size(L.wo.t)
+        || ((int64_t)(h1 - h0) * L.hd) % block_size(L.wo.t)) {
+        PyErr_SetString(PyExc_ValueError, "attn_part: head range outside the layer or off the output's blocks");
         return NULL;
     }
     for (int b = 0; b < B; b++)
@@ -524,7 +524,7 @@ static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     Py_BEGIN_ALLOW_THREADS
     attn_part(L.wq, L.q_rows, L.wk, L.k_rows, L.wv, L.wo, L.norm_w, L.eps, L.hidden, L.n_heads, L.n_kv, L.hd, L.d,
-              L.ex, L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, kv0, kv1, part);
+              L.ex, L.cos_r, L.sin_r, B, pos, kcs, vcs, max_ctx, fast, sc, h, h0, h1, part);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -532,7 +532,7 @@ static PyObject *py_attn_part(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"attn_token", (PyCFunction)(void (*)(void))py_attn_token, METH_FASTCALL, "one token's attention block"},
     {"attn_batch", (PyCFunction)(void (*)(void))py_attn_batch, METH_FASTCALL, "a small batch's attention blocks"},
-    {"attn_part", (PyCFunction)(void (*)(void))py_attn_part, METH_FASTCALL, "some KV heads' share of attention"},
+    {"attn_part", (PyCFunction)(void (*)(void))py_attn_part, METH_FASTCALL, "some heads' share of attention"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
     {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
