@@ -80,6 +80,28 @@ class _LazyArray(ReaderField):
             self._values = values
         return values[index_or_slice]
 
+    def forget(self) -> None:
+        """Drops the decoded list (decoded again on the next contents())."""
+        self.__dict__.pop("_values", None)
+
+
+def release_header(reader: GGUFReader) -> None:
+    """What a process holds of the file's header once it has read what it needs (the tokenizer
+    built, the shards loaded) goes: the decoded vocabulary arrays (VOCABULARY_KEYS: Gemma 3's
+    262144 tokens, scores and types as Python lists were 36 MB the tokenizer keeps in its own
+    form), and the header's pages from this process's resident memory (11 MB of it; they stay in
+    the page cache and fault back in if a field is read again)."""
+    for key in VOCABULARY_KEYS:
+        field = reader.fields.get(key)
+        if isinstance(field, _LazyArray):
+            field.forget()
+    data = getattr(reader, "data", None)
+    base = getattr(data, "_mmap", None)
+    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") and reader.tensors:
+        end = min(int(t.data_offset) for t in reader.tensors) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end:
+            base.madvise(mmap.MADV_DONTNEED, 0, end)
+
 
 def _lazy_array(buf, key_offset: int, name: str, pos: int, endian: str) -> tuple[_LazyArray | None, int]:
     """At `pos`, a value's type: a long array of strings or numbers becomes a _LazyArray

@@ -7,6 +7,7 @@ scripts/make_tokenizer_reference.py (which needs transformers; these tests do no
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import gguf
@@ -16,9 +17,12 @@ import pytest
 
 from coordinator.text.chat_template import CHATML_TEMPLATE, render_chat
 from coordinator.text.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader
+from sparsecore.gguf_file import open_gguf
+from tests.fixtures.library_tokenizer import library_spm
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_reference.json"
 SMOLLM2 = Path.home() / ".cache" / "sparseinfer" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = Path.home() / ".cache" / "sparseinfer" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
 # --- a tiny sentencepiece-style ("llama") vocabulary, also used by the reference script ---
@@ -240,6 +244,45 @@ def test_spm_byte_fallback_and_specials(spm):
     think = tok.tokens.index("<think>")
     assert think in tok.encode("a<think>b")
     assert tok.eos_ids == {2}
+
+
+def _random_texts(rng: random.Random, alphabet: list[str], n: int) -> list[str]:
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(n)]
+
+
+def _same_as_library(tok: GGUFTokenizer, lib, texts: list[str]) -> None:
+    for text in texts:
+        ids = tok.encode(text, add_bos=False)
+        assert ids == lib.encode(text, add_special_tokens=False).ids, text
+        for skip in (False, True):
+            assert tok.decode(ids, skip) == lib.decode(ids, skip_special_tokens=skip), text
+
+
+def test_spm_encodes_and_decodes_as_the_tokenizers_library(spm):
+    """The engine's own sentencepiece pipeline (coordinator/text/pieces.py, its merge loop in C)
+    against the library's, on texts of pieces, unknown characters (byte fallback), added pieces
+    inside words and runs of spaces."""
+    tok, _ = spm
+    tokens, scores, types = spm_vocab()
+    lib = library_spm(tokens, scores, types, [1, 2, 0])
+    alphabet = list("helo wrd tqick fx12é") + ["  ", "[INST]", "[/INST]", "<think>", "<s>", "日", "😀", "\n", "▁"]
+    _same_as_library(tok, lib, _random_texts(random.Random(5), alphabet, 400))
+
+
+@pytest.mark.skipif(not GEMMA3.exists(), reason=f"Gemma 3 270M not found at {GEMMA3}")
+def test_gemma3_vocabulary_encodes_and_decodes_as_the_tokenizers_library():
+    """262144 pieces, 514847 generated merges, 6414 added pieces (runs of spaces, newlines and
+    tabs among them), no space prefix."""
+    reader = open_gguf(GEMMA3)
+    tok = GGUFTokenizer.from_reader(reader)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    scores = reader.fields["tokenizer.ggml.scores"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    lib = library_spm(tokens, scores, types, [tok.bos_id, tok.eos_id], add_prefix=False)
+    rng = random.Random(7)
+    alphabet = list("abc xyz\t\n<>[]/_-") + ["<start_of_turn>", "<end_of_turn>", "<unused12>", "  ", "\n\n", "日本",
+                                           "é", "😀", "<0x41>", "▁"] + [chr(rng.randint(0x20, 0xD7FF)) for _ in range(60)]
+    _same_as_library(tok, lib, _random_texts(rng, alphabet, 300))
 
 
 def test_spm_chat_template(spm, reference):

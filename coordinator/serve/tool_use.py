@@ -9,7 +9,7 @@ from .state import ApiError, ServerState
 
 def _control_token(tk, text: str) -> int | None:
     """The id of the control token spelled `text` (a grammar names it by id), or None."""
-    i = next((i for i, t in enumerate(tk.tokens) if t == text), None)
+    i = tk.token_id(text)
     return i if i is not None and tk.is_special(i) else None
 
 
