@@ -22,7 +22,7 @@ from protocol.messages import Assign, Hello, ProtocolError, Ready, Shutdown, Wor
 from protocol.shm_layout import REQ_STEP, SharedBuffers, StepKind
 from sparsecore.attn_shard import AttnShard
 from sparsecore.config import read_config
-from sparsecore.gguf_file import open_gguf
+from sparsecore.gguf_file import open_gguf, release_header
 from sparsecore.input_sparsity import attach as attach_twins
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
@@ -89,6 +89,7 @@ class Worker:
             attach_twins(self.buffers.input_thresholds, a.input_major, layers,
                          self.attn.steps if self.attn is not None else None, self.shard.head,
                          self.buffers.head_threshold)
+        release_header(store.reader)  # loaded: the header's pages need not stay resident here
         self.slot = a.slot
         # A worker that owns no neuron (the GPU worker on a machine without one, by default)
         # is never asked for a step: it sleeps instead of spinning on a core others compute on.

@@ -28,7 +28,6 @@ import secrets
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -157,7 +156,7 @@ class ShmLayout:
 
 
 class _Mapping:
-    """The attach side's view of a segment: what SharedBuffers uses of SharedMemory."""
+    """A mapped segment: what SharedBuffers uses of it (buf, name, size, close)."""
 
     def __init__(self, mm: mmap.mmap, name: str):
         self._mm, self.name, self.size = mm, name, len(mm)
@@ -182,7 +181,7 @@ class SharedBuffers:
     seq (max_tokens, 2) int64, and the doorbell: request (8,)
     and slots (n_slots, 8) int64."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, layout: ShmLayout, owner: bool):
+    def __init__(self, shm: "_Mapping", layout: ShmLayout, owner: bool):
         self.shm, self.layout, self.owner = shm, layout, owner
         buf = shm.buf
         L = layout
@@ -204,9 +203,20 @@ class SharedBuffers:
 
     @classmethod
     def create(cls, layout: ShmLayout, name: str | None = None) -> "SharedBuffers":
-        # Python creates POSIX segments with mode 0600; the random name avoids collisions.
+        """A new segment, mode 0600 (the random name avoids collisions). Made directly, not
+        through SharedMemory: that registers it with Python's resource tracker, a process of its
+        own (14 MB resident, a third of what a 270M model's worker adds) whose one job, removing
+        the name if the coordinator dies, the run's reaper does (coordinator/runtime/reaper.py)."""
         name = name or new_segment_name()
-        shm = shared_memory.SharedMemory(name, create=True, size=layout.size)
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, layout.size)
+            shm = _Mapping(mmap.mmap(fd, layout.size), name)
+        except BaseException:
+            os.close(fd)
+            os.unlink(f"/dev/shm/{name}")
+            raise
+        os.close(fd)
         shm.buf[:HEADER_BYTES] = layout.header().ljust(HEADER_BYTES, b"\0")
         made = cls(shm, layout, owner=True)
         made.input_thresholds[:] = -1.0  # dense until a level is set
@@ -245,7 +255,7 @@ class SharedBuffers:
         if self.owner and not getattr(self, "_unlinked", False):
             self._unlinked = True
             try:
-                self.shm.unlink()  # also forgets it in the resource tracker
+                os.unlink(f"/dev/shm/{self.shm.name}")
             except FileNotFoundError:
                 pass
 

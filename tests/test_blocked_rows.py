@@ -230,3 +230,24 @@ def test_a_fast_powerinfer_engine_holds_every_row_it_reads(tmp_path, tensor_type
                                         np.stack([eng.model.forward([t])[-1] for t in ids[3:]])])
     scale = np.abs(got[False]).max()
     assert np.abs(got[True] - got[False]).max() <= 0.05 * scale
+
+
+def test_conversions_copy_piece_by_piece_to_the_same_bytes(mats, monkeypatch):
+    """interleave, interleave_blocks, held_copy and keep_columns copy the file's rows a piece of
+    CHUNK_BYTES at a time (so that the source's pages go as they are copied): pieces of one to a
+    few rows give the bytes one piece gives, a last partial group of 16 included (37 rows)."""
+    from sparsecore.kernels import layouts
+
+    def convert(m):
+        out = {"blocks": m.interleave_blocks().data, "held": m.keep_rows(range(3, 37)).held_copy().data,
+               "columns": m.keep_columns(range(64, 32 * 30)).data}
+        if m.can_interleave:  # X16: levels with interleaved tiles
+            out["interleave"] = m.interleave().data
+        return out
+
+    m = K.FileMatrix(mats["w.Q8_0.1216"])
+    whole = {k: v.copy() for k, v in convert(m).items()}
+    for chunk in (1, m.row_bytes + 1, 3 * m.row_bytes):
+        monkeypatch.setattr(layouts, "CHUNK_BYTES", chunk)
+        for k, v in convert(K.FileMatrix(mats["w.Q8_0.1216"])).items():
+            np.testing.assert_array_equal(v, whole[k], err_msg=f"{k}, pieces of {chunk} bytes")

@@ -367,7 +367,7 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
             f"workers still alive {HANG_S:g} s after the coordinator died: {[p for p in worker_pids if procs.alive(p)]}"
         print(f"workers gone {time.monotonic() - t_kill:.2f}s after the coordinator's SIGKILL")
         assert _wait_for(lambda: not run.leftovers(), HANG_S), f"left behind: {run.leftovers()}"
-        # The segment: the coordinator's multiprocessing resource tracker unlinks it when the
+        # The segment: the run's reaper (coordinator/runtime/reaper.py) unlinks it when the
         # coordinator's end of its pipe closes.
         assert _wait_for(lambda: not (run.segments & shm_segments()), HANG_S), \
             f"shared memory left behind by a SIGKILLed coordinator: {sorted(run.segments & shm_segments())}"
@@ -377,12 +377,12 @@ def test_coordinator_sigkill_takes_workers_and_segment_with_it(long_model):
 
 
 def test_sigkill_of_the_whole_tree_leaves_nothing(long_model):
-    """kill -9 of every process of the run at once (coordinator, its resource tracker, the
-    workers): no cleanup code runs anywhere, yet no segment, FIFO, socket or directory stays."""
+    """kill -9 of every process of the run at once (coordinator and workers): no cleanup code
+    runs anywhere, yet no segment, FIFO, socket or directory stays."""
     with Generate(long_model, *LONG) as run:
         run.wait_text()
         members = _session_members(run.pid)
-        assert len(members) >= 3, members  # coordinator + 2 workers (+ resource tracker)
+        assert len(members) >= 3, members  # coordinator + 2 workers
         for pid in members:
             os.kill(pid, signal.SIGKILL)
         run.wait()

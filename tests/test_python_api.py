@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from tests.conftest import REPO, children_of
+from tests.fixtures.child_env import repo_env
 
 PAGE = REPO / "docs" / "PYTHON_API.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
@@ -39,6 +42,24 @@ def _workers() -> list[int]:
         if b"_worker" in cmd:
             out.append(pid)
     return out
+
+
+def test_no_resource_tracker_process_is_started(tiny_model, no_leaks):
+    """The shared segment is made without multiprocessing's SharedMemory, whose resource tracker
+    is a process of its own (14 MB resident) doing what the run's reaper does. In a fresh
+    interpreter: the tracker is one per interpreter, and this one may have started it already."""
+    script = f"""
+import os, sparseinfer
+with sparseinfer.LLM({str(tiny_model)!r}, threads=2, cpu_workers=1, sparsity=0) as llm:
+    llm.generate("hello", max_tokens=2)
+    kids = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
+    cmds = [open(f"/proc/{{k}}/cmdline", "rb").read() for k in kids]
+    print(sum(b"_worker" in c for c in cmds), sum(b"resource_tracker" in c for c in cmds))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    workers, trackers = map(int, out.stdout.split()[-2:])
+    assert workers >= 1 and trackers == 0
 
 
 def test_an_llm_closes_its_workers_and_shared_memory(tiny_model, no_leaks):

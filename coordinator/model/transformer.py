@@ -296,9 +296,12 @@ class Transformer:
         self.cache = self.new_cache()
         self.kv_layer_bytes = self.cache.k[0].nbytes  # one layer of a cache
         self.rope = self._rope_tables(store)
-        if kv_pool is not None:  # the workers' attention steps read the same tables
+        if kv_pool is not None:  # the workers' attention steps read the same tables; so do ours
             for (cos, sin), (shared_cos, shared_sin) in zip(self.rope, kv_pool.tables):
                 shared_cos[:], shared_sin[:] = cos, sin
+            self.rope = list(kv_pool.tables)  # not a private copy too (Gemma 3: 8 MB at 2048 positions)
+            for L, t in zip(self.layers, layer_tables(cfg)[1]):
+                L.rope = self.rope[t]
         # observer(layer, attention input after attn_norm (T, hidden), attention output before the
         # output matrix (T, heads x head_dim)): input-sparsity calibration watches both (coordinator/
         # tools/calibrate.py). While it is set, prompts take the torch attention, which has them.
