@@ -113,9 +113,17 @@ class KvPool:
         k = self.address + s.tables_bytes + 2 * caches * s.half_bytes + layer * s.layer_bytes
         return k, k + s.half_bytes
 
-    # Which caches are in use: the coordinator hands them out (Transformer.new_cache).
+    # Which caches are in use: the coordinator hands them out (Transformer.new_cache), the lowest
+    # free one first: a cache's pages, once written, stay resident in every process that wrote
+    # them, so handing out the one given back last (not the next of the rotation) keeps only as
+    # many caches' pages as are in use at once (Gemma 3 270M's benchmark runs touched a fresh
+    # cache each, 8 MB a run in both processes).
     def take(self) -> int | None:
-        return self._free.pop(0) if self._free else None
+        if not self._free:
+            return None
+        i = min(self._free)
+        self._free.remove(i)
+        return i
 
     def give_back(self, cache: int) -> None:
         if cache not in self._free:

@@ -12,6 +12,7 @@ import pytest
 from coordinator.runtime.engine import Engine, EngineOptions
 from sparsecore.attn_shard import split_heads
 from sparsecore.kernels import MAX_SMALL_BATCH
+from sparsecore.kv_pool import KvPool, KvShape, supported
 from tests.fixtures.decoding import greedy_decode
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
@@ -190,3 +191,19 @@ def test_a_step_is_split_only_when_the_work_it_halves_pays_for_the_exchange():
     every = SimpleNamespace(**{**vars(tiny), "every_token": True})
     assert pays(every, 3) and pays(every, 3, 4) and not prompt(every, 3, 4)
     assert not pays(SimpleNamespace(**{**vars(every), "max_tokens": 1}), 3, 4)
+
+
+@pytest.mark.skipif(not supported(), reason="no memfd on this system")
+def test_the_pool_hands_out_the_lowest_free_cache():
+    """A cache's written pages stay resident in every process that wrote them: handing out the
+    lowest free cache (not the next of a rotation) keeps only as many caches' pages as are in
+    use at once."""
+    pool = KvPool.create(KvShape(4, 1, 1, 8, 8, 8))
+    try:
+        a, b, c = pool.take(), pool.take(), pool.take()
+        assert (a, b, c) == (0, 1, 2)
+        pool.give_back(b)
+        pool.give_back(a)
+        assert pool.take() == 0 and pool.take() == 1 and pool.take() == 3 and pool.take() is None
+    finally:
+        pool.close()

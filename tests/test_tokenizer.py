@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from coordinator.text.chat_template import CHATML_TEMPLATE, render_chat
-from coordinator.text.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader
+from coordinator.text.pieces import Pieces, SentencePieceBPE
+from coordinator.text.tokenizer import GGUFTokenizer, StreamDecoder, chat_template_from_reader, generate_merges
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.library_tokenizer import library_spm
 
@@ -352,34 +353,21 @@ def test_minimal_byte_level_vocab(tmp_path):
     assert not tok.add_bos and tok.bos_id is None
 
 
-def test_generated_merges_are_cached_by_header_and_read_back(tmp_path, monkeypatch):
-    """A sentencepiece vocabulary without merges (Gemma's) has them generated from its scores
-    once: kept under the cache directory, keyed by a hash of the file's header, and read back by
-    the next start instead of generated; a damaged cache file is generated again."""
-    import coordinator.text.tokenizer as tokenizer_module
-
-    monkeypatch.setenv("SPARSEINFER_CACHE", str(tmp_path / "cache"))
-    path = write_spm_gguf(tmp_path / "spm.gguf")
-    texts = ["Hello world", "the quick brown fox", "  spaced  out ", "ünïcödé"]
-    first = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
-    cached = tokenizer_module.merges_cache_path(gguf.GGUFReader(str(path)))
-    assert cached.is_file() and cached.parent == tmp_path / "cache" / "tokenizers"
-    generate = tokenizer_module.generate_merges
-
-    def not_again(*args):
-        raise AssertionError("merges generated although cached")
-
-    monkeypatch.setattr(tokenizer_module, "generate_merges", not_again)
-    second = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
-    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
-    cached.write_bytes(b"not an npy file")
-    monkeypatch.setattr(tokenizer_module, "generate_merges", generate)
-    third = GGUFTokenizer.from_reader(gguf.GGUFReader(str(path)))
-    assert [third.encode(t) for t in texts] == [first.encode(t) for t in texts]
-    assert np.load(cached, allow_pickle=False).shape[1] == 2  # written again, whole
-    other = tmp_path / "other.gguf"  # another header (a byte of metadata changed): another key
-    data = bytearray(path.read_bytes())
-    at = data.index(b"llama.context_length") + len(b"llama.context_length") + 4  # the value, after its type
-    data[at] += 1
-    other.write_bytes(bytes(data))
-    assert tokenizer_module.merges_cache_path(gguf.GGUFReader(str(other))) != cached
+def test_merges_found_from_scores_are_the_generated_ones_in_their_order():
+    """A vocabulary without merges (Gemma's) is merged from its scores as pairs are met
+    (bpe_merge.c): the same ids as the merges transformers' generate_merges writes out, in their
+    order, given to the merge loop as a table, on words of pieces, unknown characters and the
+    ties the order breaks (pieces of equal score, splits of one piece at several places)."""
+    tokens, scores, _ = spm_vocab()
+    tokens = tokens + ["▁fo", "x▁", "▁f▁", "qu", "ui"]  # more ways to build "▁fox", "quick": order decides
+    scores = scores + [-3.0, -3.0, -3.0, -5.0, -5.0]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pieces = Pieces(tokens)
+    options = dict(added={}, special=[], add_prefix=True, unk_id=None)
+    scored = SentencePieceBPE(pieces, scores=np.array(scores, np.float32), **options)
+    merges = np.array([(vocab[a], vocab[b]) for a, b in generate_merges(vocab, dict(zip(tokens, scores)))], np.int32)
+    table = SentencePieceBPE(pieces, merges=merges, **options)
+    rng = random.Random(11)
+    alphabet = list("helo wrd tqick fx12é") + ["fox", "quick", "▁", "日"]
+    for text in _random_texts(rng, alphabet, 500):
+        assert scored.encode(text) == table.encode(text), text

@@ -4,12 +4,21 @@
  * characters, each a piece or its bytes' pieces, then the pair of lowest merge rank merged
  * first, the leftmost on a tie, until no adjacent pair has a merge.
  *
+ * The merges, two ways:
+ * - a table (bpe_new): the file's own merges, rank = their order;
+ * - scores (bpe_new_scored): a vocabulary without merges, whose merges transformers generates
+ *   from the scores (every split of a piece into two pieces; transformers' generate_merges,
+ *   coordinator/text/tokenizer.py) and ranks by the merged piece's score, highest first, then
+ *   the left part's length in characters, longest first, then the right part's, then the merged
+ *   piece's id. That order is computed here for each pair as it is met: a pair merges where its
+ *   two pieces joined are a piece, so no merge table is built at all.
+ *
  * Why not that library: its BPE keeps a vocabulary of 262144 pieces and Gemma 3's 514847
  * generated merges in Rust hash maps of owned strings, 110 MB resident in the coordinator for
- * a model whose weights are 253 MB. Here the pieces are one byte buffer, the vocabulary a table
- * of 32-bit ids and the merges a table of 16-byte entries: 23 MB for the same file. The text
- * around the model (special pieces, the space prefix, decoding) stays in Python
- * (coordinator/text/tokenizer.py), and the tests hold both against each other.
+ * a model whose weights are 253 MB (and 2.6 s to generate the merges). Here the pieces are the
+ * caller's byte buffer, the vocabulary a table of 32-bit ids and the scores an array: 3 MB for
+ * the same file. The text around the model (added pieces, the space prefix, decoding) is
+ * coordinator/text/pieces.py; the tests hold both against the library.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,9 +33,11 @@ typedef struct {
     uint32_t n_pieces;
     uint32_t *vocab;        /* open addressing: piece id + 1, 0 empty */
     uint64_t vocab_mask;
-    uint64_t *merge_keys;   /* (left << 32 | right) + 1, 0 empty */
+    uint64_t *merge_keys;   /* (left << 32 | right) + 1, 0 empty; NULL: scored */
     uint64_t *merge_vals;   /* rank << 32 | merged piece */
-    uint64_t merge_size;    /* not a power of two: a load of 0.7 (Gemma 3: 12 MB, not 16) */
+    uint64_t merge_size;    /* not a power of two: a load of 0.7 */
+    Py_buffer scores_view;  /* scored: float32 per piece, held */
+    uint8_t *chars;         /* scored: each piece's length in characters (255: longer) */
     int32_t byte_ids[256];  /* "<0xXX>" pieces, -1 where missing */
     int32_t unk_id;         /* -1: none */
     int fuse_unk;
@@ -60,13 +71,43 @@ static int32_t piece_id(const Bpe *b, const uint8_t *p, size_t n) {
     }
 }
 
-/* The merge of pair (l, r): 1 and its rank and piece, or 0. */
-static int merge_of(const Bpe *b, uint32_t l, uint32_t r, uint32_t *rank, uint32_t *piece) {
+/* A merge's place in the order, lowest first: (rank, 0) from a table, or for scores (the
+ * merged piece's score highest first as an order-keeping integer, then the left and right
+ * lengths longest first; the merged piece's id). */
+#define MAX_PIECE 512  /* scored: the longest piece (bpe_new_scored) */
+
+typedef struct { uint64_t rank, tie; } Order;
+
+static int order_before(Order a, Order b) { return a.rank != b.rank ? a.rank < b.rank : a.tie < b.tie; }
+
+static uint64_t score_order(float f) {  /* higher scores smaller */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  /* ascending with f */
+    return (uint64_t)(0xFFFFFFFFu - u);
+}
+
+/* The merge of pair (l, r): 1 and its order and piece, or 0. */
+static int merge_of(const Bpe *b, uint32_t l, uint32_t r, Order *order, uint32_t *piece) {
+    if (!b->merge_keys) {
+        uint32_t ll = b->offsets[l + 1] - b->offsets[l], rl = b->offsets[r + 1] - b->offsets[r];
+        uint8_t joined[2 * MAX_PIECE];  /* no piece is longer than MAX_PIECE (bpe_new_scored checked) */
+        if (ll + rl > MAX_PIECE) return 0;
+        memcpy(joined, b->blob + b->offsets[l], ll);
+        memcpy(joined + ll, b->blob + b->offsets[r], rl);
+        int32_t m = piece_id(b, joined, ll + rl);
+        if (m < 0) return 0;
+        const float *scores = b->scores_view.buf;
+        *order = (Order){score_order(scores[m]) << 16 | (uint64_t)(255 - b->chars[l]) << 8 | (255 - b->chars[r]),
+                         (uint64_t)m};
+        *piece = (uint32_t)m;
+        return 1;
+    }
     uint64_t key = ((uint64_t)l << 32 | r) + 1;
     for (uint64_t i = merge_slot(b, key);; i = i + 1 == b->merge_size ? 0 : i + 1) {
         if (!b->merge_keys[i]) return 0;
         if (b->merge_keys[i] == key) {
-            *rank = (uint32_t)(b->merge_vals[i] >> 32);
+            *order = (Order){b->merge_vals[i] >> 32, 0};
             *piece = (uint32_t)b->merge_vals[i];
             return 1;
         }
@@ -76,7 +117,8 @@ static int merge_of(const Bpe *b, uint32_t l, uint32_t r, uint32_t *rank, uint32
 static void bpe_release(Bpe *b) {
     if (b->blob_view.obj) PyBuffer_Release(&b->blob_view);
     if (b->offsets_view.obj) PyBuffer_Release(&b->offsets_view);
-    free(b->vocab); free(b->merge_keys); free(b->merge_vals);
+    if (b->scores_view.obj) PyBuffer_Release(&b->scores_view);
+    free(b->vocab); free(b->merge_keys); free(b->merge_vals); free(b->chars);
     free(b);
 }
 
@@ -85,54 +127,19 @@ static void bpe_free(PyObject *capsule) {
     if (b) bpe_release(b);
 }
 
-/* bpe_new(blob: bytes, offsets: uint32 buffer (n+1), merges: int32 buffer (m, 2) of piece ids
- * in rank order, byte_ids: int32 buffer (256), unk_id: int, fuse_unk: bool) -> capsule, which
- * holds blob and offsets (the caller must not change them) and copies nothing of them.
- * A merge whose joined pieces are not a piece is skipped; a pair named twice keeps its last
- * rank, as the library's map does. */
-static PyObject *bpe_new(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer merges, bytes;
-    int unk_id, fuse_unk;
-    Bpe *b = calloc(1, sizeof(Bpe));
-    if (!b) return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "y*y*y*y*ip", &b->blob_view, &b->offsets_view, &merges, &bytes, &unk_id,
-                          &fuse_unk)) {
-        free(b);
-        return NULL;
-    }
-    Py_buffer blob = b->blob_view, offs = b->offsets_view;
-    PyObject *out = NULL;
-    size_t n = offs.len / 4;
-    if (n < 2 || offs.len % 4 || bytes.len != 256 * 4 || merges.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "bpe_new: malformed vocabulary arrays");
-        goto done;
-    }
-    n -= 1;
-    b->n_pieces = (uint32_t)n;
-    b->unk_id = unk_id;
-    b->fuse_unk = fuse_unk;
-    memcpy(b->byte_ids, bytes.buf, sizeof b->byte_ids);
-    b->blob = blob.buf;
-    b->offsets = offs.buf;
+/* The pieces' table (b->blob, b->offsets set): 0, or -1 with an exception set. A piece spelled
+ * twice keeps its last id, as the {piece: id} map the library is given. */
+static int build_vocabulary(Bpe *b, size_t blob_len) {
+    size_t n = b->n_pieces;
+    for (size_t i = 0; i < n; i++)
+        if (b->offsets[i] > b->offsets[i + 1] || b->offsets[i + 1] > (uint64_t)blob_len) {
+            PyErr_SetString(PyExc_ValueError, "bpe: piece offsets out of order");
+            return -1;
+        }
     uint64_t vs = table_size(n);
     b->vocab = calloc(vs, 4);
+    if (!b->vocab) { PyErr_NoMemory(); return -1; }
     b->vocab_mask = vs - 1;
-    size_t m = merges.len / 8;
-    uint64_t ms = m + m * 3 / 7 + 16;
-    b->merge_keys = calloc(ms, 8);
-    b->merge_vals = malloc(ms * 8);
-    b->merge_size = ms;
-    if (!b->vocab || !b->merge_keys || !b->merge_vals) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (b->offsets[i] > b->offsets[i + 1] || b->offsets[i + 1] > (uint64_t)blob.len) {
-            PyErr_SetString(PyExc_ValueError, "bpe_new: piece offsets out of order");
-            goto done;
-        }
-    /* A piece spelled twice keeps its last id, as the {piece: id} map the library is given. */
     for (uint32_t id = 0; id < n; id++) {
         const uint8_t *p = b->blob + b->offsets[id];
         size_t len = b->offsets[id + 1] - b->offsets[id];
@@ -142,6 +149,63 @@ static PyObject *bpe_new(PyObject *self, PyObject *args) {
             if (b->offsets[o + 1] - b->offsets[o] == len && !memcmp(b->blob + b->offsets[o], p, len)) break;
         }
         b->vocab[i] = id + 1;
+    }
+    return 0;
+}
+
+/* What both constructors take first: blob, offsets (held: released with the model, or here if
+ * this fails), byte_ids, unk_id, fuse_unk. */
+static Bpe *bpe_start(Py_buffer *blob, Py_buffer *offs, Py_buffer *bytes, int unk_id, int fuse_unk) {
+    Bpe *b = calloc(1, sizeof(Bpe));
+    if (!b) {
+        PyBuffer_Release(blob);
+        PyBuffer_Release(offs);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    b->blob_view = *blob;
+    b->offsets_view = *offs;
+    size_t n = offs->len / 4;
+    if (n < 2 || offs->len % 4 || bytes->len != 256 * 4) {
+        PyErr_SetString(PyExc_ValueError, "bpe: malformed vocabulary arrays");
+        bpe_release(b);
+        return NULL;
+    }
+    b->n_pieces = (uint32_t)(n - 1);
+    b->unk_id = unk_id;
+    b->fuse_unk = fuse_unk;
+    memcpy(b->byte_ids, bytes->buf, sizeof b->byte_ids);
+    b->blob = blob->buf;
+    b->offsets = offs->buf;
+    if (build_vocabulary(b, blob->len)) { bpe_release(b); return NULL; }
+    return b;
+}
+
+/* bpe_new(blob: bytes, offsets: uint32 buffer (n+1), byte_ids: int32 buffer (256), unk_id: int,
+ * fuse_unk: bool, merges: int32 buffer (m, 2) of piece ids in rank order) -> capsule, which
+ * holds blob and offsets (the caller must not change them) and copies nothing of them.
+ * A merge whose joined pieces are not a piece is skipped; a pair named twice keeps its last
+ * rank, as the library's map does. */
+static PyObject *bpe_new(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer blob, offs, bytes, merges;
+    int unk_id, fuse_unk;
+    if (!PyArg_ParseTuple(args, "y*y*y*ipy*", &blob, &offs, &bytes, &unk_id, &fuse_unk, &merges)) return NULL;
+    Bpe *b = bpe_start(&blob, &offs, &bytes, unk_id, fuse_unk);
+    PyObject *out = NULL;
+    if (!b) goto done;
+    if (merges.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "bpe_new: merges are pairs of int32 piece ids");
+        goto done;
+    }
+    size_t n = b->n_pieces, m = merges.len / 8;
+    uint64_t ms = m + m * 3 / 7 + 16;
+    b->merge_keys = calloc(ms, 8);
+    b->merge_vals = malloc(ms * 8);
+    b->merge_size = ms;
+    if (!b->merge_keys || !b->merge_vals) {
+        PyErr_NoMemory();
+        goto done;
     }
     const int32_t *mp = merges.buf;
     uint8_t *joined = NULL;
@@ -169,17 +233,54 @@ static PyObject *bpe_new(PyObject *self, PyObject *args) {
     free(joined);
     out = PyCapsule_New(b, "bpe", bpe_free);
 done:
-    if (!out) bpe_release(b);
+    if (!out && b) bpe_release(b);  /* blob and offsets with it (bpe_start released them if it failed) */
     PyBuffer_Release(&merges); PyBuffer_Release(&bytes);
     return out;
 }
 
-typedef struct { int32_t id, prev, next, len; } Symbol;
-typedef struct { uint32_t rank, pos, piece; } Merge;
+/* bpe_new_scored(blob, offsets, byte_ids, unk_id, fuse_unk, scores: float32 buffer (n)) ->
+ * capsule: the merges transformers generates from the scores, in its order (the header),
+ * found as pairs are met. Holds blob, offsets and scores. ValueError for a piece longer than
+ * MAX_PIECE bytes (the caller then generates the merges and uses bpe_new). */
+static PyObject *bpe_new_scored(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer blob, offs, bytes, scores;
+    int unk_id, fuse_unk;
+    if (!PyArg_ParseTuple(args, "y*y*y*ipy*", &blob, &offs, &bytes, &unk_id, &fuse_unk, &scores)) return NULL;
+    Bpe *b = bpe_start(&blob, &offs, &bytes, unk_id, fuse_unk);
+    if (!b) { PyBuffer_Release(&bytes); PyBuffer_Release(&scores); return NULL; }
+    PyBuffer_Release(&bytes);
+    b->scores_view = scores;
+    PyObject *out = NULL;
+    size_t n = b->n_pieces;
+    if ((size_t)scores.len != 4 * n) {
+        PyErr_SetString(PyExc_ValueError, "bpe_new_scored: one float32 score per piece");
+        goto done;
+    }
+    b->chars = malloc(n ? n : 1);
+    if (!b->chars) { PyErr_NoMemory(); goto done; }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t len = b->offsets[i + 1] - b->offsets[i], c = 0;
+        if (len > MAX_PIECE) {
+            PyErr_SetString(PyExc_ValueError, "bpe_new_scored: a piece longer than 512 bytes");
+            goto done;
+        }
+        for (uint32_t k = 0; k < len; k++) c += (b->blob[b->offsets[i] + k] & 0xC0) != 0x80;
+        b->chars[i] = (uint8_t)(c > 255 ? 255 : c);  /* <= 512 bytes: a tie only past 255 characters */
+    }
+    out = PyCapsule_New(b, "bpe", bpe_free);
+done:
+    if (!out) bpe_release(b);
+    return out;
+}
 
-/* Heap order: lowest rank first, then leftmost (the library's Merge ordering). */
+typedef struct { int32_t id, prev, next, len; } Symbol;
+typedef struct { Order order; uint32_t pos, piece; } Merge;
+
+/* Heap order: first in merge order, then leftmost (the library's Merge ordering). */
 static int before(const Merge *a, const Merge *b) {
-    return a->rank != b->rank ? a->rank < b->rank : a->pos < b->pos;
+    if (a->order.rank != b->order.rank || a->order.tie != b->order.tie) return order_before(a->order, b->order);
+    return a->pos < b->pos;
 }
 
 static void heap_push(Merge *h, size_t *n, Merge m) {
@@ -208,9 +309,10 @@ static size_t utf8_len(uint8_t c) {
 }
 
 static void push_pair(const Bpe *b, Symbol *s, int pos, Merge *heap, size_t *nh) {
-    uint32_t rank, piece;
-    if (pos >= 0 && s[pos].next >= 0 && merge_of(b, s[pos].id, s[s[pos].next].id, &rank, &piece))
-        heap_push(heap, nh, (Merge){rank, (uint32_t)pos, piece});
+    Order order;
+    uint32_t piece;
+    if (pos >= 0 && s[pos].next >= 0 && merge_of(b, s[pos].id, s[s[pos].next].id, &order, &piece))
+        heap_push(heap, nh, (Merge){order, (uint32_t)pos, piece});
 }
 
 /* bpe_encode(capsule, word: bytes (UTF-8)) -> list of piece ids. */
@@ -261,9 +363,10 @@ static PyObject *bpe_encode(PyObject *self, PyObject *args) {
         Symbol *cur = &s[top.pos];
         if (!cur->len || cur->next < 0) continue;
         int nx = cur->next;
-        uint32_t rank, piece;
+        Order order;
+        uint32_t piece;
         /* an entry whose pair has changed since it was pushed is stale */
-        if (!merge_of(b, cur->id, s[nx].id, &rank, &piece) || piece != top.piece) continue;
+        if (!merge_of(b, cur->id, s[nx].id, &order, &piece) || piece != top.piece) continue;
         cur->id = (int32_t)top.piece;
         cur->len += s[nx].len;
         cur->next = s[nx].next;
@@ -299,7 +402,8 @@ static PyObject *bpe_piece(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"bpe_piece", bpe_piece, METH_VARARGS, "A piece's id, or -1."},
-    {"bpe_new", bpe_new, METH_VARARGS, "A BPE model from pieces, merges and byte pieces."},
+    {"bpe_new", bpe_new, METH_VARARGS, "A BPE model from pieces, byte pieces and merges."},
+    {"bpe_new_scored", bpe_new_scored, METH_VARARGS, "A BPE model from pieces, byte pieces and scores."},
     {"bpe_encode", bpe_encode, METH_VARARGS, "A word's piece ids."},
     {NULL, NULL, 0, NULL}};
 

@@ -8,10 +8,10 @@ as "<0xXX>" pieces, merges generated from scores or given), encoding and decodin
 `tokenizers` pipeline transformers' GGUF loader builds for it does: the vocabulary's added
 pieces (control and user-defined) cut out of the text first, leftmost and then longest; each
 remaining stretch one word, spaces spelled "\u2581", the first stretch of the text (not one
-after an added piece) given a "\u2581" in front; the word merged by coordinator/text/_bpe.c;
-decoding the pieces' text with byte runs joined. The library's own BPE held this vocabulary in
-110 MB of hash maps; _bpe.c holds it in 23 (see its header). tests/test_tokenizer.py holds the
-two against each other.
+after an added piece) given a "\u2581" in front; the word merged by coordinator/text/bpe_merge.c;
+decoding the pieces' text with byte runs joined. The library's own BPE held Gemma 3's vocabulary
+in 110 MB of hash maps; bpe_merge.c holds it in 3 (see its header). tests/test_tokenizer.py
+holds the two against each other.
 """
 from __future__ import annotations
 
@@ -60,17 +60,24 @@ class Pieces(Sequence):
 
 class SentencePieceBPE:
     """encode / decode / token_id for a sentencepiece-kind vocabulary (module docstring).
-    `merges`: int32 (m, 2) piece-id pairs, first merged first; `added`: the pieces cut out of
-    text whole, text -> id; `special`: the added ids decode may skip."""
+    `merges`: the file's merges, int32 (m, 2) piece-id pairs, first merged first; or `scores`
+    (float32, one per piece): the merges transformers generates from them, in its order, found
+    by bpe_merge.c as pairs are met (no table: Gemma 3's would be 514847 merges). `added`: the
+    pieces cut out of text whole, text -> id; `special`: the added ids decode may skip."""
 
-    def __init__(self, pieces: Pieces, merges: np.ndarray, added: dict[str, int], special: Iterable[int],
-                 add_prefix: bool, unk_id: int | None):
+    def __init__(self, pieces: Pieces, added: dict[str, int], special: Iterable[int], add_prefix: bool,
+                 unk_id: int | None, merges: np.ndarray | None = None, scores: np.ndarray | None = None):
         self.pieces = pieces
         byte_ids = np.full(256, -1, np.int32)
         for b in range(256):
             byte_ids[b] = self._find(pieces, f"<0x{b:02X}>")
-        self._model = _bpe.bpe_new(pieces.blob, pieces.offsets, np.ascontiguousarray(merges, np.int32),
-                                   byte_ids, -1 if unk_id is None else unk_id, True)
+        unk = -1 if unk_id is None else unk_id
+        if merges is not None:
+            self._model = _bpe.bpe_new(pieces.blob, pieces.offsets, byte_ids, unk, True,
+                                       np.ascontiguousarray(merges, np.int32))
+        else:
+            self.scores = np.ascontiguousarray(scores, np.float32)  # held by the model, kept alive here too
+            self._model = _bpe.bpe_new_scored(pieces.blob, pieces.offsets, byte_ids, unk, True, self.scores)
         self.added = added
         self.special_ids = frozenset(special)
         self.add_prefix = add_prefix

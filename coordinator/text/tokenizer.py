@@ -24,14 +24,10 @@ coordinator/text/chat_template.py, which imports jinja2 only for a run that rend
 from __future__ import annotations
 
 import codecs
-import hashlib
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from itertools import chain, repeat
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -40,7 +36,6 @@ from tokenizers.models import BPE
 
 from sparsecore.gguf_file import release_header
 
-from ..runtime.model_fetch import cache_root
 from .pieces import Pieces, SentencePieceBPE
 
 log = logging.getLogger(__name__)
@@ -380,81 +375,33 @@ def _byte_level(fields: _Fields, tokens: list[str]):
     return tk, lambda t: set(t) <= alphabet
 
 
-# A sentencepiece vocabulary without merges (Gemma's 262144 tokens) has its merges generated from
-# the scores: 2.6 s of Python and some 150 MB at every start. The merges are kept as pairs of
-# token ids (an .npy file, read without pickle), keyed by a hash of the file's header (every
-# metadata byte: a changed vocabulary is another key); later starts only build the BPE from
-# them. (The tokenizers library's own JSON of the same tokenizer took longer to read, 1.2 s,
-# than the build from the pairs, 0.5 s.)
-MERGES_CACHE_VERSION = 1
-
-
-def merges_cache_path(reader: gguf.GGUFReader) -> Path | None:
-    """Where the merges generated from this file's header are cached (None: no header to hash)."""
-    data = getattr(reader, "data", None)
-    if data is None:
-        return None
-    end = min((int(t.data_offset) for t in reader.tensors), default=len(data))
-    digest = hashlib.blake2b(memoryview(data[:end]), digest_size=16).hexdigest()
-    return cache_root() / "tokenizers" / f"{digest}-merges-v{MERGES_CACHE_VERSION}.npy"
-
-
-def _cached_merge_ids(path: Path | None, n_tokens: int) -> np.ndarray | None:
-    if path is None or not path.is_file():
-        return None
-    try:
-        pairs = np.load(path, allow_pickle=False)
-    except (OSError, ValueError):  # a damaged file: generated again and replaced
-        return None
-    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype != np.int32 or (
-            len(pairs) and (pairs.min() < 0 or pairs.max() >= n_tokens)):
-        return None
-    return pairs
-
-
-def _keep_merges(path: Path | None, pairs: np.ndarray) -> None:
-    """The merges as id pairs at `path`, written whole (a temporary file renamed) or not at all:
-    a cache that cannot be written only costs the next start the generation."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".merges-", suffix=".npy")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, pairs, allow_pickle=False)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        pass
-
-
 def _sentencepiece(fields: _Fields, tokens: list[str], add_prefix: bool, added: dict[str, int],
                    special: Iterable[int]) -> SentencePieceBPE:
     """The "llama" pipeline (coordinator/text/pieces.py): no unknown piece, as transformers'
-    GGUF loader builds it (a character with neither a piece nor byte pieces is dropped)."""
-    return SentencePieceBPE(Pieces(tokens), _merge_ids(fields, tokens), added, special, add_prefix, None)
-
-
-def _merge_ids(fields: _Fields, tokens: list[str]) -> np.ndarray:
-    """The merges as int32 (m, 2) piece ids, first merged first: the file's, else generated from
-    the scores (cached)."""
-    pair_ids = lambda vocab, merges: np.array([(vocab[a], vocab[b]) for a, b in merges], np.int32).reshape(-1, 2)  # noqa: E731
+    GGUF loader builds it (a character with neither a piece nor byte pieces is dropped). The
+    file's merges where it has them; else the scores, whose merges transformers generates
+    (generate_merges) and the merge loop finds as it goes: Gemma 3's 514847 took 2.6 s to
+    generate and 12 MB to hold. A vocabulary the loop cannot take that way (a piece over 512
+    bytes) has them generated."""
+    pieces, options = Pieces(tokens), dict(added=added, special=special, add_prefix=add_prefix, unk_id=None)
     if "tokenizer.ggml.merges" in fields.reader.fields:
         vocab = {t: i for i, t in enumerate(tokens)}
-        return pair_ids(vocab, _merges(fields, vocab, required=True))
+        return SentencePieceBPE(pieces, merges=_pair_ids(vocab, _merges(fields, vocab, required=True)), **options)
     scores = fields.number_list("tokenizer.ggml.scores", len(tokens))
     if scores is None:
         raise ValueError("tokenizer.ggml.scores missing (needed when tokenizer.ggml.merges is absent)")
-    cache = merges_cache_path(fields.reader)
-    pairs = _cached_merge_ids(cache, len(tokens))
-    if pairs is None:
-        vocab = {t: i for i, t in enumerate(tokens)}
-        pairs = pair_ids(vocab, generate_merges(vocab, dict(zip(tokens, scores))))
-        _keep_merges(cache, pairs)
-    return pairs
+    if pieces.longest_utf8() <= MAX_SCORED_PIECE:
+        return SentencePieceBPE(pieces, scores=np.array(scores, np.float32), **options)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    return SentencePieceBPE(pieces, merges=_pair_ids(vocab, generate_merges(vocab, dict(zip(tokens, scores)))),
+                            **options)
+
+
+MAX_SCORED_PIECE = 512  # bpe_merge.c MAX_PIECE
+
+
+def _pair_ids(vocab: dict[str, int], merges: list[tuple[str, str]]) -> np.ndarray:
+    return np.array([(vocab[a], vocab[b]) for a, b in merges], np.int32).reshape(-1, 2)
 
 
 def _merges(fields: _Fields, vocab: dict[str, int], required: bool) -> list[tuple[str, str]] | None:
