@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from coordinator.runtime.engine import Engine, EngineOptions
-from coordinator.runtime.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory
+from coordinator.runtime.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory, cgroup_free
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.kernels import interleaving
 from tests.conftest import REPO
@@ -26,13 +26,58 @@ def _plan(path, **kw):
 def test_available_memory_reads_the_machine_and_the_override(monkeypatch):
     monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE", raising=False)
     n, source = available_memory()
-    assert n is not None and n > 0 and source in ("MemAvailable", "the cgroup's memory.max")
+    assert n is not None and n > 0 and (source == "MemAvailable" or source.startswith("the cgroup's"))
     for text, want in (("123456", 123456), ("512M", 512 << 20), ("8G", 8 << 30), ("1.5g", int(1.5 * (1 << 30)))):
         monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", text)
         assert available_memory() == (want, "SPARSEINFER_MEM_AVAILABLE")
     monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", "lots")
     with pytest.raises(ValueError, match="SPARSEINFER_MEM_AVAILABLE='lots'"):
         available_memory()
+
+
+def _files(root, files: dict) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_cgroup_v1_limits_are_read_the_tightest_ancestor_first(tmp_path):
+    """cgroup v1 (this machine's kind): the memory controller's group and its ancestors; a limit
+    of "none" (a 2^63-ish number) is no limit; page cache it could drop is not counted as used."""
+    mb = 1 << 20
+    _files(tmp_path, {
+        "proc": "12:memory:/run/job\n3:cpu,cpuacct:/run/job\n0::/\n",
+        "fs/memory/memory.limit_in_bytes": str(9223372036854771712),
+        "fs/memory/memory.usage_in_bytes": str(5000 * mb),
+        "fs/memory/run/memory.limit_in_bytes": str(1000 * mb),
+        "fs/memory/run/memory.usage_in_bytes": str(300 * mb),
+        "fs/memory/run/memory.stat": f"total_inactive_file {100 * mb}\nhierarchical_memory_limit {1000 * mb}\n",
+        "fs/memory/run/job/memory.limit_in_bytes": str(9223372036854771712),
+        "fs/memory/run/job/memory.usage_in_bytes": str(200 * mb),
+        "fs/memory/run/job/memory.stat": f"total_inactive_file {50 * mb}\nhierarchical_memory_limit {1000 * mb}\n",
+    })
+    free, source = cgroup_free(tmp_path / "proc", tmp_path / "fs")
+    assert free == 1000 * mb - 300 * mb + 100 * mb  # the parent's limit and its use (the job's and others')
+    assert "memory.limit_in_bytes" in source and source.endswith("/run/memory.limit_in_bytes)")
+    _files(tmp_path, {"fs/memory/run/job/memory.limit_in_bytes": str(600 * mb)})  # the job's own, tighter
+    free, source = cgroup_free(tmp_path / "proc", tmp_path / "fs")
+    assert free == 600 * mb - 200 * mb + 50 * mb and source.endswith("run/job/memory.limit_in_bytes)")
+    _files(tmp_path, {"fs/memory/run/job/memory.limit_in_bytes": str(9223372036854771712)})
+    _files(tmp_path, {"fs/memory/run/memory.limit_in_bytes": str(9223372036854771712),
+                      "fs/memory/run/memory.stat": "", "fs/memory/run/job/memory.stat": ""})
+    assert cgroup_free(tmp_path / "proc", tmp_path / "fs") is None  # no limit anywhere
+
+
+def test_cgroup_v2_limits_are_read_the_tightest_ancestor_first(tmp_path):
+    mb = 1 << 20
+    _files(tmp_path, {
+        "proc": "0::/a/b\n",
+        "fs/a/memory.max": str(800 * mb), "fs/a/memory.current": str(600 * mb), "fs/a/memory.stat": "inactive_file 0\n",
+        "fs/a/b/memory.max": str(2000 * mb), "fs/a/b/memory.current": str(100 * mb),
+        "fs/a/b/memory.stat": f"inactive_file {10 * mb}\n",
+    })
+    free, source = cgroup_free(tmp_path / "proc", tmp_path / "fs")
+    assert free == 200 * mb and source.endswith("a/memory.max)")  # the parent's is the tighter
 
 
 def test_plan_counts_each_kind(tiny_model_factory):
@@ -79,6 +124,32 @@ def test_the_command_line_says_it_in_one_line(tiny_model_factory):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "needs" in errors[0] and "0.01 GB is available" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+V1_MEMORY = "/sys/fs/cgroup/memory"
+
+
+@pytest.mark.skipif(not (os.path.isdir(V1_MEMORY) and os.access(V1_MEMORY, os.W_OK)),
+                    reason="needs a writable cgroup v1 memory controller (root on a v1 machine)")
+def test_under_a_real_cgroup_v1_limit_the_command_line_refuses_in_one_line(tiny_model_factory):
+    """The limit of a v1 group the run is put in (as a user's container or systemd slice would)
+    is seen: one line naming it, before any worker starts, not the kernel's OOM kill."""
+    path = tiny_model_factory(tensor_type="Q4_0")
+    group = f"{V1_MEMORY}/sparseinfer-test-{os.getpid()}"
+    os.mkdir(group)
+    try:
+        with open(f"{group}/memory.limit_in_bytes", "w") as f:
+            f.write(str(64 << 20))
+        env = {k: v for k, v in os.environ.items() if k != "SPARSEINFER_MEM_AVAILABLE"}
+        r = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" "$@"', sys.executable, "-m",
+                            "coordinator", "generate", "-m", str(path), "-p", "hi", "-n", "2"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        assert r.returncode not in (0, -9, 137), r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "memory.limit_in_bytes" in errors[0], r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        os.rmdir(group)
 
 
 def test_info_prints_the_plan(tiny_model_factory):

@@ -118,27 +118,92 @@ def available_memory() -> tuple[int | None, str]:
                 best = (int(line.split()[1]) * 1024, "MemAvailable")
     except OSError:
         pass
-    cg = _cgroup_free()
-    if cg is not None and (best[0] is None or cg < best[0]):
-        best = (cg, "the cgroup's memory.max")
+    cg = cgroup_free()
+    if cg is not None and (best[0] is None or cg[0] < best[0]):
+        best = cg
     return best
 
 
-def _cgroup_free() -> int | None:
-    try:  # cgroup v2: this process's group
-        rel = next(l.split(":", 2)[2] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
-        d = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        while True:
-            limit = (d / "memory.max").read_text().strip() if (d / "memory.max").exists() else "max"
-            if limit != "max":
-                used = int((d / "memory.current").read_text())
-                stat = dict(l.split() for l in (d / "memory.stat").read_text().splitlines())
-                return int(limit) - used + int(stat.get("inactive_file", 0))
-            if d == Path("/sys/fs/cgroup") or d == d.parent:
-                return None
-            d = d.parent
-    except (OSError, StopIteration, ValueError):
+# A cgroup v1 limit of "none" is the largest page-aligned 64-bit number, never a real one.
+_V1_UNLIMITED = 1 << 60
+
+
+def cgroup_free(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+                ) -> tuple[int, str] | None:
+    """(bytes the tightest memory cgroup around this process has left, which file says so), or
+    None where no group limits it: its limit less what it holds, page cache it could drop
+    (inactive file pages) not counted. cgroup v2 (memory.max, every ancestor's) and v1 (the
+    memory controller's memory.limit_in_bytes, with memory.stat's hierarchical limit): a v1
+    machine's limit went unseen before, and a run under it was killed by the kernel instead of
+    being refused. `proc_cgroup`, `root`: where to read (tests give others)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
         return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "" and parts[0] == "0":
+            found.append(_v2_free(root, rel))
+        elif "memory" in controllers.split(","):
+            found.append(_v1_free(root / "memory", rel))
+    found = [f for f in found if f is not None]
+    return min(found) if found else None
+
+
+def _ancestors(base: Path, rel: str) -> list[Path]:
+    """The group's directory and its parents up to `base` (those that exist: inside a container
+    the group's path may be the host's, and the container's own root its group)."""
+    d, out = base / rel.strip("/"), []
+    while True:
+        if d.is_dir():
+            out.append(d)
+        if d == base or d == d.parent:
+            return out or ([base] if base.is_dir() else [])
+        d = d.parent
+
+
+def _stat(d: Path) -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in (l.split() for l in (d / "memory.stat").read_text().splitlines())}
+    except (OSError, ValueError):
+        return {}
+
+
+def _v2_free(base: Path, rel: str) -> tuple[int, str] | None:
+    best = None
+    for d in _ancestors(base, rel):
+        try:
+            limit = (d / "memory.max").read_text().strip()
+            if limit == "max":
+                continue
+            free = int(limit) - int((d / "memory.current").read_text()) + _stat(d).get("inactive_file", 0)
+        except (OSError, ValueError):
+            continue
+        if best is None or free < best[0]:
+            best = (free, f"the cgroup's memory.max ({d / 'memory.max'})")
+    return best
+
+
+def _v1_free(base: Path, rel: str) -> tuple[int, str] | None:
+    best = None
+    for d in _ancestors(base, rel):
+        try:
+            limit = int((d / "memory.limit_in_bytes").read_text())
+            used = int((d / "memory.usage_in_bytes").read_text())
+        except (OSError, ValueError):
+            continue
+        stat = _stat(d)
+        limit = min(limit, stat.get("hierarchical_memory_limit", limit))
+        if limit >= _V1_UNLIMITED:
+            continue
+        free = limit - used + stat.get("total_inactive_file", stat.get("inactive_file", 0))
+        if best is None or free < best[0]:
+            best = (free, f"the cgroup's memory.limit_in_bytes ({d / 'memory.limit_in_bytes'})")
+    return best
 
 
 def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_layout: str,
