@@ -290,6 +290,23 @@ class FileLayer:
         return y, n_active
 
 
+def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
+          probs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k experts of each row of x (T, hidden) and their weights, (T, k) int32 and float32,
+    by the kernel the token step routes with (moe_step.c moe_route): what a process computes,
+    and what `sparseinfer profile` counts. router: ffn_gate_inp, one row per expert."""
+    T, E = len(x), router.rows
+    xs = np.ascontiguousarray(x, dtype=np.float32)
+    if xs.ndim != 2 or xs.shape[1] != router.cols or not 1 <= k <= E:
+        raise ValueError(f"routing {xs.shape} inputs over {E} experts of width {router.cols}, top {k}")
+    probs = np.empty(E, np.float32) if probs is None else probs
+    ids, weights = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+    for t in range(T):
+        _kernels.moe_route(*router.args, ptr(xs[t]), xs.shape[1], E, k, int(renormalize), ptr(probs), ptr(ids[t]),
+                           ptr(weights[t]))
+    return ids, weights
+
+
 class ExpertsLayer:
     """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of every
     expert's neurons, each expert a FileLayer over its slices of the stacked ffn_*_exps tensors,
@@ -344,14 +361,8 @@ class ExpertsLayer:
         return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The experts of each row of x (T, hidden) and their weights: (T, k) int64, (T, k) float32."""
-        T = len(x)
-        xs = np.ascontiguousarray(x, dtype=np.float32)
-        ids, weights = np.empty((T, self.k), np.int32), np.empty((T, self.k), np.float32)
-        for t in range(T):  # the kernel the token step routes with (moe_step.c moe_route)
-            _kernels.moe_route(*self.router.args, ptr(xs[t]), xs.shape[1], len(self.experts), self.k,
-                               int(self.renormalize), ptr(self.probs), ptr(ids[t]), ptr(weights[t]))
-        return ids, weights
+        """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
+        return route(self.router, x, self.k, self.renormalize, self.probs)
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:

@@ -23,6 +23,8 @@ from coordinator.runtime.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
+from sparsecore.kernels import FileMatrix
+from tests.conftest import run_make_bench_model
 from tests.fixtures.arch_oracle import REF, assert_matches, reference_logits, tiny_models
 from tests.fixtures.decoding import assert_batch_is_alone
 from tests.fixtures.tiny_arch import MOE, N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
@@ -179,3 +181,43 @@ def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_model
     opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, kv_caches=2 * len(prompts) + 1)
     with Engine(moe_models[arch], opts) as eng:
         assert_batch_is_alone(eng.model, prompts)
+
+
+def test_profile_counts_routes_and_placement_predicts_the_routed_share(tmp_path, tiny_model, no_leaks):
+    """`sparseinfer profile` on a routed model counts how often each expert is chosen, routing each
+    FFN input as the engine does; `info --vram-budget` places the most-routed experts and predicts
+    their share of the routed work. On a file whose router favours some experts (--router-skew),
+    the share predicted from the calibration half of the text is what the held-out half's
+    routes give, within 5 points."""
+    from coordinator.runtime.placement import expert_placement, routed_share
+    from coordinator.tools import corpus, profile
+    from sparsecore.shard import route
+
+    path = tmp_path / "skew.gguf"
+    run_make_bench_model(["--shape", "tiny", "--layers", "2", "--quiet", "--type", "q8_0", "--arch", "qwen3moe",
+                          "--router-skew", "0.5", "--tokenizer-from", str(tiny_model), "-o", str(path)])
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1)) as eng:
+        cfg = eng.cfg
+        seen = []
+        eng.ffn.observer = lambda layer, x, *_: seen.append((layer, np.array(x)))
+        eng.forward_logits([5, 6, 7, 8])
+        eng.ffn.observer = None
+        one = profile.collect(eng, [[5, 6, 7, 8]])
+        ids = {}
+        for layer, x in seen:
+            router = FileMatrix(eng.store.info(f"blk.{layer}.ffn_gate_inp.weight"))
+            ids[layer] = route(router, x, cfg.n_experts_used, cfg.expert_norm)[0]
+        for layer, f in enumerate(one.freqs):  # the counts are the routes, each token's k experts
+            want = np.bincount(ids[layer].reshape(-1), minlength=cfg.n_experts) / 4
+            np.testing.assert_allclose(f, want)
+            assert f.sum() == pytest.approx(cfg.n_experts_used)
+        text = eng.tokenizer.encode(corpus.default_text())
+        halves = corpus.token_chunks(text[:len(text) // 2], 64, 8), corpus.token_chunks(text[len(text) // 2:], 64, 8)
+        calib, held = (profile.collect(eng, h) for h in halves)
+    assert calib.meta["unit"] == "expert" and calib.meta["tokens"] == 8 * 64
+    expert_bytes = 1000
+    quarter = cfg.n_layers * cfg.n_experts // 4 * expert_bytes
+    placed = expert_placement(calib.freqs, expert_bytes, quarter)
+    assert placed["placed"] == cfg.n_layers * cfg.n_experts // 4
+    assert placed["predicted_share"] > 0.3  # skewed: the top quarter takes more than a quarter
+    assert abs(placed["predicted_share"] - routed_share(held.freqs, placed["experts"])) < 0.05

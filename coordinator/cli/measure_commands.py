@@ -32,7 +32,35 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel):
     return Engine(path, opts, plan_only=True).memory
 
 
+def _expert_plan_report(path, cfg, vram_budget_gb) -> dict:
+    """A routed model's placement: its most-routed experts, whole, by its profile."""
+    from sparsecore.gguf_file import open_gguf
+
+    from ..runtime.model_files import load_profile, profile_path
+    from ..runtime.placement import GIB, expert_placement
+
+    ppath = profile_path(path)
+    if not ppath.exists():
+        raise click.ClickException(f"{ppath}: no routing profile for a VRAM budget; run `sparseinfer profile -m "
+                                   f"{path}` first")
+    prof = load_profile(ppath)
+    if prof.meta.get("unit") != "expert" or [len(f) for f in prof.freqs] != [cfg.n_experts] * cfg.n_layers:
+        raise click.ClickException(f"{ppath}: not a routing profile of this model's {cfg.n_layers} layers x "
+                                   f"{cfg.n_experts} experts; run `sparseinfer profile -m {path}` again")
+    tensors = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
+    per_layer = [sum(tensors.get(f"blk.{i}.ffn_{n}_exps.weight", 0) for n in ("gate", "up", "down"))
+                 for i in range(cfg.n_layers)]
+    expert_bytes = max(per_layer) // cfg.n_experts  # the file's blocks of one expert
+    budget = int(vram_budget_gb * GIB)
+    placed = expert_placement(prof.freqs, expert_bytes, budget)
+    return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": budget, "unit": "expert",
+            "profile_tokens": prof.meta.get("tokens"), **placed,
+            "experts": [e.tolist() for e in placed["experts"]]}
+
+
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
+    if cfg.routed:
+        return _expert_plan_report(path, cfg, vram_budget_gb)
     import torch
 
     from ..runtime.placement import GIB, neuron_bytes, plan_summary, plan_under_budget, resolve_threads
@@ -80,7 +108,7 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
         return
     lines = reports.info_lines(cfg, types, memory, ctx, parallel)
     if plan is not None:
-        lines += reports.placement_lines(plan, vram_budget_gb)
+        lines += (reports.expert_placement_lines if cfg.routed else reports.placement_lines)(plan, vram_budget_gb)
     for line in lines:
         click.echo(line)
 

@@ -69,6 +69,21 @@ def placement_lines(plan: dict, vram_budget_gb: float) -> list[str]:
     return lines
 
 
+def expert_placement_lines(plan: dict, vram_budget_gb: float) -> list[str]:
+    """A routed model's placement for --vram-budget: the most-routed experts, whole, and the
+    share of routed work the profile says they take."""
+    total = len(plan["layers"])
+    lines = [f"\nexpert placement for --vram-budget {vram_budget_gb:g} GiB ({plan['vram_budget_bytes']} bytes; "
+             f"{plan['expert_bytes']} bytes per expert in the file's blocks; profile of "
+             f"{plan['profile_tokens']} tokens)",
+             f"experts placed     {plan['placed']} ({total} layers)",
+             f"predicted share    {100 * plan['predicted_share']:.1f}% of the routed work on the GPU worker",
+             "layer  experts  share of the layer's routes"]
+    for i, (n, share) in enumerate(plan["layers"]):
+        lines.append(f"{i:5d}  {n:7d}  {100 * share:6.1f}%")
+    return lines
+
+
 # ---- sparsity: calibrate, perplexity, profile, train-predictor ---------------------------------
 
 def calibration_lines(path, table: dict) -> list[str]:
@@ -95,7 +110,8 @@ def perplexity_line(r: dict, sparsity, pred, weights: str, arith: str, n_chunks:
 
 def profile_written(prof, npz, png) -> str:
     mean = float(np.mean(np.concatenate(prof.freqs)))
-    return f"wrote {npz} and {png} ({prof.meta.get('tokens', '?')} tokens, mean activation frequency {mean:.3f})"
+    what = "routing" if prof.meta.get("unit") == "expert" else "activation"
+    return f"wrote {npz} and {png} ({prof.meta.get('tokens', '?')} tokens, mean {what} frequency {mean:.3f})"
 
 
 def predictor_lines(p, out, rank: int, dtype: str, relu: bool, sparsity: float, data_s: float,

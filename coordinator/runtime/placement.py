@@ -279,3 +279,27 @@ def plan_under_budget(model: Path, n_layers: int, n_ff: int, hidden: int, vram_b
             write_gpuidx(cache, hot, meta)
             source = f"computed, cached in {cache}"
     return plan_from_hot(hot, prof.freqs, n_cpu_workers), prof.freqs, source
+
+
+def expert_placement(freqs: list[np.ndarray], expert_bytes: int, vram_budget_bytes: int) -> dict:
+    """The most-routed experts (layer, expert) that fit in the budget, whole, and the share of the
+    routed work they would take: a routed model's placement by its profile (`sparseinfer profile`
+    on it counts routes), the same rule as choose_hot's one level up. Returns {"experts": per
+    layer the placed experts' ids, "predicted_share": of all routes, "layers": per layer (placed,
+    share), "expert_bytes", "placed"}."""
+    f = np.stack([np.asarray(x, np.float64) for x in freqs])
+    n = min(f.size, max(0, vram_budget_bytes) // max(1, expert_bytes))
+    order = np.argsort(-f, axis=None, kind="stable")[:n]
+    chosen = np.zeros(f.shape, bool)
+    chosen.flat[order] = True
+    total = f.sum() or 1.0
+    layers = [(int(c.sum()), float(r[c].sum() / (r.sum() or 1.0))) for c, r in zip(chosen, f)]
+    return {"experts": [np.flatnonzero(c) for c in chosen], "predicted_share": float(f[chosen].sum() / total),
+            "layers": layers, "expert_bytes": int(expert_bytes), "placed": int(n)}
+
+
+def routed_share(freqs: list[np.ndarray], experts: list[np.ndarray]) -> float:
+    """The share of routes (by these frequencies: another text's profile) that placed experts take."""
+    f = np.stack([np.asarray(x, np.float64) for x in freqs])
+    return float(sum(f[i, e].sum() for i, e in enumerate(experts)) / (f.sum() or 1.0))
+

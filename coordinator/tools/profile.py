@@ -94,11 +94,46 @@ class ActivationCounter:
         return list(self.thresholds) if self.thresholds is not None else [float(t or 0.0) for t in self.auto]
 
 
+class RouteCounter:
+    """A routed model's observer: how often each expert of each layer is chosen, each FFN input
+    routed by the engine's own kernel (sparsecore.shard.route) over the file's router."""
+
+    def __init__(self, store, cfg):
+        from sparsecore.kernels import FileMatrix
+
+        self.routers = [FileMatrix(store.info(f"blk.{i}.ffn_gate_inp.weight")) for i in range(cfg.n_layers)]
+        self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        self.counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
+        self.tokens = np.zeros(cfg.n_layers, np.int64)
+
+    def __call__(self, layer: int, x, *_rest) -> None:
+        from sparsecore.shard import route
+
+        ids, _ = route(self.routers[layer], np.asarray(x, dtype=np.float32), self.k, self.renormalize)
+        np.add.at(self.counts[layer], ids.reshape(-1), 1)
+        self.tokens[layer] += len(ids)
+
+    def frequencies(self) -> list[np.ndarray]:
+        """Per layer, the share of tokens routed to each expert (a layer's sum: k)."""
+        return [(c / max(1, t)).astype(np.float32) for c, t in zip(self.counts, self.tokens)]
+
+
 def collect(engine, chunks, sparsity: float = DEFAULT_SPARSITY, thresholds: list[float] | None = None) -> Profile:
-    """Run the dense engine over `chunks` (lists of token ids) and count active neurons.
+    """Run the dense engine over `chunks` (lists of token ids) and count active neurons, or for
+    a routed model (MoE) how often each expert is chosen (`unit` "expert" in the metadata: a
+    layer's array then has one frequency per expert, summing to the experts a token uses).
     `thresholds`: per-layer calibrated thresholds (SwiGLU); None derives them on the fly."""
     cfg = observe.config(engine)
     path = observe.model_path(engine)
+    if cfg.routed:
+        counter = RouteCounter(engine.store, cfg)
+        t0 = time.perf_counter()
+        n_tokens = observe.dense_run(engine, chunks, counter)
+        return Profile(counter.frequencies(), {
+            "format": PROFILE_FORMAT, "model": path.name, "model_bytes": path.stat().st_size, "unit": "expert",
+            "rule": "the router's top k, as the engine routes", "tokens": n_tokens, "n_layers": cfg.n_layers,
+            "n_experts": cfg.n_experts, "experts_used": cfg.n_experts_used,
+            "seconds": round(time.perf_counter() - t0, 1), "source": "sparseinfer profile"})
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     if thresholds is not None and len(thresholds) != cfg.n_layers:
@@ -232,8 +267,15 @@ def plot_profile(profile: Profile, path: Path, title: str | None = None) -> Path
 
 
 def summary_lines(profile: Profile) -> list[str]:
-    """Per layer: mean frequency and the share of activations its hottest 10% / 20% cover."""
+    """Per layer: mean frequency and the share of activations its hottest 10% / 20% cover (a
+    routed model: the share of routes its most-routed quarter of experts takes)."""
     out = []
+    if profile.meta.get("unit") == "expert":
+        for i, f in enumerate(profile.freqs):
+            s = np.sort(f.astype(np.float64))[::-1]
+            q = s[: max(1, len(s) // 4)].sum() / (s.sum() or 1.0)
+            out.append(f"layer {i:3d}: most-routed quarter of {len(s)} experts takes {100 * q:5.1f}% of the routes")
+        return out
     for i, f in enumerate(profile.freqs):
         s = np.sort(f.astype(np.float64))[::-1]
         tot = s.sum() or 1.0
