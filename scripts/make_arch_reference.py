@@ -6,7 +6,8 @@ weights put through the converter's transformations). Greedy decoding recomputes
 sequence at every step (no cache: nothing of transformers' cache handling is trusted), float32,
 eager attention. Writes
 
-  tests/fixtures/arch_reference.json       per arch: prompts, greedy ids, versions
+  tests/fixtures/arch_reference.json       per arch: prompts, greedy ids, versions; for READBACK,
+                                           the tiny file read back by transformers' GGUF loader
   tests/fixtures/arch_reference_logits.npz logits of every position of prompt 0 + its continuation
 
 PowerInfer's files (POWERINFER): bamboo is MistralForCausalLM with ReLU whose MLP is made
@@ -149,6 +150,37 @@ def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return seq[len(ids):], margins
 
 
+# Architectures transformers' own GGUF loader reads: our writer's file is read back through it and
+# every tensor compared with the weights it was written from (the writer's names, permutations and
+# layouts proven by an implementation that is not ours). Its config mapping reads no expert FFN
+# length (expert_feed_forward_length), so the experts' sizes are given to it.
+READBACK = ("qwen2moe", "qwen3moe")
+
+
+def gguf_readback(arch: str) -> dict:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.fixtures.tiny_arch import N_FF_EXPERT, write_tiny_arch
+
+    sizes = dict(moe_intermediate_size=N_FF_EXPERT)
+    if arch == "qwen2moe":
+        sizes["shared_expert_intermediate_size"] = 2 * N_FF_EXPERT
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_arch(Path(d) / "m.gguf", arch)
+        # ignore_mismatched_sizes: its loader shapes qwen2moe's 1-D shared expert gate (llama.cpp's
+        # {n_embd}) as (1, 1, n); the tensor's values are compared below whatever its shape
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file="m.gguf", torch_dtype=torch.float32,
+                                                     ignore_mismatched_sizes=True, **sizes)
+        read = load_gguf_checkpoint(str(Path(d) / "m.gguf"), return_tensors=True, model_to_load=model)["tensors"]
+    want = hf_weights(arch)
+    diffs = [float(np.abs(np.asarray(read[k], np.float32).reshape(-1) - np.asarray(v, np.float32).reshape(-1)).max())
+             if k in read and np.asarray(read[k]).size == np.asarray(v).size else float("inf") for k, v in want.items()]
+    return {"tensors": len(want), "read": len(read), "max_abs_diff": max(diffs)}
+
+
 def main(only: list[str]) -> None:
     """Every architecture, or (`only`) those named, their entries merged into the committed files."""
     import transformers
@@ -174,6 +206,9 @@ def main(only: list[str]) -> None:
                     arrays[arch] = model(input_ids=torch.tensor([p + ids]), use_cache=False).logits[0].float().numpy()
         out["archs"][arch] = cases
         print(arch, [c["generated_ids"] for c in cases], "min margin", min(c["min_margin"] for c in cases))
+        if arch in READBACK:
+            out.setdefault("gguf_readback", {})[arch] = gguf_readback(arch)
+            print(arch, "read back by transformers' GGUF loader:", out["gguf_readback"][arch])
         if arch not in POWERINFER:
             continue
         cases = []

@@ -35,6 +35,16 @@ def moe_models(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("moe"), MOE)
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_transformers_gguf_loader_reads_back_the_tiny_files_exactly(arch):
+    """The tiny qwen2moe and qwen3moe files, read back by transformers' own GGUF loader (scripts/
+    make_arch_reference.py records it): every tensor the transformers model holds equals the
+    weights the file was written from, so the writer's names and layouts (the stacked experts,
+    the shared expert and its gate) are right by an implementation that is not ours."""
+    rb = REF["gguf_readback"][arch]
+    assert rb["tensors"] == rb["read"] and rb["tensors"] >= 20 and rb["max_abs_diff"] == 0.0
+
+
 def test_the_reference_routes_with_a_margin():
     for arch in MOE:  # probabilities and logits: the engine's floats differ from transformers' by ~1e-6
         assert min(c["min_route_gap"] for c in REF["archs"][arch]) > 1e-3
