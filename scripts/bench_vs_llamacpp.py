@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (light: no torch)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_limits import CLOCK_TICK, MemoryLimit, drop_caches, tree_cpu_s, tree_memory, tree_read_bytes  # noqa: E402
+
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_WEIGHTS = "gguf-fast"  # what `sparseinfer` runs by default (--weights gguf --arith fast)
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "VECLIB_")
@@ -174,7 +177,9 @@ def serve(kind: str, cfg: dict) -> None:
             if cmd["op"] == "quit":
                 break
             try:
+                read0 = tree_read_bytes(os.getpid())
                 reply = side.run(cmd["mode"], cmd["prompt"], cmd["tg"])
+                reply["disk_read_bytes"] = tree_read_bytes(os.getpid()) - read0  # this tree's, from the disk
             except Exception as e:  # the parent names the side and the error, then stops
                 ch.send(ok=False, error=f"{cmd['mode']}: {type(e).__name__}: {e}")
                 raise
@@ -186,80 +191,30 @@ def serve(kind: str, cfg: dict) -> None:
 
 # ---- the parent: processes, memory, interleaving ---------------------------------------------
 
-def _children_of() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    kids, out, todo = _children_of(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
-
-
-def _proc_kb(path: str, key: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by `pid` and its live descendants."""
-    total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                v = f.read().rsplit(")", 1)[1].split()
-            total += int(v[11]) + int(v[12])  # utime, stime (fields 14 and 15)
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / _TICK
-
-
 def machine_busy_s() -> float:
     """CPU seconds all cores spent not idle since boot (/proc/stat)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / _TICK
-
-
-def tree_memory(pid: int) -> dict:
-    """Peak RSS (VmHWM) and PSS now, each summed over `pid` and its descendants, in bytes."""
-    pids = process_tree(pid)
-    return dict(peak_rss=1024 * sum(_proc_kb(f"/proc/{p}/status", "VmHWM:") for p in pids),
-                pss=1024 * sum(_proc_kb(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids),
-                processes=len(pids))
+    return (sum(v) - v[3] - v[4]) / CLOCK_TICK
 
 
 class Child:
     """A benchmarked process, driven over its stdin/stdout."""
 
-    def __init__(self, kind: str, cfg: dict, timeout_s: float = 900, env: dict | None = None):
-        self.kind = kind
+    def __init__(self, kind: str, cfg: dict, timeout_s: float = 900, env: dict | None = None,
+                 limit: MemoryLimit | None = None):
+        self.kind, self.limit = kind, limit
         self.t_spawn = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", kind,
                                       json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env={**clean_env(), **(env or {})}, text=True, cwd=str(REPO))
-        hello = self._read()
+                                     env={**clean_env(), **(env or {})}, text=True, cwd=str(REPO),
+                                     preexec_fn=limit.join if limit else None)
+        try:
+            hello = self._read()
+        except BaseException:  # it failed to load: gone before its caller cleans up after it
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.load_s = time.perf_counter() - self.t_spawn
         self.hello = hello
         self.modes = hello.get("modes", [])
@@ -412,6 +367,7 @@ def summarize(runs, pp: int, tg: int) -> dict:
         out[name]["other_cores"] = max(r["other_cores"] for r in rs)
         out[name]["retries"] = sum(r["retries"] for r in rs)
         out[name]["idle_sides_cores"] = max(r["idle_sides_cores"] for r in rs)
+        out[name]["disk_read_bytes"] = statistics.median(r.get("disk_read_bytes", 0) for r in rs)
         if "active_fraction" in rs[-1]:
             out[name]["active_fraction"] = statistics.median(r["active_fraction"] for r in rs)
         if "weight_bytes_read" in rs[-1]:
@@ -447,6 +403,32 @@ def level_envs(isa: str | None, only: str | None) -> tuple[dict, dict, str]:
                                         f"{ours['SPARSEINFER_ISA']}, llama.cpp built by setup-bench --isa {isa})")
 
 
+def limited(specs, args, prompt, max_other):
+    """Each side alone in a cgroup of --mem-limit MB, the page cache dropped before it starts:
+    load, warm up, its timed runs, its memory; then the next side. Returns bench()'s pieces."""
+    children, runs, mem = [], {}, {}
+    busy_before = busy_cores()
+    for i, (kind, cfg, env) in enumerate(specs):
+        drop_caches()
+        limit = MemoryLimit(f"sparseinfer-bench-{os.getpid()}-{i}", args.mem_limit << 20)
+        try:
+            try:
+                c = Child(kind, cfg, env=env, limit=limit)
+            except RuntimeError as e:  # a side that refuses (or dies) under the limit is a result too
+                print(f"{kind} under {args.mem_limit} MB: {e}", flush=True)
+                continue
+            try:
+                runs.update(bench([c], prompt, args.tg, args.reps, args.warmup, max_other))
+                mem[c] = {**c.memory(), "cgroup_peak": limit.peak()}
+            finally:
+                c.close()
+            mem[c]["oom_kills"] = limit.oom_kills()
+            children.append(c)
+        finally:
+            limit.remove()
+    return children, runs, mem, busy_before, busy_cores()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -474,6 +456,9 @@ def main():
     ap.add_argument("--isa", choices=["avx2", "avx-vnni"],
                     help="both sides at this x86 level: ours capped there, llama.cpp from .bench/llama-cpp-ISA "
                          "(scripts/setup-bench --isa ISA)")
+    ap.add_argument("--mem-limit", type=int, metavar="MB",
+                    help="each side alone under a memory limit of MB (a cgroup made for it, the page cache "
+                         "dropped first; root): the sides then run one after the other, not interleaved")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -491,33 +476,39 @@ def main():
     ours_env, llama_env, level = level_envs(args.isa, args.only)
     prompt = prompt_ids(args.model, args.pp)
     n_ctx = args.pp + args.tg + 16
-    children: list[Child] = []
-    try:
-        # Loaded one at a time, so no load is slowed down by another.
-        if args.only != "ours":
-            children.append(Child("llamacpp", dict(model=str(llama_model), threads=args.threads,
-                                                   n_ctx=n_ctx, n_batch=max(args.pp, 512)), env=llama_env))
-        if args.only != "llamacpp":
-            for w in args.weights:
-                label = "" if args.weights == [DEFAULT_WEIGHTS] else f"{w} "
-                # fast mode: dense decoding in an engine of its own (interleaved rows), the
-                # sparse levels and predictors in another (the file's rows)
-                split = [([], True), (args.sparsity, False)] if w == "gguf-fast" and args.sparsity else \
-                    [(args.sparsity, True)]
-                for levels, dense in split:
-                    children.append(Child("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx,
-                                                       weights=w, cpu_workers=args.cpu_workers,
-                                                       sparsity=levels, label=label, dense=dense,
-                                                       sparse_method=args.sparse_method),
-                                          env=ours_env))
-        busy_before = busy_cores()  # everything loaded and idle: should be ~0
-        runs = bench(children, prompt, args.tg, args.reps, args.warmup,
-                     None if args.max_other_cores < 0 else args.max_other_cores)
-        busy_after = busy_cores()
-        mem = {c: c.memory() for c in children}
-    finally:
-        for c in children:
-            c.close()
+    specs = []  # (kind, config, environment) of each benchmarked process
+    if args.only != "ours":
+        specs.append(("llamacpp", dict(model=str(llama_model), threads=args.threads, n_ctx=n_ctx,
+                                       n_batch=max(args.pp, 512)), llama_env))
+    if args.only != "llamacpp":
+        for w in args.weights:
+            label = "" if args.weights == [DEFAULT_WEIGHTS] else f"{w} "
+            # fast mode: dense decoding in an engine of its own (interleaved rows), the sparse
+            # levels and predictors in another (the file's rows)
+            split = [([], True), (args.sparsity, False)] if w == "gguf-fast" and args.sparsity else \
+                [(args.sparsity, True)]
+            for levels, dense in split:
+                specs.append(("ours", dict(model=str(args.model), threads=args.threads, n_ctx=n_ctx, weights=w,
+                                           cpu_workers=args.cpu_workers, sparsity=levels, label=label, dense=dense,
+                                           sparse_method=args.sparse_method), ours_env))
+    max_other = None if args.max_other_cores < 0 else args.max_other_cores
+    if args.mem_limit:
+        children, runs, mem, busy_before, busy_after = limited(specs, args, prompt, max_other)
+    else:
+        children: list[Child] = []
+        try:
+            for kind, cfg, env in specs:  # loaded one at a time, so no load is slowed down by another
+                children.append(Child(kind, cfg, env=env))
+            busy_before = busy_cores()  # everything loaded and idle: should be ~0
+            runs = bench(children, prompt, args.tg, args.reps, args.warmup, max_other)
+            busy_after = busy_cores()
+            mem = {c: c.memory() for c in children}
+        finally:
+            for c in children:
+                c.close()
+    if not runs:
+        print(f"no side ran under {args.mem_limit} MB")
+        return 1
     gb_s = None if args.no_bandwidth else measure_bandwidth(args.threads)
 
     res = summarize(runs, args.pp, args.tg)
@@ -526,6 +517,8 @@ def main():
             res[m].update(load_s=c.load_s, ttft_cold_s=c.load_s + (c.first_prefill_s or 0.0),
                           peak_rss_bytes=mem[c]["peak_rss"], pss_bytes=mem[c]["pss"],
                           processes=mem[c]["processes"])
+            if args.mem_limit:
+                res[m].update(cgroup_peak_bytes=mem[c]["cgroup_peak"], oom_kills=mem[c]["oom_kills"])
     busy = [None if b is None else round(b, 2) for b in (busy_before, busy_after)]
     print(f"model {args.model} ({args.model.stat().st_size / 1e9:.3f} GB)"
           + (f"; llama.cpp runs {llama_model}" if llama_model != args.model else ""))
@@ -556,6 +549,12 @@ def main():
           "other cores = the worst run's cores used by anything else meanwhile")
     if gb_s is not None:
         print(f"machine read bandwidth ({args.threads} threads, clean process): {gb_s:.1f} GB/s")
+    if args.mem_limit:
+        print(f"each side alone under {args.mem_limit} MB (a cgroup of its own, page cache dropped first):")
+        for name, r in res.items():
+            print(f"{name}: {r['disk_read_bytes'] / 1e6:.1f} MB read from disk a run ({r['disk_read_bytes'] / args.tg / 1e6:.2f}"
+                  f" MB a generated token), the group's peak {r['cgroup_peak_bytes'] / 1e6:.0f} MB (page cache "
+                  f"included), OOM kills {r['oom_kills']}")
     touched = {"ours": touched_bytes(args.model), "llama.cpp": touched_bytes(llama_model)}
     for name, r in res.items():
         side = "llama.cpp" if name == "llama.cpp" else "ours"
@@ -569,6 +568,7 @@ def main():
                   model_bytes=args.model.stat().st_size,
                   threads=args.threads, pp=args.pp, tg=args.tg, reps=args.reps, cpu_workers=args.cpu_workers,
                   weights=args.weights, isa=args.isa, level=level, busy_cores_other=busy, cpu_count=os.cpu_count(),
+                  mem_limit_mb=args.mem_limit,
                   read_bandwidth_gb_s=gb_s, results=res)
     if "llama.cpp" in res:
         base = res["llama.cpp"]
@@ -596,4 +596,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

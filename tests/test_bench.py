@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -156,3 +157,27 @@ def test_neuron_bytes_of_a_powerinfer_file_count_its_transposed_down(tiny_pwri, 
         want = sum(sizes[f"blk.0.ffn_{n}.weight"] for n in ("gate", "up", "down_t")) / eng.cfg.n_ff
         assert observe.ffn_neuron_bytes(eng) == want
         assert ffn_bytes_per_token(eng, Mode("predictor", predictors=eng.predictors), 0.1) > 0
+
+
+@pytest.mark.skipif(not (os.access("/sys/fs/cgroup/memory", os.W_OK) or os.access("/sys/fs/cgroup", os.W_OK)),
+                    reason="needs a writable cgroup (root)")
+def test_bench_runs_a_side_alone_under_a_memory_limit(tiny_model_factory, tmp_path):
+    """scripts/bench_vs_llamacpp.py --mem-limit: the side runs in a cgroup made for it (its peak,
+    page cache included, under the limit; its OOM kills counted), its disk reads are counted, and
+    the group is gone afterwards; a side the limit refuses is a line, not a traceback."""
+    from tests.conftest import REPO
+
+    path = tiny_model_factory(tensor_type="Q4_0", seed=8)
+    base = [sys.executable, str(REPO / "scripts" / "bench_vs_llamacpp.py"), "--model", str(path), "--only", "ours",
+            "--pp", "8", "--tg", "4", "--reps", "1", "--max-other-cores", "-1", "--no-bandwidth"]
+    before = set(os.listdir("/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory") else "/sys/fs/cgroup"))
+    out = tmp_path / "r.json"
+    r = subprocess.run([*base, "--mem-limit", "1500", "--json", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]["ours dense"]
+    assert 0 < res["cgroup_peak_bytes"] <= 1500 << 20 and res["oom_kills"] == 0 and res["disk_read_bytes"] >= 0
+    r = subprocess.run([*base, "--mem-limit", "20"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert "ours under 20 MB:" in r.stdout and "no side ran under 20 MB" in r.stdout and "Traceback" not in r.stderr
+    after = set(os.listdir("/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory") else "/sys/fs/cgroup"))
+    assert not {d for d in after - before if d.startswith("sparseinfer-bench-")}
