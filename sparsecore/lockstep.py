@@ -39,7 +39,7 @@ from protocol.doorbell import Request
 from protocol.shm_layout import REQ_PARTS, SLOT_PHASE, SharedBuffers
 
 from .config import ModelConfig
-from .kernels import (FFN_TOKEN_THRESHOLD, MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
+from .kernels import (MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
                       residual_norm_args)
 from .kv_pool import KvPool
 from .shard import ExpertsLayer, FileLayer
@@ -124,7 +124,7 @@ class Lockstep:
         if held is None or any(a is not b for a, b in zip(held[0], key)):
             x1 = self.x[0]
             att = [attn.part_args(self.h[:1], h0, h1, self.mine[p][:1]) for p in (0, 1)]
-            ffn = None if routed else [w.token_args(x1, self.activation, self.mine[p][0]) for p in (0, 1)]
+            ffn = None if routed else [w.token_call(x1, self.activation, self.mine[p][0]) for p in (0, 1)]
             held = self._one[i] = (key, att, ffn)
         return held
 
@@ -245,9 +245,9 @@ class Lockstep:
             if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
                 n_active += self.ffn[i].token_into(self.x[0], self.activation, None, None, self.mine[phase & 1][0])
             else:
-                args = ffn[phase & 1]
-                args[FFN_TOKEN_THRESHOLD] = float(thresholds[i]) if threshold else -1.0
-                n_active += _kernels.ffn_token(*args)
+                call = ffn[phase & 1]
+                call.threshold = float(thresholds[i]) if threshold else -1.0
+                n_active += _kernels.ffn_token(call.address)
             self._exchange(base + phase, peers, sums[phase & 1], 1, last_norm if i == n - 1 else 0, check,
                            self.post[i][1])
         h[0] = self.h[0]

@@ -13,6 +13,7 @@ the layer's threshold, compute, write the partial output into the process's slot
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from os import PathLike
@@ -27,8 +28,8 @@ from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
 from .gguf_file import open_gguf
-from .kernels import (MAX_SMALL_BATCH, FfnScratch, FileMatrix, _kernels, ffn_batch, ffn_token,
-                      ffn_token_args, neuron_align, ptr, supports)
+from .kernels import (MAX_SMALL_BATCH, FfnCall, FfnScratch, FileMatrix, Mat, _kernels, ffn_batch, ffn_token,
+                      ffn_token_call, mat_record, neuron_align, ptr, supports)
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
@@ -224,10 +225,10 @@ class FileLayer:
         return ffn_token(self.gate, self.up, self.down, x, self.own, activation, self.scratch, threshold, active,
                          self.fast, self.down_t, out, self.gate_mode)[1]
 
-    def token_args(self, x: np.ndarray, activation: str, out: np.ndarray) -> list:
-        """token_into's kernel arguments for this x and out, resolved once (kernels.ffn_token_args:
-        the threshold at FFN_TOKEN_THRESHOLD; no mask)."""
-        return ffn_token_args(self.gate, self.up, self.down, x, self.own, activation, self.scratch, self.fast,
+    def token_call(self, x: np.ndarray, activation: str, out: np.ndarray) -> FfnCall:
+        """token_into's kernel record for this x and out, resolved once (kernels.ffn_token_call:
+        dense until its threshold is set; no mask)."""
+        return ffn_token_call(self.gate, self.up, self.down, x, self.own, activation, self.scratch, self.fast,
                               self.down_t, out, self.gate_mode)
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
@@ -340,11 +341,12 @@ class ExpertsLayer:
             self.shared_gate = np.ascontiguousarray(
                 store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
-        # every expert's (gate, up, down) kernel arguments, looked up by the native token step
-        self.table = np.array([[*e.gate.args, *e.up.args, *e.down.args] for e in self.experts], np.int64)
-        self._head = (ptr(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
+        # every expert's gate, up and down as mat records, looked up by the native token step
+        self.table = (Mat * (3 * len(self.experts)))(*(mat_record(m) for e in self.experts
+                                                       for m in (e.gate, e.up, e.down)))
+        self._head = (ctypes.addressof(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
-        self._calls: dict[tuple[int, int], list] = {}  # (x, out) addresses -> the call's arguments
+        self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
 
     @property
     def nbytes(self) -> int:
@@ -370,16 +372,17 @@ class ExpertsLayer:
         if active is not None or threshold is not None:
             raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
         key = (x.ctypes.data, out.ctypes.data)
-        args = self._calls.get(key)
+        args, _ = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
             e = self.experts[0]
-            ffn = ffn_token_args(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
+            ffn = ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
                                  self.gate_mode)
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
-            args = self._calls[key] = [*self._head, ptr(out), *ffn]
+            args = [*self._head, ptr(out), ffn.address]
+            self._calls[key] = (args, ffn)  # the record lives as long as its address is kept
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
-                self._calls = {key: args}
+                self._calls = {key: self._calls[key]}
         n = _kernels.moe_token(*args)
         if self.shared is not None:  # its share of the shared expert, scaled by the gate
             part = self.part[0]

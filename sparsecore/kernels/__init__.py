@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _kernels
 from .file_matrix import FileMatrix, check_batch, q8_scratch
+from .ffn_call import FfnCall, Mat, mat_record  # noqa: F401
 from .formats import (COLS_HEADER, COLS_TYPES, FILE_LAYOUT, FUSED_TYPES, MAX_SMALL_BATCH, NATIVE_TYPES,  # noqa: F401
                       Q8_BLOCK_BYTES, R16, R16_TYPES, SIMD_LEVELS, X16, X16_TYPES, blocked_rows, input_major_bytes,
                       input_major_type, interleaving, isa, neuron_align, set_isa, supports)
@@ -127,8 +128,8 @@ class FfnScratch:
         self.xq = q8_scratch(hidden)
         self.hq = q8_scratch(n_own)
         self.y = np.empty(hidden, np.float32)
-        # h, any, xq, hq, counts as ffn_token takes them (it has no any or counts), looked up once
-        self.token_ptrs = (ptr(self.h), 0, ptr(self.xq), ptr(self.hq), 0)
+        # the scratch fields of ffn_token's record (it has no any or counts), looked up once
+        self.token_ptrs = {"h": ptr(self.h), "xq": ptr(self.xq), "hq": ptr(self.hq)}
         self.tiles: list[np.ndarray] = []
         self.small: tuple[np.ndarray, ...] = ()
 
@@ -140,8 +141,8 @@ class FfnScratch:
             self.small = (np.empty(B * n, np.float32), np.empty(n, np.uint8), q8_scratch(self.hidden, B),
                           q8_scratch(n, B), np.zeros(B, np.int64), np.empty((B, self.hidden), np.float32),
                           np.empty(B, np.float32))
-            # h, any, xq, hq, counts as the kernel takes them: looked up once, not per layer and step
-            self.small_ptrs = tuple(ptr(a) for a in self.small[:5])
+            # the scratch fields of ffn_batch's record: looked up once, not per layer and step
+            self.small_ptrs = dict(zip(("h", "any", "xq", "hq", "counts"), (ptr(a) for a in self.small[:5])))
         return self.small
 
     def batch_tiles(self, chunk: int) -> list[np.ndarray]:
@@ -178,33 +179,40 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS."""
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
-    args = ffn_token_args(gate, up, down, x, own, activation, scratch, fast, down_t, y, gate_mode, mask)
-    args[FFN_TOKEN_THRESHOLD] = -1.0 if threshold is None else float(threshold)
-    return y, _kernels.ffn_token(*args)
+    call = ffn_token_call(gate, up, down, x, own, activation, scratch, fast, down_t, y, gate_mode, mask)
+    call.threshold = -1.0 if threshold is None else float(threshold)
+    return y, _kernels.ffn_token(call.address)
 
 
-# Where ffn_token_args puts the threshold: after the three matrices' FileMatrix.args (5 each:
-# base.c's MAT_ARGS) and five integers.
-FFN_TOKEN_THRESHOLD = 3 * 5 + 5
+def _ffn_record(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+                fast: bool, down_t: bool, out: np.ndarray, gate_mode: str, mask: np.ndarray | None,
+                B: int, scratch_ptrs: dict) -> FfnCall:
+    """The FfnCall of ffn_token or ffn_batch, every field by name (unset: 0, NULL)."""
+    call = FfnCall(gate=mat_record(gate), up=mat_record(up), down=mat_record(down), down_t=int(down_t),
+                   hidden=x.shape[-1], own0=own.start, n_own=len(own), act=ACT_IDS[activation] | GATE_BITS[gate_mode],
+                   threshold=-1.0, mask=0 if mask is None else ptr(mask), x=ptr(x), B=B, fast=int(fast), y=ptr(out),
+                   **scratch_ptrs)
+    call.keep = (x, out, mask)  # the arrays its addresses point into live as long as the record
+    return call
 
 
-def ffn_token_args(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+def ffn_token_call(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
                    scratch: FfnScratch, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str = "par",
-                   mask: np.ndarray | None = None) -> list:
-    """The arguments of _kernels.ffn_token for ffn_token of this x into out, checked and
-    resolved, the threshold at FFN_TOKEN_THRESHOLD (negative: dense). ffn_token sets it and
-    calls the kernel; a caller that runs the same product every step (sparsecore/lockstep.py)
-    keeps them and does the same without the checks and addresses (about 10 us of Python a
-    call). x, out: contiguous float32 (hidden,), the same arrays at every call of kept
-    arguments; the matrices must stay what they are (a twin attached later makes others)."""
+                   mask: np.ndarray | None = None) -> FfnCall:
+    """The record _kernels.ffn_token reads (FfnCall, by its address) for ffn_token of this x into
+    out, checked and resolved, its threshold -1 (dense). ffn_token sets the threshold and calls
+    the kernel; a caller that runs the same product every step (sparsecore/lockstep.py) keeps
+    the record and does the same without the checks and addresses (about 10 us of Python a
+    call). x, out: contiguous float32 (hidden,), the same arrays at every call of a kept record;
+    the matrices must stay what they are (a twin attached later makes others)."""
     hidden = _check_ffn(gate, up, down, own, mask, down_t)
     if x.dtype != np.float32 or x.shape != (hidden,) or not x.flags.c_contiguous:
         raise ValueError(f"x has {x.size} values, the layer's hidden size is {hidden}")
     if out.dtype != np.float32 or out.shape != (hidden,) or not out.flags.c_contiguous:
         raise ValueError(f"out must be {hidden} contiguous float32 values")
-    return [*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-            ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, 0, 0 if mask is None else ptr(mask), ptr(x), 1,
-            int(fast), *scratch.token_ptrs, ptr(out)]
+    call = _ffn_record(gate, up, down, x, own, activation, fast, down_t, out, gate_mode, mask, 1, scratch.token_ptrs)
+    call.keep += (scratch,)
+    return call
 
 
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
@@ -224,15 +232,11 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     y = ys[:B] if out is None else out
     if y.dtype != np.float32 or y.shape != (B, hidden) or not y.flags.c_contiguous:
         raise ValueError(f"out must be ({B}, {hidden}) contiguous float32 values")
-    if threshold is None:
-        thr_ptr = 0
-    else:
+    call = _ffn_record(gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, B, scratch.small_ptrs)
+    if threshold is not None:
         thr[:B] = threshold  # a scalar or B values
-        thr_ptr = ptr(thr)
-    n = _kernels.ffn_batch(*gate.args, *up.args, *down.args, int(down_t), hidden, own.start, len(own),
-                           ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, thr_ptr, 0 if mask is None else ptr(mask),
-                           ptr(x), B, int(fast), *scratch.small_ptrs, ptr(y))
-    return y, n
+        call.thr = ptr(thr)
+    return y, _kernels.ffn_batch(call.address)
 
 
 from .attention import ATTN_EXTRA, AttentionExtras, AttentionStep  # noqa: E402,F401 (uses the names above)

@@ -1,17 +1,6 @@
 /* _kernels.c, part: routed experts (sparsecore/shard.py ExpertsLayer): a token's routing and its
  * chosen experts' shares in one call, instead of a Python loop of k FFN calls a layer. */
 
-/* A matrix as FileMatrix.args gives it, kept in a table of int64 (one row of 3 x 5 per expert:
- * gate, up, down) so the experts a token picks are looked up, not passed. */
-static mat mat_from_row(const int64_t *a) {
-    mat m;
-    m.base = (const uint8_t *)(intptr_t)a[0];
-    m.stride = a[1];
-    m.t = (int)a[2], m.layout = (int)a[3];
-    m.cols = (const void *)(intptr_t)a[4];
-    return m;
-}
-
 /* The routing of x (hidden) as llama.cpp's build_moe_ffn computes it for softmax gating: the
  * router's E logits (exact arithmetic, so every process that routes the same x picks the same
  * experts), softmax, the k most probable (ties to the lower index), their probabilities as
@@ -41,16 +30,18 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
 }
 
 /* One token's share of a routed layer: route c->x, then for each chosen expert e (in order of
- * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y)
+ * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y;
+ * the table holds every expert's gate, up and down as mat records, so the experts a token picks
+ * are looked up, not passed)
  * times its weight, summed into out (hidden). Returns the active neurons, or ffn_token's error. */
-static int64_t moe_token(const int64_t *table, int E, int k, int renorm, mat router, float *probs, int32_t *ids,
+static int64_t moe_token(const mat *table, int E, int k, int renorm, mat router, float *probs, int32_t *ids,
                          float *w, ffn_call *c, float *out) {
     moe_route(router, c->x, c->hidden, E, k, renorm, probs, ids, w);
     memset(out, 0, sizeof(float) * c->hidden);
     int64_t n = 0;
     for (int j = 0; j < k; j++) {
-        const int64_t *row = table + (int64_t)ids[j] * 3 * 5;
-        c->gate = mat_from_row(row), c->up = mat_from_row(row + 5), c->down = mat_from_row(row + 10);
+        const mat *row = table + (int64_t)ids[j] * 3;
+        c->gate = row[0], c->up = row[1], c->down = row[2];
         int64_t a = ffn_token(c);
         if (a < 0) return a;
         n += a;

@@ -6,13 +6,8 @@
 /* A matrix as FileMatrix.args hands it over: (ptr, stride, type, layout, twin|0), MAT_ARGS values;
  * twin: the address of its input-major twin's header (cols_hdr) or 0 */
 #define MAT_ARGS 5
-static int get_mat(PyObject *const *a, mat *m) {
-    m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
-    m->stride = PyLong_AsLongLong(a[1]);
-    m->t = (int)PyLong_AsLong(a[2]);
-    m->layout = (int)PyLong_AsLong(a[3]);
-    m->cols = PyLong_AsVoidPtr(a[4]);
-    if (PyErr_Occurred()) return -1;
+/* whether m is a matrix the kernels take: its type, a layout that type takes, its twin's header */
+static int check_mat(const mat *m) {
     if (!type_bytes(m->t) || !(m->layout == L_FILE || (m->layout == L_X16 && x16_type(m->t))
                                || (m->layout == L_R16 && r16_type(m->t)))) {
         PyErr_Format(PyExc_ValueError, "unsupported tensor type %d in layout %d", m->t, m->layout);
@@ -24,6 +19,16 @@ static int get_mat(PyObject *const *a, mat *m) {
         return -1;
     }
     return 0;
+}
+
+static int get_mat(PyObject *const *a, mat *m) {
+    m->base = (const uint8_t *)PyLong_AsVoidPtr(a[0]);
+    m->stride = PyLong_AsLongLong(a[1]);
+    m->t = (int)PyLong_AsLong(a[2]);
+    m->layout = (int)PyLong_AsLong(a[3]);
+    m->cols = PyLong_AsVoidPtr(a[4]);
+    if (PyErr_Occurred()) return -1;
+    return check_mat(m);
 }
 
 #define ARG_PTR(i) PyLong_AsVoidPtr(args[i])
@@ -50,30 +55,19 @@ static PyObject *py_matvec(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_token and ffn_batch take the same FFN_ARGS arguments, read into one ffn_call:
- *   gate(MAT_ARGS), up(MAT_ARGS), down(MAT_ARGS), down_t, hidden, own0, n_own, act, threshold, thr_ptr|0, mask_ptr|0,
- *   x_ptr, B, fast, h_ptr, any_ptr|0, xq_ptr, hq_ptr, counts_ptr|0, y_ptr
- * ffn_token reads threshold and one token (B 1), ffn_batch thr, any and counts (ffn_step.c's
- * ffn_call says what each is). */
-#define FFN_ARGS (3 * MAT_ARGS + 17)
-static int get_ffn_call(const char *name, PyObject *const *args, Py_ssize_t nargs, ffn_call *c) {
-    if (nargs != FFN_ARGS) { PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, FFN_ARGS); return -1; }
-    if (get_mat(args, &c->gate) || get_mat(args + MAT_ARGS, &c->up) || get_mat(args + 2 * MAT_ARGS, &c->down)) return -1;
-    args += 3 * MAT_ARGS;
-    c->down_t = (int)ARG_LL(0), c->hidden = (int)ARG_LL(1);
-    c->own0 = ARG_LL(2), c->n_own = ARG_LL(3);
-    c->act = (int)ARG_LL(4);
-    c->threshold = (float)PyFloat_AsDouble(args[5]);
-    c->thr = ARG_PTR(6);
-    c->mask = ARG_PTR(7);
-    c->x = ARG_PTR(8);
-    c->B = (int)ARG_LL(9), c->fast = (int)ARG_LL(10);
-    c->h = ARG_PTR(11);
-    c->any = ARG_PTR(12);
-    c->xq = ARG_PTR(13), c->hq = ARG_PTR(14);
-    c->counts = ARG_PTR(15);
-    c->y = ARG_PTR(16);
-    if (PyErr_Occurred()) return -1;
+/* ffn_token, ffn_batch and moe_token take the address of one ffn_call record (ffn_step.c),
+ * which the Python side fills by field name (sparsecore/kernels/ffn_call.py's FfnCall, whose
+ * layout is checked at import against ffn_call_layout): no positional mirror of the fields.
+ * The record is copied, so a call reads one snapshot of it and moe_token may change its copy's
+ * matrices; its matrices are checked as FileMatrix.args are (check_mat). */
+static int get_ffn_call(const char *name, PyObject *addr, ffn_call *c) {
+    const ffn_call *rec = PyLong_AsVoidPtr(addr);
+    if (!rec) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: no ffn_call record", name);
+        return -1;
+    }
+    *c = *rec;
+    if (check_mat(&c->gate) || check_mat(&c->up) || check_mat(&c->down)) return -1;
     if (c->B < 1 || c->B > MAXB) { PyErr_Format(PyExc_ValueError, "%s: %d tokens, at most %d", name, c->B, MAXB); return -1; }
     return 0;
 }
@@ -87,10 +81,10 @@ static PyObject *ffn_result(int64_t n) {
     return PyLong_FromLongLong(n);
 }
 
-/* ffn_token(<FFN_ARGS>) -> n_active: one token, B 1 */
-static PyObject *py_ffn_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* ffn_token(ffn_call_ptr) -> n_active: one token, B 1 */
+static PyObject *py_ffn_token(PyObject *self, PyObject *rec) {
     ffn_call c;
-    if (get_ffn_call("ffn_token", args, nargs, &c)) return NULL;
+    if (get_ffn_call("ffn_token", rec, &c)) return NULL;
     if (c.B != 1) { PyErr_SetString(PyExc_ValueError, "ffn_token: one token"); return NULL; }
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
@@ -117,15 +111,16 @@ static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* moe_token(table_ptr (E x 15 int64: each expert's gate, up, down MAT_ARGS), E, k, renorm,
- *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, <FFN_ARGS: the matrices any
- *           expert's, y the one-expert scratch>) -> active neurons */
+/* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, renorm,
+ *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, ffn_call_ptr (the matrices
+ *           any expert's, y the one-expert scratch)) -> active neurons */
+#define MOE_ARGS (4 + MAT_ARGS + 5)
 static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != MAT_ARGS + 8 + FFN_ARGS) {
-        PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MAT_ARGS + 8 + FFN_ARGS);
+    if (nargs != MOE_ARGS) {
+        PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MOE_ARGS);
         return NULL;
     }
-    const int64_t *table = ARG_PTR(0);
+    const mat *table = ARG_PTR(0);
     int E = (int)ARG_LL(1), k = (int)ARG_LL(2), renorm = (int)ARG_LL(3);
     mat r;
     if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
@@ -133,7 +128,7 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     float *probs = ARG_PTR(0), *w = ARG_PTR(2), *out = ARG_PTR(3);
     int32_t *ids = ARG_PTR(1);
     ffn_call c;
-    if (PyErr_Occurred() || get_ffn_call("moe_token", args + 4, FFN_ARGS, &c)) return NULL;
+    if (PyErr_Occurred() || get_ffn_call("moe_token", args[4], &c)) return NULL;
     if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask || c.threshold >= 0.f) {
         PyErr_SetString(PyExc_ValueError, "moe_token: one token, dense experts, 1 <= k <= E");
         return NULL;
@@ -172,10 +167,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* ffn_batch(<FFN_ARGS>) -> active (neuron, token) pairs */
-static PyObject *py_ffn_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* ffn_batch(ffn_call_ptr) -> active (neuron, token) pairs */
+static PyObject *py_ffn_batch(PyObject *self, PyObject *rec) {
     ffn_call c;
-    if (get_ffn_call("ffn_batch", args, nargs, &c)) return NULL;
+    if (get_ffn_call("ffn_batch", rec, &c)) return NULL;
     int64_t n_active;
     Py_BEGIN_ALLOW_THREADS
     n_active = ffn_batch(&c);
@@ -236,6 +231,24 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
+
+/* ffn_call_layout() -> {"size": sizeof(ffn_call), field: offset, ..., "mat": {"size": sizeof(mat),
+ * field: offset, ...}}: what sparsecore/kernels/ffn_call.py's FfnCall and Mat must match, by name */
+#define OFF(s, f) #f, (Py_ssize_t)offsetof(s, f)
+static PyObject *py_ffn_call_layout(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *m = Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "size", (Py_ssize_t)sizeof(mat), OFF(mat, base),
+                                OFF(mat, stride), OFF(mat, t), OFF(mat, layout), OFF(mat, cols));
+    if (!m) return NULL;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:N}",
+                         "size", (Py_ssize_t)sizeof(ffn_call), OFF(ffn_call, gate), OFF(ffn_call, up),
+                         OFF(ffn_call, down), OFF(ffn_call, down_t), OFF(ffn_call, hidden), OFF(ffn_call, own0),
+                         OFF(ffn_call, n_own), OFF(ffn_call, act), OFF(ffn_call, threshold), OFF(ffn_call, thr),
+                         OFF(ffn_call, mask), OFF(ffn_call, x), OFF(ffn_call, B), OFF(ffn_call, fast),
+                         OFF(ffn_call, h), OFF(ffn_call, any), OFF(ffn_call, xq), OFF(ffn_call, hq),
+                         OFF(ffn_call, counts), OFF(ffn_call, y), "mat", m);
+}
+#undef OFF
 
 /* attn_extra_layout() -> (sizeof(attn_extra), offsets of bias, q_norm, k_norm, post_norm, scale,
  * out_scale, window): what sparsecore/kernels/attention_extra.py's record must match */
@@ -534,9 +547,9 @@ static PyMethodDef methods[] = {
     {"attn_batch", (PyCFunction)(void (*)(void))py_attn_batch, METH_FASTCALL, "a small batch's attention blocks"},
     {"attn_part", (PyCFunction)(void (*)(void))py_attn_part, METH_FASTCALL, "some heads' share of attention"},
     {"matvec", (PyCFunction)(void (*)(void))py_matvec, METH_FASTCALL, "rows . x in the file's blocks"},
-    {"ffn_token", (PyCFunction)(void (*)(void))py_ffn_token, METH_FASTCALL, "one token's partial FFN"},
+    {"ffn_token", py_ffn_token, METH_O, "one token's partial FFN (an ffn_call record's address)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "rows . x for a small batch of tokens"},
-    {"ffn_batch", (PyCFunction)(void (*)(void))py_ffn_batch, METH_FASTCALL, "a small batch's partial FFN"},
+    {"ffn_batch", py_ffn_batch, METH_O, "a small batch's partial FFN (an ffn_call record's address)"},
     {"moe_route", (PyCFunction)(void (*)(void))py_moe_route, METH_FASTCALL, "a token's experts and weights"},
     {"moe_token", (PyCFunction)(void (*)(void))py_moe_token, METH_FASTCALL, "a token's share of its experts"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
@@ -544,6 +557,7 @@ static PyMethodDef methods[] = {
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
     {"quantize_q8", (PyCFunction)(void (*)(void))py_quantize_q8, METH_FASTCALL, "8-bit activation blocks"},
     {"residual_norm", (PyCFunction)(void (*)(void))py_residual_norm, METH_FASTCALL, "h += shares; x = norm(h)"},
+    {"ffn_call_layout", py_ffn_call_layout, METH_NOARGS, "the FFN call's record layout, by field"},
     {"attn_extra_layout", py_attn_extra_layout, METH_NOARGS, "the attention variants' record layout"},
     {"cols_bytes", (PyCFunction)(void (*)(void))py_cols_bytes, METH_FASTCALL, "an input-major twin's bytes"},
     {"skip_strings", (PyCFunction)(void (*)(void))py_skip_strings, METH_FASTCALL, "where a GGUF string array ends"},
