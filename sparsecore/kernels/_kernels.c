@@ -26,8 +26,9 @@
  * its block formats, repacked layouts and ops): the parts below are included in this order as
  * ONE compilation unit, so that inlining (always_inline included) and the tiles' compile-time
  * token counts work across them as in a single file; each part uses only what comes before it.
- * Each per-instruction-set part holds its level's kernels for one concern; dispatch.c picks one
- * at run time (use_avx2, use_vnni: python_module.c's set_isa). */
+ * Each per-instruction-set part holds its level's kernels for one concern; tables.c puts the
+ * level in use's kernels in one table when python_module.c's set_isa chooses the level, and
+ * dispatch.c calls through it. */
 #include "base.c"                /* platform, target attributes, type ids and block sizes, f16, mat, level flags */
 #include "blocks_generic.c"      /* the file's block formats: K-quant, Q5 and IQ4 unpacking, quantize_q8, exact and fast dots, axpy, dequant */
 #include "blocks_avx2.c"         /* the same with AVX2, one row and several tokens per row */
@@ -40,8 +41,9 @@
 #include "cols_avx512.c"         /* their fast products with AVX-512 VNNI */
 #include "cols_kquants_generic.c" /* Q5_0, Q5_1 and K-quant twins: bytes, repacking, dequant, portable products, prefetch */
 #include "cols_kquants_avx2.c"    /* their fast products on 256-bit registers (AVX2, AVX-VNNI) */
-#include "cols_kquants_avx512.c"  /* their fast products with AVX-512 VNNI; kq_products, their level dispatch */
-#include "dispatch.c"            /* each product at the level in use: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products */
+#include "cols_kquants_avx512.c"  /* their fast products with AVX-512 VNNI */
+#include "tables.c"              /* the kernel table: each product's kernel at the level in use, per type; fill_kernels */
+#include "dispatch.c"            /* each product through the table: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products, kq_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */
 #include "moe_step.c"            /* routed experts: moe_route, moe_token (a token's experts in one call) */

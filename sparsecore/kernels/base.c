@@ -8,6 +8,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>  /* offsetof: the records' layouts (python_module.c); x86 builds got it through immintrin.h */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -82,25 +83,36 @@ static void *grown(void **buf, int64_t *cap, int64_t bytes) {
 
 /* ---- types and block sizes ------------------------------------------------------------------ */
 
-static inline int is_iq3(int t) { return t == T_IQ3_XXS || t == T_IQ3_S; }
-/* blocks of 256 values (8 activation blocks each): the K-quants, and IQ4_XS, IQ3_XXS, IQ3_S, unpacked with them (kunpack) */
-static inline int is_kquant(int t) {
-    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS || is_iq3(t);
+/* What the kernels know of each type, indexed by its GGML id (ggml's type_traits, as data):
+ * values per block, bytes per block, and its family, read instead of a switch or a chain of
+ * comparisons wherever a type's facts are asked. An id outside the table, or a type the kernels
+ * do not read, has 0 bytes (type_bytes: the entry points' check). */
+enum { TF_KQUANT = 1,  /* blocks of 256 values (8 activation blocks each): the K-quants, IQ4_XS, IQ3_XXS, IQ3_S (kunpack) */
+       TF_K23 = 2,     /* Q2_K and Q3_K: sub-blocks of 16 and, with AVX2, fast mode's own kernels (k23_*) */
+       TF_IQ3 = 4,     /* IQ3_XXS and IQ3_S (grid values) */
+       TF_X16 = 8,     /* takes the X16 layout (interleave) */
+       TF_R16 = 16 };  /* takes the R16 layout (interleave_blocks) */
+typedef struct { int16_t block, bytes; int flags; } type_traits;
+#define N_TYPES 31
+static const type_traits TYPES[N_TYPES] = {
+    [T_F32] = {1, 4, 0}, [T_F16] = {1, 2, 0}, [T_BF16] = {1, 2, 0},
+    [T_Q4_0] = {QK, 18, TF_X16 | TF_R16}, [T_Q4_1] = {QK, 20, TF_X16 | TF_R16}, [T_Q8_0] = {QK, 34, TF_X16 | TF_R16},
+    [T_Q5_0] = {QK, 22, TF_X16}, [T_Q5_1] = {QK, 24, TF_X16}, [T_IQ4_NL] = {QK, 18, TF_X16},
+    [T_Q2_K] = {QKK, 84, TF_KQUANT | TF_K23 | TF_X16}, [T_Q3_K] = {QKK, 110, TF_KQUANT | TF_K23 | TF_X16},
+    [T_Q4_K] = {QKK, 144, TF_KQUANT | TF_X16}, [T_Q5_K] = {QKK, 176, TF_KQUANT}, [T_Q6_K] = {QKK, 210, TF_KQUANT | TF_X16},
+    [T_IQ4_XS] = {QKK, 136, TF_KQUANT | TF_X16},
+    [T_IQ3_XXS] = {QKK, 98, TF_KQUANT | TF_IQ3}, [T_IQ3_S] = {QKK, 110, TF_KQUANT | TF_IQ3},
+};
+/* t's entry; ids the table lacks read as an empty entry (0 bytes: not a type the kernels take) */
+static inline type_traits traits(int t) {
+    static const type_traits none = {0, 0, 0};
+    return t >= 0 && t < N_TYPES ? TYPES[t] : none;
 }
-/* the 2- and 3-bit K-quants: sub-blocks of 16 and, with AVX2, fast mode's own kernels (k23_*) */
-static inline int is_k23(int t) { return t == T_Q2_K || t == T_Q3_K; }
-static int block_size(int t) { return (t == T_F32 || t == T_F16 || t == T_BF16) ? 1 : is_kquant(t) ? QKK : QK; }
-static int type_bytes(int t) {  /* bytes of one block */
-    switch (t) {
-    case T_F32: return 4; case T_F16: case T_BF16: return 2;
-    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q8_0: return 34;
-    case T_Q2_K: return 84; case T_Q3_K: return 110;
-    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
-    case T_Q5_0: return 22; case T_Q5_1: return 24; case T_IQ4_NL: return 18; case T_IQ4_XS: return 136;
-    case T_IQ3_XXS: return 98; case T_IQ3_S: return 110;
-    default: return 0;
-    }
-}
+static inline int is_iq3(int t) { return traits(t).flags & TF_IQ3; }
+static inline int is_kquant(int t) { return traits(t).flags & TF_KQUANT; }
+static inline int is_k23(int t) { return traits(t).flags & TF_K23; }
+static inline int block_size(int t) { return traits(t).block; }
+static inline int type_bytes(int t) { return traits(t).bytes; }  /* bytes of one block */
 /* quantized types: fast mode quantizes the activation to q8 blocks */
 static inline int is_quant(int t) { return block_size(t) >= QK; }
 
@@ -146,11 +158,8 @@ typedef struct {  /* one matrix: rows of `stride` bytes, values in the file's ty
 static inline int is_x16(mat m) { return m.layout == L_X16; }
 static inline int is_r16(mat m) { return m.layout == L_R16; }
 /* the types each repacked layout takes */
-static inline int x16_type(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS
-           || t == T_Q5_0 || t == T_Q5_1 || is_k23(t);
-}
-static inline int r16_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+static inline int x16_type(int t) { return traits(t).flags & TF_X16; }
+static inline int r16_type(int t) { return traits(t).flags & TF_R16; }
 
 static inline const uint8_t *row_at(mat m, int64_t r, int64_t col0) {
     return m.base + r * m.stride + (col0 / block_size(m.t)) * type_bytes(m.t);

@@ -127,38 +127,3 @@ VNNI static int64_t kq_fast_vnni(const cols_hdr *h, const q8blk *xq, const uint3
     }
 }
 #endif
-
-/* One token's product on a Q5_0, Q5_1 or K-quant twin h (cols_products' contract: y the R rows,
- * the threshold read once, the counters added: n_groups counts the groups (blocks of 32, or
- * super-blocks of 256) with an active input, each of which reads its head). Exact mode: the
- * portable loop at every level. */
-static int64_t kq_products(const cols_hdr *h, const float *x, const q8blk *xq, int fast, float *y) {
-    int t = h->t, bpg = kq_inputs(t) / QK;
-    float thr = *h->thr;
-    int64_t B = h->C / QK, rp = kq_rp(h->R), n_groups = 0, n;
-    uint32_t *masks = grown(&cm_buf, &cm_cap, sizeof(uint32_t) * B);
-    float *acc = rp == h->R ? y : grown(&cy_buf, &cy_cap, sizeof(float) * rp);
-    if (!masks || !acc) return -1;
-    uint32_t any = 0;
-    for (int64_t b = 0; b < B; b++) {
-#if HAVE_X86
-        if (use_vnni) masks[b] = cols_mask_vnni(x + b * QK, thr);
-        else if (use_avx2) masks[b] = cols_mask_avx2(x + b * QK, thr);
-        else
-#endif
-        masks[b] = cols_mask_c(x + b * QK, thr);
-        any |= masks[b];
-        if (b % bpg == bpg - 1) n_groups += any != 0, any = 0;
-    }
-#if HAVE_X86
-    if (fast && use_vnni) n = kq_fast_vnni(h, xq, masks, acc);
-    else if (fast && use_avx2) n = kq_fast_avx2(h, xq, masks, acc);
-    else
-#endif
-    n = kq_products_c(h, x, xq, fast, masks, acc);
-    if (acc != y) memcpy(y, acc, sizeof(float) * h->R);
-    cols_hdr *counts = (cols_hdr *)h;
-    __atomic_fetch_add(&counts->n_active, n, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&counts->n_groups, n_groups, __ATOMIC_RELAXED);
-    return n;
-}

@@ -1,105 +1,55 @@
-/* _kernels.c, part: the level dispatch: each product at the instruction-set level in use (use_avx2,
- * use_dp256, use_vnni), with the activations packed as that level's kernels read them. */
+/* _kernels.c, part: the level dispatch: each product through the kernel table (tables.c: the
+ * level in use's kernels, per type), with the activations packed as that level's kernels read
+ * them. */
 
-static void quantize_q8(const float *x, int n, q8blk *out) {
-#if HAVE_X86
-    if (use_avx2) { quantize_q8_avx2(x, n, out); return; }
-#endif
-    quantize_q8_c(x, n, out);
-}
+static inline void quantize_q8(const float *x, int n, q8blk *out) { kern.quantize_q8(x, n, out); }
 
-static inline void axpy(int t, const uint8_t *w, float a, float *y, int n) {
-#if HAVE_X86
-    if (use_avx2) { axpy_avx2(t, w, a, y, n); return; }
-#endif
-    axpy_c(t, w, a, y, n);
-}
-
-/* Fast mode's axpy (down_t rows of an active neuron): Q4_0 on VNNI CPUs in 512-bit steps,
- * (a d) (q - 8) added to y with one rounding; exact mode keeps axpy's arithmetic. */
+/* a row of down_t times a, added to y (n): exact mode's arithmetic, or fast mode's (Q4_0 on VNNI
+ * CPUs in 512-bit steps, (a d) (q - 8) added to y with one rounding) */
 static inline void axpy_any(int t, const uint8_t *w, float a, float *y, int n, int fast) {
-#if HAVE_X86
-    if (fast && use_vnni && t == T_Q4_0) { axpy_q4_0_vnni(w, a, y, n); return; }
-#endif
-    axpy(t, w, a, y, n);
+    (fast ? kern.axpy_fast : kern.axpy)[t](w, a, y, n);
 }
 
-static inline float dot_exact(int t, const uint8_t *w, const float *x, int n) {
-#if HAVE_X86
-    if (use_avx2) return dot_exact_avx2(t, w, x, n);
-#endif
-    return dot_exact_c(t, w, x, n);
-}
+/* The level's packer of m's activations in fast mode (R16 rows, or the type's), or NULL where its
+ * products read the q8 blocks themselves. */
+static inline const packer *packer_of(mat m) { return is_r16(m) ? kern.r16_pack : kern.pack[m.t]; }
 
-/* VNNI's fast-mode products read the activations repacked (xpair), once per product, into a
- * buffer of the calling thread (calls release the GIL), grown as needed and kept: NULL where
- * the product takes another path (then xq is read), or if it cannot grow (then AVX2's path). */
+/* Fast-mode products that read the activations packed (the table's pack) get them once per
+ * product, into a buffer of the calling thread (calls release the GIL), grown as needed and
+ * kept: NULL where the product takes another path (then xq is read), or if it cannot grow
+ * (then the level's kernels on q8 blocks). */
 static _Thread_local xpair *xp_buf;
 static _Thread_local int64_t xp_cap;
 static const xpair *pack_x(mat m, const q8blk *xq, int64_t ldq, int n, int B, int fast) {
-#if HAVE_X86
-    int t = m.t, nb = n / QK;
-    int64_t need = is_r16(m) ? B * r16_ld(nb) : is_k23(t) ? B * k23_ld(nb) : xp_size(nb, B);
-    /* AVX2 packs for R16 rows and Q2_K/Q3_K only (its other products read xq); VNNI for the
-     * types it has steps for (vnni_type); Q2_K and Q3_K take AVX2's products at every level
-     * (k23_pack: the tokens' sums over 16 values), the other types without VNNI steps read xq */
-    if (!(fast && is_quant(t) && ((use_avx2 && (is_r16(m) || is_k23(t))) || (use_vnni && (is_r16(m) || vnni_type(t))))) ||
-        need == 0)
-        return NULL;
+    const packer *p = fast ? packer_of(m) : NULL;
+    int64_t need = p ? p->size(n / QK, B) : 0;
+    if (need == 0) return NULL;
     if (need > xp_cap) {
         free(xp_buf);
         xp_buf = aligned_alloc(64, need * sizeof(xpair));
         xp_cap = xp_buf ? need : 0;
         if (!xp_buf) return NULL;
     }
-    if (is_r16(m)) r16_pack(t, xq, ldq, nb, B, xp_buf);
-    else if (is_k23(t)) k23_pack(xq, ldq, nb, B, xp_buf);
-    else vnni_pack(t, xq, ldq, nb, B, xp_buf);
+    p->pack(m.t, xq, ldq, n / QK, B, xp_buf);
     return xp_buf;
-#else
-    return NULL;
-#endif
 }
 
 /* whether b's products read the activations as a's do (pack_x): the same type and layout */
 static inline int same_pack(mat a, mat b) { return a.t == b.t && a.layout == b.layout; }
 
 static inline int64_t xp_ld_any(mat m, int n) {  /* one token's share of pack_x's buffer */
-#if HAVE_X86
-    return is_r16(m) ? r16_ld(n / QK) : is_k23(m.t) ? k23_ld(n / QK) : xp_ld(n / QK);
-#else
-    (void)m, (void)n;
-    return 0;
-#endif
+    const packer *p = packer_of(m);
+    return p ? p->ld(n / QK) : 0;
 }
-
-#if HAVE_X86
-/* one R16 row times one token packed by pack_x, at the level in use */
-static inline float r16_dot(int t, const uint8_t *w, const xpair *x, int nb) {
-    return use_vnni ? r16_dot_vnni(t, w, x, nb) : use_dp256 == 1 ? r16_dot_avxvnni(t, w, x, nb)
-           : use_dp256 == 2 ? r16_dot_vnni256(t, w, x, nb) : r16_dot_avx2(t, w, x, nb);
-}
-#endif
 
 /* row w of m . x: fast mode for quantized types; float types have no integer path and use x
  * itself. xp: xq packed by pack_x, or NULL */
 static inline float dot_any(mat m, const uint8_t *w, const float *x, const q8blk *xq, const xpair *xp, int n, int fast) {
     int t = m.t;
-    if (is_r16(m)) {  /* fast mode only (FileMatrix._rows) */
-#if HAVE_X86
-        if (xp) return r16_dot(t, w, xp, n / QK);
-#endif
-        return r16_dot_c(t, w, xq, n / QK);
-    }
-    if (fast && is_quant(t)) {
-#if HAVE_X86
-        if (xp && is_k23(t)) return dot_fast_k23(t, w, xq, (const float *)xp, n / QK);
-        if (xp) return dot_fast_vnni(t, w, xp, n / QK);
-        if (use_avx2) return dot_fast_avx2(t, w, xq, n / QK);
-#endif
-        return dot_fast_c(t, w, xq, n / QK);
-    }
-    return dot_exact(t, w, x, n);
+    if (is_r16(m))  /* fast mode only (FileMatrix._rows) */
+        return xp ? kern.r16_dot(t, w, xp, n / QK) : r16_dot_c(t, w, xq, n / QK);
+    if (fast && is_quant(t)) return xp ? kern.dot_packed[t](w, xq, xp, n / QK) : kern.dot_fast[t](w, xq, n / QK);
+    return kern.dot_exact[t](w, x, n);
 }
 
 /* B tokens against row w of m (see dots_exact_avx2): the row is read from memory once; the
@@ -108,27 +58,16 @@ static void dots_any(mat m, const uint8_t *w, const float *x, int64_t ldx, const
                      const xpair *xp, int n, int fast, int B, int alone, float *y, int64_t ldy) {
     int t = m.t;
     if (is_r16(m)) {  /* the row stays in L1 across the tokens */
-        for (int b = 0; b < B; b++) {
-#if HAVE_X86
-            if (xp) { y[b * ldy] = r16_dot(t, w, xp + b * r16_ld(n / QK), n / QK); continue; }
-#endif
-            y[b * ldy] = r16_dot_c(t, w, xq + b * ldq, n / QK);
-        }
+        for (int b = 0; b < B; b++)
+            y[b * ldy] = xp ? kern.r16_dot(t, w, xp + b * r16_ld(n / QK), n / QK) : r16_dot_c(t, w, xq + b * ldq, n / QK);
         return;
     }
     if (fast && is_quant(t)) {
-#if HAVE_X86
-        if (xp && is_k23(t)) { dots_fast_k23(t, w, xq, ldq, (const float *)xp, n / QK, B, y, ldy); return; }
-        if (xp) { dots_fast_vnni(t, w, xp, n / QK, B, alone, y, ldy); return; }
-        if (use_avx2) { dots_fast_avx2(t, w, xq, ldq, n / QK, B, y, ldy); return; }
-#endif
-        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(t, w, xq + b * ldq, n / QK);
+        if (xp) kern.dots_packed[t](w, xq, ldq, xp, n / QK, B, alone, y, ldy);
+        else kern.dots_fast[t](w, xq, ldq, n / QK, B, y, ldy);
         return;
     }
-#if HAVE_X86
-    if (use_avx2) { dots_exact_avx2(t, w, x, ldx, n, B, y, ldy); return; }
-#endif
-    for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(t, w, x + b * ldx, n);
+    kern.dots_exact[t](w, x, ldx, n, B, y, ldy);
 }
 
 /* Rows [start, start + n_rows) (start on a group) of an X16 matrix, columns [col0, col0 + n),
@@ -158,24 +97,40 @@ static void x16_products(mat m, int64_t start, int64_t n_rows, int64_t col0, int
                     hs[b * ldh + i] = sum;
             }
     }
-#if HAVE_X86
-    if (use_vnni) { x16_rows_vnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
-    if (use_dp256 == 1) { x16_rows_avxvnni(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
-    if (use_dp256 == 2) { x16_rows_vnni256(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
-    if (use_avx2) { x16_rows_avx2(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy); return; }
-#endif
-    x16_rows_c(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy);
+    kern.x16_rows(m.t, g, m.stride, n_rows, nb, xq, ldq, hs, ldh, B, y, ldy);
 }
 
-#if HAVE_X86
-/* every picked R16 row of a step in one call, at the level in use (x: r16_pack's, pack_x) */
-static void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
-    if (use_vnni) r16_rows_vnni(m, rows, start, n, x, nb, y);
-    else if (use_dp256 == 1) r16_rows_avxvnni(m, rows, start, n, x, nb, y);
-    else if (use_dp256 == 2) r16_rows_vnni256(m, rows, start, n, x, nb, y);
-    else r16_rows_avx2(m, rows, start, n, x, nb, y);
+/* every picked R16 row of a step in one call, at the level in use (x: r16_pack's, pack_x: only
+ * where the level has kern.r16_rows) */
+static inline void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n, const xpair *x, int nb, float *y) {
+    kern.r16_rows(m, rows, start, n, x, nb, y);
 }
-#endif
+
+/* One token's product on a Q5_0, Q5_1 or K-quant twin h (cols_products' contract: y the R rows,
+ * the threshold read once, the counters added: n_groups counts the groups (blocks of 32, or
+ * super-blocks of 256) with an active input, each of which reads its head). Exact mode: the
+ * portable loop at every level. */
+static int64_t kq_products(const cols_hdr *h, const float *x, const q8blk *xq, int fast, float *y) {
+    int t = h->t, bpg = kq_inputs(t) / QK;
+    float thr = *h->thr;
+    int64_t B = h->C / QK, rp = kq_rp(h->R), n_groups = 0, n;
+    uint32_t *masks = grown(&cm_buf, &cm_cap, sizeof(uint32_t) * B);
+    float *acc = rp == h->R ? y : grown(&cy_buf, &cy_cap, sizeof(float) * rp);
+    if (!masks || !acc) return -1;
+    uint32_t any = 0;
+    for (int64_t b = 0; b < B; b++) {
+        masks[b] = kern.cols_mask(x + b * QK, thr);
+        any |= masks[b];
+        if (b % bpg == bpg - 1) n_groups += any != 0, any = 0;
+    }
+    if (fast && kern.kq_fast) n = kern.kq_fast(h, xq, masks, acc);
+    else n = kq_products_c(h, x, xq, fast, masks, acc);
+    if (acc != y) memcpy(y, acc, sizeof(float) * h->R);
+    cols_hdr *counts = (cols_hdr *)h;
+    __atomic_fetch_add(&counts->n_active, n, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&counts->n_groups, n_groups, __ATOMIC_RELAXED);
+    return n;
+}
 
 /* One token's product on the twin h (cols_take said it applies), at the level in use: y (R
  * floats) for the twin's rows, x (its C inputs) and, fast, their q8 blocks xq. The threshold is
@@ -191,22 +146,11 @@ static int64_t cols_products(const cols_hdr *h, const float *x, const q8blk *xq,
     float *acc = rp == h->R ? y : grown(&cy_buf, &cy_cap, sizeof(float) * rp);
     if (!masks || !acc) return -1;
     for (int64_t g = 0; g < G; g++) {
-#if HAVE_X86
-        if (use_vnni) masks[g] = cols_mask_vnni(x + g * QK, thr);
-        else if (use_avx2) masks[g] = cols_mask_avx2(x + g * QK, thr);
-        else
-#endif
-        masks[g] = cols_mask_c(x + g * QK, thr);
+        masks[g] = kern.cols_mask(x + g * QK, thr);
         n_groups += masks[g] != 0;
     }
-#if HAVE_X86
-    if (fast && use_vnni) n = cols_fast_vnni(h, xq, masks, acc);
-    else if (fast && use_dp256 == 1) n = cols_fast_avxvnni(h, xq, masks, acc);
-    else if (fast && use_dp256 == 2) n = cols_fast_vnni256(h, xq, masks, acc);
-    else if (fast && use_avx2) n = cols_fast_avx2(h, xq, masks, acc);
-    else
-#endif
-    n = cols_products_c(h, x, xq, fast, thr, masks, acc);
+    if (fast && kern.cols_fast) n = kern.cols_fast(h, xq, masks, acc);
+    else n = cols_products_c(h, x, xq, fast, thr, masks, acc);
     if (acc != y) memcpy(y, acc, sizeof(float) * h->R);
     cols_hdr *counts = (cols_hdr *)h;  /* the owner's memory: the counters are the header's only writable part */
     __atomic_fetch_add(&counts->n_active, n, __ATOMIC_RELAXED);

@@ -420,6 +420,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     use_dp256 = !use_vnni && dp ? cpu_dp256() : 0;
     use_avx2 = (dp || strcmp(s, "avx2") == 0) && cpu_avx2();
 #endif
+    fill_kernels();  /* the products' kernels at the level now in use */
     return py_isa(self, NULL);
 }
 
@@ -578,5 +579,6 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     use_vbmi = use_vnni && __builtin_cpu_supports("avx512vbmi");
     use_dp256 = !use_vnni && cpu_dp256() == 1;  /* the best level: AVX-VNNI's own encoding only */
 #endif
+    fill_kernels();
     return PyModule_Create(&module);
 }
