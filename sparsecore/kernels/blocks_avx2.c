@@ -218,7 +218,7 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
 AVX2 static float dot_exact_k23(int t, const uint8_t *w, const float *x, int n);
 AVX2 static void axpy_k23(int t, const uint8_t *w, float a, float *y, int n);
 
-AVX2 static float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
+AVX2 static INLINE float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
     int nb = n / QK;
     switch (t) {
@@ -304,7 +304,7 @@ AVX2 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-AVX2 static float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb) {
+AVX2 static INLINE float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int nb) {
     __m256 acc = _mm256_setzero_ps();
     float extra = 0.f;  /* per-block offset terms (Q4_0's -8, Q4_1's min), summed in scalar */
     switch (t) {
@@ -394,7 +394,7 @@ AVX2 static inline void i8x32_axpy2(__m256i b, float *y, __m256 s_lo, __m256 s_h
         _mm256_storeu_ps(y + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), k < 2 ? s_lo : s_hi, _mm256_loadu_ps(y + 8 * k)));
 }
 
-AVX2 static void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
+AVX2 static INLINE void axpy_avx2(int t, const uint8_t *w, float a, float *y, int n) {
     const __m256 zero = _mm256_setzero_ps();
     switch (t) {
     case T_Q4_0:
@@ -619,13 +619,13 @@ AVX2 static INLINE void k23_fast_tile(int t, const uint8_t *w, const q8blk *xq, 
     for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
 }
 
-AVX2 static float dot_fast_k23(int t, const uint8_t *w, const q8blk *xq, const float *xs, int nb) {
+AVX2 static INLINE float dot_fast_k23(int t, const uint8_t *w, const q8blk *xq, const float *xs, int nb) {
     float y;
     k23_fast_tile(t, w, xq, 0, xs, 0, nb, 1, &y, 0);
     return y;
 }
 
-AVX2 static void dots_fast_k23(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, const float *xs, int nb, int B,
+AVX2 static INLINE void dots_fast_k23(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, const float *xs, int nb, int B,
                                float *y, int64_t ldy) {
     int64_t ldxs = 16 * k23_ld(nb);
     for (int b = 0; b < B; b += TILE, xq += TILE * ldq, xs += TILE * ldxs, y += TILE * ldy)
@@ -1015,7 +1015,7 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
     }
 }
 
-AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+AVX2 static INLINE void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
     for (int b = 0; b < B; b += TILE, x += TILE * ldx, y += TILE * ldy)
         switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
         case 4: dots_exact_tile(t, w, x, ldx, n, 4, y, ldy); break;
@@ -1025,7 +1025,7 @@ AVX2 static void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_
         }
 }
 
-AVX2 static void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
+AVX2 static INLINE void dots_fast_avx2(int t, const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) {
     for (int b = 0; b < B; b += TILE, xq += TILE * ldq, y += TILE * ldy)
         switch (B - b < TILE ? B - b : TILE) {
         case 4: dots_fast_tile(t, w, xq, ldq, nb, 4, y, ldy); break;

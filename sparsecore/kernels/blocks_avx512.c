@@ -401,7 +401,7 @@ VBMI static void dots_iq3_vbmi(int t, const uint8_t *w, const xpair *xp, int nb,
         }
 }
 
-VNNI static float dot_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb) {
+VNNI static INLINE float dot_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb) {
     float y;
     if (is_iq3(t)) { dots_iq3_vbmi(t, w, xp, nb, 1, &y, 0); return y; }
     dots_fast_vnni_tile(t, w, xp, nb, 1, 1, &y, 0);
@@ -409,7 +409,7 @@ VNNI static float dot_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb
 }
 
 /* alone: xp is one token's pack (vnni_pack with B = 1), not a tile of a batch's */
-VNNI static void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb, int B, int alone, float *y,
+VNNI static INLINE void dots_fast_vnni(int t, const uint8_t *w, const xpair *xp, int nb, int B, int alone, float *y,
                                 int64_t ldy) {
     if (is_iq3(t)) { dots_iq3_vbmi(t, w, xp, nb, B, y, ldy); return; }
     for (int b = 0; b < B; b += TILE_V, xp += TILE_V * xp_ld(nb), y += TILE_V * ldy)

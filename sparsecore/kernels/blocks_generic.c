@@ -315,7 +315,7 @@ static void quantize_q8_c(const float *x, int n, q8blk *out) {
 /* ---- dot products, portable ---------------------------------------------------------------- */
 
 /* exact: w (n values in type t) . x (float) */
-static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
+static INLINE float dot_exact_of(int t, const uint8_t *w, const float *x, int n) {
     float acc = 0.f;
     switch (t) {
     case T_F32: { const float *f = (const float *)w; for (int i = 0; i < n; i++) acc += f[i] * x[i]; break; }
@@ -373,7 +373,7 @@ static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) {
 }
 
 /* fast: w (quantized type) . xq (q8 blocks); float types fall back to the exact product with x */
-static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
+static INLINE float dot_fast_of(int t, const uint8_t *w, const q8blk *xq, int nb) {
     float acc = 0.f;
     if (is_kquant(t)) {  /* a K block of 256 spans 8 q8 blocks */
         int8_t q[QKK];
@@ -435,7 +435,7 @@ static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) {
 
 /* y += a * w (n values in type t): the down projection of one active neuron when the file holds
  * down transposed (PowerInfer's ffn_down_t: a neuron's down column is a row of blocks) */
-static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
+static INLINE void axpy_of(int t, const uint8_t *w, float a, float *y, int n) {
     switch (t) {
     case T_F32: { const float *f = (const float *)w; for (int i = 0; i < n; i++) y[i] += a * f[i]; break; }
     case T_F16: for (int i = 0; i < n; i++) y[i] += a * f16_to_f32(rd16(w + 2 * i)); break;
@@ -478,6 +478,14 @@ static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) {
     }
     }
 }
+
+
+/* The portable kernels with the type as an argument (the SIMD levels' fallbacks for types they
+ * have no kernel of); tables.c instantiates the *_of bodies above per type instead, the type a
+ * constant there, so that each entry is that type's code alone. */
+static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) { return dot_exact_of(t, w, x, n); }
+static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) { return dot_fast_of(t, w, xq, nb); }
+static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) { axpy_of(t, w, a, y, n); }
 
 /* One row's n values at w (type t, whole blocks) as float32 into o */
 static void dequant_row(int t, const uint8_t *w, int n, float *o) {

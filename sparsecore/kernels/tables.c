@@ -4,12 +4,12 @@
  * through it, so no product asks the level flags or compares type ids on its way to a kernel;
  * the choice of a kernel for a (level, type) is made here, in one place.
  *
- * Each per-type entry is the level's kernel with the type fixed (the *_T wrappers below, made
- * per type by FOR_TYPES): the kernels' bodies still switch on the type, on a constant there, so
- * the compiler can drop the other cases (and does: -O3 clones them per constant); either way an
- * entry runs exactly the code the level ran before, the same floats. A type the level has no
- * kernel of keeps the level below's entry (fill_kernels fills generic first, then each level
- * over it), as the levels' own fallbacks (default: the portable dot) did. */
+ * Each per-type entry is the level's kernel with the type fixed (the *_T functions below, made
+ * per type by FOR_TYPES): the kernels' bodies, which still switch on the type, are inlined into
+ * them (always_inline) with the type a constant, so each entry holds its type's case alone and
+ * no switch runs per row; the code of a case is what the level ran before, the same floats. A
+ * type the level has no kernel of gets the portable one (the level's default case, or the
+ * entry fill_kernels filled first: generic, then each level over it). */
 
 /* every type the kernels read (base.c's TYPES) */
 #define FOR_TYPES(X) X(F32) X(F16) X(BF16) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(IQ4_NL) X(Q2_K) X(Q3_K) \
@@ -62,15 +62,15 @@ static kernel_table kern;
 /* ---- the per-type entries: each level's kernel with the type fixed ----------------------- */
 
 #define GENERIC_T(T)                                                                                            \
-    static float dot_exact_c_##T(const uint8_t *w, const float *x, int n) { return dot_exact_c(T_##T, w, x, n); } \
+    static float dot_exact_c_##T(const uint8_t *w, const float *x, int n) { return dot_exact_of(T_##T, w, x, n); } \
     static void dots_exact_c_##T(const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) { \
-        for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_c(T_##T, w, x + b * ldx, n);                          \
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_exact_of(T_##T, w, x + b * ldx, n);                          \
     }                                                                                                           \
-    static float dot_fast_c_##T(const uint8_t *w, const q8blk *xq, int nb) { return dot_fast_c(T_##T, w, xq, nb); } \
+    static float dot_fast_c_##T(const uint8_t *w, const q8blk *xq, int nb) { return dot_fast_of(T_##T, w, xq, nb); } \
     static void dots_fast_c_##T(const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) { \
-        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(T_##T, w, xq + b * ldq, nb);                         \
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_of(T_##T, w, xq + b * ldq, nb);                         \
     }                                                                                                           \
-    static void axpy_c_##T(const uint8_t *w, float a, float *y, int n) { axpy_c(T_##T, w, a, y, n); }
+    static void axpy_c_##T(const uint8_t *w, float a, float *y, int n) { axpy_of(T_##T, w, a, y, n); }
 FOR_TYPES(GENERIC_T)
 
 #if HAVE_X86
