@@ -23,32 +23,27 @@
  */
 
 /* The source, by concern first and instruction set second (as llama.cpp's ggml-cpu lays out
- * its block formats, repacked layouts and ops): the parts below are included in this order as
- * ONE compilation unit, so that inlining (always_inline included) and the tiles' compile-time
- * token counts work across them as in a single file; each part uses only what comes before it.
- * Each per-instruction-set part holds its level's kernels for one concern; tables.c puts the
- * level in use's kernels in one table when python_module.c's set_isa chooses the level, and
- * dispatch.c calls through it. */
-#include "base.c"                /* platform, target attributes, type ids and block sizes, f16, mat, level flags */
+ * its block formats, repacked layouts and ops), in three compilation units linked into the one
+ * extension (setup.py): this one, the portable kernels and everything that calls kernels (the
+ * row loops, the fused steps, the Python module); simd_avx2.c, the AVX2 and 256-bit vpdpbusd
+ * levels' kernels; simd_avx512.c, AVX-512's. Each unit #includes the parts it needs in this
+ * order (each part uses only what comes before it), so inlining (always_inline included) and
+ * the tiles' compile-time token counts work within a level as in a single file; between units
+ * only the kernel table's pointers pass (kernel_table.h): each SIMD unit fills its level's
+ * entries when python_module.c's set_isa chooses the level (tables.c fill_kernels), and
+ * dispatch.c calls through the table. Splitting the one unit cost no speed (measured: one core,
+ * the old and the new build alternating) and gave the same floats. */
+#include "base.c"                /* platform, target attributes, type ids and their table, f16, mat, level flags */
 #include "blocks_generic.c"      /* the file's block formats: K-quant, Q5 and IQ4 unpacking, quantize_q8, exact and fast dots, axpy, dequant */
-#include "blocks_avx2.c"         /* the same with AVX2, one row and several tokens per row */
-#include "blocks_avx512.c"       /* fast mode's dots with AVX-512 VNNI (vnni_pack), Q4_0's axpy */
 #include "interleaved_generic.c" /* the repacked layouts X16 and R16: bytes, repacking, portable lanes, dequant, prefetch */
-#include "interleaved_256.c"     /* their 256-bit tiles and runs (interleaved_avx2.c): AVX2, AVX-VNNI */
-#include "interleaved_avx512.c"  /* their AVX-512 VNNI tiles and runs */
 #include "cols_generic.c"        /* input-major twins (L_COLS): header, bytes, repacking, masks, portable products, prefetch */
-#include "cols_256.c"            /* their fast products on 256-bit registers (cols_avx2.c): AVX2, AVX-VNNI */
-#include "cols_avx512.c"         /* their fast products with AVX-512 VNNI */
 #include "cols_kquants_generic.c" /* Q5_0, Q5_1 and K-quant twins: bytes, repacking, dequant, portable products, prefetch */
-#include "cols_kquants_avx2.c"    /* their fast products on 256-bit registers (AVX2, AVX-VNNI) */
-#include "cols_kquants_avx512.c"  /* their fast products with AVX-512 VNNI */
-#include "tables.c"              /* the kernel table: each product's kernel at the level in use, per type; fill_kernels */
+#include "kernel_table.h"        /* the kernel table's layout, shared with the instruction-set units */
+#include "tables.c"              /* the table itself: the portable entries, fill_kernels (the units fill the rest) */
 #include "dispatch.c"            /* each product through the table: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products, kq_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */
 #include "moe_step.c"            /* routed experts: moe_route, moe_token (a token's experts in one call) */
 #include "attention_generic.c"   /* RoPE and softmax attention, portable */
-#include "attention_avx2.c"      /* RMSNorm's sums and softmax attention, AVX2 */
-#include "attention_avx512.c"    /* softmax attention, AVX-512 */
 #include "attention_layer.c"     /* RMSNorm, attend, attn_part / attn_batch / attn_token */
 #include "python_module.c"       /* argument parsing, the method table, set_isa, the module */

@@ -1,4 +1,5 @@
-/* _kernels.c, part: RMSNorm's sum of squares and softmax attention with AVX2. */
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * RMSNorm's sum of squares and softmax attention with AVX2. */
 
 #if HAVE_X86
 /* rms_norm_into's sum of squares (attention_layer.c) */
@@ -19,7 +20,6 @@ AVX2 static double sum_squares_avx2(const float *h, int n) {  /* in double, 8 pa
 
 /* ---- softmax attention (the method: attention_generic.c) -------------------------------------- */
 
-#define MAXG 16  /* query heads per SIMD call (a larger GQA group goes in turns) */
 
 /* e^x per lane for the softmax's x <= 0: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6
  * polynomial in r, times 2^n), within about 1 ulp of expf; x below -87.3 counts as -87.3

@@ -1,4 +1,4 @@
-/* _kernels.c, part: softmax attention with AVX-512. */
+/* simd_avx512.c, part: softmax attention with AVX-512. */
 
 #if HAVE_X86
 /* attention_avx2.c's softmax attention with AVX-512, W = 16 */

@@ -35,11 +35,9 @@ static const attn_extra NO_EXTRA = {0};
 /* x = RMSNorm(h) * w (the double sum keeps long rows exact enough to match torch's) */
 static void rms_norm_into(const float *h, const float *w, float eps, int n, float *x) {
     double ss = 0.0;
-#if HAVE_X86
-    if (use_avx2) ss = sum_squares_avx2(h, n);
+    if (kern.sum_squares) ss = kern.sum_squares(h, n);
     else
-#endif
-    for (int i = 0; i < n; i++) ss += (double)h[i] * h[i];
+        for (int i = 0; i < n; i++) ss += (double)h[i] * h[i];
     float r = 1.f / sqrtf((float)(ss / n) + eps);
     for (int i = 0; i < n; i++) x[i] = h[i] * r * w[i];
 }
@@ -74,16 +72,14 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
         if (b > n_heads) b = n_heads;
         float *qj = q + (int64_t)a * hd, *oj = out + (int64_t)a * hd;
         int heads = b - a;
-#if HAVE_X86
-        if (use_avx2 && hd % 8 == 0) {
+        if (kern.attend8 && hd % 8 == 0) {
             for (int h = 0; h < heads; h += MAXG) {
                 int g = heads - h < MAXG ? heads - h : MAXG;
-                if (use_vnni && hd % 16 == 0) attend_heads_avx512(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
-                else attend_heads_avx2(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
+                if (kern.attend16 && hd % 16 == 0) kern.attend16(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
+                else kern.attend8(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
             }
             continue;
         }
-#endif
         attend_heads_c(qj, heads, K, V, n, hd, scale, att, oj);
     }
 }

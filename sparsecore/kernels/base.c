@@ -1,6 +1,7 @@
-/* _kernels.c, part: what every other part builds on. The platform and the instruction sets'
- * target attributes (each function carries its level's; the level flags use_avx2 and use_vnni
- * pick one at run time), the GGML type ids and their block sizes (F32, F16, BF16; blocks of 32:
+/* _kernels.c, simd_avx2.c and simd_avx512.c, part: what every other part builds on. The platform
+ * and the instruction sets' target attributes (each function carries its level's, so every unit
+ * builds with portable flags; the kernel table, filled for the level flags, picks one at run
+ * time), the GGML type ids and their block sizes (F32, F16, BF16; blocks of 32:
  * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, IQ3_S),
  * f16/bf16 conversion,
  * unaligned reads, the per-thread scratch buffers' growth, fast mode's 8-bit activation
@@ -41,6 +42,7 @@ enum { T_IQ3_XXS = 18, T_IQ3_S = 21 };
 #define QK 32
 #define QKK 256  /* values per block of the K-quants (and IQ4_XS) */
 #define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
+#define MAXG 16  /* query heads per SIMD call (a larger GQA group goes in turns) */
 
 /* ---- scalar helpers ------------------------------------------------------------------------ */
 
@@ -170,10 +172,13 @@ static inline mat shifted(mat m, int64_t r0) {
     return m;
 }
 
-static int use_avx2 = 0;
-static int use_vnni = 0;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
-static int use_vbmi = 0;  /* with use_vnni, where the CPU has AVX512_VBMI: IQ3_XXS's and IQ3_S's VNNI products */
+/* The level in use: set by python_module.c's set_isa (and the module's init), which defines them;
+ * shared by every compilation unit (the instruction-set units read them when they fill the
+ * kernel table: use_dp256, use_vbmi). Hidden from outside the extension (-fvisibility=hidden). */
+extern int use_avx2;
+extern int use_vnni;  /* fast mode's integer dots with AVX-512 VNNI (implies use_avx2) */
+extern int use_vbmi;  /* with use_vnni, where the CPU has AVX512_VBMI: IQ3_XXS's and IQ3_S's VNNI products */
 /* the interleaved layouts' integer sums with 256-bit vpdpbusd (level "avxvnni", implies use_avx2):
  * 1 VEX-encoded (CPUs with AVX-VNNI), 2 EVEX-encoded (CPUs with AVX-512 VNNI: the same code,
  * tested there) */
-static int use_dp256 = 0;
+extern int use_dp256;

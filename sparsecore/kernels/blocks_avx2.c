@@ -1,4 +1,5 @@
-/* _kernels.c, part: the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * the file's block formats with AVX2 (+FMA, F16C): one row's exact and fast dots
  * and axpy, the same for several tokens per row (Q2_K and Q3_K: their own kernels, k23_*), and
  * the activations' quantization. Q5_0, Q5_1, IQ4_NL, IQ4_XS, IQ3_XXS and IQ3_S have their dots in the
  * several-token kernels only (the one-token dots call them with one token): the codebook

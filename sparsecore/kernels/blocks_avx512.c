@@ -1,4 +1,4 @@
-/* _kernels.c, part: fast mode's products on the file's blocks with AVX-512 VNNI, the activations
+/* simd_avx512.c, part: fast mode's products on the file's blocks with AVX-512 VNNI, the activations
  * repacked for them (vnni_pack), and Q4_0's axpy. */
 
 #if HAVE_X86

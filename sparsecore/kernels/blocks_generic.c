@@ -1,4 +1,5 @@
-/* _kernels.c, part: the file's block formats in portable C: the K-quants' (and IQ4_XS's, IQ3_XXS's,
+/* _kernels.c (and the SIMD units, for its helpers), part:
+ * the file's block formats in portable C: the K-quants' (and IQ4_XS's, IQ3_XXS's,
  * IQ3_S's) unpacking, Q5_0's, Q5_1's and IQ4_NL's, fast mode's activation quantization, the exact and
  * fast dot products, axpy and dequantization. */
 
@@ -480,12 +481,17 @@ static INLINE void axpy_of(int t, const uint8_t *w, float a, float *y, int n) {
 }
 
 
-/* The portable kernels with the type as an argument (the SIMD levels' fallbacks for types they
- * have no kernel of); tables.c instantiates the *_of bodies above per type instead, the type a
- * constant there, so that each entry is that type's code alone. */
-static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) { return dot_exact_of(t, w, x, n); }
-static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) { return dot_fast_of(t, w, xq, nb); }
-static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) { axpy_of(t, w, a, y, n); }
+/* The portable kernels with the type as an argument: what the generic level's table entries
+ * call, and the SIMD levels' fallbacks for types they have no kernel of. Out of line, one switch
+ * a row: before the table they were inlined into the row loops, which a table's pointer cannot
+ * be. Specialized per type instead (the *_of bodies with the type a constant, as the SIMD
+ * entries are), the generic level's times moved both ways with GCC's vectorizing (one core,
+ * the 1.1B shape, against the build before the table: Q4_0 7-13 % slower, Q5_0 and Q6_K 20 %
+ * faster); out of line, the same as before within 2 % but Q5_0, 5 % slower. */
+#define NOINLINE __attribute__((noinline))
+NOINLINE static float dot_exact_c(int t, const uint8_t *w, const float *x, int n) { return dot_exact_of(t, w, x, n); }
+NOINLINE static float dot_fast_c(int t, const uint8_t *w, const q8blk *xq, int nb) { return dot_fast_of(t, w, xq, nb); }
+NOINLINE static void axpy_c(int t, const uint8_t *w, float a, float *y, int n) { axpy_of(t, w, a, y, n); }
 
 /* One row's n values at w (type t, whole blocks) as float32 into o */
 static void dequant_row(int t, const uint8_t *w, int n, float *o) {

@@ -1,4 +1,5 @@
-/* _kernels.c, part: input-major twins' fast-mode products on 256-bit registers (cols_generic.c says
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * input-major twins' fast-mode products on 256-bit registers (cols_generic.c says
  * the layout; cols_256.c includes this source once per 256-bit level: AVX2, AVX-VNNI, and its
  * EVEX form). cols_avx512.c's scheme on half lines: four active channels' 32 bytes interleaved
  * into 4 registers of 8 rows' dwords, then per register ACC16: AVX2's maddubs summed in int16

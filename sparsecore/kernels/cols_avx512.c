@@ -1,4 +1,4 @@
-/* _kernels.c, part: input-major twins' fast-mode products with AVX-512 VNNI (cols_generic.c says
+/* simd_avx512.c, part: input-major twins' fast-mode products with AVX-512 VNNI (cols_generic.c says
  * the layout). Four active channels at a time: their line of 64 bytes each, interleaved by
  * unpacklo/hi_epi8 then _epi16 into 4 registers whose dword (row) holds the four channels'
  * bytes, so that one vpdpbusd against the four q8 values (one dword, broadcast) sums four

@@ -1,4 +1,5 @@
-/* _kernels.c, part: input-major twins (layout L_COLS, TEAL's input sparsity) in portable C: their
+/* _kernels.c (and the SIMD units, for its helpers), part:
+ * input-major twins (layout L_COLS, TEAL's input sparsity) in portable C: their
  * header and bytes, the repacking, the active channels, the products every level falls back
  * to (ARM runs these), dequantization and the prefetch cursor the SIMD loops share.
  *
@@ -161,7 +162,7 @@ static inline uint32_t cols_mask_c(const float *x, float thr) {
  * Each item is a line of every active channel of a group and that line's rows' scales; the
  * SIMD loops ask for the item cols_ahead items ahead (0: none), into L1 (cols_hint 3) or L2 (2).
  * Measured in docs/KERNELS.md (scripts/bench_input_major.py --ahead). */
-static int cols_ahead = 16, cols_hint = 2;
+extern int cols_ahead, cols_hint;  /* python_module.c defines them (16, 2): cols_tune sets them for every unit */
 typedef struct {
     const uint8_t *data;
     const uint32_t *masks;
@@ -197,10 +198,6 @@ static inline void cols_cursor_start(cols_cursor *c, const cols_hdr *h, const ui
     cols_skip(c);
     for (int i = 0; i < cols_ahead; i++) cols_fetch(c);
 }
-
-/* per-thread scratch: the groups' masks (C / 32) and the padded output (Rp floats) */
-static _Thread_local void *cm_buf, *cy_buf;
-static _Thread_local int64_t cm_cap, cy_cap;
 
 /* ---- the portable products ------------------------------------------------------------------
  * y (Rp floats, zeroed here) += the twin's product; returns the active channels. Fast: xq the

@@ -1,4 +1,5 @@
-/* _kernels.c, part: fast-mode products of the Q5_0, Q5_1, Q4_K, Q5_K and Q6_K twins
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * fast-mode products of the Q5_0, Q5_1, Q4_K, Q5_K and Q6_K twins
  * (cols_kquants_generic.c says the layout) on 256-bit registers: AVX2, and the AVX-VNNI level
  * runs the same code. cols_avx2.c's scheme per half line (64 rows): each of four active
  * channels' 32 nibble bytes split into the low-nibble rows' and the high-nibble rows' values,

@@ -1,4 +1,4 @@
-/* _kernels.c, part: fast-mode products of the Q5_0, Q5_1, Q4_K, Q5_K and Q6_K twins with AVX-512
+/* simd_avx512.c, part: fast-mode products of the Q5_0, Q5_1, Q4_K, Q5_K and Q6_K twins with AVX-512
  * VNNI (cols_kquants_generic.c says the layout), then the level dispatch of these twins'
  * products (kq_products: cols_products hands them over). cols_avx512.c's scheme on whole lines
  * (128 rows): four active channels' 64 nibble bytes, Q4_K's interleaved raw and split after,

@@ -1,4 +1,5 @@
-/* _kernels.c, part: input-major twins (L_COLS, cols_generic.c) of Q5_0, Q5_1 and the K-quants
+/* _kernels.c (and the SIMD units, for its helpers), part:
+ * input-major twins (L_COLS, cols_generic.c) of Q5_0, Q5_1 and the K-quants
  * Q4_K, Q5_K, Q6_K in portable C: their bytes, repacking, dequantization, the portable products
  * (ARM runs these; exact mode runs them at every level) and the prefetch cursor of the SIMD loops
  * (cols_kquants_avx2.c, cols_kquants_avx512.c). The header is cols_generic.c's cols_hdr.

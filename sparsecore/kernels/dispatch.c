@@ -106,6 +106,10 @@ static inline void r16_rows(mat m, const int32_t *rows, int64_t start, int64_t n
     kern.r16_rows(m, rows, start, n, x, nb, y);
 }
 
+/* the twins' products' per-thread scratch: the groups' masks (C / 32) and the padded output (Rp floats) */
+static _Thread_local void *cm_buf, *cy_buf;
+static _Thread_local int64_t cm_cap, cy_cap;
+
 /* One token's product on a Q5_0, Q5_1 or K-quant twin h (cols_products' contract: y the R rows,
  * the threshold read once, the counters added: n_groups counts the groups (blocks of 32, or
  * super-blocks of 256) with an active input, each of which reads its head). Exact mode: the

@@ -1,4 +1,5 @@
-/* _kernels.c, part: the repacked layouts on 256-bit registers: X16's tiles and R16's runs and rows,
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * the repacked layouts on 256-bit registers: X16's tiles and R16's runs and rows,
  * for CPUs without AVX-512 (AMD Zen 2/3, Intel 12th-14th gen). Included once per 256-bit level
  * by interleaved_256.c, which defines LV (the target attribute), NM(f) (f's name at that level)
  * and how a lane's integer sums are formed:

@@ -1,4 +1,5 @@
-/* _kernels.c, part: the repacked layouts with AVX-512 VNNI: X16's tiles and R16's runs and rows. */
+/* simd_avx512.c, part:
+ * the repacked layouts with AVX-512 VNNI: X16's tiles and R16's runs and rows. */
 
 #if HAVE_X86
 /* ---- X16 --------------------------------------------------------------------------------------

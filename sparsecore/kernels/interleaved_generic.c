@@ -1,4 +1,5 @@
-/* _kernels.c, part: the repacked layouts, X16 (16 rows side by side) and R16 (each row's blocks 16
+/* _kernels.c (and the SIMD units, for its helpers), part:
+ * the repacked layouts, X16 (16 rows side by side) and R16 (each row's blocks 16
  * side by side), in portable C: their byte layouts, the repacking, the lanes every SIMD level
  * reproduces operation for operation, dequantization, the activations packed for R16, and the
  * prefetching the SIMD loops share. */

@@ -1,4 +1,5 @@
-/* _kernels.c, part: one copy of LEVEL_SOURCE (an AVX2 source written over the macros below) at
+/* simd_avx2.c (and simd_avx512.c, for its helpers), part:
+ * one copy of LEVEL_SOURCE (an AVX2 source written over the macros below) at
  * each 256-bit level: AVX2 (maddubs summed in int16, madd), AVX-VNNI (VEX vpdpbusd: Intel
  * 12th-14th gen, Core Ultra) and the same vpdpbusd EVEX-encoded on 256-bit registers, which only
  * CPUs with AVX-512 VNNI run: there the tests exercise the AVX-VNNI level's code

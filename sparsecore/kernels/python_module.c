@@ -387,6 +387,10 @@ static PyObject *py_cols_tune(PyObject *self, PyObject *const *args, Py_ssize_t 
     return old;
 }
 
+/* base.c's level flags and cols_generic.c's prefetch settings, one copy for every compilation unit */
+int use_avx2 = 0, use_vnni = 0, use_vbmi = 0, use_dp256 = 0;
+int cols_ahead = 16, cols_hint = 2;
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_vnni ? "avx512vnni" : use_dp256 ? "avxvnni" : use_avx2 ? "avx2" : "generic");
 }
