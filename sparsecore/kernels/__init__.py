@@ -130,6 +130,9 @@ class FfnScratch:
         self.y = np.empty(hidden, np.float32)
         # the scratch fields of ffn_token's record (it has no any or counts), looked up once
         self.token_ptrs = {"h": ptr(self.h), "xq": ptr(self.xq), "hq": ptr(self.hq)}
+        # ffn_token's record, its other fields set at each call (building one a call cost ~8 us)
+        self.token_call = FfnCall(**self.token_ptrs)
+        self.token_address = self.token_call.address
         self.tiles: list[np.ndarray] = []
         self.small: tuple[np.ndarray, ...] = ()
 
@@ -141,8 +144,9 @@ class FfnScratch:
             self.small = (np.empty(B * n, np.float32), np.empty(n, np.uint8), q8_scratch(self.hidden, B),
                           q8_scratch(n, B), np.zeros(B, np.int64), np.empty((B, self.hidden), np.float32),
                           np.empty(B, np.float32))
-            # the scratch fields of ffn_batch's record: looked up once, not per layer and step
-            self.small_ptrs = dict(zip(("h", "any", "xq", "hq", "counts"), (ptr(a) for a in self.small[:5])))
+            # the scratch fields of ffn_batch's record, set once: its other fields at each call
+            self.batch_call = FfnCall(**dict(zip(("h", "any", "xq", "hq", "counts"), (ptr(a) for a in self.small[:5]))))
+            self.batch_address = self.batch_call.address
         return self.small
 
     def batch_tiles(self, chunk: int) -> list[np.ndarray]:
@@ -179,39 +183,51 @@ def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS."""
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
-    call = ffn_token_call(gate, up, down, x, own, activation, scratch, fast, down_t, y, gate_mode, mask)
+    _check_token(gate, up, down, x, own, mask, down_t, y)
+    call = _set_fields(scratch.token_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, 1)
     call.threshold = -1.0 if threshold is None else float(threshold)
-    return y, _kernels.ffn_token(call.address)
+    return y, _kernels.ffn_token(scratch.token_address)
 
 
-def _ffn_record(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
-                fast: bool, down_t: bool, out: np.ndarray, gate_mode: str, mask: np.ndarray | None,
-                B: int, scratch_ptrs: dict) -> FfnCall:
-    """The FfnCall of ffn_token or ffn_batch, every field by name (unset: 0, NULL)."""
-    call = FfnCall(gate=mat_record(gate), up=mat_record(up), down=mat_record(down), down_t=int(down_t),
-                   hidden=x.shape[-1], own0=own.start, n_own=len(own), act=ACT_IDS[activation] | GATE_BITS[gate_mode],
-                   threshold=-1.0, mask=0 if mask is None else ptr(mask), x=ptr(x), B=B, fast=int(fast), y=ptr(out),
-                   **scratch_ptrs)
-    call.keep = (x, out, mask)  # the arrays its addresses point into live as long as the record
+def _check_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range,
+                 mask: np.ndarray | None, down_t: bool, out: np.ndarray) -> None:
+    hidden = _check_ffn(gate, up, down, own, mask, down_t)
+    if x.dtype != np.float32 or x.shape != (hidden,) or not x.flags.c_contiguous:
+        raise ValueError(f"x has {x.size} values, the layer's hidden size is {hidden}")
+    if out.dtype != np.float32 or out.shape != (hidden,) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be {hidden} contiguous float32 values")
+
+
+def _set_fields(call: FfnCall, gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range,
+                activation: str, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str,
+                mask: np.ndarray | None, B: int) -> FfnCall:
+    """Every field of an FFN step's record but its scratch's, by name; threshold -1 (dense), no
+    per-token thresholds."""
+    mats = (gate.args, up.args, down.args)
+    held = call.__dict__.get("mats")  # the matrices' records are copied in only when they change (~3 us)
+    if held is None or held[0] is not mats[0] or held[1] is not mats[1] or held[2] is not mats[2]:
+        call.gate, call.up, call.down = mat_record(gate), mat_record(up), mat_record(down)
+        call.mats = mats
+    call.down_t, call.hidden, call.own0, call.n_own = int(down_t), x.shape[-1], own.start, len(own)
+    call.act, call.threshold, call.thr = ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, None
+    call.mask, call.x, call.B, call.fast, call.y = None if mask is None else ptr(mask), ptr(x), B, int(fast), ptr(out)
     return call
 
 
 def ffn_token_call(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
                    scratch: FfnScratch, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str = "par",
                    mask: np.ndarray | None = None) -> FfnCall:
-    """The record _kernels.ffn_token reads (FfnCall, by its address) for ffn_token of this x into
-    out, checked and resolved, its threshold -1 (dense). ffn_token sets the threshold and calls
-    the kernel; a caller that runs the same product every step (sparsecore/lockstep.py) keeps
-    the record and does the same without the checks and addresses (about 10 us of Python a
-    call). x, out: contiguous float32 (hidden,), the same arrays at every call of a kept record;
-    the matrices must stay what they are (a twin attached later makes others)."""
-    hidden = _check_ffn(gate, up, down, own, mask, down_t)
-    if x.dtype != np.float32 or x.shape != (hidden,) or not x.flags.c_contiguous:
-        raise ValueError(f"x has {x.size} values, the layer's hidden size is {hidden}")
-    if out.dtype != np.float32 or out.shape != (hidden,) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be {hidden} contiguous float32 values")
-    call = _ffn_record(gate, up, down, x, own, activation, fast, down_t, out, gate_mode, mask, 1, scratch.token_ptrs)
-    call.keep += (scratch,)
+    """A record _kernels.ffn_token reads (FfnCall, by its address) for ffn_token of this x into
+    out, checked and resolved, its threshold -1 (dense), of its own (not the scratch's, which
+    ffn_token reuses). ffn_token sets the threshold and calls the kernel; a caller that runs the
+    same product every step (sparsecore/lockstep.py) keeps the record and does the same without
+    the checks and addresses (about 10 us of Python a call). x, out: contiguous float32
+    (hidden,), the same arrays at every call of a kept record; the matrices must stay what they
+    are (a twin attached later makes others)."""
+    _check_token(gate, up, down, x, own, mask, down_t, out)
+    call = _set_fields(FfnCall(**scratch.token_ptrs), gate, up, down, x, own, activation, fast, down_t, out,
+                       gate_mode, mask, 1)
+    call.keep = (x, out, mask, scratch)  # the arrays its addresses point into live as long as the record
     return call
 
 
@@ -232,11 +248,11 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     y = ys[:B] if out is None else out
     if y.dtype != np.float32 or y.shape != (B, hidden) or not y.flags.c_contiguous:
         raise ValueError(f"out must be ({B}, {hidden}) contiguous float32 values")
-    call = _ffn_record(gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, B, scratch.small_ptrs)
+    call = _set_fields(scratch.batch_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, B)
     if threshold is not None:
         thr[:B] = threshold  # a scalar or B values
         call.thr = ptr(thr)
-    return y, _kernels.ffn_batch(call.address)
+    return y, _kernels.ffn_batch(scratch.batch_address)
 
 
 from .attention import ATTN_EXTRA, AttentionExtras, AttentionStep  # noqa: E402,F401 (uses the names above)

@@ -18,9 +18,14 @@ class Mat(ctypes.Structure):
 
 
 def mat_record(m) -> Mat:
-    """A FileMatrix's Mat (its args: base, stride, type, layout, twin)."""
-    base, stride, t, layout, twin = m.args
-    return Mat(base=base, stride=stride, t=t, layout=layout, cols=twin or None)
+    """A FileMatrix's Mat (its args: base, stride, type, layout, twin), kept on it while its args
+    stay the same object (FileMatrix.args is worked out once for the data held)."""
+    args = m.args
+    held = m.__dict__.get("_mat_record")
+    if held is None or held[0] is not args:
+        base, stride, t, layout, twin = args
+        held = m._mat_record = (args, Mat(base=base, stride=stride, t=t, layout=layout, cols=twin or None))
+    return held[1]
 
 
 class FfnCall(ctypes.Structure):
