@@ -52,6 +52,7 @@ class DoneEvent:
     completion_tokens: int
     cached_tokens: int
     text: str = ""  # text released at the end (held back until now)
+    stop_string: str | None = None  # the stop string that ended the output (Anthropic's API reports it)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Request:
     stop_at_eos: bool = True
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     constraint: Constraint | None = None  # structured output: the grammar this sequence follows
+    keep_special: bool = False  # control tokens' text stays in the output (gpt-oss's harmony channels are parsed from it)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -79,6 +81,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.buf = ""
+        self.hit: str | None = None  # the stop string found
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text now final, whether a stop string ended the output)."""
@@ -87,7 +90,9 @@ class StopMatcher:
         self.buf += text
         hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf = self.buf[: min(hits)], ""
+            first = min(hits)
+            self.hit = next(s for s in self.stops if self.buf.find(s) == first)
+            out, self.buf = self.buf[:first], ""
             return out, True
         hold = 0
         for s in self.stops:
@@ -131,7 +136,7 @@ class Slot:
         self.generated = 0
         self.history = list(req.prompt_ids)  # what the penalties look back on
         self.sampler = Sampler(req.sampling)
-        self.text = StreamDecoder(tokenizer, skip_special=True)
+        self.text = StreamDecoder(tokenizer, skip_special=not req.keep_special)
         self.stops = StopMatcher(req.stop)
 
     def free(self) -> None:
@@ -322,4 +327,4 @@ class Scheduler:
             tail, stopped = s.stops.push(s.text.flush())
             tail += "" if stopped else s.stops.flush()
         s.free()
-        req.on_event(DoneEvent(reason, len(req.prompt_ids), s.generated, s.cached, tail))
+        req.on_event(DoneEvent(reason, len(req.prompt_ids), s.generated, s.cached, tail, s.stops.hit))

@@ -86,6 +86,9 @@ _DIGIT_SPLIT_PRES = {"starcoder", "refact", "command-r", "codeshell", "exaone", 
 _END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                "<|eom_id|>", "<EOT>", "<|end_of_text|>")
 
+# harmony's ends of a reply: the final answer's, and a tool call's (the caller runs it and comes back)
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -291,6 +294,8 @@ class GGUFTokenizer:
             if (i := fields.token_id(f"tokenizer.ggml.{key}_token_id", n)) is not None:
                 ends.add(i)
         ends.update(i for i, t in enumerate(tokens) if t in _END_TOKENS)
+        if "<|channel|>" in special:  # gpt-oss's harmony: <|end|> closes one message of several in a reply
+            ends = {i for i in ends if tokens[i] != "<|end|>"} | {special[t] for t in _HARMONY_ENDS if t in special}
 
         pieces = encoder.pieces if isinstance(encoder, SentencePieceBPE) else Pieces(tokens)
         return cls(encoder, pieces, model, bos_id=bos_id, eos_id=eos_id, eos_ids=ends,
