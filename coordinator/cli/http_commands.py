@@ -31,8 +31,13 @@ from .validation import check_engine_args, check_range, check_seed, check_text
 @click.option("--on-worker-death", type=click.Choice(["restart", "exit"]), default="restart", show_default=True,
               help="when a worker dies: restart the engine's workers (a second death within 60 s exits "
                    "non-zero), or exit non-zero at once, for a supervisor to restart the server")
+@click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="a reasoning model's thinking: apart, as reasoning_content (auto), or left in content (none)")
+@click.option("--reasoning-budget", type=int, default=-1, show_default=True,
+              help="tokens a reply may think before its thinking is closed (-1: no bound, 0: no thinking)")
 def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host, port, api_key, parallel, queue,
-          ready_file, no_api_key, header_timeout, body_timeout, shutdown_grace, on_worker_death):
+          ready_file, no_api_key, header_timeout, body_timeout, shutdown_grace, on_worker_death, reasoning_format,
+          reasoning_budget):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     if not 0 <= port <= 65535:
         raise click.BadParameter(f"{port} is not a port number", param_hint="--port")
@@ -46,6 +51,9 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
         raise click.BadParameter(f"{body_timeout}: choose 0 < seconds <= 3600", param_hint="--body-timeout")
     if not 0 <= shutdown_grace <= 3600:
         raise click.BadParameter(f"{shutdown_grace}: choose 0 <= seconds <= 3600", param_hint="--shutdown-grace")
+    if reasoning_budget < -1:
+        raise click.BadParameter(f"{reasoning_budget}: choose -1 (no bound) or a number of tokens",
+                                 param_hint="--reasoning-budget")
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("an empty key would refuse every request: give one, or none", param_hint="--api-key")
     if api_key is None and not no_api_key and host not in ("127.0.0.1", "localhost", "::1"):
@@ -54,6 +62,7 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
     path, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     sparsity, line = decode_sparsity(path, sparsity)
     from ..serve.server import serve as serve_http  # after the checks: it imports the engine (torch)
+    from ..serve.thinking import ReasoningDefaults
 
     # a shared KV cache for each slot (and the engine's own): every slot's attention splits
     opts = dict(threads=threads, cpu_workers=cpu_workers, gpu_share=gpu_share, ctx=ctx, transport=transport,
@@ -67,7 +76,8 @@ def serve(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, host
             return eng
     try:
         serve_http(load, path, host, port, api_key, parallel, queue, ready_file, header_timeout, shutdown_grace,
-                   on_worker_death, body_timeout=body_timeout)
+                   on_worker_death, body_timeout=body_timeout,
+                   reasoning=ReasoningDefaults(reasoning_format, reasoning_budget))
     except OSError as e:
         fail(str(e))
 

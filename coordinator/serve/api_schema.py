@@ -120,6 +120,7 @@ class Message(_Body):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant's earlier thinking (Qwen3's template shows the last turn's)
 
     def text(self) -> str:
         if self.content is None:
@@ -138,6 +139,13 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # reasoning models (coordinator/serve/thinking.py): the thinking apart ("auto") or left in
+    # content ("none"); its budget in tokens (-1: none), or OpenAI's effort levels as budgets;
+    # variables for the chat template (enable_thinking, ...)
+    reasoning_format: Literal["none", "auto"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_budget: int | None = Field(None, ge=-1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

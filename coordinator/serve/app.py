@@ -15,12 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.batching import Overloaded
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .completion import chat_message, check_model, checked_text, fits_at_all, run_request
+from .chat_request import prepare_chat
+from .completion import check_model, checked_text, fits_at_all, run_request
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .state import ApiError, ServerState, error_body, off_loop
-from .tool_use import ToolUse
 
 
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -139,22 +138,11 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HttpRequest):
-        sched = state.ready()
-        check_model(state, body.model)
-        messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
-        fits_at_all(state, sum(len(m["content"]) for m in messages), "messages")
-        calls = ToolUse.of(state, body, messages)
-        try:  # before the template's render (a forked process): a request refused anyway costs nothing
-            sched.check_room()
-        except Overloaded as e:
-            raise ApiError(503, f"server overloaded: {e}", "server_error", code="overloaded") from None
-        try:
-            ids = await off_loop(state, state.engine.encode_chat, calls.messages, **calls.template_vars)
-        except Exception as e:  # a template that fails on these messages
-            raise ApiError(400, f"messages: the chat template failed: {e}", param="messages") from None
+        prepared = await prepare_chat(state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await run_request(state, sched, http, body, ids, max_tokens, logprobs, chat=True, tools=calls)
+        return await run_request(state, prepared.sched, http, body, prepared.ids, max_tokens, logprobs, chat=True,
+                                 tools=prepared.tools, thinking=prepared.thinking)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):

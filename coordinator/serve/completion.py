@@ -12,9 +12,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.batching import DoneEvent, FailedEvent, Overloaded, Request, Scheduler, TokenEvent
 from ..runtime.sampling import SamplingParams
 from ..text.structured_output import Constraint, GrammarError, TokenTable, grammar_for
+from .reasoning import ReplySplitter
 from .responses import ReplyFormat
 from .state import ApiError, ServerState, off_loop
 from .streaming import sse_stream
+from .thinking import Thinking
 from .tool_use import ToolUse
 
 
@@ -42,8 +44,11 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-async def run_request(state: ServerState, sched: Scheduler, http: HttpRequest, body, ids: list[int],
-                      max_tokens: int | None, logprobs: int | None, chat: bool, tools: "ToolUse | None" = None):
+async def submit(state: ServerState, sched: Scheduler, body, ids: list[int], max_tokens: int | None,
+                 logprobs: int | None, chat: bool, tools: "ToolUse | None" = None,
+                 thinking: "Thinking | None" = None) -> tuple[Request, asyncio.Queue]:
+    """Check the request's room in the context, compile its grammar, and hand it to the
+    scheduler: (the request, the queue its events arrive in on this event loop)."""
     if not ids:
         raise ApiError(400, "prompt: empty prompt, nothing to condition on", param="prompt")
     room = sched.max_ctx - len(ids)
@@ -53,6 +58,8 @@ async def run_request(state: ServerState, sched: Scheduler, http: HttpRequest, b
                             f"{sched.max_ctx}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")
     constraint = await _constraint(state, body, tools.grammar if tools else None)
+    if thinking is not None:
+        constraint = thinking.constraint(state.engine.tokenizer, constraint, body.ignore_eos)
     sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed, body.min_p,
                               body.repeat_penalty, body.presence_penalty, body.frequency_penalty)
     loop = asyncio.get_running_loop()
@@ -65,7 +72,7 @@ async def run_request(state: ServerState, sched: Scheduler, http: HttpRequest, b
             pass
 
     req = Request(ids, max_tokens or room, state.metrics.watch(on_event), sampling, body.stop, not body.ignore_eos,
-                  logprobs, constraint)
+                  logprobs, constraint, keep_special=bool(thinking and thinking.keep_special))
     try:
         sched.submit(req)
     except Overloaded as e:
@@ -74,9 +81,22 @@ async def run_request(state: ServerState, sched: Scheduler, http: HttpRequest, b
         raise ApiError(400, str(e)) from None
     except RuntimeError as e:
         raise ApiError(500, f"the engine failed: {e}", "server_error") from None
+    return req, events
+
+
+def splitter(tools: "ToolUse | None", thinking: "Thinking | None") -> "ReplySplitter | None":
+    """What separates a chat reply's thinking, answer and tool calls (None: it is all answer)."""
+    think = thinking.splitter({t.name for t in tools.tools} if tools else set()) if thinking else None
+    parser = tools.parser() if tools and not (thinking and thinking.family == "harmony" and thinking.parse) else None
+    return ReplySplitter(think, parser) if think is not None or parser is not None else None
+
+
+async def run_request(state: ServerState, sched: Scheduler, http: HttpRequest, body, ids: list[int],
+                      max_tokens: int | None, logprobs: int | None, chat: bool, tools: "ToolUse | None" = None,
+                      thinking: "Thinking | None" = None):
+    req, events = await submit(state, sched, body, ids, max_tokens, logprobs, chat, tools, thinking)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    fmt = ReplyFormat(state, rid, chat, logprobs is not None, state.engine.tokenizer,
-                  tools.parser() if tools else None)
+    fmt = ReplyFormat(state, rid, chat, logprobs is not None, state.engine.tokenizer, splitter(tools, thinking))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(sse_stream(req, events, fmt, include_usage, http), media_type="text/event-stream",
@@ -147,4 +167,6 @@ def chat_message(m, i: int) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
+    if m.reasoning_content:
+        out["reasoning_content"] = checked_text(m.reasoning_content, "messages")
     return out

@@ -1,11 +1,11 @@
 """OpenAI's response objects for one request: chat.completion and text_completion, whole or
-as chunks, with logprobs, usage and tool calls."""
+as chunks, with logprobs, usage, tool calls and a reasoning model's thinking (reasoning_content)."""
 from __future__ import annotations
 
 import time
 
 from ..runtime.batching import DoneEvent, TokenEvent
-from . import tool_calls
+from .reasoning import ReplySplitter
 from .state import ServerState
 
 
@@ -13,25 +13,25 @@ class ReplyFormat:
     """OpenAI's response objects for one request."""
 
     def __init__(self, state: ServerState, rid: str, chat: bool, logprobs: bool, tokenizer,
-                 calls: "tool_calls.CallParser | None" = None):
+                 splitter: "ReplySplitter | None" = None):
         self.model, self.rid, self.chat, self.logprobs, self.tk = state.model_id, rid, chat, logprobs, tokenizer
         self.created = int(time.time())
         self.offset = 0  # completions' text_offset: characters of the tokens before
-        self.calls = calls  # finds tool calls in the reply, where the request offered tools
+        self.splitter = splitter  # thinking and tool calls apart from the answer (reasoning.py)
 
-    def split_calls(self, text: str, final: bool = False) -> tuple[str, list]:
-        """(content to send, tool calls completed) of the reply's next text."""
-        if self.calls is None:
-            return text, []
-        return self.calls.finish(text) if final else self.calls.feed(text)
+    def split(self, text: str, final: bool = False) -> tuple[str, str, list]:
+        """(thinking, content, tool calls completed) of the reply's next text."""
+        if self.splitter is None:
+            return "", text, []
+        return self.splitter.feed(text, final)
 
     def finish_reason(self, done: DoneEvent) -> str:
-        if self.calls is not None and self.calls.calls and done.reason == "stop":  # cut short: "length"
+        if self.splitter is not None and self.splitter.calls and done.reason == "stop":  # cut short: "length"
             return "tool_calls"
         return done.reason if done.reason != "cancelled" else "stop"
 
     def call_chunk(self, call) -> dict:
-        index = self.calls.calls.index(call)
+        index = self.splitter.calls.index(call)
         return self.chunk({"tool_calls": [call.as_openai(index)]}, None, None)
 
     def _piece(self, tok: int) -> tuple[str, list[int]]:
@@ -81,13 +81,15 @@ class ReplyFormat:
                 "usage": self._usage(done)}
 
     def whole(self, text: str, infos: list[TokenEvent], done: DoneEvent) -> dict:
-        text, calls = self.split_calls(text, final=True)
+        thought, text, calls = self.split(text, final=True)
         reason = self.finish_reason(done)
         if self.chat:
             message = {"role": "assistant", "content": text}
             if calls:
                 message = {"role": "assistant", "content": text or None,
                            "tool_calls": [c.as_openai() for c in calls]}
+            if thought:  # llama-server's and vLLM's field: clients that know it show it apart
+                message["reasoning_content"] = thought
             choice = {"index": 0, "message": message,
                       "logprobs": self._logprobs(infos), "finish_reason": reason}
             obj = "chat.completion"

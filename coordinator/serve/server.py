@@ -22,6 +22,7 @@ from ..runtime.reaper import start_reaper
 from .app import create_app
 from .limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, BodyLimit, room_for_connections
 from .state import ServerState
+from .thinking import ReasoningDefaults
 from .uvicorn_protocol import header_timeout_protocol
 
 
@@ -46,7 +47,8 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, parallel: int = 4, queue: int = 16, ready_file: str | None = None,
           header_timeout: float = HEADER_TIMEOUT_S, shutdown_grace: float = 5.0, on_worker_death: str = "restart",
-          restart_window: float = 60.0, body_timeout: float = BODY_TIMEOUT_S) -> None:
+          restart_window: float = 60.0, body_timeout: float = BODY_TIMEOUT_S,
+          reasoning: ReasoningDefaults | None = None) -> None:
     """Bind, load the engine on a thread (health says "loading" meanwhile), serve until SIGINT
     or SIGTERM, then stop the scheduler and close the engine (its workers and shared memory)."""
     import uvicorn
@@ -58,7 +60,7 @@ def serve(load_engine: Callable[[], object], model_path: str, host: str = "127.0
     # gets the GIL only when the interpreter forces a switch. 5 ms by default: a disconnect took
     # ~100 decode steps to notice on a tiny model. 0.5 ms keeps the event loop responsive.
     sys.setswitchinterval(0.0005)
-    state = ServerState(model_id=Path(model_path).name.removesuffix(".gguf"))
+    state = ServerState(model_id=Path(model_path).name.removesuffix(".gguf"), reasoning=reasoning or ReasoningDefaults())
     closing = threading.Event()
 
     def fail(msg: str) -> None:  # for good: one line, and the server exits non-zero (a supervisor's turn)

@@ -38,6 +38,7 @@ class ServerState:
     exit_status: int = 0  # non-zero: the server stopped because its engine failed for good
     metrics: object = None  # coordinator.serve.metrics.ServerMetrics, made with the app
     work_limiter: object = None  # anyio.CapacityLimiter of off_loop, made on the server's event loop
+    reasoning: object = None  # coordinator.serve.thinking.ReasoningDefaults: --reasoning-format, --reasoning-budget
 
     def ready(self) -> Scheduler:
         if self.status == "ok" and self.scheduler is not None and self.scheduler.error is not None:

@@ -31,12 +31,17 @@ async def sse_stream(req: Request, events: asyncio.Queue, fmt: ReplyFormat, incl
             if ev is None:
                 continue
             if isinstance(ev, TokenEvent):
-                text, calls = fmt.split_calls(ev.text)
-                yield sse(fmt.chunk(text, [ev], None))
+                thought, text, calls = fmt.split(ev.text)
+                if thought:
+                    yield sse(fmt.chunk({"reasoning_content": thought}, None if text else [ev], None))
+                if text or not thought:
+                    yield sse(fmt.chunk(text, [ev], None))
                 for c in calls:
                     yield sse(fmt.call_chunk(c))
             elif isinstance(ev, DoneEvent):
-                text, calls = fmt.split_calls(ev.text, final=True)
+                thought, text, calls = fmt.split(ev.text, final=True)
+                if thought:
+                    yield sse(fmt.chunk({"reasoning_content": thought}, None, None))
                 if calls:
                     yield sse(fmt.chunk(text, None, None))
                     for c in calls:
