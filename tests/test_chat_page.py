@@ -3,7 +3,8 @@
 /usr/bin/chromium through Playwright, nothing downloaded) against a real server on SmolLM2: it
 asks for the key on a 401, shows the model's name, streams a reply to a message sent with the
 system prompt and sampling settings, keeps the conversation, and its Stop button ends a long
-reply (the server frees the slot). The screenshot is kept in tests/artifacts/chat_page.png."""
+reply (the server frees the slot); a reasoning model's thinking shows folded, apart from its
+answer. The screenshot is kept in tests/artifacts/chat_page.png."""
 from __future__ import annotations
 
 import re
@@ -132,4 +133,48 @@ def test_a_browser_chats_with_streamed_replies_and_stops_one(smollm2_path, tmp_p
             SCREENSHOT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT))
             print(f"screenshot: {SCREENSHOT}")
+            browser.close()
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM} (.ci/run installs Debian's package)")
+def test_the_page_folds_a_reasoning_models_thinking_apart_from_its_answer(tmp_path, no_leaks):
+    """A tiny model whose Qwen3 template opens the thinking block, served with a budget: the
+    thinking streams into a folded <details> above the answer, never into the answer, and only
+    the answer goes back as the conversation's history."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.fixtures.reasoning_outputs import QWEN3_OPENS_THINKING
+    from tests.fixtures.tiny_gguf import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny-qwen3-thinking.gguf", chat_template=QWEN3_OPENS_THINKING, ctx=1024)
+    with launched(model, tmp_path, "--reasoning-budget", "5") as (_, url), sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        page = browser.new_page()
+        page.set_default_timeout(WAIT_MS)
+        chats, problems = [], []
+        page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and chats.append(r))
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        try:
+            page.goto(url + "/")
+            expect(page.locator("#model")).to_have_text("tiny-qwen3-thinking", timeout=WAIT_MS)
+            page.fill("#temperature", "0")
+            page.fill("#max_tokens", "20")
+            for turn in ("hello", "and again"):
+                page.fill("#input", turn)
+                page.click("#send")
+                reply = page.locator(".msg.assistant").last
+                expect(reply).to_have_attribute("data-state", "done", timeout=WAIT_MS)
+            box = reply.locator("details.thinking")
+            expect(box).to_have_count(1)
+            assert box.get_attribute("open") is None  # folded until the reader opens it
+            expect(box.locator("summary")).to_contain_text("Thought (")
+            thought, answer = box.locator(".thought").text_content(), reply.locator(".text").text_content()
+            assert thought.strip() and answer.strip() and "</think>" not in answer and thought not in answer
+            box.locator("summary").click()
+            expect(box.locator(".thought")).to_be_visible()
+            history = chats[1].post_data_json["messages"]
+            assert [m["role"] for m in history] == ["user", "assistant", "user"]
+            assert "reasoning_content" not in history[1] and "</think>" not in history[1]["content"]
+            assert problems == []
+        finally:
             browser.close()

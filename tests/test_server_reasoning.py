@@ -5,7 +5,7 @@ start inside it and think until a budget closes it; served with --reasoning-budg
 The thinking arrives in reasoning_content (whole and streamed), never in content; a budget of 0,
 reasoning_effort "none" and enable_thinking false give none; a bigger budget thinks longer along
 the same greedy path; a reply that opens its own block (forced here by a regex) is split too;
---reasoning-format none leaves it all in content.
+--reasoning-format none leaves it all in content. `sparseinfer chat` folds the thinking.
 Recorded Qwen3 and gpt-oss outputs are split in tests/test_reasoning.py."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.fixtures.http_server import launched
+from tests.fixtures.openai_server import run_cli
 from tests.fixtures.reasoning_outputs import QWEN3_OPENS_THINKING
 from tests.fixtures.tiny_gguf import write_tiny_llama
 
@@ -134,3 +135,14 @@ def test_bad_reasoning_fields_are_400s(client):
             _chat(client, **extra)
         assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
 
+
+def test_the_terminal_chat_folds_the_thinking(thinking_model):
+    r = run_cli(["chat", "-m", str(thinking_model), "-t", "2", "--cpu-workers", "1", "-n", "8", "--temperature", "0"],
+                input="hello\n/thinking\nhello\n/exit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stdout.splitlines()
+    # folded: one line counting the thought's words (the tiny model thinks through all 8 tokens)
+    assert lines[0].startswith("(thought for ") and lines[0].endswith(" words; /thinking shows it)"), lines
+    # shown: the thought itself, marked
+    assert any(line.startswith("thinking: ") and len(line) > len("thinking: ") for line in lines[1:]), lines
+    assert "thinking shown" in r.stderr

@@ -12,15 +12,55 @@ import click
 from ..runtime import interrupts
 from ..runtime.batching import DoneEvent, FailedEvent, Request, Scheduler, TokenEvent
 from ..runtime.sampling import SamplingParams
+from ..serve import reasoning
 
-HELP = "/reset clears the conversation, /exit (or Ctrl-D) ends it; Ctrl-C stops a reply"
+HELP = ("/reset clears the conversation, /thinking shows or folds a reasoning model's thinking, /exit (or Ctrl-D) "
+        "ends it; Ctrl-C stops a reply")
 
 
-def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: SamplingParams, stop_at_eos: bool) -> str:
+class _Thoughts:
+    """A reasoning model's thinking, shown apart from its answer: folded (one dim line that
+    counts its words, the default) or whole (dim), as /thinking toggles."""
+
+    def __init__(self, shown: bool, live: bool):
+        self.shown, self.live, self.words, self.open = shown, live, 0, False
+
+    def add(self, text: str) -> None:
+        if not self.open:
+            self.open = True
+            if self.shown:
+                click.echo(click.style("thinking: ", dim=True), nl=False)
+        self.words += len(text.split())
+        if self.shown:
+            click.echo(click.style(text, dim=True), nl=False)
+        elif self.live:  # a terminal: the count goes up in place
+            click.echo(click.style(f"\r(thinking… {self.words} words", dim=True), nl=False)
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            back = "\r" if self.live else ""
+            summary = "" if self.shown else f"{back}(thought for {self.words} words; /thinking shows it)"
+            click.echo(click.style(summary, dim=True))
+
+
+def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: SamplingParams, stop_at_eos: bool,
+           split, thoughts: _Thoughts) -> str:
+    """The reply streamed; returns its answer (the thinking apart: templates leave it out of the history)."""
     events: queue.Queue = queue.Queue()
-    req = Request(ids, max_tokens, events.put, sampling, [], stop_at_eos)
+    harmony = isinstance(split, reasoning.HarmonySplitter)
+    req = Request(ids, max_tokens, events.put, sampling, [], stop_at_eos, keep_special=harmony)
     sched.submit(req)
     text = []
+
+    def show(piece: str, final: bool = False) -> None:
+        thought, answer, *_ = split.feed(piece, final)
+        if thought:
+            thoughts.add(thought)
+        if answer:
+            thoughts.close()
+            text.append(answer)
+            click.echo(answer, nl=False)
     try:
         while True:
             try:
@@ -29,11 +69,11 @@ def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: Sampling
                 continue
             interrupts.raise_if_interrupted()
             if isinstance(ev, TokenEvent):
-                text.append(ev.text)
-                click.echo(ev.text, nl=False)
+                show(ev.text)
             elif isinstance(ev, DoneEvent):
-                text.append(ev.text)
-                click.echo(ev.text)
+                show(ev.text, final=True)
+                thoughts.close()
+                click.echo()
                 return "".join(text)
             elif isinstance(ev, FailedEvent):
                 raise click.ClickException(ev.message)
@@ -42,6 +82,7 @@ def _reply(sched: Scheduler, ids: list[int], max_tokens: int, sampling: Sampling
         req.cancelled.set()
         while not isinstance(ev := events.get(), (DoneEvent, FailedEvent)):
             pass
+        thoughts.close()
         click.echo(" [stopped]")
         return "".join(text)
 
@@ -51,6 +92,8 @@ def run_chat(eng, sampling: SamplingParams, max_tokens: int, system: str | None,
     messages = list(start)
     sched = Scheduler(eng, parallel=1, queue=0).start()
     interactive = sys.stdin.isatty()
+    family = reasoning.family_of(eng.chat_template)
+    show_thinking = False
     if interactive:
         click.echo(f"chatting with {eng.path.name} ({HELP})", err=True)
     try:
@@ -69,6 +112,10 @@ def run_chat(eng, sampling: SamplingParams, max_tokens: int, system: str | None,
                 messages = list(start)
                 click.echo("(conversation cleared)", err=True)
                 continue
+            if cmd == "/thinking":
+                show_thinking = not show_thinking
+                click.echo(f"(thinking {'shown' if show_thinking else 'folded'})", err=True)
+                continue
             if cmd in ("/help", "/?"):
                 click.echo(HELP, err=True)
                 continue
@@ -82,7 +129,9 @@ def run_chat(eng, sampling: SamplingParams, max_tokens: int, system: str | None,
                 click.echo(f"(the conversation no longer fits the context of {sched.max_ctx} tokens: /reset, or "
                            f"start with a larger --ctx)", err=True)
                 continue
-            reply = _reply(sched, ids, min(max_tokens, room), sampling, stop_at_eos)
+            split = reasoning.splitter_for(family, eng.tokenizer.decode(ids[-24:]))
+            thoughts = _Thoughts(show_thinking, live=interactive and sys.stdout.isatty())
+            reply = _reply(sched, ids, min(max_tokens, room), sampling, stop_at_eos, split, thoughts)
             messages.append({"role": "assistant", "content": reply})
     finally:
         sched.stop()
