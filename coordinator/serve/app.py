@@ -1,6 +1,8 @@
 """The FastAPI app: its routes, the API key, errors in OpenAI's shape, and the chat page.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not; SSE ends with [DONE])
+    POST /v1/messages, /v1/messages/count_tokens      (Anthropic's API: anthropic_api.py, its error shape)
+    POST /v1/responses                                 (OpenAI's Responses API: responses_api.py)
     GET  /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus)
 
 A completion request is checked and tokenized here, then run by completion.py."""
@@ -16,10 +18,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .anthropic_api import add_routes as add_anthropic_routes, anthropic_error, is_anthropic
 from .chat_request import prepare_chat
 from .completion import check_model, checked_text, fits_at_all, run_request
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from .state import ApiError, ServerState, error_body, off_loop
+from .responses_api import add_routes as add_responses_routes
+from .state import ApiError, ServerState, error_body as openai_error, off_loop
 
 
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -27,40 +31,54 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 
 # the routes requests are counted by (coordinator/serve/metrics.py); any other path counts as "other"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-          "/")
+          "/", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="sparseinfer", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def error_body(status, message, type_, param=None, code=None, request: HttpRequest | None = None):
+        """OpenAI's error shape, or Anthropic's on its routes (its clients read theirs)."""
+        if request is not None and is_anthropic(request.url.path):
+            return anthropic_error(status, message)
+        return openai_error(status, message, type_, param, code)
+
     @app.exception_handler(ApiError)
-    async def _api_error(_, e: ApiError):
-        return error_body(e.status, e.message, e.type, e.param, e.code)
+    async def _api_error(request: HttpRequest, e: ApiError):
+        return error_body(e.status, e.message, e.type, e.param, e.code, request=request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HttpRequest, e: RequestValidationError):
         ctype = request.headers.get("content-type", "")
         if request.method == "POST" and not ctype.split(";")[0].strip().lower().endswith("json"):
             return error_body(400, f"Content-Type must be application/json, not {ctype or 'none'}",
-                              "invalid_request_error")
-        err = (e.errors() or [{}])[0]
+                              "invalid_request_error", request=request)
+        errors = e.errors() or [{}]
+        # the newer APIs' bodies are unions of block types: the deepest error names the block
+        newer = is_anthropic(request.url.path) or request.url.path == "/v1/responses"
+        err = max(errors, key=lambda x: len(x.get("loc", ()))) if newer else errors[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = err.get("msg", "invalid request")
-        return error_body(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+        return error_body(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param, request=request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return error_body(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+    async def _http(request: HttpRequest, e: StarletteHTTPException):
+        return error_body(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error",
+                          request=request)
 
     @app.exception_handler(Exception)
-    async def _bug(_, e: Exception):  # never a traceback to the client; one line to our log
+    async def _bug(request: HttpRequest, e: Exception):  # never a traceback to the client; one line to our log
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return error_body(500, f"internal error: {type(e).__name__}", "server_error")
+        return error_body(500, f"internal error: {type(e).__name__}", "server_error", request=request)
 
     def authorized(request: HttpRequest) -> bool:
+        if api_key is None:
+            return True
         given = request.headers.get("authorization", "")
-        return api_key is None or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        # Anthropic's clients send the key as x-api-key
+        return (hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+                or hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode()))
 
     metrics = state.metrics = ServerMetrics(state)
 
@@ -70,7 +88,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         endpoint = path if path in ROUTES else "other"  # labels stay few whatever clients ask for
         if path not in ("/health", "/") and not authorized(request):  # "/": the static chat page
             metrics.request(endpoint, 401)
-            return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key")
+            return error_body(401, "invalid API key", "authentication_error", code="invalid_api_key", request=request)
         response = await call_next(request)
         metrics.request(endpoint, response.status_code)
         return response
@@ -143,6 +161,9 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await run_request(state, prepared.sched, http, body, prepared.ids, max_tokens, logprobs, chat=True,
                                  tools=prepared.tools, thinking=prepared.thinking)
+
+    add_anthropic_routes(app, state)  # POST /v1/messages, /v1/messages/count_tokens
+    add_responses_routes(app, state)  # POST /v1/responses
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
