@@ -81,7 +81,8 @@ class Thinking:
 
     @property
     def keep_special(self) -> bool:
-        return self.family == "harmony" and self.parse
+        """Harmony's markers stay in the text: parsed, or left as written (reasoning format none)."""
+        return self.family == "harmony"
 
     def splitter(self, tool_names: set[str]):
         return reasoning.splitter_for(self.family, self.prompt_tail, tool_names) if self.parse else None
