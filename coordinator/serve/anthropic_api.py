@@ -220,8 +220,14 @@ def _stop_reason(done, calls: bool) -> str:
 
 
 def _tool_use(call) -> dict:
+    """Anthropic's tool_use block: its input an object (a harmony call's body may not be JSON at
+    all: then the text is kept under "arguments" rather than lost)."""
+    try:
+        args = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        args = {"arguments": call.arguments}
     return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.name,
-            "input": json.loads(call.arguments) if call.arguments.strip().startswith("{") else {}}
+            "input": args if isinstance(args, dict) else {"arguments": args}}
 
 
 def _sse(event: str, data: dict) -> str:
