@@ -20,7 +20,7 @@ from coordinator.serve.tool_calls import CallParser, Tool
 from coordinator.text.chat_template import CHATML_TEMPLATE
 from coordinator.text.tokenizer import GGUFTokenizer
 from sparsecore.gguf_file import open_gguf
-from tests.fixtures.reasoning_outputs import (HARMONY_REPLIES, HARMONY_TEMPLATE, QWEN3_OPENS_THINKING,
+from tests.fixtures.reasoning_outputs import (HARMONY_REPLIES, HARMONY_TEMPLATE,
                                               QWEN3_REPLIES, QWEN3_THINKING, R1_REPLY)
 
 TOOLS = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"type": "object"})]
