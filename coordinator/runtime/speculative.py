@@ -100,7 +100,7 @@ class DraftModel:
     by decoding ahead; `propose` re-syncs a sequence's draft cache to its tokens first."""
 
     def __init__(self, engine, target_tokenizer):
-        if engine.tokenizer.tokens != target_tokenizer.tokens:
+        if list(engine.tokenizer.tokens) != list(target_tokenizer.tokens):
             raise ValueError(f"draft model {engine.path.name}: its vocabulary is not the model's "
                              f"({len(engine.tokenizer.tokens)} against {len(target_tokenizer.tokens)} tokens)")
         self.engine, self.model = engine, engine.model
@@ -234,6 +234,8 @@ class Speculator:
         self.cost = StepCost(max_rows)
         self.stats = SpecStats()
         self.prior = 0.6  # the engine's acceptance so far, what a new sequence starts from
+        # False: every draft is checked whole, whatever it costs (tests that must see drafts)
+        self.adaptive = True
 
     def new_sequence(self) -> SeqSpec:
         return SeqSpec(self)
@@ -269,6 +271,8 @@ class Speculator:
             gains += [(a ** (j + 1), b) for j in range(len(d))]
         gains.sort(key=lambda g: -g[0])
         # the number of draft rows m that maximizes expected tokens per second
+        if not self.adaptive:
+            gains = [(2.0, b) for _, b in gains]
         best_m, best, total = 0, B / self.cost(B), float(B)
         for m, (g, _) in enumerate(gains[:spare], 1):
             total += min(g, 1.0)
@@ -276,7 +280,7 @@ class Speculator:
             if rate > best * 1.02:
                 best_m, best = m, rate
         take = [0] * B
-        for _, b in gains[:max(best_m, probes)]:
+        for _, b in gains[:max(best_m, probes) if self.adaptive else spare]:
             take[b] += 1
         for b, s in enumerate(seqs):
             if s is None or not drafts[b]:
