@@ -477,6 +477,29 @@ class Transformer:
         cache.pos += T
         return self.head(self.out_norm(h if all_logits else h[-1:], eps))
 
+    def hidden_states(self, texts: list[list[int]], caches: list[KVCache]) -> np.ndarray:
+        """Every token's last hidden state, after the final norm, of several texts, each from
+        position 0 of its own cache (embeddings, coordinator/runtime/embedding.py): attention per
+        text as a prompt's, the FFN of all texts' rows in one pass, dense (each row's arithmetic
+        its own, so a text gives the same states alone and beside others). (tokens, hidden)."""
+        bounds = np.cumsum([0] + [len(t) for t in texts])
+        for c in caches:
+            c.pos = 0
+        h = np.ascontiguousarray(self.embed([t for ids in texts for t in ids]), dtype=np.float32)
+        for i in range(len(self.layers)):
+            parts = []
+            for a, b, c in zip(bounds[:-1], bounds[1:], caches):
+                x = np.ascontiguousarray(h[a:b])
+                if self._native_prompt(i, c, b - a):
+                    self._attend_prompt(i, x, c)
+                else:
+                    x = self._attend(i, x, c)
+                parts.append(x)
+            h = np.ascontiguousarray(self._ffn(i, np.concatenate(parts), decode=False))
+        for c, ids in zip(caches, texts):
+            c.pos = len(ids)
+        return self.out_norm(h, self.cfg.rms_eps)
+
     def decode_batch(self, ids: list[int], caches: list[KVCache]) -> np.ndarray:
         """One decoded token for each of several sequences (continuous batching): ids[b] goes
         at caches[b].pos. Attention runs per sequence (each has its own cache and position);

@@ -156,6 +156,9 @@ class Scheduler:
         self.steps = 0  # decode steps run (tests watch slots leave within one)
         self._rr = 0
         self.spec = getattr(engine, "spec", None)  # speculative decoding (coordinator/runtime/speculative.py)
+        # work run on this thread between steps, the model being this thread's: objects with
+        # `pending`, `run()` and `fail(message)` (embeddings: coordinator/runtime/embedding.py EmbedQueue)
+        self.side_work: list = []
         self.thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     @property
@@ -214,6 +217,8 @@ class Scheduler:
                 self.error = msg
                 failed = [s.req for s in self.slots if s.req is not None] + list(self.waiting)
                 self.waiting.clear()
+            for w in self.side_work:
+                w.fail(msg)
             for s in self.slots:
                 s.req = None
             for r in failed:
@@ -221,7 +226,8 @@ class Scheduler:
 
     def _step(self) -> bool:
         with self.cv:
-            while not self.stopping and not self.waiting and all(s.req is None for s in self.slots):
+            while (not self.stopping and not self.waiting and all(s.req is None for s in self.slots)
+                   and not any(w.pending for w in self.side_work)):
                 if not self.cv.wait(0.5):
                     self.engine.check_workers()  # a worker dying while idle is reported promptly
             if self.stopping:
@@ -232,8 +238,13 @@ class Scheduler:
                     if s.req is not None:
                         s.req.on_event(FailedEvent("the server is shutting down"))
                         s.req = None
+                for w in self.side_work:
+                    w.fail("the server is shutting down")
                 return False
             self._admit()
+        for w in self.side_work:
+            if w.pending:
+                w.run()
         for s in self.slots:
             if s.req is not None and s.req.cancelled.is_set():
                 self._finish(s, "cancelled")

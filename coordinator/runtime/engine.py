@@ -206,6 +206,16 @@ class Engine:
             st.decode_tokens += 1
             st.token_times.append(dt)
 
+    def embed(self, texts: list[list[int]]) -> np.ndarray:
+        """Unit-length embedding vectors of token-id texts, (len(texts), hidden) float32, pooled
+        as the model's metadata says (coordinator/runtime/embedding.py)."""
+        from .embedding import Embedder
+
+        if getattr(self, "embedder", None) is None:
+            self.embedder = Embedder.for_engine(self)
+        self.embedder.check(texts, self.cfg.vocab_size)
+        return self.embedder(texts)
+
     def chat_prompt(self, user_text: str, system: str | None = None) -> str:
         """The user's text wrapped in the model's own chat template (ChatML when it has none)."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]

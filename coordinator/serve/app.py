@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not; SSE ends with [DONE])
     GET  /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus)
+    POST /v1/embeddings (embeddings.py)
 
 A completion request is checked and tokenized here, then run by completion.py."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.batching import Overloaded
 from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .embeddings import add_routes as add_embedding_routes
 from .completion import chat_message, check_model, checked_text, fits_at_all, run_request
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .state import ApiError, ServerState, error_body, off_loop
@@ -28,7 +30,7 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 
 # the routes requests are counted by (coordinator/serve/metrics.py); any other path counts as "other"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-          "/")
+          "/", "/v1/embeddings")
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
@@ -171,6 +173,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
         return await run_request(state, sched, http, body, ids, body.max_tokens, body.logprobs, chat=False)
 
+    add_embedding_routes(app, state)
     return app
 
 
