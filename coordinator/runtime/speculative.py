@@ -74,6 +74,7 @@ class NgramIndex:
     def __init__(self):
         self.tokens: list[int] = []
         self.after: dict[tuple[int, ...], int] = {}
+        self.matched = 0  # the suffix length the last proposal matched (0: none)
 
     def extend(self, tokens: list[int]) -> None:
         """`tokens`: the sequence so far (what was indexed is a prefix of it)."""
@@ -91,7 +92,9 @@ class NgramIndex:
         for n in NGRAM_SIZES:
             j = self.after.get(tuple(t[-n:])) if len(t) > n else None
             if j is not None:
+                self.matched = n
                 return t[j:j + k]
+        self.matched = 0
         return []
 
 
@@ -155,13 +158,19 @@ class SeqSpec:
     def __init__(self, spec: "Speculator"):
         self.index = NgramIndex() if spec.draft is None else None
         self.draft_state = spec.draft.new_state() if spec.draft is not None else None
-        self.kept, self.missed = 0.0, 0.0
+        # counts by the draft's kind: an n-gram draft's match length (a 4-token match is right
+        # far more often than a 2-token one), 0 for a draft model's
+        self.kept: dict[int, float] = {}
+        self.missed: dict[int, float] = {}
+        self.kind = 0
         self.gap, self.idle = 0, 0
         self.qs: list = []
 
     def alpha(self, prior: float) -> float:
+        """The chance the next drafted token is kept, for drafts of the current kind."""
         w = 2.0  # the prior counts as two checked tokens
-        return (self.kept + w * prior) / (self.kept + self.missed + w)
+        kept, missed = self.kept.get(self.kind, 0.0), self.missed.get(self.kind, 0.0)
+        return (kept + w * prior) / (kept + missed + w)
 
 
 class Verifier:
@@ -233,7 +242,7 @@ class Speculator:
         self.mode, self.draft, self.max_draft, self.max_rows = mode, draft, max_draft, max_rows
         self.cost = StepCost(max_rows)
         self.stats = SpecStats()
-        self.prior = 0.6  # the engine's acceptance so far, what a new sequence starts from
+        self.prior: dict[int, float] = {}  # the engine's acceptance so far by draft kind, a new sequence's start
         # False: every draft is checked whole, whatever it costs (tests that must see drafts)
         self.adaptive = True
 
@@ -258,11 +267,12 @@ class Speculator:
             if s.index is not None:
                 s.index.extend(toks)
                 d, s.qs = s.index.propose(k), []
+                s.kind = s.index.matched
             else:
                 d, s.qs = self.draft.propose(s.draft_state, toks, k, samplers[b])
             if not d:
                 continue
-            a = s.alpha(self.prior)
+            a = s.alpha(self.prior.get(s.kind, 0.6))
             drafts[b] = d
             if s.idle >= s.gap and s.gap > 0:  # a probe: one drafted token, whatever it costs
                 gains.append((2.0, b))
@@ -303,8 +313,10 @@ class Speculator:
         st.drafted += drafted
         st.accepted += accepted
         missed = 1 if accepted < drafted else 0
-        s.kept, s.missed = 0.9 * s.kept + accepted, 0.9 * s.missed + missed
-        self.prior = 0.95 * self.prior + 0.05 * (accepted / (accepted + missed))
+        k = s.kind
+        s.kept[k] = 0.9 * s.kept.get(k, 0.0) + accepted
+        s.missed[k] = 0.9 * s.missed.get(k, 0.0) + missed
+        self.prior[k] = 0.95 * self.prior.get(k, 0.6) + 0.05 * (accepted / (accepted + missed))
         if s.idle >= s.gap and s.gap > 0:  # that was a probe
             s.gap = 4 if accepted else min(2 * s.gap, 64)
         s.idle = 0
