@@ -143,6 +143,7 @@ def test_the_command_line_and_python_embed(tiny_model, no_leaks):
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.smollm2
 def test_smollm2_paraphrases_sit_closer_than_unrelated_texts(smollm2_path, no_leaks):
     pairs = ["The cat sat on the mat.", "A cat was sitting on the rug.",
              "Quarterly revenue rose by eight percent.", "The committee will vote on the budget tomorrow."]

@@ -187,3 +187,39 @@ def test_speculation_options_are_checked_in_one_line(tiny_model):
         EngineOptions(spec="draft").validate()
     with pytest.raises(OptionError, match="draft model"):
         EngineOptions(spec="ngram", draft_model=str(tiny_model)).validate()
+
+
+PARAGRAPH = ("The old lighthouse stood on the northern cliff for more than a century. Every night its keeper "
+             "climbed the spiral stairs, trimmed the wick, and watched the beam sweep across the dark water.")
+
+
+@pytest.mark.smollm2
+def test_smollm2_rewrite_speculates_and_keeps_plain_decodings_text(smollm2_path, no_leaks):
+    """The default engine on a rewrite (its reply repeats the prompt): drafts kept, fewer target
+    steps than tokens, the greedy text plain decoding's, alone and beside a second stream."""
+    with Engine(smollm2_path, EngineOptions(kv_caches=4)) as eng:
+        ids = eng.encode_chat([{"role": "user", "content": "Rewrite this paragraph, changing 'keeper' to "
+                                                           f"'guardian':\n\n{PARAGRAPH}"}])
+        other = eng.encode_chat([{"role": "user", "content": "Name three colours."}])
+        plain = list(eng.generate(ids, 48, speculate=False))
+        plain_other = list(eng.generate(other, 24, speculate=False))
+        spec = list(eng.generate(ids, 48))
+        st = eng.stats()["spec"]
+        assert spec == plain
+        assert st.accepted > 10 and st.tokens_per_step > 1.5
+        eng.spec.adaptive = False
+        sched = Scheduler(eng, parallel=2).start()
+        try:
+            qs = [queue.Queue(), queue.Queue()]
+            sched.submit(Request(list(ids), 48, qs[0].put))
+            sched.submit(Request(list(other), 24, qs[1].put))
+            got = []
+            for q in qs:
+                toks = []
+                while not isinstance(ev := q.get(timeout=120), DoneEvent):
+                    toks.append(ev.token)
+                got.append(toks)
+        finally:
+            sched.stop()
+    eos = set(eng.tokenizer.eos_ids)
+    assert got == [[t for t in plain if t not in eos], [t for t in plain_other if t not in eos]]
