@@ -29,7 +29,7 @@ def _greedy(eng, prompt, n, speculate):
     return list(eng.generate(prompt, n, SamplingParams(), stop_at_eos=False, speculate=speculate))
 
 
-@pytest.mark.parametrize("decode_path", ["lockstep", "auto"])
+@pytest.mark.parametrize("decode_path", ["lockstep", "split", "auto"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_a_run_of_rows_equals_decoding_one_token_at_a_time_and_rolls_back(tiny_model_factory, decode_path, fast,
                                                                           no_leaks):
@@ -178,6 +178,14 @@ def test_ngram_lookup_proposes_what_followed_the_latest_earlier_match():
     fresh = NgramIndex()
     fresh.extend([1, 2, 3, 6])
     assert fresh.propose(4) == []  # no earlier "3 6", "2 3 6"
+
+
+def test_an_engine_whose_attention_takes_torch_does_not_speculate(tiny_model, no_leaks):
+    """Float weights: a run of rows would go through other blocked products than one row."""
+    with _engine(tiny_model, weights="f32") as eng:
+        assert eng.spec is None
+        plain = _greedy(eng, LOOP, 6, speculate=True)
+        assert eng.stats()["spec"] is None and len(plain) == 6
 
 
 def test_speculation_options_are_checked_in_one_line(tiny_model):

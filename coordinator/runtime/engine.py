@@ -96,7 +96,9 @@ class Engine:
         """Speculative decoding as opts.spec asks (coordinator/runtime/speculative.py); a draft
         model runs as an engine of its own, a worker beside ours."""
         mode = self.opts.spec
-        if mode == "off":
+        # a layer whose attention takes torch's path computes a run of rows in other blocks than
+        # one row: a checked draft's logits could then differ from plain decoding's last bits
+        if mode == "off" or not all(step is not None for step in self.model.native):
             return None
         if mode == "draft":
             from dataclasses import replace
