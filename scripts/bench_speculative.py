@@ -1,5 +1,5 @@
 """Speculative decoding against plain decoding, on one engine in one run: three kinds of task,
-each decoded greedily with the engine's default speculation (--spec, default ngram) and
+each decoded greedily with speculation (--spec, default ngram as on the command line) and
 without, the two interleaved round by round (the order alternating), so both see the same
 machine. Prints per run the decode speed (tokens after the first over the wall time from the
 first token to the last: drafting and checking included), acceptance and tokens per target
@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="runs of each mode per task, interleaved")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS))
+    ap.add_argument("--spec", default="ngram", choices=["ngram", "draft"],
+                    help="the speculation to measure (default ngram, the command line's default)")
+    ap.add_argument("--draft-model", default=None, help="with --spec draft: the drafting GGUF")
     ap.add_argument("--json", action="store_true", help="one JSON object at the end")
     args = ap.parse_args()
     from coordinator.runtime.engine import Engine, EngineOptions
@@ -81,7 +84,8 @@ def main() -> None:
             sys.exit(f"error: unknown task {t!r}: choose from {', '.join(TASKS)}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results = {}
-    with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads)) as eng:
+    with Engine(args.model or default_model_path(), EngineOptions(threads=args.threads, spec=args.spec,
+                                                                               draft_model=args.draft_model)) as eng:
         print(f"model {eng.path.name}, speculation {eng.opts.spec}, {args.n} tokens, {args.rounds} rounds", flush=True)
         for task in tasks:
             kind, text = TASKS[task]

@@ -40,6 +40,7 @@ class LLM:
         from coordinator.runtime.engine_options import check_values
         from coordinator.runtime.model_fetch import pull
 
+        options.setdefault("spec", "ngram")  # speculative decoding where it pays, as the command line
         opts = EngineOptions(**options)  # a keyword that is no option: TypeError naming it
         if sparsity != "auto":
             check_values(sparsity=sparsity)

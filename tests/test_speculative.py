@@ -22,6 +22,7 @@ LOOP = [5, 9, 30, 31, 5, 9, 30, 31, 5, 9, 30]
 def _engine(path, **kw) -> Engine:
     # every cache in the shared pool (as the server sizes it); tiny layers never pay for the split
     # or the lockstep, so force it, and keep a busy machine from sending steps back to layers
+    kw.setdefault("spec", "ngram")
     return Engine(path, EngineOptions(threads=2, cpu_workers=1, kv_caches=8, adaptive_spin=False, **kw))
 
 
@@ -73,7 +74,7 @@ def test_a_run_of_rows_equals_decoding_one_token_at_a_time_and_rolls_back(tiny_m
 def test_speculative_greedy_text_is_plain_decodings(tiny_model_factory, tensor_type, no_leaks):
     path = tiny_model_factory(tensor_type=tensor_type, seed=3)
     with _engine(path, decode_path="lockstep") as eng:
-        assert eng.spec is not None and eng.spec.mode == "ngram"  # on by default
+        assert eng.spec is not None and eng.spec.mode == "ngram"
         eng.spec.adaptive = False  # check every draft, so the test sees drafts whatever they cost
         plain = _greedy(eng, LOOP, 40, speculate=False)
         assert eng.stats()["spec"] is None
@@ -188,6 +189,20 @@ def test_an_engine_whose_attention_takes_torch_does_not_speculate(tiny_model, no
         assert eng.stats()["spec"] is None and len(plain) == 6
 
 
+def test_the_command_line_and_the_python_api_speculate_by_default(tiny_model, no_leaks):
+    import sparseinfer
+    from tests.fixtures.openai_server import run_cli
+
+    r = run_cli(["generate", "-m", str(tiny_model), "-t", "2", "-p", "a b c a b c a b c", "-n", "12", "--ignore-eos"])
+    assert r.returncode == 0, r.stderr
+    assert "spec:" in r.stderr and "acceptance" in r.stderr  # the stats line
+    off = run_cli(["generate", "-m", str(tiny_model), "-t", "2", "-p", "a b c", "-n", "4", "--spec", "off"])
+    assert off.returncode == 0 and "spec:" not in off.stderr
+    with sparseinfer.LLM(tiny_model, threads=2) as llm:
+        llm.generate("a b c a b c a b c", max_tokens=6, ignore_eos=True)
+        assert llm.stats()["spec"] is not None and llm.stats()["spec"].tokens == 5
+
+
 def test_speculation_options_are_checked_in_one_line(tiny_model):
     with pytest.raises(OptionError, match="spec 'fast': choose one of off, ngram, draft"):
         EngineOptions(spec="fast").validate()
@@ -205,7 +220,7 @@ PARAGRAPH = ("The old lighthouse stood on the northern cliff for more than a cen
 def test_smollm2_rewrite_speculates_and_keeps_plain_decodings_text(smollm2_path, no_leaks):
     """The default engine on a rewrite (its reply repeats the prompt): drafts kept, fewer target
     steps than tokens, the greedy text plain decoding's, alone and beside a second stream."""
-    with Engine(smollm2_path, EngineOptions(kv_caches=4)) as eng:
+    with Engine(smollm2_path, EngineOptions(kv_caches=4, spec="ngram")) as eng:
         ids = eng.encode_chat([{"role": "user", "content": "Rewrite this paragraph, changing 'keeper' to "
                                                            f"'guardian':\n\n{PARAGRAPH}"}])
         other = eng.encode_chat([{"role": "user", "content": "Name three colours."}])

@@ -79,8 +79,10 @@ class EngineOptions:
     interleave: bool | None = None
     # Speculative decoding (coordinator/runtime/speculative.py): "ngram" (prompt lookup: drafts
     # from the sequence's own earlier text, taken only where they measure faster), "draft" (a
-    # smaller model of the same vocabulary, `draft_model`, drafts) or "off".
-    spec: str = "ngram"
+    # smaller model of the same vocabulary, `draft_model`, drafts) or "off". The command line
+    # and the Python API (sparseinfer.LLM) default to "ngram"; an Engine made directly decodes
+    # one token per step unless asked, as the tools and tests that count steps expect.
+    spec: str = "off"
     draft_model: str | None = None
 
     def validate(self, spell: Mapping[str, str] | None = None) -> None:

@@ -268,7 +268,10 @@ class Speculator:
                 s.index.extend(toks)
                 d, s.qs = s.index.propose(k), []
                 s.kind = s.index.matched
-            else:
+            else:  # a draft model's tokens cost a step each: none beyond where they stop paying
+                a = s.alpha(self.prior.get(0, 0.6))
+                if self.adaptive and a < 1.0:
+                    k = min(k, max(1, int(np.log(0.2) / np.log(max(a, 1e-3))) + 1))
                 d, s.qs = self.draft.propose(s.draft_state, toks, k, samplers[b])
             if not d:
                 continue
