@@ -40,6 +40,7 @@ class LLM:
         from coordinator.runtime.engine_options import check_values
         from coordinator.runtime.model_fetch import pull
 
+        options.setdefault("spec", "ngram")  # speculative decoding where it pays, as the command line
         opts = EngineOptions(**options)  # a keyword that is no option: TypeError naming it
         if sparsity != "auto":
             check_values(sparsity=sparsity)
@@ -124,6 +125,17 @@ class LLM:
         text += dec.flush()
         if len(text) > sent:
             yield text[sent:]
+
+    def embed(self, texts: str | list[str]):
+        """Unit-length embedding vectors (numpy float32): one text -> (hidden,), a list ->
+        (len, hidden); pooled as the model's metadata says, else the mean of the last hidden
+        states (coordinator/runtime/embedding.py)."""
+        one = isinstance(texts, str)
+        items = [texts] if one else list(texts)
+        if not all(isinstance(t, str) for t in items):
+            raise TypeError("embed takes a text or a list of texts")
+        vectors = self._engine.embed([self.tokenizer.encode(t) for t in items])
+        return vectors[0] if one else vectors
 
     # ---- the model and its life ------------------------------------------------------------
 

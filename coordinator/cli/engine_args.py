@@ -61,6 +61,8 @@ def open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity
                                                       kv_caches=kv_caches, interleave=interleave,
                                                       weights=weights_from_context(),
                                                       fast=arith_from_context() == "fast",
+                                                      spec=meta("sparseinfer.spec", "ngram"),
+                                                      draft_model=meta("sparseinfer.draft_model", None),
                                                       **placement_from_context()))
 
 

@@ -30,7 +30,7 @@ def engine_options(f):
                           "see `calibrate`); 0: dense. generate, chat and serve default to the calibrated level "
                           "within --quality-budget"),
     ] + placement_options + [predictor_option, weights_option, arith_option, sparse_method_option,
-                             quality_budget_option])
+                             quality_budget_option, spec_option, draft_model_option])
 
 
 def sampling_options(f):
@@ -137,11 +137,22 @@ quality_budget_option = click.option(
          "over dense (calibrated levels)")
 
 
+# Passed like the placement options, through the click context.
+spec_option = click.option(
+    "--spec", type=click.Choice(["off", "ngram", "draft"]), default="ngram", show_default=True, expose_value=False,
+    callback=remember("sparseinfer.spec"),
+    help="speculative decoding: ngram (drafts from the text's own earlier tokens, taken where they measure "
+         "faster), draft (a smaller model of the same vocabulary drafts: --draft-model) or off")
+draft_model_option = click.option(
+    "--draft-model", default=None, metavar="FILE", expose_value=False, callback=remember("sparseinfer.draft_model"),
+    help="with --spec draft: the GGUF that drafts (the same vocabulary as the model)")
+
+
 # How the command line spells the EngineOptions fields it checks (EngineOptions' rules name
 # the option so in the one line that refuses it).
 ENGINE_OPTION_NAMES = {"threads": "-t/--threads", "cpu_workers": "--cpu-workers", "ctx": "--ctx",
                        "gpu_share": "--gpu-share", "sparsity": "--sparsity", "vram_budget_gb": "--vram-budget",
-                       "coordinator_share": "--coordinator-share"}
+                       "coordinator_share": "--coordinator-share", "spec": "--spec", "draft_model": "--draft-model"}
 
 
 # ---- what the context holds -------------------------------------------------------------------

@@ -19,6 +19,8 @@ def generate_stats(s: dict) -> str:
     pps = s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] else float("nan")
     # per-layer exchanges' overhead; a run decoded in lockstep (every layer in one post) has none
     sync = f" | sync median {np.median(s['sync_us']):.0f} us/layer" if s["sync_us"] else ""
+    if s.get("spec") is not None and s["spec"].steps:  # speculative decoding's acceptance and tokens per step
+        sync += f" | {s['spec'].line()}"
     return (f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
             f"{tps:.2f} tok/s{sync} | "
             f"{s['weights']} FFN weights {(sum(s['worker_weight_bytes']) + s['coordinator_ffn_bytes']) / 1e6:.0f} MB]")

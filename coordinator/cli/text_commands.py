@@ -89,3 +89,22 @@ def chat(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, max_t
     with open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, sparsity) as eng:
         say(line)
         run_chat(eng, sampling, max_tokens, system, stop_at_eos=not ignore_eos)
+
+
+@main.command()
+@engine_options
+@click.argument("texts", nargs=-1, required=True)
+def embed(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, texts):
+    """Print each TEXT's embedding, one JSON list of numbers per line: unit length, pooled as the
+    model's metadata says (else the mean of the last hidden states); the texts run together."""
+    import json
+
+    for i, t in enumerate(texts):
+        check_text(f"TEXT {i + 1}", t)
+    path, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
+    # dense: a level's thresholds apply to decoded tokens only, and embeddings decode none
+    with open_engine(path, threads, cpu_workers, gpu_share, ctx, transport, None) as eng:
+        vectors = eng.embed([eng.tokenizer.encode(t) for t in texts])
+        for v in vectors:
+            click.echo(json.dumps([float(x) for x in v]))
+    exit_at_once()

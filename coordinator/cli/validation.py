@@ -69,6 +69,11 @@ def check_engine_args(model, threads, cpu_workers, ctx, gpu_share=None, sparsity
     placement = placement_from_context()
     check_values(ENGINE_OPTION_NAMES, coordinator_share=placement.get("coordinator_share"),
                  vram_budget_gb=placement.get("vram_budget_gb"))
+    spec, draft = meta("sparseinfer.spec", "ngram"), meta("sparseinfer.draft_model", None)
+    if (spec == "draft") != (draft is not None):  # the engine refuses it too, after loading the model
+        raise OptionError("--spec", spec, "--draft-model FILE goes with --spec draft, and only with it")
+    if draft is not None and not Path(draft).is_file():
+        raise OptionError("--draft-model", draft, "no such file")
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 

@@ -360,7 +360,7 @@ class Transformer:
             L.rope = tables[t]
         return tables
 
-    def _decode_step(self, caches: list[KVCache]) -> DecodeStep:
+    def _decode_step(self, caches: list[KVCache], pos: np.ndarray | None = None) -> DecodeStep:
         """How this decode step of `caches`' sequences runs, decided once for all its layers from
         the plan's paths (coordinator/runtime/decode_plan.py) and the step's size: in lockstep where it
         can (LockstepDecode.usable), else layer by layer with the heads split where that pays
@@ -368,7 +368,7 @@ class Transformer:
         sa, ls = self.split_attn, self.lockstep
         if sa is None or any(c.index is None for c in caches):  # a private cache: no process shares it
             return LOCAL_STEP
-        pos = np.array([c.pos for c in caches], np.int64)
+        pos = np.array([c.pos for c in caches], np.int64) if pos is None else pos  # a row per cache
         locked = ls is not None and self.ffn is ls.ffn and ls.usable(pos)
         if not (locked or sa.pays(pos)):
             return LOCAL_STEP
@@ -477,6 +477,29 @@ class Transformer:
         cache.pos += T
         return self.head(self.out_norm(h if all_logits else h[-1:], eps))
 
+    def hidden_states(self, texts: list[list[int]], caches: list[KVCache]) -> np.ndarray:
+        """Every token's last hidden state, after the final norm, of several texts, each from
+        position 0 of its own cache (embeddings, coordinator/runtime/embedding.py): attention per
+        text as a prompt's, the FFN of all texts' rows in one pass, dense (each row's arithmetic
+        its own, so a text gives the same states alone and beside others). (tokens, hidden)."""
+        bounds = np.cumsum([0] + [len(t) for t in texts])
+        for c in caches:
+            c.pos = 0
+        h = np.ascontiguousarray(self.embed([t for ids in texts for t in ids]), dtype=np.float32)
+        for i in range(len(self.layers)):
+            parts = []
+            for a, b, c in zip(bounds[:-1], bounds[1:], caches):
+                x = np.ascontiguousarray(h[a:b])
+                if self._native_prompt(i, c, b - a):
+                    self._attend_prompt(i, x, c)
+                else:
+                    x = self._attend(i, x, c)
+                parts.append(x)
+            h = np.ascontiguousarray(self._ffn(i, np.concatenate(parts), decode=False))
+        for c, ids in zip(caches, texts):
+            c.pos = len(ids)
+        return self.out_norm(h, self.cfg.rms_eps)
+
     def decode_batch(self, ids: list[int], caches: list[KVCache]) -> np.ndarray:
         """One decoded token for each of several sequences (continuous batching): ids[b] goes
         at caches[b].pos. Attention runs per sequence (each has its own cache and position);
@@ -485,35 +508,48 @@ class Transformer:
         gives: every product is per row."""
         if len(ids) != len(caches) or not ids:
             raise ValueError("decode_batch: one token per cache")
+        return self.decode_runs([([t], c) for t, c in zip(ids, caches)])
+
+    def decode_runs(self, runs: list[tuple[list[int], KVCache]]) -> np.ndarray:
+        """decode_batch where a sequence may take several consecutive tokens (speculative
+        decoding verifies a draft so, coordinator/runtime/speculative.py): runs[b] = (ids,
+        cache), ids going at cache.pos, cache.pos + 1, ... Every row is computed as a decoded
+        token (decoding's sparsity, lockstep where usable), so row for row the logits are what
+        forward([id], cache) gives one token at a time. Returns (rows, n_vocab) in runs' order."""
+        caches = [c for _, c in runs]
+        if not runs or any(not ids for ids, _ in runs):
+            raise ValueError("decode_batch: one token per cache")
         if len(set(map(id, caches))) != len(caches):
             raise ValueError("decode_batch: a sequence appears twice")
-        for c in caches:
-            if c.pos + 1 > self.max_ctx:
-                raise ValueError(f"context full: {c.pos} + 1 tokens exceeds the context size {self.max_ctx}")
-        if len(ids) == 1:
-            return self.forward(ids, cache=caches[0])
+        for ids, c in runs:
+            if c.pos + len(ids) > self.max_ctx:
+                raise ValueError(f"context full: {c.pos} + {len(ids)} tokens exceeds the context size {self.max_ctx}")
+        if len(runs) == 1 and len(runs[0][0]) == 1:
+            return self.forward(runs[0][0], cache=caches[0])
+        ids = [t for r, _ in runs for t in r]
+        rows = [c for r, c in runs for _ in r]  # each row's cache
+        pos = np.array([c.pos + j for r, c in runs for j in range(len(r))], dtype=np.int64)
         h = np.ascontiguousarray(self.embed(ids), dtype=np.float32)
         native_ok = len(ids) <= MAX_SMALL_BATCH and all(c.k.shape == self.cache.k.shape for c in caches)
-        step = self._decode_step(caches) if native_ok else LOCAL_STEP  # the path, once for the step
+        step = self._decode_step(rows, pos) if native_ok else LOCAL_STEP  # the path, once for the step
         if step.lockstep:
             logits = self._run_lockstep(step, h)
-            for c in caches:
-                c.pos += 1
-            return logits
-        if native_ok:  # checked here once per step, not per layer: positions and cache addresses
-            pos = np.array([c.pos for c in caches], dtype=np.int64)
-            k0 = np.array([c.address[0] for c in caches], dtype=np.int64)
-            v0 = np.array([c.address[1] for c in caches], dtype=np.int64)
-        for i, L in enumerate(self.layers):
-            if native_ok and self.native[i] is not None:
-                if step.split is not None:
-                    self.split_attn(i, h, step.split)
-                else:  # one native call: the attention weights read once for every sequence
-                    self.native[i].batch(h, pos, k0 + i * self.kv_layer_bytes, v0 + i * self.kv_layer_bytes)
-            else:
-                h = np.concatenate([self._attend(i, np.ascontiguousarray(h[b:b + 1]), c)
-                                    for b, c in enumerate(caches)])
-            h = np.ascontiguousarray(self._ffn(i, h, decode=True))
-        for c in caches:
-            c.pos += 1
-        return self.head(self.out_norm(h, self.cfg.rms_eps))
+        else:
+            if native_ok:  # checked here once per step, not per layer: positions and cache addresses
+                k0 = np.array([c.address[0] for c in rows], dtype=np.int64)
+                v0 = np.array([c.address[1] for c in rows], dtype=np.int64)
+            bounds = np.cumsum([0] + [len(r) for r, _ in runs])
+            for i, L in enumerate(self.layers):
+                if native_ok and self.native[i] is not None:
+                    if step.split is not None:
+                        self.split_attn(i, h, step.split)
+                    else:  # one native call: the attention weights read once for every row
+                        self.native[i].batch(h, pos, k0 + i * self.kv_layer_bytes, v0 + i * self.kv_layer_bytes)
+                else:
+                    h = np.concatenate([self._attend(i, np.ascontiguousarray(h[a:b]), c)
+                                        for a, b, c in zip(bounds[:-1], bounds[1:], caches)])
+                h = np.ascontiguousarray(self._ffn(i, h, decode=True))
+            logits = self.head(self.out_norm(h, self.cfg.rms_eps))
+        for r, c in runs:
+            c.pos += len(r)
+        return logits

@@ -26,7 +26,8 @@ import numpy as np
 
 from ..text.structured_output import Constraint, GrammarError
 from ..text.tokenizer import GGUFTokenizer, StreamDecoder
-from .sampling import Sampler, SamplingParams, log_softmax, pick_next
+from .sampling import Sampler, SamplingParams, log_softmax
+from .speculative import verify_pick
 
 MAX_TOP_LOGPROBS = 20
 
@@ -138,6 +139,7 @@ class Slot:
         self.sampler = Sampler(req.sampling)
         self.text = StreamDecoder(tokenizer, skip_special=not req.keep_special)
         self.stops = StopMatcher(req.stop)
+        self.spec = None  # speculative decoding's state for this sequence (Scheduler._admit)
 
     def free(self) -> None:
         self.req = None
@@ -158,6 +160,10 @@ class Scheduler:
         self.error: str | None = None  # set when the engine failed: every request fails from then on
         self.steps = 0  # decode steps run (tests watch slots leave within one)
         self._rr = 0
+        self.spec = getattr(engine, "spec", None)  # speculative decoding (coordinator/runtime/speculative.py)
+        # work run on this thread between steps, the model being this thread's: objects with
+        # `pending`, `run()` and `fail(message)` (embeddings: coordinator/runtime/embedding.py EmbedQueue)
+        self.side_work: list = []
         self.thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     @property
@@ -216,6 +222,8 @@ class Scheduler:
                 self.error = msg
                 failed = [s.req for s in self.slots if s.req is not None] + list(self.waiting)
                 self.waiting.clear()
+            for w in self.side_work:
+                w.fail(msg)
             for s in self.slots:
                 s.req = None
             for r in failed:
@@ -223,7 +231,8 @@ class Scheduler:
 
     def _step(self) -> bool:
         with self.cv:
-            while not self.stopping and not self.waiting and all(s.req is None for s in self.slots):
+            while (not self.stopping and not self.waiting and all(s.req is None for s in self.slots)
+                   and not any(w.pending for w in self.side_work)):
                 if not self.cv.wait(0.5):
                     self.engine.check_workers()  # a worker dying while idle is reported promptly
             if self.stopping:
@@ -234,8 +243,13 @@ class Scheduler:
                     if s.req is not None:
                         s.req.on_event(FailedEvent("the server is shutting down"))
                         s.req = None
+                for w in self.side_work:
+                    w.fail("the server is shutting down")
                 return False
             self._admit()
+        for w in self.side_work:
+            if w.pending:
+                w.run()
         for s in self.slots:
             if s.req is not None and s.req.cancelled.is_set():
                 self._finish(s, "cancelled")
@@ -257,6 +271,8 @@ class Scheduler:
             self.waiting.popleft()
             try:
                 slot.start(req, self.tokenizer)
+                if self.spec is not None:
+                    slot.spec = self.spec.new_sequence()
             except Exception as e:  # this request's settings, not the engine: fail it alone
                 slot.free()
                 req.on_event(FailedEvent(f"{type(e).__name__}: {e}"))
@@ -277,27 +293,59 @@ class Scheduler:
         running = [s for s in self.slots if s.req is not None and s.next is not None]
         if not running:
             return
-        logits = self.model.decode_batch([s.next for s in running], [s.cache for s in running])
+        spec, drafts = self.spec, [[] for _ in running]
+        if spec is not None:  # a sequence may take drafted tokens as rows of its own this step
+            room = [min(s.req.max_tokens - s.generated, self.max_ctx - s.cache.pos) - 1 for s in running]
+            drafts = spec.plan([s.spec for s in running], [s.history for s in running], room,
+                               [s.sampler for s in running])
+        t0 = time.perf_counter()
+        if any(drafts):
+            logits = self.model.decode_runs([([s.next, *d], s.cache) for s, d in zip(running, drafts)])
+        else:
+            logits = self.model.decode_batch([s.next for s in running], [s.cache for s in running])
+        if spec is not None:
+            spec.cost.add(len(logits), time.perf_counter() - t0)
         self.steps += 1
         if self.steps % 1000 == 0:
             self.engine.ffn.stats.trim()  # bounded memory however long the server runs
-        for s, row in zip(running, logits):
-            s.tokens.append(s.next)
-            s.next = None
-            self._take(s, row)
+        at = 0
+        for s, d in zip(running, drafts):
+            self._verify(s, d, logits[at:at + len(d) + 1])
+            at += len(d) + 1
 
-    def _take(self, s: Slot, logits: np.ndarray) -> None:
-        """Sample the next token of slot s from its logits and pass it on, or end the sequence."""
+    def _verify(self, s: Slot, draft: list[int], rows: np.ndarray) -> None:
+        """Take slot s's tokens from its rows of the step: its next token's row, then one per
+        drafted token while the drafts are kept; the cache drops the rows after the first
+        rejected draft (its position moves back)."""
+        p0 = s.cache.pos - len(rows)
+        inputs = [s.next, *draft]
+        qs = s.spec.qs if s.spec is not None and s.spec.qs else [None] * len(draft)
+        for j, row in enumerate(rows):
+            s.tokens.append(inputs[j])
+            s.next = None
+            d = draft[j] if j < len(draft) else None
+            ok = self._take(s, row, d, qs[j] if d is not None else None)
+            if not ok or s.req is None:
+                break
+        s.cache.pos = p0 + j + 1
+        if self.spec is not None:
+            self.spec.checked(s.spec, len(draft), j + 1 if ok else j, j + 1)
+
+    def _take(self, s: Slot, logits: np.ndarray, draft: int | None = None, q=None) -> bool:
+        """Sample the next token of slot s from its logits and pass it on, or end the sequence.
+        `draft`: the drafted token this row checks (q: its draft distribution, None: a point
+        mass); returns whether the token taken is it."""
         req = s.req
         try:
-            pick = pick_next(logits, s.sampler, s.history, self.tokenizer.eos_ids, req.stop_at_eos, req.constraint)
+            pick, ok = verify_pick(logits, draft, q, s.sampler, s.history, self.tokenizer.eos_ids, req.stop_at_eos,
+                                   req.constraint)
         except GrammarError as e:  # this request's grammar, not the engine: end it alone
             s.free()
             req.on_event(FailedEvent(f"structured output: {e}"))
-            return
+            return False
         if pick.end == "eos":
             self._finish(s, "stop")
-            return
+            return ok
         tok = pick.token
         s.generated += 1
         logprob = top = None
@@ -319,6 +367,7 @@ class Scheduler:
             self._finish(s, "length")
         else:
             s.next = tok
+        return ok
 
     def _finish(self, s: Slot, reason: str, flush: bool = True) -> None:
         req = s.req

@@ -22,6 +22,8 @@ from .decode_plan import DecodePlan
 from .engine_build import EngineBuilder, close_started, load_level
 from .engine_options import EngineOptions  # noqa: F401 (re-exported: callers import it from here)
 from .sampling import Sampler, SamplingParams, pick_next
+from . import speculative
+from .speculative import SpecStats, Speculator
 
 if TYPE_CHECKING:
     from ..model.predictor import Predictors
@@ -34,6 +36,7 @@ class RunStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    spec: SpecStats | None = None  # speculative decoding's counts (None: it was off)
 
 
 class Engine:
@@ -62,6 +65,7 @@ class Engine:
             self.sparsity: float | None = None
             self._told_dense_head = False
             self.set_sparsity(self.opts.sparsity)
+            self.spec = self._speculator()
         except BaseException:
             self.close()
             raise
@@ -87,6 +91,29 @@ class Engine:
     def interleaved(self) -> bool:
         """Up's rows are interleaved too: the engine decodes densely only (row_layout)."""
         return self.row_layout == "gate+up"
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding as opts.spec asks (coordinator/runtime/speculative.py); a draft
+        model runs as an engine of its own, a worker beside ours."""
+        mode = self.opts.spec
+        # a layer whose attention takes torch's path computes a run of rows in other blocks than
+        # one row: a checked draft's logits could then differ from plain decoding's last bits
+        if mode == "off" or not all(step is not None for step in self.model.native):
+            return None
+        if mode == "draft":
+            from dataclasses import replace
+
+            from .speculative import DraftModel
+
+            d = replace(self.opts, spec="off", draft_model=None, cpu_workers=1, sparsity=None, predictor="none",
+                        ctx=self.model.max_ctx)
+            draft = Engine(self.opts.draft_model, d)
+            try:
+                return Speculator("draft", DraftModel(draft, self.tokenizer))
+            except BaseException:
+                draft.close()
+                raise
+        return Speculator(mode)
 
     def _thresholds(self, sparsity: float) -> list:
         """The calibrated thresholds of `sparsity` by the engine's method (engine_build.load_level)."""
@@ -140,9 +167,11 @@ class Engine:
         return self.model.forward(list(ids), all_logits=True)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-                 stop_at_eos: bool = True, constraint=None) -> Iterator[int]:
+                 stop_at_eos: bool = True, constraint=None, speculate: bool = True) -> Iterator[int]:
         """The tokens after `prompt_ids`, one at a time. `constraint`: a
-        structured_output.Constraint the reply follows (it ends when the grammar is complete)."""
+        structured_output.Constraint the reply follows (it ends when the grammar is complete).
+        speculate: decode speculatively where the engine does (opts.spec); the tools that time
+        or count single-token steps turn it off."""
         if not prompt_ids:
             raise ValueError("empty prompt: nothing to condition on")
         if len(prompt_ids) + max_tokens > self.model.max_ctx:
@@ -155,6 +184,16 @@ class Engine:
         logits = self.model.forward(list(prompt_ids))[-1]
         st.prefill_s = time.perf_counter() - t0
         eos = self.tokenizer.eos_ids
+        if speculate and self.spec is not None:
+            st.spec = SpecStats()
+            before = self.spec.stats
+            self.spec.stats = st.spec  # this run's counts (the server's scheduler keeps its own)
+            try:
+                yield from speculative.generate(self.model, self.spec, logits, prompt_ids, max_tokens, sampler, eos,
+                                                stop_at_eos, constraint, st)
+            finally:
+                self.spec.stats = before
+            return
         history = list(prompt_ids)  # what the repeat/presence/frequency penalties look back on
         for i in range(max_tokens):
             pick = pick_next(logits, sampler, history, eos, stop_at_eos, constraint)  # the scheduler's step too
@@ -168,6 +207,16 @@ class Engine:
             st.decode_s += dt
             st.decode_tokens += 1
             st.token_times.append(dt)
+
+    def embed(self, texts: list[list[int]]) -> np.ndarray:
+        """Unit-length embedding vectors of token-id texts, (len(texts), hidden) float32, pooled
+        as the model's metadata says (coordinator/runtime/embedding.py)."""
+        from .embedding import Embedder
+
+        if getattr(self, "embedder", None) is None:
+            self.embedder = Embedder.for_engine(self)
+        self.embedder.check(texts, self.cfg.vocab_size)
+        return self.embedder(texts)
 
     def chat_prompt(self, user_text: str, system: str | None = None) -> str:
         """The user's text wrapped in the model's own chat template (ChatML when it has none)."""
@@ -204,9 +253,12 @@ class Engine:
             "weights": self.opts.weights,
             "worker_weight_bytes": [w.weight_bytes for w in self.pool.workers],
             "coordinator_ffn_bytes": self.ffn.own.nbytes if self.ffn.own is not None else 0,
+            "spec": self.last.spec,
         }
 
     def close(self) -> None:
+        if getattr(self, "spec", None) is not None:
+            self.spec.close()
         close_started(getattr(self, "pool", None), getattr(self, "model", None), getattr(self, "kv_pool", None))
 
     def __enter__(self):

@@ -77,6 +77,13 @@ class EngineOptions:
     # predictors) or with input sparsity (its sparse steps read twins); False: never up, for
     # tools that switch to CATS steps at run time.
     interleave: bool | None = None
+    # Speculative decoding (coordinator/runtime/speculative.py): "ngram" (prompt lookup: drafts
+    # from the sequence's own earlier text, taken only where they measure faster), "draft" (a
+    # smaller model of the same vocabulary, `draft_model`, drafts) or "off". The command line
+    # and the Python API (sparseinfer.LLM) default to "ngram"; an Engine made directly decodes
+    # one token per step unless asked, as the tools and tests that count steps expect.
+    spec: str = "off"
+    draft_model: str | None = None
 
     def validate(self, spell: Mapping[str, str] | None = None) -> None:
         """OptionError (a ValueError) naming the first field whose value its rule refuses, in one
@@ -88,6 +95,10 @@ class EngineOptions:
             if values[f.name] is None and f.default is not None:
                 raise OptionError((spell or {}).get(f.name, f.name), None, "give a value")
         check_values(spell, **values)
+        if (self.spec == "draft") != (self.draft_model is not None):  # one needs the other
+            name = (spell or {}).get("draft_model", "draft_model")
+            raise OptionError((spell or {}).get("spec", "spec"), _shown(self.spec),
+                              f"a draft model ({name}) goes with speculation 'draft' and only with it")
 
 
 class OptionError(ValueError):
@@ -217,6 +228,7 @@ _RULES = {
     "weights": _one_of(WEIGHT_FORMATS, "unknown weight format: "), "fast": _flag, "spin": _flag,
     "coordinator_share": _coordinator_share, "split_lm_head": _flag, "split_attention": _flag,
     "decode_path": _decode_path, "adaptive_spin": _flag, "kv_caches": _whole, "interleave": _flag,
+    "spec": _one_of(("off", "ngram", "draft")), "draft_model": _path,
 }
 
 

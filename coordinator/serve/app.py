@@ -4,6 +4,7 @@
     POST /v1/messages, /v1/messages/count_tokens      (Anthropic's API: anthropic_api.py, its error shape)
     POST /v1/responses                                 (OpenAI's Responses API: responses_api.py)
     GET  /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus)
+    POST /v1/embeddings (embeddings.py)
 
 A completion request is checked and tokenized here, then run by completion.py."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .api_schema import ChatRequest, CompletionRequest, DetokenizeRequest, Token
 from .anthropic_api import add_routes as add_anthropic_routes, anthropic_error, is_anthropic
 from .chat_request import prepare_chat
 from .completion import check_model, checked_text, fits_at_all, run_request
+from .embeddings import add_routes as add_embedding_routes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .responses_api import add_routes as add_responses_routes
 from .state import ApiError, ServerState, error_body as openai_error, off_loop
@@ -31,7 +33,7 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 
 # the routes requests are counted by (coordinator/serve/metrics.py); any other path counts as "other"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-          "/", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+          "/", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/embeddings")
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
@@ -180,6 +182,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary", param="prompt")
         return await run_request(state, sched, http, body, ids, body.max_tokens, body.logprobs, chat=False)
 
+    add_embedding_routes(app, state)
     return app
 
 

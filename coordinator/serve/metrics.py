@@ -51,6 +51,25 @@ class _Live:
             tokens = CounterMetricFamily("sparseinfer_ffn_layer_tokens", "token-layer pairs through the FFN")
             tokens.add_metric([], sum(st.tokens.values()))
             yield tokens
+        spec = getattr(eng, "spec", None)
+        if spec is not None:  # speculative decoding (coordinator/runtime/speculative.py)
+            yield from spec_metrics(spec.stats)
+
+
+def spec_metrics(st):
+    """Speculative decoding's counts, and the acceptance and tokens per target step they give."""
+    for name, what, value in (("drafted_tokens", "drafted tokens checked by the model", st.drafted),
+                              ("accepted_tokens", "drafted tokens kept", st.accepted),
+                              ("sequence_steps", "target steps, counted once per sequence in each", st.steps),
+                              ("step_tokens", "tokens those sequence steps gave", st.tokens)):
+        c = CounterMetricFamily(f"sparseinfer_spec_{name}", what)
+        c.add_metric([], value)
+        yield c
+    for name, what, value in (("acceptance", "drafted tokens kept / checked", st.acceptance),
+                              ("tokens_per_step", "tokens a sequence gets per target step", st.tokens_per_step)):
+        g = GaugeMetricFamily(f"sparseinfer_spec_{name}", what)
+        g.add_metric([], value)
+        yield g
 
 
 class ServerMetrics:

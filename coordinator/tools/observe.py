@@ -224,11 +224,12 @@ def sparse_batches(engine) -> Iterator[None]:
 
 def greedy(engine, prompt: list[int], n_tokens: int) -> Iterator[int]:
     """Greedy continuation: the prompt's next token, then decoded ones, `n_tokens` in all (EOS
-    does not stop it)."""
+    does not stop it), one target step each: the tools time and count single-token steps, so
+    speculative decoding stays off here."""
     from ..runtime.sampling import SamplingParams
 
     return engine.generate(prompt, max_tokens=n_tokens, sampling=SamplingParams(temperature=0.0),
-                           stop_at_eos=False)
+                           stop_at_eos=False, speculate=False)
 
 
 class FfnMeter:
