@@ -261,8 +261,8 @@ class Lockstep:
         with the norm weights at address `norm` (0: none)."""
         self.announce_and_wait(phase, peers, check)
         sh, n_sh = shares
-        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, self.eps, self._ptrs[1], post,
-                               self.scale)
+        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, 0, self.eps, self._ptrs[1],
+                               post, self.scale)  # 0: no bias, RMSNorm
 
     def announce_and_wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
         """Announce this process's share of `phase` and wait for every peer's."""

@@ -42,6 +42,14 @@ def test_residual_norm_sums_the_shares_in_order_then_normalizes():
     np.testing.assert_array_equal(again, want_h)
     with pytest.raises(ValueError):
         kernels.residual_norm(h.copy(), [shares[0][:2]], w, 1e-5)
+    # a LayerNorm where the norm has a bias (falcon's FFN input and output norm)
+    b = rng.standard_normal(96, dtype=np.float32)
+    ln_h = h.copy()
+    x = kernels.residual_norm(ln_h, shares, w, 1e-5, norm_bias=b)
+    np.testing.assert_array_equal(ln_h, want_h)
+    ref = want_h.astype(np.float64)
+    ref = (ref - ref.mean(axis=1, keepdims=True)) / np.sqrt(ref.var(axis=1, keepdims=True) + 1e-5) * w + b
+    np.testing.assert_allclose(x, ref, rtol=2e-6, atol=1e-5)
 
 
 def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:

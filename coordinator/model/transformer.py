@@ -23,7 +23,7 @@ from sparsecore.config import ModelConfig
 from sparsecore.file_rows import FileRows
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
 from sparsecore.lm_head import HeadCandidates
-from sparsecore.kernels import rms_norm as native_rms_norm
+from sparsecore.kernels import norm_rows as native_rms_norm
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.rope import layer_tables, rope_tables
