@@ -10,8 +10,10 @@ coordinator computes its own share with the same step objects, so every process 
 kernel (_kernels.attn_part).
 
 Every architecture whose attention the native step computes is split (ModelConfig.native_attention:
-its biases, Q/K norms, output norms and scales, windows and per-layer rope bases travel with the
-step as `AttentionExtras`); LayerNorm and parallel blocks (falcon) keep attention on the coordinator.
+its biases, Q/K norms, output norms and scales, windows, per-layer rope bases and LayerNorms travel
+with the step as `AttentionExtras`). Falcon's parallel blocks split too: a share is attention alone,
+and the model reads its FFN's input before the attention changes the residual
+(coordinator/model/transformer.py Transformer._ffn_input, sparsecore/lockstep.py).
 """
 from __future__ import annotations
 
@@ -78,11 +80,22 @@ def split_heads(n_heads: int, group: int, slots: list[int], unit: int) -> dict[i
     return out
 
 
+def attn_norm_name(store: TensorStore, i: int) -> str:
+    """The name (less .weight / .bias) of layer i's attention input norm: falcon 40B's "new
+    decoder" has two norms of the layer's input, attn_norm_2 for the attention and attn_norm for
+    the FFN; every other layer's attention reads attn_norm."""
+    two = f"blk.{i}.attn_norm_2"
+    return two if store.has(two + ".weight") else f"blk.{i}.attn_norm"
+
+
 def layer_extras(store: TensorStore, cfg: ModelConfig, i: int) -> AttentionExtras:
     """Layer i's attention variants (sparsecore/arch.py), read from the file."""
     p = f"blk.{i}."
     f32 = lambda name: np.ascontiguousarray(store.matrix(p + name), dtype=np.float32)  # noqa: E731
-    return AttentionExtras(
+    norm_bias = None
+    if cfg.layer_norm:  # falcon: LayerNorms with bias
+        norm_bias = np.ascontiguousarray(store.matrix(attn_norm_name(store, i) + ".bias"), dtype=np.float32)
+    return AttentionExtras(norm_bias=norm_bias,
         bias=np.concatenate([f32(f"attn_{n}.bias") for n in "qkv"]) if cfg.qkv_bias else None,
         q_norm=f32("attn_q_norm.weight") if cfg.qk_norm else None,
         k_norm=f32("attn_k_norm.weight") if cfg.qk_norm else None,
@@ -100,7 +113,7 @@ def attention_step(store: TensorStore, cfg: ModelConfig, i: int, cos: np.ndarray
     q, k, v, o = (FileMatrix(store.info(p + n)) for n in ATTN_NAMES)
     q_rows = qk_order(q.rows, cfg.n_heads) if cfg.permuted_qk else np.arange(q.rows, dtype=np.int32)
     k_rows = qk_order(k.rows, cfg.n_kv_heads) if cfg.permuted_qk else np.arange(k.rows, dtype=np.int32)
-    norm = np.ascontiguousarray(store.matrix(p + "attn_norm.weight"), dtype=np.float32)
+    norm = np.ascontiguousarray(store.matrix(attn_norm_name(store, i) + ".weight"), dtype=np.float32)
     return AttentionStep(q, q_rows, k, k_rows, v, o, norm, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                          cfg.rope_dim, cos, sin, k_cache, v_cache, fast, layer_extras(store, cfg, i))
 

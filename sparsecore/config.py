@@ -71,9 +71,10 @@ class ModelConfig:
     @property
     def native_attention(self) -> bool:
         """Whether the native attention step computes this model's attention (its variants: Q/K/V
-        biases, Q/K norms, output norms, scales, sliding windows, per-layer rope bases; not
-        LayerNorms or parallel blocks, which stay in torch)."""
-        return not (self.layer_norm or self.parallel) and self.rope_dim <= self.head_dim
+        biases, Q/K norms, output norms, scales, sliding windows, per-layer rope bases,
+        LayerNorms; parallel blocks read the FFN's input before it): every architecture the
+        table names, where rope fits in a head."""
+        return self.rope_dim <= self.head_dim
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every position."""

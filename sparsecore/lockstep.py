@@ -11,6 +11,11 @@ token). Here each process keeps its own copy of the residuals and, per phase:
   2. waits for every other participant's phase word;
   3. adds all the shares to its residual (through the layer's output norm and residual scale
      where the architecture has them) and normalizes (_kernels.residual_norm).
+In a parallel block (falcon: attention and FFN both read the layer's input) the FFN's input is
+the norm of the residual before the attention phase: the exchange that ends the previous layer
+(or the step's start, for layer 0) normalizes with this layer's FFN norm, the attention phase's
+exchange adds the shares alone, and the FFN reads what the earlier one left (RMSNorm or
+LayerNorm: the norm's bias says which).
 Every process sums the same shares in the same order (ascending slots) with the same kernel,
 so all hold the same floats, and the coordinator's copy is what the rest of the model sees.
 Where the lm_head's vocabulary rows are split across the same processes, the step ends with one
@@ -45,6 +50,7 @@ from .kv_pool import KvPool
 from .shard import ExpertsLayer, FileLayer
 from .tensors import TensorStore
 
+NO_NORM = (0, 0)  # an exchange that normalizes nothing: (weights, bias) addresses
 PHASE_STRIDE = 1 << 12  # phases per step: 2 per layer, so at most 2047 layers
 CHECK_SPINS = 2048  # a waiting process calls `check` this often (a spin is about 0.1 us)
 YIELD_AFTER_S = 0.002  # a wait this long means a peer lost its core: yield ours between checks
@@ -64,17 +70,23 @@ class Lockstep:
     def __init__(self, buffers: SharedBuffers, slot: int, attn: list[AttentionStep], heads: tuple[int, int],
                  ffn: dict, activation: str, ffn_norms: list[np.ndarray], eps: float, predict: dict | None = None,
                  post_ffn_norms: list[np.ndarray | None] | None = None, residual_scale: float | None = None,
-                 head=None, out_norm: np.ndarray | None = None):
+                 head=None, out_norm: np.ndarray | None = None, norm_biases: list[np.ndarray | None] | None = None,
+                 out_norm_bias: np.ndarray | None = None, parallel: bool = False):
         """post_ffn_norms: per layer the norm of the FFN's output before the residual (gemma3), or
         None; the attention's own (and the residual scale) come with its steps' extras. `head`:
         this process's lm_head rows (sparsecore.lm_head.HeadRows) and `out_norm` the model's
-        output norm weights, where steps end with the logits (`head_fits`)."""
+        output norm weights, where steps end with the logits (`head_fits`). norm_biases (per
+        layer) and out_norm_bias: the FFN norms' and output norm's biases where they are
+        LayerNorms (falcon). `parallel`: the FFN reads the layer's input (module doc)."""
         n_layers = len(attn)
         if set(ffn) != set(range(n_layers)) or len(ffn_norms) != n_layers:
             raise ValueError("a lockstep process needs a share of every layer's attention and FFN")
         self.buffers, self.slot, self.attn, self.heads, self.ffn = buffers, slot, attn, heads, ffn
         self.activation, self.eps, self.predict = activation, float(eps), predict or {}
-        self.norms = [np.ascontiguousarray(w, dtype=np.float32) for w in ffn_norms]
+        f32 = lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+        self.norms = [f32(w) for w in ffn_norms]
+        self.norm_biases = [f32(b) for b in (norm_biases or [None] * n_layers)]
+        self.parallel = parallel
         hidden = buffers.layout.hidden
         self.half = min(MAX_SMALL_BATCH, buffers.layout.max_tokens // 2)  # rows of one phase parity
         self.h = np.empty((self.half, hidden), np.float32)  # this process's copy of the residuals
@@ -84,9 +96,10 @@ class Lockstep:
         self.words = buffers.slots
         self._plans: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         # One token's kernels' arguments, resolved once (the Python of a layer's checks and
-        # addresses was 20-30 us of a 0.45 ms layer at 0.7 sparsity): the norm's addresses here,
-        # the FFN's and attention's per layer on first use (_one_token_args).
-        self._ptrs = (ptr(self.h), ptr(self.x), [ptr(w) for w in self.norms])
+        # addresses was 20-30 us of a 0.45 ms layer at 0.7 sparsity): the norms' addresses here
+        # (weights, bias or 0), the FFN's and attention's per layer on first use (_one_token_args).
+        self._ptrs = (ptr(self.h), ptr(self.x), [(ptr(w), 0 if b is None else ptr(b))
+                                                 for w, b in zip(self.norms, self.norm_biases)])
         # What the exchanges apply to the summed shares before the residual, per layer: the
         # attention's output norm and the FFN's (addresses, 0: none), and the residual scale.
         self.post_ffn = [None if w is None else np.ascontiguousarray(w, dtype=np.float32)
@@ -95,9 +108,11 @@ class Lockstep:
                       0 if f is None else ptr(f)) for a, f in zip(attn, self.post_ffn)]
         self.scale = float(residual_scale or 0.0)
         self.head = head
-        self.out_norm = None if out_norm is None else np.ascontiguousarray(out_norm, dtype=np.float32)
+        self.out_norm, self.out_norm_bias = f32(out_norm), f32(out_norm_bias)
         if head is not None and self.out_norm is None:
             raise ValueError("a lockstep part with lm_head rows needs the output norm")
+        self._out_ptrs = NO_NORM if out_norm is None else (ptr(self.out_norm), 0 if out_norm_bias is None
+                                                           else ptr(self.out_norm_bias))
         self._one: list[tuple | None] = [None] * n_layers
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
@@ -138,10 +153,14 @@ class Lockstep:
                 or not all(isinstance(w, (FileLayer, ExpertsLayer)) for w in shard.layers.values())
                 or buffers.layout.max_tokens < 2):
             return None
-        norms = [store.matrix(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layers)]
+        # a parallel block's FFN reads attn_norm (falcon 40B's attention its attn_norm_2)
+        names = [f"blk.{i}.{'attn_norm' if cfg.parallel else 'ffn_norm'}" for i in range(cfg.n_layers)]
+        bias = lambda name: store.matrix(name + ".bias") if store.has(name + ".bias") else None  # noqa: E731
         post = [store.matrix(f"blk.{i}.post_ffw_norm.weight") if cfg.post_norms else None for i in range(cfg.n_layers)]
+        norms = [store.matrix(n + ".weight") for n in names]
         return cls(buffers, slot, attn, heads, shard.layers, shard.activation, norms, cfg.rms_eps, shard.predict,
-                   post, cfg.residual_scale, shard.head, store.matrix("output_norm.weight"))
+                   post, cfg.residual_scale, shard.head, store.matrix("output_norm.weight"),
+                   [bias(n) for n in names], bias("output_norm"), cfg.parallel)
 
     def fits(self, n_tokens: int) -> bool:
         return 1 <= n_tokens <= self.half
@@ -183,7 +202,9 @@ class Lockstep:
         self.h[:B] = h  # this process's copy of the residuals
         base = step * PHASE_STRIDE
         head = self.head_fits(B)
-        last_norm = ptr(self.out_norm) if head else 0  # the last exchange: the head's input
+        last_norm = self._out_ptrs if head else NO_NORM  # the last exchange: the head's input
+        if self.parallel:  # layer 0's FFN input: the norm of the step's residuals (module doc)
+            self._norm_only(B, self._ptrs[2][0])
         if B == 1 and not predict:  # the decode step of one sequence: prepared calls
             n_active = self._run_one(base, peers, sums, h, pos, kp, vp, layer_bytes, threshold, check, last_norm)
         else:
@@ -196,7 +217,7 @@ class Lockstep:
 
     def _run_layers(self, base: int, peers: list[int], sums: list[tuple[int, int]], h: np.ndarray, pos: np.ndarray,
                     kp: np.ndarray, vp: np.ndarray, layer_bytes: int, threshold: bool, predict: bool,
-                    check: Callable[[], None], last_norm: int) -> int:
+                    check: Callable[[], None], last_norm: tuple[int, int]) -> int:
         """run's layers for any rows (a continuous batch, predictors)."""
         B = len(h)
         mine, hh, x = self.mine, self.h[:B], self.x[:B]
@@ -204,24 +225,27 @@ class Lockstep:
         for i, attn in enumerate(self.attn):
             phase += 1
             off = i * layer_bytes
+            # a predictor reads the residual before the FFN norm: a parallel block's is the layer's input
+            active = self.predict[i].mask_for(hh[0]) if predict and self.parallel else None
             attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
-            self._exchange(base + phase, peers, sums[phase & 1], B, self._ptrs[2][i], check, self.post[i][0])
+            self._exchange(base + phase, peers, sums[phase & 1], B, self._attn_norm(i), check, self.post[i][0])
             w = self.ffn[i]
-            active = self.predict[i].mask_for(hh[0]) if predict else None
+            if predict and not self.parallel:
+                active = self.predict[i].mask_for(hh[0])
             t = float(thresholds[i]) if threshold else None
             phase += 1
             if B == 1:
                 n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
             else:
                 n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
-            last = i == len(self.attn) - 1
-            self._exchange(base + phase, peers, sums[phase & 1], B, last_norm if last else 0, check, self.post[i][1])
+            self._exchange(base + phase, peers, sums[phase & 1], B, self._ffn_norm(i, last_norm), check,
+                           self.post[i][1])
         h[:] = hh
         return n_active
 
     def _run_one(self, base: int, peers: list[int], sums: list[tuple[int, int]], h: np.ndarray, pos: np.ndarray,
                  kp: np.ndarray, vp: np.ndarray, layer_bytes: int, threshold: bool, check: Callable[[], None],
-                 last_norm: int) -> int:
+                 last_norm: tuple[int, int]) -> int:
         """run's steps for one row with every kernel's arguments prepared (_one_token_args):
         the same calls, the same floats."""
         n = len(self.attn)
@@ -232,7 +256,7 @@ class Lockstep:
         addr[:, 1] = kp[0] + offs
         addr[:, 2] = vp[0] + offs
         a0 = ptr(addr)
-        norm_ptrs, thresholds = self._ptrs[2], self.buffers.thresholds
+        thresholds = self.buffers.thresholds
         n_active, phase = 0, 0
         for i in range(n):
             _, att, ffn = self._one_token_args(i)
@@ -240,7 +264,7 @@ class Lockstep:
             args, k = att[phase & 1]
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
             _kernels.attn_part(*args)
-            self._exchange(base + phase, peers, sums[phase & 1], 1, norm_ptrs[i], check, self.post[i][0])
+            self._exchange(base + phase, peers, sums[phase & 1], 1, self._attn_norm(i), check, self.post[i][0])
             phase += 1
             if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
                 n_active += self.ffn[i].token_into(self.x[0], self.activation, None, None, self.mine[phase & 1][0])
@@ -248,21 +272,37 @@ class Lockstep:
                 call = ffn[phase & 1]
                 call.threshold = float(thresholds[i]) if threshold else -1.0
                 n_active += _kernels.ffn_token(call.address)
-            self._exchange(base + phase, peers, sums[phase & 1], 1, last_norm if i == n - 1 else 0, check,
+            self._exchange(base + phase, peers, sums[phase & 1], 1, self._ffn_norm(i, last_norm), check,
                            self.post[i][1])
         h[0] = self.h[0]
         return n_active
 
-    def _exchange(self, phase: int, peers: list[int], shares: tuple[int, int], B: int, norm: int,
+    def _attn_norm(self, i: int) -> tuple[int, int]:
+        """The norm layer i's attention exchange applies: its FFN's, unless the FFN reads the
+        layer's input (parallel: already in x)."""
+        return NO_NORM if self.parallel else self._ptrs[2][i]
+
+    def _ffn_norm(self, i: int, last_norm: tuple[int, int]) -> tuple[int, int]:
+        """The norm layer i's FFN exchange applies: the head's input after the last layer
+        (`last_norm`), else the next layer's FFN input where that is read before its attention."""
+        if i == len(self.attn) - 1:
+            return last_norm
+        return self._ptrs[2][i + 1] if self.parallel else NO_NORM
+
+    def _exchange(self, phase: int, peers: list[int], shares: tuple[int, int], B: int, norm: tuple[int, int],
                   check: Callable[[], None], post: int = 0) -> None:
         """Announce this process's share of `phase`, wait for every peer's, add them all (shares:
         the address and count of their addresses) to the residuals, through the output norm at
         address `post` and the residual scale where there are, and normalize them into self.x
-        with the norm weights at address `norm` (0: none)."""
+        with the norm at `norm` (addresses of its weights and bias; NO_NORM: none)."""
         self.announce_and_wait(phase, peers, check)
         sh, n_sh = shares
-        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, norm, self.eps, self._ptrs[1], post,
+        _kernels.residual_norm(self._ptrs[0], sh, n_sh, self.h.shape[1], B, *norm, self.eps, self._ptrs[1], post,
                                self.scale)
+
+    def _norm_only(self, B: int, norm: tuple[int, int]) -> None:
+        """self.x = the norm of the residuals alone (no shares): a parallel step's first FFN input."""
+        _kernels.residual_norm(self._ptrs[0], 0, 0, self.h.shape[1], B, *norm, self.eps, self._ptrs[1], 0, 0.0)
 
     def announce_and_wait(self, phase: int, peers: list[int], check: Callable[[], None]) -> None:
         """Announce this process's share of `phase` and wait for every peer's."""

@@ -43,14 +43,12 @@ def test_greedy_and_logits_match_transformers(arch_models, arch, weights, no_lea
         assert_matches(eng, arch)
 
 
-NATIVE_ARCHS = [a for a in ARCHS if not a.startswith("falcon")]  # falcon's LayerNorms stay in torch
-
-
 @pytest.mark.parametrize("path", ["lockstep", "split"])
-@pytest.mark.parametrize("arch", NATIVE_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_attention_split_across_processes_matches_transformers(arch_models, arch, path, no_leaks):
     """Every architecture's attention (biases, Q/K norms, output norms, windows, per-layer rope
-    bases) on the native path with its KV heads split between the coordinator and the worker:
+    bases, falcon's LayerNorms and parallel blocks) on the native path with its heads split
+    between the coordinator and the worker (falcon's one KV head: its query heads split):
     decoded tokens through every layer in one post (lockstep) or layer by layer, prompts split
     too (forced: the tiny layers would never pay for the exchange)."""
     opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
@@ -60,6 +58,19 @@ def test_attention_split_across_processes_matches_transformers(arch_models, arch
         assert_matches(eng, arch)
         decoded = sum(len(c["generated_ids"]) - 1 for c in REF["archs"][arch])
         assert len(eng.ffn.stats.lockstep_us) == (decoded if path == "lockstep" else 0)
+
+
+@pytest.mark.parametrize("arch", ["falcon", "falcon40b"])
+def test_falcon_attention_is_native_on_the_coordinator(arch_models, arch, no_leaks):
+    """Falcon's LayerNorms (40B's two, attn_norm_2 the attention's) and parallel blocks in the
+    native step with attention on the coordinator alone: the plan says native, every layer has
+    a step, and transformers' tokens and logits come out."""
+    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, split_attention=False)
+    with Engine(arch_models[arch], opts) as eng:
+        assert eng.model.decode_plan.path.value == "native"
+        assert all(step is not None for step in eng.model.native)
+        assert eng.model.split_attn is None
+        assert_matches(eng, arch)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
@@ -95,8 +106,9 @@ def test_configs_read_as_the_converter_writes_them(arch_models):
     assert q2.qkv_bias and not q2.qk_norm and not q2.permuted_qk
     assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32
     assert m.permuted_qk and m.sliding_window == 8
-    assert all(cfg(a).native_attention for a in ARCHS if not a.startswith("falcon"))
-    assert not cfg("falcon").native_attention
+    assert all(cfg(a).native_attention for a in ARCHS)
+    f = cfg("falcon")
+    assert f.layer_norm and f.parallel and f.n_kv_heads == 1
 
 
 def test_other_architectures_get_one_line_naming_the_supported_ones(tmp_path):

@@ -45,7 +45,7 @@ class Layer:
     """One attention layer with random weights (Wo the identity, so that the residual's change
     is the attention output itself) and its float64 reference."""
 
-    def __init__(self, n_heads: int, n_kv: int, hd: int, d: int, seed: int):
+    def __init__(self, n_heads: int, n_kv: int, hd: int, d: int, seed: int, layer_norm: bool = False):
         rng = np.random.default_rng(seed)
         self.n_heads, self.n_kv, self.hd, self.d = n_heads, n_kv, hd, d
         hidden = self.hidden = n_heads * hd
@@ -57,6 +57,8 @@ class Layer:
         self.q_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_heads)]).astype(np.int32)
         self.k_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_kv)]).astype(np.int32)
         self.norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+        # falcon's LayerNorm: the bias is AttentionExtras.norm_bias (None: RMSNorm)
+        self.norm_bias = rng.uniform(-0.5, 0.5, hidden).astype(np.float32) if layer_norm else None
         self.cos, self.sin = rope_tables(d)
         self.rng = rng
 
@@ -72,13 +74,17 @@ class Layer:
     def step(self, kc, vc) -> K.AttentionStep:
         return K.AttentionStep(f32_matrix(self.wq, "q"), self.q_rows, f32_matrix(self.wk, "k"), self.k_rows,
                                f32_matrix(self.wv, "v"), f32_matrix(np.eye(self.hidden), "o"), self.norm, 1e-6,
-                               self.n_heads, self.n_kv, self.hd, self.d, self.cos, self.sin, kc, vc, fast=False)
+                               self.n_heads, self.n_kv, self.hd, self.d, self.cos, self.sin, kc, vc, fast=False,
+                               extras=K.AttentionExtras(norm_bias=self.norm_bias))
 
     def reference(self, h: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray):
         """(attention output, new key rows, new value rows) in float64 from the caches before the step"""
         hd, d = self.hd, self.d
         x = h.astype(np.float64)
-        x = x / np.sqrt(np.mean(x * x) + 1e-6) * self.norm
+        if self.norm_bias is None:
+            x = x / np.sqrt(np.mean(x * x) + 1e-6) * self.norm
+        else:
+            x = (x - x.mean()) / np.sqrt(np.var(x) + 1e-6) * self.norm + self.norm_bias
         q = (self.wq[self.q_rows].astype(np.float64) @ x).reshape(self.n_heads, hd)
         k = (self.wk[self.k_rows].astype(np.float64) @ x).reshape(self.n_kv, hd)
         v = (self.wv.astype(np.float64) @ x).reshape(self.n_kv, hd)
@@ -120,6 +126,24 @@ def test_attend_against_float64(isa, shape, pos):
         cache_rest, before_rest = np.delete(cache, pos, axis=1), np.delete(before, pos, axis=1)
         assert np.array_equal(cache_rest, before_rest, equal_nan=True)
     assert np.isnan(big[:, 0]).all() and np.isnan(big[:, -1]).all()
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 64, 64), (6, 2, 36, 36)], ids=str)
+def test_a_layer_norm_is_the_input_norm_where_the_record_has_its_bias(isa, shape):
+    """falcon: the attention's input centred on its mean, scaled by its variance, times the
+    weights plus the bias; the same step without the bias (RMSNorm) is far from it."""
+    L = Layer(*shape, seed=5, layer_norm=True)
+    _, kc, vc = L.caches(17)
+    h = (L.rng.standard_normal(L.hidden) + 2.0).astype(np.float32)  # a mean far from 0
+    want = L.reference(h, 17, kc, vc)[0]
+    got = h.copy()
+    L.step(kc.copy(), vc.copy())(got, 17)
+    scale = np.abs(want).max()
+    assert np.abs(got.astype(np.float64) - h - want).max() <= 1e-4 * scale
+    L.norm_bias = None
+    rms = h.copy()
+    L.step(kc.copy(), vc.copy())(rms, 17)
+    assert np.abs(rms.astype(np.float64) - h - want).max() > 1e-2 * scale
 
 
 @pytest.mark.parametrize("shape", [(6, 2, 64, 64), (8, 1, 128, 128), (6, 2, 36, 36)], ids=str)

@@ -19,7 +19,8 @@ from coordinator.runtime.engine import Engine, EngineOptions
 from coordinator.runtime.worker_pool import WorkerError
 from sparsecore import kernels
 from tests.conftest import hang_guard
-from tests.fixtures.decoding import greedy_decode
+from tests.fixtures.decoding import assert_batch_is_alone, greedy_decode
+from tests.fixtures.tiny_arch import write_tiny_arch
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46]]
 
@@ -42,6 +43,14 @@ def test_residual_norm_sums_the_shares_in_order_then_normalizes():
     np.testing.assert_array_equal(again, want_h)
     with pytest.raises(ValueError):
         kernels.residual_norm(h.copy(), [shares[0][:2]], w, 1e-5)
+    # a LayerNorm where the norm has a bias (falcon's FFN input and output norm)
+    b = rng.standard_normal(96, dtype=np.float32)
+    ln_h = h.copy()
+    x = kernels.residual_norm(ln_h, shares, w, 1e-5, norm_bias=b)
+    np.testing.assert_array_equal(ln_h, want_h)
+    ref = want_h.astype(np.float64)
+    ref = (ref - ref.mean(axis=1, keepdims=True)) / np.sqrt(ref.var(axis=1, keepdims=True) + 1e-5) * w + b
+    np.testing.assert_allclose(x, ref, rtol=2e-6, atol=1e-5)
 
 
 def _engine(path, fast: bool, lockstep: bool, **kw) -> Engine:
@@ -71,6 +80,25 @@ def test_lockstep_gives_what_the_per_layer_steps_give(tiny_model_factory, tensor
         # the same floats: both paths norm the FFN input in the same kernel (model.ffn_input_norm)
         # and add the shares in slot order; with torch's norm on one side, fast mode's 8-bit
         # activations rounded apart (AVX2, Q4_K: 0.059)
+        np.testing.assert_array_equal(gl, wl)
+        assert gt == wt
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("arch", ["falcon", "falcon40b"])
+def test_lockstep_parallel_blocks_give_what_the_per_layer_steps_give(tmp_path, arch, fast, no_leaks):
+    """Falcon: LayerNorms, and parallel blocks, whose FFN input lockstep norms from the residual
+    before the attention phase (at the previous layer's last exchange) as the per-layer path
+    does before the attention step: the same floats, every decoded token in one post, and a
+    batch's rows those of each sequence alone."""
+    path = write_tiny_arch(tmp_path / f"{arch}.gguf", arch)
+    with _engine(path, fast, lockstep=False) as layered:
+        want = [greedy_decode(layered, p) for p in PROMPTS]
+    with _engine(path, fast, lockstep=True) as locked:
+        got = [greedy_decode(locked, p) for p in PROMPTS]
+        assert len(locked.ffn.stats.lockstep_us) == 6 * len(PROMPTS)
+        assert_batch_is_alone(locked.model, PROMPTS)
+    for (wt, wl), (gt, gl) in zip(want, got):
         np.testing.assert_array_equal(gl, wl)
         assert gt == wt
 

@@ -54,7 +54,7 @@ def test_files_read_as_powerinfer_writes_them(models):
     f = read_config(models["relufalcon"], open_gguf(models["relufalcon"]))
     assert (f.arch, f.activation, f.ffn_gate, f.layer_norm, f.parallel, f.permuted_qk) == (
         "falcon", "relu", "none", True, True, False)
-    assert f.n_ff == 256 and f.n_kv_heads == 2 and not f.native_attention
+    assert f.n_ff == 256 and f.n_kv_heads == 2 and f.native_attention
     g = read_config(models["falcon"], open_gguf(models["falcon"]))
     assert g.activation == "gelu" and g.n_kv_heads == 1 and g.sparse_threshold is None
 
@@ -103,6 +103,33 @@ def test_the_files_predictors_decode_as_transformers_with_their_masks(models, ar
         for t in case["generated_ids"]:
             steps.append(eng.model.forward([t])[-1])
     np.testing.assert_allclose(np.stack(steps), _ref_logits(arch + ".predicted"), atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["lockstep", "split"])
+def test_relufalcon_predicts_from_the_layer_input_on_the_native_path(models, path, no_leaks):
+    """ReluFalcon's attention native and split across the processes, its predictors reading the
+    layer's input (a parallel block): in lockstep each process scores its neurons before the
+    attention phase changes its residual. The tokens and every step's logits are transformers'
+    with the file's masks."""
+    cases = REF["archs"]["relufalcon.predicted"]
+    lockstep = path == "lockstep"
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=False, decode_path=path, kv_caches=2,
+                         adaptive_spin=False if lockstep else None)
+    with Engine(models["relufalcon"], opts) as eng:
+        assert eng.predictors is not None
+        assert eng.model.decode_plan.path.value == ("lockstep" if lockstep else "split attention")
+        for case in cases:
+            got = list(eng.generate(case["prompt_ids"], len(case["generated_ids"]), SamplingParams(0.0),
+                                    stop_at_eos=False))
+            assert got == case["generated_ids"]
+        case = cases[0]
+        eng.reset()
+        steps = [eng.model.forward(list(case["prompt_ids"]))[-1]]
+        for t in case["generated_ids"]:
+            steps.append(eng.model.forward([t])[-1])
+        decoded = sum(len(c["generated_ids"]) - 1 for c in cases) + len(case["generated_ids"])
+        assert len(eng.ffn.stats.lockstep_us) == (decoded if lockstep else 0)
+    np.testing.assert_allclose(np.stack(steps), _ref_logits("relufalcon.predicted"), atol=LOGITS_ATOL, rtol=0)
 
 
 def test_falcon_gateless_sparsity_calibrates_and_runs(models, no_leaks):

@@ -13,7 +13,8 @@ from coordinator.runtime.engine import Engine, EngineOptions
 from sparsecore.attn_shard import split_heads
 from sparsecore.kernels import MAX_SMALL_BATCH
 from sparsecore.kv_pool import KvPool, KvShape, supported
-from tests.fixtures.decoding import greedy_decode
+from tests.fixtures.decoding import assert_batch_is_alone, greedy_decode
+from tests.fixtures.tiny_arch import write_tiny_arch
 
 PROMPTS = [[5, 9, 30, 31], [7, 8], [40, 41, 42, 43, 44, 45, 46], [3]]
 
@@ -105,6 +106,26 @@ def test_prompt_chunks_attend_causally_as_torch_does(tiny_model_factory, fast, s
     tol = 1e-2 if fast else 2e-4
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))
     np.testing.assert_allclose(k_got, k_want, rtol=0, atol=tol * max(1.0, np.abs(k_want).max()))
+
+
+@pytest.mark.parametrize("arch", ["falcon", "falcon40b"])
+def test_falcon_split_gives_what_its_native_step_gives(tmp_path, arch, no_leaks):
+    """Falcon's LayerNorms and parallel blocks, its one KV head (7B: the query heads split, both
+    processes computing it) or two (40B's layout, its attention normed by attn_norm_2): split
+    across the processes, the tokens of the native step on the coordinator alone and its logits
+    up to the shares' summation order; a continuous batch's rows those of each sequence alone."""
+    path = write_tiny_arch(tmp_path / f"{arch}.gguf", arch)
+    with _engine(path, False, split=False) as whole:
+        assert whole.decode_plan.path.value == "native" and all(s is not None for s in whole.model.native)
+        want = [greedy_decode(whole, p) for p in PROMPTS]
+    with _engine(path, False, split=True) as split:
+        calls = len(split.ffn.stats.attn_us)
+        got = [greedy_decode(split, p) for p in PROMPTS]
+        assert len(split.ffn.stats.attn_us) - calls >= len(PROMPTS) * 6 * split.cfg.n_layers
+        assert_batch_is_alone(split.model, PROMPTS)
+    for (t_want, l_want), (t_got, l_got) in zip(want, got):
+        assert t_got == t_want
+        np.testing.assert_allclose(l_got, l_want, rtol=0, atol=2e-4 * max(1.0, np.abs(l_want).max()))
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])

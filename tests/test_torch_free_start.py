@@ -1,7 +1,7 @@
-"""A llama-family model in the file's blocks starts and decodes without torch in the coordinator
-(its import is about 1 s of start-up: docs/PERFORMANCE.md, "Start-up"); a path that needs torch
-(float copies, here `--weights f32`) imports it on first use and gives the same tokens; and
-torch imported late still gets the thread count the engine chose for it."""
+"""A model in the file's blocks (llama's family, falcon's) starts and decodes without torch in the
+coordinator (its import is about 1 s of start-up: docs/PERFORMANCE.md, "Start-up"); a path that
+needs torch (float copies, here `--weights f32`) imports it on first use and gives the same
+tokens; and torch imported late still gets the thread count the engine chose for it."""
 from __future__ import annotations
 
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import HANG_S, REPO
 from tests.fixtures.child_env import repo_env
+from tests.fixtures.tiny_arch import write_tiny_arch
 
 # `generate` as `python -m coordinator` runs it, then whether torch was imported, on stdout
 # (generate ends with os._exit once its output is flushed: the report goes just before)
@@ -44,6 +45,15 @@ def test_llama_in_the_files_blocks_never_imports_torch(tiny_model_factory, tenso
     text_f32, torch_loaded = _generate(path, "--arith", "exact", "--weights", "f32")
     assert torch_loaded
     assert text_f32 == text
+
+
+@pytest.mark.parametrize("arch", ["falcon", "falcon40b"])
+def test_falcon_in_the_files_blocks_never_imports_torch(tmp_path, arch):
+    """Falcon's LayerNorms and parallel blocks are the native kernels' too (its attention step,
+    the FFN input's and output norm's LayerNorm): nothing of its forward pass needs torch."""
+    text, torch_loaded = _generate(write_tiny_arch(tmp_path / f"{arch}.gguf", arch), "--arith", "exact")
+    assert not torch_loaded
+    assert "hello" in text and text.split("hello", 1)[1].strip(), text
 
 
 def test_torch_imported_late_gets_the_engines_thread_count():

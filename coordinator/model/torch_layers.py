@@ -1,7 +1,7 @@
-"""The torch side of the forward pass (coordinator/model/transformer.py): attention of the layers the native
-step does not take (architectures with extras, float weights, prompts the quality tools watch),
-LayerNorm, soft-capped logits and the float copies' products (--weights f32/f16), in
-transformers' float32 arithmetic (SDPA, rotate-half RoPE).
+"""The torch side of the forward pass (coordinator/model/transformer.py): attention of the layers
+the native step does not take (float weights, prompts the quality tools watch) with its norms,
+soft-capped logits and the float copies' products (--weights f32/f16), in transformers' float32
+arithmetic (SDPA, rotate-half RoPE).
 
 Imported only where a layer takes it: a plain llama model in the file's blocks decodes without
 torch in the coordinator, which saves its import (about 1 s) at start-up. The arrays the model
@@ -24,11 +24,6 @@ def norm(x: torch.Tensor, weight: np.ndarray, bias: np.ndarray | None, eps: floa
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def norm_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> np.ndarray:
-    """norm on numpy rows, a new array."""
-    return norm(torch.from_numpy(x), weight, bias, eps).numpy()
-
-
 def rope(x: torch.Tensor, cos: np.ndarray, sin_signed: np.ndarray, pos: slice, d: int) -> torch.Tensor:
     """Rotate-half RoPE on x (T, heads, head_dim), its first d dims: Q and K heads together.
     transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin), which
@@ -43,15 +38,12 @@ def rope(x: torch.Tensor, cos: np.ndarray, sin_signed: np.ndarray, pos: slice, d
 
 
 @torch.inference_mode()
-def attend(model, i: int, h: np.ndarray, cache, residual: bool = True) -> np.ndarray:
+def attend(model, i: int, h: np.ndarray, cache) -> np.ndarray:
     """Layer i's attention of h (T, hidden) at `cache`'s position: h plus it (with gemma3's norm
-    of the attention output), or with residual=False the attention output alone (falcon's
-    parallel layers add it after the FFN)."""
+    of the attention output; a parallel layer's FFN read h before: Transformer._ffn_input)."""
     cfg, L = model.cfg, model.layers[i]
     x = norm(torch.from_numpy(h), L.attn_norm.weight, L.attn_norm.bias, cfg.rms_eps)
     a = _attention(model, i, x, cache)
-    if not residual:
-        return a.numpy()
     if L.post_attn_norm is not None:
         a = norm(a, L.post_attn_norm.weight, None, cfg.rms_eps)
     if cfg.residual_scale is not None:

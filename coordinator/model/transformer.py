@@ -5,8 +5,8 @@ processes; `LmHead` the logits).
 Arithmetic follows transformers' LlamaForCausalLM in float32 (RMSNorm, rotate-half RoPE on
 un-permuted Q/K, SDPA) so greedy decoding matches it token for token.
 
-The hidden states are numpy arrays. A layer the native attention step takes (llama's
-attention on the file's blocks) never touches torch; the others go through
+The hidden states are numpy arrays. A layer the native attention step takes (attention on the
+file's blocks, every architecture's) never touches torch; the others go through
 coordinator/model/torch_layers.py, imported on first use: a plain llama model in the file's
 blocks starts and decodes without torch in the coordinator (its import is about 1 s).
 """
@@ -23,7 +23,7 @@ from sparsecore.config import ModelConfig
 from sparsecore.file_rows import FileRows
 from sparsecore.kernels import MAX_SMALL_BATCH, AttentionStep, FileMatrix, supports
 from sparsecore.lm_head import HeadCandidates
-from sparsecore.kernels import rms_norm as native_rms_norm
+from sparsecore.kernels import norm_rows
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
 from sparsecore.rope import layer_tables, rope_tables
@@ -66,14 +66,12 @@ class Norm:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: np.ndarray, eps: float) -> np.ndarray:
-        """x's rows normed, a new array. RMSNorm in the native kernel lockstep steps normalize
-        with (double sums): a decoded token's FFN input, and so its 8-bit activations, are then
-        the same floats whether its layers are posted one by one or run in lockstep; a
-        LayerNorm (falcon) in torch."""
-        if self.bias is not None:
-            return _torch().norm_rows(x, self.weight, self.bias, eps)
+        """x's rows normed, a new array. RMSNorm, or LayerNorm where there is a bias, in the
+        native kernel lockstep steps normalize with (double sums): a decoded token's FFN input,
+        and so its 8-bit activations, are then the same floats whether its layers are posted one
+        by one or run in lockstep."""
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-        return native_rms_norm(rows, self.weight, eps).reshape(x.shape)
+        return norm_rows(rows, self.weight, eps, self.bias).reshape(x.shape)
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -290,7 +288,6 @@ class Transformer:
             self.finish = head.finish
         self.cfg, self.max_ctx, self.embed, self.ffn, self.head = cfg, max_ctx, embed, ffn, head
         self.out_norm = Norm.read(store, "output_norm.weight")
-        self._parallel_attn: list[tuple[int, np.ndarray]] = []  # see _attend_parallel
         self.layers = [AttentionLayer(store, cfg, i, weights, fast) for i in range(cfg.n_layers)]
         self.kv_pool = kv_pool  # shared KV caches (sparsecore/kv_pool.py), or None: private ones
         self.cache = self.new_cache()
@@ -324,7 +321,8 @@ class Transformer:
         self.split_attn, self.lockstep = paths.split, paths.lockstep
 
     def _native_step(self, store: TensorStore, i: int, L: "AttentionLayer", fast: bool) -> AttentionStep | None:
-        # The kernel computes the attention of every architecture but LayerNorm / parallel ones.
+        # The kernel computes every architecture's attention (its norm, LayerNorm included; a
+        # parallel block's FFN input is read before it: _ffn_input) where rope fits in a head.
         if not isinstance(L.wqkv, list) or not self.cfg.native_attention:
             return None
         try:
@@ -412,9 +410,6 @@ class Transformer:
         """h (T, hidden) of one sequence, contiguous, plus its attention at `cache`'s position
         (with gemma3's norm of the attention output where the layer has one). `split`: a decoded
         token's step when its heads are split across the processes (_decode_step)."""
-        L = self.layers[i]
-        if L.parallel:
-            return self._attend_parallel(i, h, cache)
         if h.shape[0] == 1 and self.native[i] is not None and self.input_filter is None:
             if split is not None:  # heads across the processes
                 self.split_attn(i, h, split)
@@ -424,35 +419,28 @@ class Transformer:
             return h
         return _torch().attend(self, i, h, cache)
 
-    def _ffn(self, i: int, h: np.ndarray, decode: bool | None = None) -> np.ndarray:
-        """h plus the FFN of its rows (and gemma3's norm of the FFN output), a new array."""
+    def _ffn_input(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """A parallel layer's FFN input (falcon: attention and FFN both read the layer's input h,
+        its output is h + attn + ffn), read before the attention adds to h (in place, on the
+        native paths): (its norm, a copy of h, which a predictor reads as PowerInfer's falcon
+        does). None for a sequential layer, whose FFN reads h after its attention."""
+        L = self.layers[i]
+        if not L.parallel:
+            return None
+        return L.ffn_norm(h, self.cfg.rms_eps), h.copy()
+
+    def _ffn(self, i: int, h: np.ndarray, decode: bool | None = None,
+             pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """h plus the FFN of its rows (and gemma3's norm of the FFN output), a new array. `pre`:
+        a parallel layer's input read before its attention (_ffn_input); h then holds the input
+        plus attention, and the sum is (h + attn) + ffn on every path, lockstep's too (transformers
+        adds (ffn + attn) + h: the same terms, rounded apart by an ulp)."""
         L, eps = self.layers[i], self.cfg.rms_eps
-        if L.parallel:
-            return self._ffn_parallel(i, h, decode)
-        f = self.ffn(i, L.ffn_norm(h, eps), h, decode=decode)
+        x, before = pre if pre is not None else (L.ffn_norm(h, eps), h)
+        f = self.ffn(i, x, before, decode=decode)
         if L.post_ffn_norm is not None:
             f = L.post_ffn_norm(f, eps)
         return h + (f if self.cfg.residual_scale is None else f * np.float32(self.cfg.residual_scale))
-
-    # Falcon: attention and FFN in parallel, both on the layer's input h (its output is
-    # h + attn + ffn). forward and decode_batch call _attend (per sequence) and then _ffn (all
-    # rows): _attend_parallel keeps h as it is and leaves the attention output here, in row order,
-    # for _ffn_parallel to add; the FFN (and a predictor, which reads h as PowerInfer's falcon
-    # does) sees the layer's input.
-    def _attend_parallel(self, i: int, h: np.ndarray, cache: KVCache) -> np.ndarray:
-        if self._parallel_attn and self._parallel_attn[-1][0] != i:
-            self._parallel_attn.clear()  # left by a step that failed midway
-        self._parallel_attn.append((i, _torch().attend(self, i, h, cache, residual=False)))
-        return h
-
-    def _ffn_parallel(self, i: int, h: np.ndarray, decode: bool | None) -> np.ndarray:
-        parts = [a for j, a in self._parallel_attn if j == i]
-        self._parallel_attn.clear()
-        a = (parts[0] if len(parts) == 1 else np.concatenate(parts))[-h.shape[0]:]  # the latest rows: this step's
-        if a.shape != h.shape:
-            raise RuntimeError(f"layer {i}: the FFN of {h.shape[0]} rows has attention outputs for {a.shape[0]}")
-        f = self.ffn(i, self.layers[i].ffn_norm(h, self.cfg.rms_eps), h, decode=decode)
-        return h + (f + a)  # transformers' order: (mlp + attention) + residual
 
     def forward(self, ids: list[int], all_logits: bool = False, cache: KVCache | None = None) -> np.ndarray:
         """Run `ids` at the cache's position (default: the model's own cache); returns logits of
@@ -469,11 +457,12 @@ class Transformer:
             cache.pos += 1
             return logits
         for i in range(len(self.layers)):
+            pre = self._ffn_input(i, h)
             if T > 1 and self._native_prompt(i, cache, T):
                 self._attend_prompt(i, h, cache)
-                h = self._ffn(i, h)
             else:
-                h = self._ffn(i, self._attend(i, h, cache, step.split))
+                h = self._attend(i, h, cache, step.split)
+            h = self._ffn(i, h, pre=pre)
         cache.pos += T
         return self.head(self.out_norm(h if all_logits else h[-1:], eps))
 
@@ -540,6 +529,7 @@ class Transformer:
                 v0 = np.array([c.address[1] for c in rows], dtype=np.int64)
             bounds = np.cumsum([0] + [len(r) for r, _ in runs])
             for i, L in enumerate(self.layers):
+                pre = self._ffn_input(i, h)  # parallel blocks: the FFN's input is the layer's input
                 if native_ok and self.native[i] is not None:
                     if step.split is not None:
                         self.split_attn(i, h, step.split)
@@ -548,7 +538,7 @@ class Transformer:
                 else:
                     h = np.concatenate([self._attend(i, np.ascontiguousarray(h[a:b]), c)
                                         for a, b, c in zip(bounds[:-1], bounds[1:], caches)])
-                h = np.ascontiguousarray(self._ffn(i, h, decode=True))
+                h = np.ascontiguousarray(self._ffn(i, h, decode=True, pre=pre))
             logits = self.head(self.out_norm(h, self.cfg.rms_eps))
         for r, c in runs:
             c.pos += len(r)

@@ -8,8 +8,8 @@ The paths, fastest first where the processes support them:
     CPU workers (coordinator/runtime/attention_split.py), then the FFN's exchange;
   - native: per layer, the whole attention block in one native call on the coordinator
     (`AttentionStep`), then the FFN's exchange;
-  - torch: per layer, torch's attention on the coordinator (architectures the kernel does not
-    compute, float weights), then the FFN's exchange.
+  - torch: per layer, torch's attention on the coordinator (float weights, tensor types or
+    shapes the kernel does not take), then the FFN's exchange.
 The plan says which is the best a token can take and why; each step still checks that it pays
 for its size, with the plan's thresholds (`LockstepDecode.usable`, `SplitAttention.pays`), and
 falls back one path otherwise (a prompt, more rows than a lockstep step holds, contended cores,
@@ -150,7 +150,7 @@ def why_not_native(native: list, weights: str, cfg) -> str:
     if weights != "gguf":
         return f"weights {weights}: the native step reads the file's blocks"
     if not cfg.native_attention:
-        return f"{cfg.arch}'s attention (LayerNorm or parallel blocks) is not the native kernel's"
+        return f"rope over {cfg.rope_dim} of {cfg.head_dim} values a head: wider than the head, not the native kernel's"
     return "a layer's tensor types or shape the native kernel does not take"
 
 

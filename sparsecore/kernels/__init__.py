@@ -1,6 +1,6 @@
 """Native kernels on the GGUF file's own blocks (_kernels.c), and the Python side that checks
 what it hands them: the FFN step (ffn_token, ffn_batch), the attention step (AttentionStep),
-the residual and RMSNorm kernel, fast mode's 8-bit quantization, and, re-exported from the
+the residual and norm kernel (RMSNorm, LayerNorm), fast mode's 8-bit quantization, and, re-exported from the
 modules that hold them, every other public name:
     formats.py      block types, layouts per type, instruction set level (isa, interleaving...)
     file_matrix.py  FileMatrix: a tensor of the mapped file and its products
@@ -68,30 +68,42 @@ def residual_norm_args(shares: list[np.ndarray]) -> np.ndarray:
 
 
 def residual_norm_into(h: np.ndarray, shares: np.ndarray, B: int, norm: np.ndarray | None, eps: float,
-                       x: np.ndarray, post: np.ndarray | None = None, scale: float | None = None) -> None:
+                       x: np.ndarray, post: np.ndarray | None = None, scale: float | None = None,
+                       norm_bias: np.ndarray | None = None) -> None:
     """Rows [0, B) of h += the sum of the shares (residual_norm_args), added in their order,
     through the output norm `post` (RMSNorm weights) and times `scale` where given; then
-    x = RMSNorm(h) * norm, unless norm is None. h, x: (>= B, hidden) float32, contiguous;
-    the shares hold at least B rows of the same width (checked by the callers, once)."""
+    x = RMSNorm(h) * norm (a LayerNorm with `norm_bias` where given), unless norm is None.
+    h, x: (>= B, hidden) float32, contiguous; the shares hold at least B rows of the same width
+    (checked by the callers, once)."""
     _kernels.residual_norm(ptr(h), ptr(shares), len(shares), h.shape[1], B,
-                           0 if norm is None else ptr(norm), float(eps), ptr(x), 0 if post is None else ptr(post),
-                           float(scale or 0.0))
+                           0 if norm is None else ptr(norm), 0 if norm_bias is None else ptr(norm_bias), float(eps),
+                           ptr(x), 0 if post is None else ptr(post), float(scale or 0.0))
 
 
-def rms_norm(h: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm(h) * norm for each row of h (B, hidden) float32: the kernel residual_norm_into
-    normalizes with, so that a layer's FFN input is the same floats on every decode path."""
+def _check_norm(what: str, a: np.ndarray | None, hidden: int) -> None:
+    if a is not None and (a.dtype != np.float32 or a.shape != (hidden,) or not a.flags.c_contiguous):
+        raise ValueError(f"{what} must be ({hidden},) float32, contiguous")
+
+
+def norm_rows(h: np.ndarray, norm: np.ndarray, eps: float, bias: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm(h) * norm for each row of h (B, hidden) float32, or a LayerNorm with `bias`
+    (falcon): the kernel residual_norm_into normalizes with, so that a layer's FFN input is the
+    same floats on every decode path."""
     h = np.ascontiguousarray(h, dtype=np.float32)
-    if h.ndim != 2 or norm.dtype != np.float32 or norm.shape != (h.shape[1],) or not norm.flags.c_contiguous:
-        raise ValueError("rms_norm: h must be (B, hidden) float32, norm (hidden,) float32")
+    if h.ndim != 2:
+        raise ValueError("norm_rows: h must be (B, hidden) float32")
+    _check_norm("norm_rows: the weights", norm, h.shape[1])
+    _check_norm("norm_rows: the bias", bias, h.shape[1])
     x = np.empty_like(h)
     if len(h):
-        _kernels.residual_norm(ptr(h), 0, 0, h.shape[1], len(h), ptr(norm), float(eps), ptr(x), 0, 0.0)
+        _kernels.residual_norm(ptr(h), 0, 0, h.shape[1], len(h), ptr(norm), 0 if bias is None else ptr(bias),
+                               float(eps), ptr(x), 0, 0.0)
     return x
 
 
 def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | None, eps: float,
-                  post: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
+                  post: np.ndarray | None = None, scale: float | None = None,
+                  norm_bias: np.ndarray | None = None) -> np.ndarray:
     """Checked form of residual_norm_into for the whole of h (B, hidden), in place; returns x."""
     B, hidden = h.shape
     if h.dtype != np.float32 or not h.flags.c_contiguous or any(s.shape != h.shape for s in shares) or (
@@ -100,9 +112,9 @@ def residual_norm(h: np.ndarray, shares: list[np.ndarray], norm: np.ndarray | No
     held = [np.ascontiguousarray(s) for s in shares]  # alive while the kernel reads them
     ptrs = residual_norm_args(held)
     x = np.empty_like(h)
-    if post is not None and (post.dtype != np.float32 or post.shape != (hidden,) or not post.flags.c_contiguous):
-        raise ValueError("residual_norm: post must be (hidden,) float32, contiguous")
-    residual_norm_into(h, ptrs, B, norm, eps, x, post, scale)
+    _check_norm("residual_norm: post", post, hidden)
+    _check_norm("residual_norm: the norm's bias", norm_bias, hidden)
+    residual_norm_into(h, ptrs, B, norm, eps, x, post, scale, norm_bias)
     return x
 
 

@@ -1,7 +1,7 @@
 """`AttentionStep`: one layer's attention block in one native call (_kernels.attn_token,
 attn_batch, attn_part), and `AttentionExtras`, the layer's variants beyond llama's
 (sparsecore/arch.py says whose): Q/K/V biases, per-head Q/K norms, the output's norm and scale,
-the softmax scale, a sliding window. The extras travel to C as one record (ATTN_EXTRA, the
+the softmax scale, a sliding window, a LayerNorm (the input norm's bias) instead of RMSNorm. The extras travel to C as one record (ATTN_EXTRA, the
 layout of attention_layer.c's attn_extra, checked against it at import)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .formats import MAX_SMALL_BATCH
 from .held_memory import ptr
 
 ATTN_EXTRA = np.dtype([("bias", "<i8"), ("q_norm", "<i8"), ("k_norm", "<i8"), ("post_norm", "<i8"),
-                       ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4")])
+                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4")])
 _C_LAYOUT = _kernels.attn_extra_layout()
 if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names[:-1])) != _C_LAYOUT:
     raise ImportError(f"attention_layer.c's attn_extra {_C_LAYOUT} and ATTN_EXTRA disagree: rebuild the kernels")
@@ -28,6 +28,7 @@ class AttentionExtras:
     q_norm: np.ndarray | None = None  # RMSNorm weights (head_dim) of each query head, before rope
     k_norm: np.ndarray | None = None  # and of each key head
     post_norm: np.ndarray | None = None  # RMSNorm weights (hidden) of the output before the residual
+    norm_bias: np.ndarray | None = None  # the input norm's bias (hidden): a LayerNorm (falcon), else RMSNorm
     scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim))
     out_scale: float | None = None  # the output times this before the residual (after post_norm)
     window: int | None = None  # a query at p sees keys p - window < k <= p
@@ -38,7 +39,7 @@ class AttentionExtras:
         rec = np.zeros(1, ATTN_EXTRA)
         keep = {}
         for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", head_dim), ("k_norm", head_dim),
-                        ("post_norm", hidden)):
+                        ("post_norm", hidden), ("norm_bias", hidden)):
             a = getattr(self, name)
             if a is None:
                 continue
@@ -57,7 +58,7 @@ class AttentionExtras:
 
 class AttentionStep:
     """One decoded token's attention block of one layer in one native call (_kernels.attn_token):
-    RMSNorm, Q/K/V products (`q_rows`, `k_rows`: the file's rows in un-permuted order), RoPE
+    RMSNorm (or a LayerNorm: extras.norm_bias), Q/K/V products (`q_rows`, `k_rows`: the file's rows in un-permuted order), RoPE
     from the model's cos / signed-sin tables, the KV cache write, softmax attention (GQA) and
     the output product, added to the residual in place. Everything is checked here, once."""
 

@@ -1,8 +1,10 @@
-/* _kernels.c, part: one layer's attention block (attn_token, attn_batch, attn_part): RMSNorm (also
- * residual_norm's), the products, RoPE, the KV cache and attention at the level in use. */
+/* _kernels.c, part: one layer's attention block (attn_token, attn_batch, attn_part): RMSNorm and
+ * LayerNorm (also residual_norm's), the products, RoPE, the KV cache and attention at the level
+ * in use. */
 
 /* One decoded token's attention block for one layer, in place on the residual h (hidden):
- *   x = rmsnorm(h) * norm_w;  q, k, v = Wq x, Wk x, Wv x (Q and K rows in un-permuted order)
+ *   x = rmsnorm(h) * norm_w (a LayerNorm with bias where the record has one: falcon);
+ *   q, k, v = Wq x, Wk x, Wv x (Q and K rows in un-permuted order)
  *   rotate-half RoPE on q and k at `pos` (cos, and sin with the first half negated, as the
  *   Python model's tables hold them); k, v into the layer's cache at pos;
  *   per query head: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] (query head i reads KV head
@@ -15,7 +17,7 @@ typedef struct {
 } attn_scratch;
 
 /* A layer's attention variants beyond llama's (sparsecore/arch.py names whose), one record per
- * step. sparsecore/kernels/attention_extra.py's ATTN_EXTRA mirrors this layout field by field
+ * step. sparsecore/kernels/attention.py's ATTN_EXTRA mirrors this layout field by field
  * (attn_extra_layout reports it, and a test holds the two together); a zeroed record is llama's
  * attention. Where a share is summed across processes (attn_part), the sum's owner applies
  * post_norm and out_scale (residual_norm), since the norm is not linear in the shares. */
@@ -24,6 +26,7 @@ typedef struct {
     const float *q_norm;    /* RMSNorm weights (hd) applied to each query head before rope, or NULL */
     const float *k_norm;    /* and to each key head */
     const float *post_norm; /* RMSNorm weights (hidden) of the attention output before the residual, or NULL */
+    const float *norm_bias; /* the input norm's bias (hidden): it is then a LayerNorm (falcon), or NULL: RMSNorm */
     float scale;            /* the softmax scale; 0: 1/sqrt(hd) */
     float out_scale;        /* the attention output times this before the residual; 0: 1 */
     int32_t window;         /* a query at p sees keys p - window < k <= p; 0: every key */
@@ -40,6 +43,27 @@ static void rms_norm_into(const float *h, const float *w, float eps, int n, floa
         for (int i = 0; i < n; i++) ss += (double)h[i] * h[i];
     float r = 1.f / sqrtf((float)(ss / n) + eps);
     for (int i = 0; i < n; i++) x[i] = h[i] * r * w[i];
+}
+
+/* x = LayerNorm(h) * w + b (falcon's norms): mean and variance as double sums (as rms_norm_into,
+ * close to torch's whatever n), then torch's own expression, (h * r + (-mean * r)) * w + b in
+ * float, so that the rounding of each value is the one transformers' LayerNorm gives it. */
+static void layer_norm_into(const float *h, const float *w, const float *b, float eps, int n, float *x) {
+    double s = 0.0, ss = 0.0;
+    for (int i = 0; i < n; i++) s += h[i];
+    double mean = s / n;
+    for (int i = 0; i < n; i++) {
+        double d = h[i] - mean;
+        ss += d * d;
+    }
+    float r = 1.f / sqrtf((float)(ss / n) + eps), c = -(float)mean * r;
+    for (int i = 0; i < n; i++) x[i] = (h[i] * r + c) * w[i] + b[i];
+}
+
+/* The norm a record or a call names: a LayerNorm where it has a bias, else RMSNorm */
+static void norm_into(const float *h, const float *w, const float *b, float eps, int n, float *x) {
+    if (b) layer_norm_into(h, w, b, eps, n, x);
+    else rms_norm_into(h, w, eps, n, x);
 }
 
 /* One sequence at position pos: rope on q and k, k and v into the cache, then per query head
@@ -90,12 +114,12 @@ static _Thread_local int64_t qkv_cap;
 static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(float) * n); }
 
 /* The attention of query heads [h0, h1) (and their KV heads) for B sequences decoded together
- * (continuous batching), each at its own position with its own KV cache: RMSNorm per row, the
+ * (continuous batching), each at its own position with its own KV cache: the norm per row, the
  * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
  * attention per sequence, then those heads' columns of the output product: `part` (B rows of
  * hidden) gets their share of the attention output. The shares of disjoint head ranges summed
  * are the whole attention (what lets processes split a layer's heads: coordinator/
- * attention_split.py). Per sequence the same float operations whatever B, so a sequence decodes
+ * runtime/attention_split.py). Per sequence the same float operations whatever B, so a sequence decodes
  * the same alone or in a batch. cos_t, sin_t: the whole tables (max_ctx rows of d); kcs[b],
  * vcs[b]: the layer's caches of sequence b at KV head 0. Scratch: x (B hidden), q and out
  * (B n_heads hd), k and v (B n_kv hd), att (max_ctx), xq (B hidden/32 blocks), oq (B n_heads
@@ -110,7 +134,7 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     int64_t ldxq = hidden / QK, ldoq = (nq + QK - 1) / QK, head_off = (int64_t)kv0 * max_ctx * hd;
     for (int b = 0; b < B; b++) {
         float *xb = sc.x + (int64_t)b * hidden;
-        rms_norm_into(h + (int64_t)b * hidden, norm_w, eps, hidden, xb);
+        norm_into(h + (int64_t)b * hidden, norm_w, ex->norm_bias, eps, hidden, xb);
         if (fast) quantize_q8(xb, hidden, sc.xq + b * ldxq);
     }
     /* One token with Q, K and V of these heads in one fused twin (cols_generic.c

@@ -206,28 +206,29 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* residual_norm(h, parts, n_parts, n, B, w, eps, x, post, scale): per row b, h[b] += (parts[0][b] +
+/* residual_norm(h, parts, n_parts, n, B, w, wb, eps, x, post, scale): per row b, h[b] += (parts[0][b] +
  * parts[1][b] + ...), summed in the order given, through the output norm `post` and times
- * `scale` where given (0: none: add_shares), then x[b] = rms_norm(h[b]) * w (w == 0: no norm).
+ * `scale` where given (0: none: add_shares), then x[b] = norm(h[b]) with weights w: RMSNorm, or
+ * a LayerNorm where wb (its bias) is given (w == 0: no norm).
  * The lockstep decode (sparsecore/lockstep.py) runs this in every process on the same shares in
  * the same order, so each gets the same floats without sending its residual to the others. */
 static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 10 arguments"); return NULL; }
+    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "residual_norm takes 11 arguments"); return NULL; }
     float *h = ARG_PTR(0);
     const float *const *parts = ARG_PTR(1);
     int n_parts = (int)ARG_LL(2), n = (int)ARG_LL(3), B = (int)ARG_LL(4);
-    const float *w = ARG_PTR(5);
-    float eps = (float)PyFloat_AsDouble(args[6]);
-    float *x = ARG_PTR(7);
-    const float *post = ARG_PTR(8);
-    float scale = (float)PyFloat_AsDouble(args[9]);
+    const float *w = ARG_PTR(5), *wb = ARG_PTR(6);
+    float eps = (float)PyFloat_AsDouble(args[7]);
+    float *x = ARG_PTR(8);
+    const float *post = ARG_PTR(9);
+    float scale = (float)PyFloat_AsDouble(args[10]);
     if (PyErr_Occurred()) return NULL;
     if (n_parts < 0 || n < 1 || B < 1) { PyErr_SetString(PyExc_ValueError, "residual_norm: empty"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    if (n_parts > 0) add_shares(h, parts, n_parts, n, B, post, eps, scale);  /* none: the norm alone (kernels.rms_norm) */
+    if (n_parts > 0) add_shares(h, parts, n_parts, n, B, post, eps, scale);  /* none: the norm alone (kernels.norm_rows) */
     if (w)
-        for (int b = 0; b < B; b++) rms_norm_into(h + (int64_t)b * n, w, eps, n, x + (int64_t)b * n);
+        for (int b = 0; b < B; b++) norm_into(h + (int64_t)b * n, w, wb, eps, n, x + (int64_t)b * n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -250,14 +251,15 @@ static PyObject *py_ffn_call_layout(PyObject *self, PyObject *unused) {
 }
 #undef OFF
 
-/* attn_extra_layout() -> (sizeof(attn_extra), offsets of bias, q_norm, k_norm, post_norm, scale,
- * out_scale, window): what sparsecore/kernels/attention_extra.py's record must match */
+/* attn_extra_layout() -> (sizeof(attn_extra), offsets of bias, q_norm, k_norm, post_norm,
+ * norm_bias, scale, out_scale, window): what sparsecore/kernels/attention.py's ATTN_EXTRA must match */
 static PyObject *py_attn_extra_layout(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return Py_BuildValue("(nnnnnnnn)", (Py_ssize_t)sizeof(attn_extra), (Py_ssize_t)offsetof(attn_extra, bias),
+    return Py_BuildValue("(nnnnnnnnn)", (Py_ssize_t)sizeof(attn_extra), (Py_ssize_t)offsetof(attn_extra, bias),
                          (Py_ssize_t)offsetof(attn_extra, q_norm), (Py_ssize_t)offsetof(attn_extra, k_norm),
-                         (Py_ssize_t)offsetof(attn_extra, post_norm), (Py_ssize_t)offsetof(attn_extra, scale),
-                         (Py_ssize_t)offsetof(attn_extra, out_scale), (Py_ssize_t)offsetof(attn_extra, window));
+                         (Py_ssize_t)offsetof(attn_extra, post_norm), (Py_ssize_t)offsetof(attn_extra, norm_bias),
+                         (Py_ssize_t)offsetof(attn_extra, scale), (Py_ssize_t)offsetof(attn_extra, out_scale),
+                         (Py_ssize_t)offsetof(attn_extra, window));
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
