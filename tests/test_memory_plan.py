@@ -172,10 +172,10 @@ def test_the_plan_bounds_what_the_processes_hold(smollm2_path):
     script = f"""
 import json, os
 from coordinator.runtime.engine import Engine, EngineOptions
+from tests.fixtures.procs import status_bytes
 with Engine({str(smollm2_path)!r}, EngineOptions()) as eng:
     list(eng.generate(list(range(5, 200)), 16, stop_at_eos=False))
-    held = procs.status_bytes(os.getpid(), "RssAnon") + sum(procs.status_bytes(w.pid, "RssAnon")
-                                                           for w in eng.pool.workers)
+    held = status_bytes(os.getpid(), "RssAnon") + sum(status_bytes(w.pid, "RssAnon") for w in eng.pool.workers)
     plan = eng.memory
 print(json.dumps(dict(held=held, copied=plan.copied, converted=plan.converted, anonymous=plan.anonymous,
                       lines=plan.lines())))
