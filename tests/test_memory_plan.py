@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from coordinator.runtime.engine import Engine, EngineOptions
-from coordinator.runtime.memory_plan import COORDINATOR_RUNTIME, WORKER_RUNTIME, available_memory, cgroup_free
+from coordinator.runtime.memory_plan import (COORDINATOR_RUNTIME, TORCH_RUNTIME, WORKER_RUNTIME, available_memory,
+                                             cgroup_free)
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.kernels import interleaving
 from tests.conftest import REPO
@@ -88,6 +89,8 @@ def test_plan_counts_each_kind(tiny_model_factory):
     assert (fast.copied > 0.5 * size) == interleaving()
     assert fast.copied + fast.mapped == exact.mapped
     assert fast.runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME and fast.processes == 2
+    # float copies of the weights compute in torch, which the coordinator then imports
+    assert _plan(path, weights="f32").runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME + TORCH_RUNTIME
     longer = _plan(path, ctx=256, kv_caches=4)
     assert longer.kv > fast.kv  # four caches against two (the tiny model's context is 256)
 
