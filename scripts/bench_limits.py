@@ -34,7 +34,8 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def proc_kb(path: str, key: str) -> int:
+def proc_field(path: str, key: str) -> int:
+    """The number after `key` in a /proc file (kB in status, bytes in io), or 0."""
     try:
         with open(path) as f:
             for line in f:
@@ -61,26 +62,15 @@ def tree_cpu_s(pid: int) -> float:
 def tree_memory(pid: int) -> dict:
     """Peak RSS (VmHWM) and PSS now, each summed over `pid` and its descendants, in bytes."""
     pids = process_tree(pid)
-    return dict(peak_rss=1024 * sum(proc_kb(f"/proc/{p}/status", "VmHWM:") for p in pids),
-                pss=1024 * sum(proc_kb(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids),
+    return dict(peak_rss=1024 * sum(proc_field(f"/proc/{p}/status", "VmHWM:") for p in pids),
+                pss=1024 * sum(proc_field(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids),
                 processes=len(pids))
 
 
 def tree_read_bytes(pid: int) -> int:
     """Bytes `pid` and its live descendants have had read from the disk (page faults on a mapped
     file included: /proc/PID/io read_bytes, what reached the block layer, not the page cache)."""
-    return sum(_io_bytes(p) for p in process_tree(pid))
-
-
-def _io_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return sum(proc_field(f"/proc/{p}/io", "read_bytes:") for p in process_tree(pid))
 
 
 def drop_caches() -> None:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chat_request import ClientGone, chat_body, prepare_chat, reply_parts, start_chat, whole_reply
+from .chat_request import ClientGone, chat_body, prepare_chat, reply_parts, start_as_chat, whole_reply
 from .state import ApiError, ServerState
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -299,9 +299,7 @@ async def _stream(http: HttpRequest, body: MessagesRequest, mid: str, prompt_tok
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, http: HttpRequest):
-        chat = chat_body(_chat_fields(body))
-        prepared = await prepare_chat(state, chat)
-        req, events, split = await start_chat(state, prepared, chat, body.max_tokens)
+        prepared, req, events, split = await start_as_chat(state, _chat_fields(body), body.max_tokens)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamingResponse(_stream(http, body, mid, len(prepared.ids), req, events, split),

@@ -87,6 +87,15 @@ async def start_chat(state: ServerState, chat: PreparedChat, body: ChatRequest,
     return req, events, splitter(chat.tools, chat.thinking)
 
 
+async def start_as_chat(state: ServerState, fields: dict, max_tokens: int | None
+                        ) -> tuple[PreparedChat, Request, asyncio.Queue, ReplySplitter | None]:
+    """Another API's request (Anthropic's messages, OpenAI's responses: `fields` its body as a
+    chat completion's) checked, rendered and submitted as a chat completion is."""
+    chat = chat_body(fields)
+    prepared = await prepare_chat(state, chat)
+    return (prepared, *await start_chat(state, prepared, chat, max_tokens))
+
+
 async def reply_parts(req: Request, events: asyncio.Queue, split: ReplySplitter | None, http: HttpRequest,
                       idle: float = 0.5):
     """The reply's parts as they become certain; ("idle", None) after `idle` seconds without

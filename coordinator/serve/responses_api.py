@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .chat_request import ClientGone, chat_body, prepare_chat, reply_parts, start_chat, whole_reply
+from .chat_request import ClientGone, reply_parts, start_as_chat, whole_reply
 from .state import ApiError, ServerState
 
 
@@ -316,9 +316,7 @@ async def _stream(resp: _Response, http: HttpRequest, req, events, split):
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: HttpRequest):
-        chat = chat_body(_chat_fields(body))
-        prepared = await prepare_chat(state, chat)
-        req, events, split = await start_chat(state, prepared, chat, body.max_output_tokens)
+        _, req, events, split = await start_as_chat(state, _chat_fields(body), body.max_output_tokens)
         resp = _Response(body, state.model_id, state.engine.tokenizer)
         if body.stream:
             return StreamingResponse(_stream(resp, http, req, events, split), media_type="text/event-stream",

@@ -315,7 +315,7 @@ class GGUFTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         text = self._enc.decode(ids, skip_special)
-        if self._strip_space and isinstance(self._enc, SentencePieceBPE) and text.startswith(" "):
+        if self._strip_space and text.startswith(" "):
             text = text[1:]  # the space sentencepiece put before the first word (the library's Strip)
         return text
 
