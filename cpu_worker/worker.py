@@ -24,6 +24,7 @@ from sparsecore.attn_shard import AttnShard
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf, release_header
 from sparsecore.input_sparsity import attach as attach_twins
+from sparsecore.kernels import layout_cache
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
 from sparsecore.lockstep import Abandoned, Lockstep
@@ -75,8 +76,10 @@ class Worker:
             torch.set_num_threads(max(1, a.threads))
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
+        layout_cache.activate(layout_cache.level_directory(a.layout_cache, a.model_path))
+        cold = np.frombuffer(a.cold_units, np.uint8).reshape(len(neurons), -1) if a.cold_units else None
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
-                                   a.fast, a.predictor_path or None, a.interleave)
+                                   a.fast, a.predictor_path or None, a.interleave, cold)
         self.buffers = SharedBuffers.attach(a.shm_name)
         if a.attn_heads:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)

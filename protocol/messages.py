@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 14  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer)
+PROTOCOL_VERSION = 15  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer); 15: the layout cache (Assign.layout_cache, cold_units)
 
 
 class ProtocolError(Exception):
@@ -76,6 +76,12 @@ class Assign:
     # Which matrices get input-major twins whose one-token products skip small inputs
     # (sparsecore/input_sparsity.py, thresholds in shared memory): "" none, "down", "all".
     input_major: str = ""
+    # The layout cache's directory for this model (sparsecore/kernels/layout_cache.py): repacked
+    # layouts are read from it, or made and written to it; "": made at every start.
+    layout_cache: str = ""
+    # uint8 (n_layers, units per layer: experts, or 1) C order, 1 where the unit's layouts stay
+    # mapped from the layout cache (coordinator/runtime/residency.py); empty: all in memory.
+    cold_units: bytes = b""
 
 
 ROW_LAYOUTS = ("", "gate", "gate+up")
@@ -124,6 +130,7 @@ _CHECKS = {
     "float": lambda v: type(v) in (int, float),
     "int | None": lambda v: v is None or type(v) is int,
     "list[int]": lambda v: type(v) is list and all(type(x) is int for x in v),
+    "bytes": lambda v: type(v) is bytes,
     "list[bytes]": lambda v: type(v) is list and all(type(x) is bytes for x in v),
 }
 _TYPES = {cls: tuple(_CHECKS[f.type] for f in fields(cls)) for cls in MESSAGE_TYPES}

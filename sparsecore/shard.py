@@ -30,6 +30,8 @@ from .config import read_config
 from .gguf_file import open_gguf
 from .kernels import (MAX_SMALL_BATCH, FfnCall, FfnScratch, FileMatrix, Mat, _kernels, ffn_batch, ffn_token,
                       ffn_token_call, mat_record, neuron_align, ptr, supports)
+from .kernels import layout_cache
+from .kernels.layouts import columns_for
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
@@ -142,7 +144,7 @@ class FileLayer:
         self.own, self.fast, self.scratch = own, fast, scratch
         self.idx = np.arange(own.start, own.stop)
         if not self.down_t:  # a share of the neurons reads a part of every down row: hold that part
-            self.down = self.down.keep_columns(own)
+            self.down = columns_for(self.down, own, fast)  # interleaved where fast mode interleaves it
         # Fast mode's products on rows interleaved 16 by 16 (FileMatrix.interleave), each matrix
         # as its own 16-aligned part: down's always (every step reads all its rows); gate's
         # where no predictor picks rows (`row_layout` "gate": dense and threshold steps read
@@ -154,7 +156,6 @@ class FileLayer:
             if self.down_t:
                 self.down = self.down.keep_rows(own).held_copy()
             else:
-                self.down = self.down.for_fast_products()
                 if row_layout in ("gate", "gate+up"):
                     self.gate = self.gate.for_fast_products(own)
                 if gate_mode != "none" and row_layout == "gate+up" and self.gate.interleaved:
@@ -319,14 +320,16 @@ class ExpertsLayer:
     index), renormalized to sum 1 where the architecture says (qwen3moe)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch, cfg,
-                 row_layout: str = ""):
+                 row_layout: str = "", cold: np.ndarray | None = None):
         self.router = FileMatrix(store.info(f"blk.{layer}.ffn_gate_inp.weight"))
         if self.router.rows != cfg.n_experts:
             raise ValueError(f"blk.{layer}.ffn_gate_inp.weight scores {self.router.rows} experts, the file says "
                              f"{cfg.n_experts}")
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
-        self.experts = [FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e)
-                        for e in range(cfg.n_experts)]
+        self.experts = []
+        for e in range(cfg.n_experts):  # cold experts' layouts stay mapped from the layout cache
+            with layout_cache.placing(cold is None or not cold[e]):
+                self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
@@ -460,7 +463,8 @@ class FfnShard:
     def load(cls, model_path: str | PathLike, neurons: list[np.ndarray], device: "torch.device | str" = "cpu",
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False,
-             predictor_path: str | PathLike | None = None, row_layout: str = "") -> "FfnShard":
+             predictor_path: str | PathLike | None = None, row_layout: str = "",
+             cold: np.ndarray | None = None) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
         `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
@@ -468,7 +472,9 @@ class FfnShard:
         weights "gguf": on the CPU, layers whose neurons are a 32-aligned range of types the
         kernels read stay in the file's blocks (FileLayer); others, and a CUDA device, are
         converted once (float32 on the CPU, float16 on a GPU). `row_layout`: with `fast`, which
-        rows are interleaved (protocol.messages.ROW_LAYOUTS, FileLayer)."""
+        rows are interleaved (protocol.messages.ROW_LAYOUTS, FileLayer). `cold`: (n_layers, units)
+        1 where a unit's (a layer's, an expert's) layouts stay mapped from the process's layout
+        cache (layout_cache.active) instead of held in memory; None: all held."""
         if row_layout not in ROW_LAYOUTS:
             raise ValueError(f"interleaved rows {row_layout!r}: one of {ROW_LAYOUTS}")
         if store is None:
@@ -486,9 +492,11 @@ class FfnShard:
                 if not (device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer])):
                     raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
                                      f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
-                layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
+                                             None if cold is None else cold[layer])
             elif weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
-                layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
+                with layout_cache.placing(cold is None or not cold[layer, 0]):
+                    layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
             else:
                 import torch
 

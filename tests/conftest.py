@@ -18,6 +18,13 @@ from tests.fixtures.tiny_gguf import write_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The engines the tests start keep their repacked layouts in a directory of this run's
+# (sparsecore/kernels/layout_cache.py), not the user's cache; worker processes inherit it.
+if "SPARSEINFER_LAYOUT_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["SPARSEINFER_LAYOUT_CACHE"] = tempfile.mkdtemp(prefix="sparseinfer-layouts-")
+
 
 ISA_LEVELS = ("generic", "avx2", "avxvnni", "avx512vnni")  # the native kernels' instruction-set levels, lowest first
 _RUNNABLE_ISAS: list[str] | None = None

@@ -92,6 +92,10 @@ placement_options = [
                  help="with --vram-budget: rebuild <model>.generated.gpuidx even if it matches"),
     click.option("--disable-gpu-index", is_flag=True, expose_value=False, callback=_remember_placement,
                  help="with --vram-budget: neither read nor write <model>.generated.gpuidx"),
+    click.option("--layout-cache", "layout_cache", default=None, expose_value=False, callback=_remember_placement,
+                 help="directory keeping the repacked weight layouts between runs (a warm start repacks "
+                      "nothing; what does not fit in memory is mapped from it), or `off` "
+                      "(default: $SPARSEINFER_LAYOUT_CACHE, else the cache's layouts/)"),
     click.option("--coordinator-share", type=float, default=None, expose_value=False, callback=_remember_placement,
                  help="fraction of the CPU side's FFN neurons the coordinator computes itself while the "
                       "workers compute theirs (default: its core's share without CUDA or --vram-budget, else 0)"),

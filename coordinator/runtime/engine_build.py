@@ -30,7 +30,7 @@ from sparsecore.config import ModelConfig, read_config
 from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import check_supported_types, open_gguf
 from sparsecore.input_sparsity import attach as attach_twins
-from sparsecore.kernels import interleaving
+from sparsecore.kernels import interleaving, isa, layout_cache
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
@@ -44,7 +44,9 @@ from ..text.tokenizer import GGUFTokenizer, chat_template_from_reader
 from .decode_plan import DecodePath, DecodePaths, attention_heads, plan_decode, why_not_native
 from .engine_options import SPARSE_METHODS, EngineOptions, check
 from .memory_plan import fit_hints, plan_memory
-from .model_files import load_input_level, load_thresholds
+from .model_files import load_input_level, load_thresholds, profile_path
+from .model_fetch import cache_root
+from .residency import cold_units
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
 from .worker_pool import WorkerPool
@@ -155,6 +157,10 @@ class EngineBuilder:
                   f"fit in the {m.available / 1e9:.2f} GB available: decoding densely", file=sys.stderr)
             self.input_major, self.opts = "", replace(opts, sparsity=None)
             self.memory = self._plan_memory()
+        # the repacked layouts' directory, and which FFN units stay mapped from it where they do
+        # not all fit (coordinator/runtime/residency.py)
+        self.layout_root = layout_root(opts.layout_cache, self.path) if opts.weights == "gguf" else ""
+        self.cold = cold_units(self.memory, store, cfg, profile_path(self.path)) if self.layout_root else None
         self.kv_pool = self.pool = self.ffn = self.head = self.model = self.twins = None
 
     def load_tokenizer(self) -> GGUFTokenizer:
@@ -174,7 +180,7 @@ class EngineBuilder:
         pool, the FFN, the head, the model and the twins; closes what it made on failure."""
         opts, cfg, store = self.opts, self.cfg, self.store
         notice = self.memory.check(self.path, fit_hints(self.memory, self.kv_shape, self.max_ctx,
-                                                        self.memory.processes - 1))
+                                                        self.memory.processes - 1), self.layout_root)
         if notice:
             print(notice, file=sys.stderr)
         self.kv_pool = KvPool.create(self.kv_shape) if self.attn_heads else None
@@ -187,41 +193,49 @@ class EngineBuilder:
                                    kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
                                    else "", row_layout=self.row_layout, input_major=self.input_major,
-                                   adaptive_spin=opts.adaptive_spin)
+                                   adaptive_spin=opts.adaptive_spin, layout_cache=self.layout_root,
+                                   cold_units=self.cold)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
             raise
         try:
-            self.pool.spawn()  # workers load while we build the tokenizer, our share, the head and the model
-            self.load_tokenizer()
-            from ..model.transformer import Embedding, LmHead, Transformer
-            from .sparse_ffn import SparseFfn, SplitHead
-
-            # While workers spin on their cores, torch (where a path imports it) computes on the
-            # one left to the coordinator.
-            set_torch_threads(max(1, self.total - self.pool.spinning_workers) if self.pool.spin else self.total)
-            self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
-            in_file = opts.weights == "gguf"
-            embed = Embedding(store, in_file, cfg.embed_scale)
-            self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
-            # our FFN share's and head's twins while the workers load (repacking them is most of a
-            # sparse start: 1.1B Q4_0 at --sparsity 0.5, 0.5 s here)
-            own_layers = {} if self.ffn.own is None else {
-                i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
-            head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
-            thresholds = self.pool.buffers.input_thresholds
-            self.twins = attach_twins(thresholds, self.input_major, own_layers, None, head,
-                                      self.pool.buffers.head_threshold)
-            # the model's layers, then its decode plan, which waits for the workers (_decode_paths)
-            self.model = Transformer(store, cfg, self.max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
-                                     self.kv_pool, self._decode_paths)
-            # the attention's twins after its shares are kept (SplitAttention): they are the share's
-            attach_twins(thresholds, self.input_major, None, self.model.native, twins=self.twins)
-            self.twins.note()
+            # our conversions, as the workers', from the cache (each process's directory is its level's)
+            with layout_cache.using(layout_cache.level_directory(self.layout_root, self.path)):
+                self._load(launcher)
         except BaseException:
             self.close()
             raise
+
+    def _load(self, launcher) -> None:
+        """start's loading: the workers, our share, the head, the model and the twins."""
+        opts, cfg, store, predictors = self.opts, self.cfg, self.store, self.predictors
+        self.pool.spawn()  # workers load while we build the tokenizer, our share, the head and the model
+        self.load_tokenizer()
+        from ..model.transformer import Embedding, LmHead, Transformer
+        from .sparse_ffn import SparseFfn, SplitHead
+
+        # While workers spin on their cores, torch (where a path imports it) computes on the
+        # one left to the coordinator.
+        set_torch_threads(max(1, self.total - self.pool.spinning_workers) if self.pool.spin else self.total)
+        self.ffn = SparseFfn.over(self.pool, store, predictors, opts.weights, opts.fast)
+        in_file = opts.weights == "gguf"
+        embed = Embedding(store, in_file, cfg.embed_scale)
+        self.head = LmHead(store, cfg, embed, SplitHead.over(self.pool, self.ffn), in_file, opts.fast)
+        # our FFN share's and head's twins while the workers load (repacking them is most of a
+        # sparse start: 1.1B Q4_0 at --sparsity 0.5, 0.5 s here)
+        own_layers = {} if self.ffn.own is None else {
+            i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+        head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
+        thresholds = self.pool.buffers.input_thresholds
+        self.twins = attach_twins(thresholds, self.input_major, own_layers, None, head,
+                                  self.pool.buffers.head_threshold)
+        # the model's layers, then its decode plan, which waits for the workers (_decode_paths)
+        self.model = Transformer(store, cfg, self.max_ctx, embed, self.ffn, self.head, opts.weights, opts.fast,
+                                 self.kv_pool, self._decode_paths)
+        # the attention's twins after its shares are kept (SplitAttention): they are the share's
+        attach_twins(thresholds, self.input_major, None, self.model.native, twins=self.twins)
+        self.twins.note()
 
     def close(self) -> None:
         """Stop the workers and free the shared memory: what Engine.close does too."""
@@ -335,3 +349,20 @@ def close_started(pool: WorkerPool | None, model, kv_pool: KvPool | None) -> Non
         model.close_split()
     if kv_pool is not None:
         kv_pool.close()
+
+
+def layout_root(option: str | None, model: Path) -> str:
+    """The layout caches' root directory, or "" for none: `option` a directory or "off"; None:
+    $SPARSEINFER_LAYOUT_CACHE, else <cache>/layouts. Earlier versions of this model's caches
+    (another size or mtime) are removed."""
+    root = option if option is not None else os.environ.get("SPARSEINFER_LAYOUT_CACHE") or str(cache_root() / "layouts")
+    if str(root) == "off":
+        return ""
+    try:
+        d = layout_cache.model_directory(Path(root), model, isa())
+        d.mkdir(parents=True, exist_ok=True)
+        layout_cache.prune_stale(d)
+    except OSError as e:
+        print(f"note: layout cache {root}: {e.strerror}: layouts are made at every start", file=sys.stderr)
+        return ""
+    return str(root)

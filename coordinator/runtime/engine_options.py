@@ -34,6 +34,9 @@ class EngineOptions:
     vram_budget_gb: float | None = None  # GiB for hot neurons on the GPU worker (needs <model>.profile.npz)
     reset_gpu_index: bool = False  # rebuild <model>.generated.gpuidx even if it matches
     disable_gpu_index: bool = False  # neither read nor write <model>.generated.gpuidx
+    # Where the repacked layouts are kept between runs (sparsecore/kernels/layout_cache.py): a
+    # directory, "off", or None: $SPARSEINFER_LAYOUT_CACHE, else <cache>/layouts.
+    layout_cache: str | None = None
     predictor: str | None = None  # predictor GGUF; default: the model's own fc1/fc2 if any; "none": off
     # How processes keep weights in memory: "gguf" (the default: the file's own blocks through
     # the native kernels, no float copy; fast arithmetic unless `fast` is False), "f32" (float32 copies,
@@ -225,6 +228,7 @@ _RULES = {
     "max_batch": _max_batch, "gpu_device": _device, "transport": _one_of(TRANSPORTS),
     "sparsity": _sparsity, "sparse_method": _one_of(SPARSE_METHODS), "thresholds_file": _path,
     "vram_budget_gb": _budget, "reset_gpu_index": _flag, "disable_gpu_index": _flag, "predictor": _path,
+    "layout_cache": _path,
     "weights": _one_of(WEIGHT_FORMATS, "unknown weight format: "), "fast": _flag, "spin": _flag,
     "coordinator_share": _coordinator_share, "split_lm_head": _flag, "split_attention": _flag,
     "decode_path": _decode_path, "adaptive_spin": _flag, "kv_caches": _whole, "interleave": _flag,

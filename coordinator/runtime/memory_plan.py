@@ -53,6 +53,9 @@ class MemoryPlan:
     processes: int = 1
     converted_types: dict = field(default_factory=dict)  # source type name -> (its bytes, converted bytes)
     converted_ffn: int = 0  # one copy of the converted FFN tensors: what each process with FFN rows holds
+    # copied and twin bytes of the FFN tensors: what the layout cache can map instead of holding
+    # (coordinator/runtime/residency.py), where the rest does not fit
+    ffn_copied: int = 0
     available: int | None = None
     available_from: str = ""
 
@@ -81,16 +84,30 @@ class MemoryPlan:
             out.append(f"{'available':10s} {self.available / GB:7.3f} GB  ({self.available_from})")
         return out
 
-    def check(self, path: Path, hints: list[str]) -> str | None:
-        """Raise NotEnoughMemory (one line: the numbers and what would fit) if the anonymous
-        memory does not fit; return a notice if the file's pages will not stay in memory."""
+    @property
+    def must_stay(self) -> int:
+        """Anonymous memory that cannot be left to the page cache: all of it but the FFN's
+        repacked layouts, which the layout cache maps from disk where they do not fit."""
+        return self.anonymous - self.ffn_copied
+
+    def check(self, path: Path, hints: list[str], cache: str = "") -> str | None:
+        """Raise NotEnoughMemory (one line: the numbers and what would fit) if the memory that
+        must stay does not fit (with a layout cache `cache`: all but the FFN's layouts, which it
+        maps; without one: all of it); return a notice if part of the weights will be read from
+        disk."""
         if self.available is None:
             return None
-        if self.anonymous > self.available:
+        if self.anonymous > self.available and not (cache and self.must_stay <= self.available):
+            must = self.must_stay if cache else self.anonymous
+            what = "that must stay in memory (all but the FFN's layouts)" if cache else "of memory"
             raise NotEnoughMemory(
-                f"{path.name}: needs {self.anonymous / GB:.2f} GB of memory ({self._parts()}) but "
+                f"{path.name}: needs {must / GB:.2f} GB {what} ({self._parts()}) but "
                 f"{self.available / GB:.2f} GB is available ({self.available_from})"
                 + (f"; would fit: {'; '.join(hints)}" if hints else ""))
+        if self.anonymous > self.available:
+            return (f"note: {path.name}: {self.anonymous / GB:.2f} GB of weights and caches do not fit in the "
+                    f"{self.available / GB:.2f} GB available ({self.available_from}): the FFN's least used layouts "
+                    f"are mapped from the layout cache ({cache}) and read from disk as tokens need them")
         if self.total > self.available:
             return (f"note: {path.name}: {self.mapped / GB:.2f} GB of the file is read in place and "
                     f"{(self.total - self.available) / GB:.2f} GB of it will not stay in memory "
@@ -268,7 +285,9 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
         if not store.has(name) or not input_major_type(store.by_name[name].tensor_type):
             continue
         if any(t in name for t in twinned) or (input_major == "all" and name == head):
-            p.twins += input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes))
+            n = input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes))
+            p.twins += n
+            p.ffn_copied += n if ".ffn_" in name else 0
     for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1
@@ -279,6 +298,7 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
             p.converted_types[src] = (have + int(store.by_name[name].n_bytes), conv + nbytes)
         else:
             setattr(p, kind, getattr(p, kind) + nbytes)
+            p.ffn_copied += nbytes if kind == "copied" and ".ffn_" in name else 0
     if kv_shape is not None:
         p.kv = kv_shape.size
     torch = TORCH_RUNTIME if coordinator_torch(store, cfg, weights) else 0

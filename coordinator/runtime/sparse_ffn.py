@@ -91,7 +91,8 @@ class SparseFfn:
         slot = pool.own_slot
         own = None if slot is None else FfnShard.load(pool.model_path, pool.plan.shards[slot].neurons, "cpu",
                                                       weights, pool.head_rows.get(slot), store, fast,
-                                                      pool.predictor_path or None, pool.row_layout)
+                                                      pool.predictor_path or None, pool.row_layout,
+                                                      pool.cold_units)
         return cls(pool.bell, pool.buffers, [sh.neurons for sh in pool.proc_shards], own, slot, predictors)
 
     def use_shard_predictors(self, workers_predict: bool) -> None:

@@ -112,7 +112,8 @@ class WorkerPool:
                  spin: bool | None = None, cores: int | None = None,
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
                  attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
-                 row_layout: str = "", input_major: str = "", adaptive_spin: bool | None = None):
+                 row_layout: str = "", input_major: str = "", adaptive_spin: bool | None = None,
+                 layout_cache: str = "", cold_units: np.ndarray | None = None):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -122,6 +123,7 @@ class WorkerPool:
         self.weights, self.fast = weights, fast
         self.row_layout = row_layout  # which FFN rows are interleaved (Assign.interleave, ROW_LAYOUTS)
         self.input_major = input_major  # Assign.input_major
+        self.layout_cache, self.cold_units = layout_cache, cold_units  # Assign.layout_cache, .cold_units
         self.predictor_path = str(predictor_path or "")  # Assign.predictor_path
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
@@ -209,7 +211,8 @@ class WorkerPool:
                       list(self.head_rows.get(slot, ())), self.fast, list(self.attn_heads.get(slot, ())),
                       self.kv_pool.fd if self.kv_pool is not None else -1,
                       list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path,
-                      self.row_layout, self.input_major)
+                      self.row_layout, self.input_major, self.layout_cache,
+                      b"" if self.cold_units is None else np.ascontiguousarray(self.cold_units, np.uint8).tobytes())
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""

@@ -13,6 +13,7 @@ from . import _kernels
 from .file_matrix import FileMatrix, q8_scratch
 from .formats import MAX_SMALL_BATCH
 from .held_memory import ptr
+from .layouts import columns_for
 
 ATTN_EXTRA = np.dtype([("bias", "<i8"), ("q_norm", "<i8"), ("k_norm", "<i8"), ("post_norm", "<i8"),
                        ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4")])
@@ -136,13 +137,12 @@ class AttentionStep:
         the file, every row of it would stream whole). Other calls read the file as before."""
         q_rows, k_rows, cols = self.head_rows(h0, h1)
         q, k, v, o = self.keep[:4]
-        self.o_part = o.keep_columns(cols)
+        self.o_part = columns_for(o, cols, self.fast)
         qkv = q, k, v
         # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
         # 16 by 16 where they can be (attn_part asks for them as ranges, in file order)
         if self.fast:
             qkv = tuple(m.for_fast_products(r) for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
-            self.o_part = self.o_part.for_fast_products()
         self.qkv_part = qkv  # alive as long as the addresses in part_head
         self.part_heads, self.part_head = (h0, h1), self._head(*qkv, self.o_part)
 

@@ -8,13 +8,14 @@ FileMatrix carries each as a method of the same name, so conversions chain:
 """
 from __future__ import annotations
 
-import copy
+from copy import copy as copy_of
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _kernels
 from .formats import COLS_HEADER, COLS_TYPES, FUSED_TYPES, R16_TYPES, X16_TYPES, blocked_rows, interleaving
+from . import layout_cache
 from .held_memory import anonymous, ptr, twin_buffer, unmap_file_pages
 
 if TYPE_CHECKING:
@@ -26,6 +27,23 @@ if TYPE_CHECKING:
 # and the copy at once (Gemma 3 270M's 178 MB head: every process peaked 85 MB above where it
 # settled, which is peak memory the kernel must find at load and a bigger-than-memory run cannot).
 CHUNK_BYTES = 4 << 20
+
+
+def _made(key: str, nbytes: int, alloc, fill) -> np.ndarray:
+    """A conversion's nbytes of output: fill(alloc(nbytes)), or, where the process has a layout
+    cache (layout_cache.active), its file's bytes when it holds them (nothing read from the
+    model then) and the made ones written to it. key: what the output depends on besides the
+    model file, the level and the kernels' build (its directory's)."""
+    cache = layout_cache.active
+    if cache is None:
+        buf = alloc(nbytes)
+        fill(buf)
+        return buf
+    return cache.product(key, nbytes, alloc, fill)
+
+
+def _np_bytes(n: int) -> np.ndarray:
+    return np.empty(n, np.uint8)
 
 
 def _chunks(n_rows: int, row_bytes: int, multiple: int = 1):
@@ -40,19 +58,20 @@ def keep_rows(m: FileMatrix, rows: range) -> "FileMatrix":
     copied here), addressed by the same row numbers; other rows may not be asked for."""
     if m.row_range is not None or m.interleaved or m.blocked or rows.step != 1 or not 0 <= rows.start <= rows.stop <= m.rows:
         raise ValueError(f"{m.name}: cannot keep rows {rows}")
-    part = copy.copy(m)
+    part = copy_of(m)
     part.data, part.row_range = m.data[rows.start:rows.stop], rows
     return part
 
 
-def keep_columns(m: FileMatrix, cols: range) -> "FileMatrix":
+def keep_columns(m: FileMatrix, cols: range, copy: bool = True) -> "FileMatrix":
     """This matrix holding only columns `cols` (whole blocks), copied into memory of its own
     and addressed by the same column numbers. A process that reads part of every row (its
     neurons' columns of down, its heads' columns of the attention output) would otherwise
     stream all of it: the hardware prefetchers fetch the lines between the parts too (the
     1.1B shape, one core: half of the output matrix's columns took 115 us, all of them 121;
     half of down's 195 us, all 315). The file's pages are then unmapped from this process,
-    so it holds the part once, not the part and the whole."""
+    so it holds the part once, not the part and the whole. `copy` False: a view of the file's
+    rows instead, for a conversion that copies the columns itself (columns_for: interleave)."""
     if m.interleaved or m.blocked:
         raise ValueError(f"{m.name}: keep columns before interleaving, not after")
     col0, n = m.column_span(cols)
@@ -60,13 +79,31 @@ def keep_columns(m: FileMatrix, cols: range) -> "FileMatrix":
         return m
     bb = m.block_bytes
     src = m.data.view(np.uint8)[:, col0 // m.block * bb:(col0 + n) // m.block * bb]
-    data = np.empty(src.shape, np.uint8)
-    for r0, r1 in _chunks(len(src), m.stride):
-        data[r0:r1] = src[r0:r1]
-        unmap_file_pages(m.data[r0:r1])
-    part = copy.copy(m)
-    part.data, part.stride, part.col_range = data, data.strides[0], range(col0, col0 + n)
+    part = copy_of(m)
+    part.col_range = range(col0, col0 + n)
+    if not copy:
+        part.data = src
+        return part
+
+    def fill(buf):
+        data = buf.reshape(src.shape)
+        for r0, r1 in _chunks(len(src), m.stride):
+            data[r0:r1] = src[r0:r1]
+            unmap_file_pages(m.data[r0:r1])
+
+    key = f"cols:{m.name}:{m.type}:{m.row_range}:{col0}:{n}"
+    part.data = _made(key, src.size, _np_bytes, fill).reshape(src.shape)
+    part.stride = part.data.strides[0]
     return part
+
+
+def columns_for(m: FileMatrix, cols: range, fast: bool) -> "FileMatrix":
+    """Columns `cols` of m held as its products will read them: interleaved where fast mode
+    interleaves m (the interleaving copies only those columns: no copy of them in the file's
+    layout first), else copied as they are (keep_columns)."""
+    if fast and can_interleave(m):
+        return interleave(keep_columns(m, cols, copy=False))
+    return keep_columns(m, cols)
 
 
 def held_copy(m: FileMatrix) -> "FileMatrix":
@@ -77,12 +114,16 @@ def held_copy(m: FileMatrix) -> "FileMatrix":
     PowerInfer file's decode 1.95x llama.cpp's instead of 2.54x)."""
     if m.interleaved or m.blocked or m.col_range is not None or m.stride != m.row_bytes:
         raise ValueError(f"{m.name}: only whole rows in the file's layout are copied as they are")
-    data = anonymous(len(m.data) * m.row_bytes).reshape(len(m.data), m.row_bytes)
-    for r0, r1 in _chunks(len(m.data), m.row_bytes):
-        data[r0:r1] = m.data[r0:r1].view(np.uint8)
-        unmap_file_pages(m.data[r0:r1])
-    part = copy.copy(m)
-    part.data = data
+    shape = (len(m.data), m.row_bytes)
+
+    def fill(buf):
+        data = buf.reshape(shape)
+        for r0, r1 in _chunks(len(m.data), m.row_bytes):
+            data[r0:r1] = m.data[r0:r1].view(np.uint8)
+            unmap_file_pages(m.data[r0:r1])
+
+    part = copy_of(m)
+    part.data = _made(f"held:{m.name}:{m.type}:{m.row_range}", shape[0] * shape[1], anonymous, fill).reshape(shape)
     return part
 
 
@@ -112,11 +153,16 @@ def interleave(m: FileMatrix) -> "FileMatrix":
     if m.row_range is not None and m.row_range.start % 16:
         raise ValueError(f"{m.name}: interleaved rows start on a multiple of 16, not {m.row_range.start}")
     groups = -(-n_held // 16)
-    buf = anonymous(groups * nb * gb).reshape(groups, nb * gb)
-    for r0, r1 in _chunks(n_held, m.stride, 16):
-        _kernels.interleave(ptr(m.data[r0:]), m.stride, m.type, r1 - r0, nb, ptr(buf[r0 // 16:]))
-        unmap_file_pages(m.data[r0:r1])
-    part = copy.copy(m)
+
+    def fill(flat):
+        out = flat.reshape(groups, nb * gb)
+        for r0, r1 in _chunks(n_held, m.stride, 16):
+            _kernels.interleave(ptr(m.data[r0:]), m.stride, m.type, r1 - r0, nb, ptr(out[r0 // 16:]))
+            unmap_file_pages(m.data[r0:r1])
+
+    key = f"x16:{m.name}:{m.type}:{m.row_range}:{m.col_range}"
+    buf = _made(key, groups * nb * gb, anonymous, fill).reshape(groups, nb * gb)
+    part = copy_of(m)
     part.data, part.stride, part.interleaved = buf, nb * gb, True
     return part
 
@@ -145,11 +191,16 @@ def interleave_blocks(m: FileMatrix) -> "FileMatrix":
     a layer's up rows picked at random: see docs/KERNELS.md, Rows picked by activity)."""
     if not can_interleave_blocks(m):
         raise ValueError(f"tensor {m.name}: only whole rows of Q4_0, Q4_1 or Q8_0 interleave their blocks")
-    buf = anonymous(len(m.data) * m.row_bytes).reshape(len(m.data), m.row_bytes)
-    for r0, r1 in _chunks(len(m.data), m.stride):
-        _kernels.interleave_blocks(ptr(m.data[r0:]), m.stride, m.type, r1 - r0, m.cols // m.block, ptr(buf[r0:]))
-        unmap_file_pages(m.data[r0:r1])
-    part = copy.copy(m)
+    shape = (len(m.data), m.row_bytes)
+
+    def fill(flat):
+        out = flat.reshape(shape)
+        for r0, r1 in _chunks(len(m.data), m.stride):
+            _kernels.interleave_blocks(ptr(m.data[r0:]), m.stride, m.type, r1 - r0, m.cols // m.block, ptr(out[r0:]))
+            unmap_file_pages(m.data[r0:r1])
+
+    buf = _made(f"r16:{m.name}:{m.type}:{m.row_range}", shape[0] * shape[1], anonymous, fill).reshape(shape)
+    part = copy_of(m)
     part.data, part.stride, part.blocked = buf, m.row_bytes, True
     return part
 
@@ -186,6 +237,17 @@ def _twin_part(m: FileMatrix, rows: range | None, cols: range | None) -> tuple[r
     return rows, col0, n
 
 
+def _twin_made(key: str, nbytes: int, fill, thr_ptr: int) -> np.ndarray:
+    """A twin (header and data) made by fill, or read back from the layout cache: its header's
+    threshold address is this process's (cols_generic.c cols_hdr.thr, at byte 40) and its
+    counters start at zero, whatever the file holds."""
+    buf = _made(key, nbytes, twin_buffer, fill)
+    if layout_cache.active is not None:
+        head = buf[:COLS_HEADER].view(np.int64)
+        head[5], head[6], head[7] = thr_ptr, 0, 0
+    return buf
+
+
 def with_input_major(m: FileMatrix, rows: range | None = None, cols: range | None = None, threshold=None) -> "FileMatrix":
     """This matrix (a copy of the object, the same data) carrying an input-major twin of rows
     `rows` (a range; None: the rows held), columns `cols` (whole blocks of 32; None: the
@@ -201,12 +263,15 @@ def with_input_major(m: FileMatrix, rows: range | None = None, cols: range | Non
     rows, col0, n = _twin_part(m, rows, cols)
     keep, thr_ptr = _twin_threshold(m.name, threshold)
     nbytes = _kernels.cols_bytes(m.type, len(rows), n)
-    buf = twin_buffer(COLS_HEADER + nbytes)
     src = m.file_rows
-    _kernels.cols_repack(ptr(src), src.strides[0], m.type, rows.start, len(rows), col0, n, thr_ptr, ptr(buf))
-    if not np.may_share_memory(m.data, src):  # a held copy: the file's pages just read are not this one's
-        unmap_file_pages(src[rows.start:rows.stop])
-    part = copy.copy(m)
+
+    def fill(buf):
+        _kernels.cols_repack(ptr(src), src.strides[0], m.type, rows.start, len(rows), col0, n, thr_ptr, ptr(buf))
+        if not np.may_share_memory(m.data, src):  # a held copy: the file's pages just read are not this one's
+            unmap_file_pages(src[rows.start:rows.stop])
+
+    buf = _twin_made(f"twin:{m.name}:{m.type}:{rows}:{col0}:{n}", COLS_HEADER + nbytes, fill, thr_ptr)
+    part = copy_of(m)
     part.twin, part.twin_rows, part.twin_cols, part.twin_threshold_held = buf, rows, range(col0, col0 + n), keep
     part.twin_parts = None
     return part
@@ -234,17 +299,21 @@ def fuse_input_major(parts: list, cols: range | None = None, threshold=None) -> 
     if any((c, k) != (col0, n) for _, _, c, k in spans):
         raise ValueError(f"{first.name}: fused twins read the same columns")
     keep, thr_ptr = _twin_threshold(first.name, threshold)
-    stacked = np.concatenate([m.file_rows[r.start:r.stop] for m, r, _, _ in spans])
-    total = len(stacked)
+    total = sum(len(r) for _, r, _, _ in spans)
     nbytes = _kernels.cols_bytes(first.type, total, n)
-    buf = twin_buffer(COLS_HEADER + nbytes)
-    _kernels.cols_repack(ptr(stacked), stacked.strides[0], first.type, 0, total, col0, n, thr_ptr, ptr(buf),
-                         spans[0][1].start)
-    del stacked
-    for m, r, _, _ in spans:
-        if not np.may_share_memory(m.data, m.file_rows):
-            unmap_file_pages(m.file_rows[r.start:r.stop])
-    part = copy.copy(first)
+
+    def fill(buf):
+        stacked = np.concatenate([m.file_rows[r.start:r.stop] for m, r, _, _ in spans])
+        _kernels.cols_repack(ptr(stacked), stacked.strides[0], first.type, 0, total, col0, n, thr_ptr, ptr(buf),
+                             spans[0][1].start)
+        del stacked
+        for m, r, _, _ in spans:
+            if not np.may_share_memory(m.data, m.file_rows):
+                unmap_file_pages(m.file_rows[r.start:r.stop])
+
+    key = "twinf:" + ",".join(f"{m.name}:{r}" for m, r, _, _ in spans) + f":{first.type}:{col0}:{n}"
+    buf = _twin_made(key, COLS_HEADER + nbytes, fill, thr_ptr)
+    part = copy_of(first)
     part.twin, part.twin_rows, part.twin_cols, part.twin_threshold_held = buf, spans[0][1], range(col0, col0 + n), keep
     part.twin_parts = tuple((m.name, r) for m, r, _, _ in spans)
     return [part, *(m for m, _, _, _ in spans[1:])]

@@ -1,0 +1,245 @@
+"""The repacked layouts kept on disk: every conversion layouts.py makes at load (X16, R16, held
+rows and columns, input-major twins) is written once to a file of its own in a directory for the
+model, the instruction set level and the kernels' build, and read back on every later start
+instead of being made again: no repacking on a warm start, and a matrix the memory plan leaves
+out of memory is mapped from its file (page cache the kernel can drop and read back) instead of
+being anonymous memory a run must hold whole.
+
+One file per conversion (a process's part of one matrix: one expert's rows, one layer's gate):
+what one token reads of a cold unit is one contiguous run on disk, and processes that load at
+the same time never write the same file (each converts its own share; a file is written to a
+temporary name and renamed, so a reader sees it whole or not at all). A file starts with a
+4096-byte header (magic, version, the conversion's key, its size, a CRC-32 of all its bytes
+and one of a sample of its pages); the data follows, page-aligned. A file whose header, size or
+checksum does not match is made again, with a one-line notice.
+
+Where a product goes (LayoutCache.resident): into anonymous memory, read from the file (the
+whole CRC checked on the way), as if it had just been converted; or mapped from the file
+(MAP_PRIVATE: a twin's header is patched in place, the rest stays clean page cache; the sampled
+CRC checked). The loader says which for each unit it loads (LayoutCache.placing).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from . import _kernels
+
+# Bump when any conversion's output bytes change for the same input (the kernels' build hash,
+# part of the directory's name, catches most of it; this catches a change in this file's rules).
+LAYOUT_VERSION = 1
+HEADER = 4096
+MAGIC = b"sparseinfer-lay1"
+_HEAD = struct.Struct("<16sIQIII")  # magic, version, nbytes, crc of all, crc of the sample, key length
+SAMPLE_STRIDE = 64 * 4096  # the mapped check reads one page in every 64 (and the last)
+COPY_CHUNK = 8 << 20
+
+
+def _crc_all(view: memoryview, crc: int = 0) -> int:
+    for off in range(0, len(view), COPY_CHUNK):
+        crc = zlib.crc32(view[off:off + COPY_CHUNK], crc)
+    return crc
+
+
+def _crc_sample(view: memoryview) -> int:
+    crc = 0
+    for off in range(0, len(view), SAMPLE_STRIDE):
+        crc = zlib.crc32(view[off:off + 4096], crc)
+    return zlib.crc32(view[max(0, len(view) - 4096):], crc)
+
+
+def kernels_build() -> str:
+    """A hash of the compiled kernels (the conversions are theirs): another build, another directory."""
+    h = hashlib.sha1()
+    with open(_kernels.__file__, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+def model_directory(root: Path, model_path: Path, isa: str) -> Path:
+    """root/<model stem>-<path hash>/<size>-<mtime>-<isa>-v<version>-<kernels>: a changed model
+    (size or mtime), another level or another build of the kernels never reads another's files."""
+    p = Path(model_path).resolve()
+    st = p.stat()
+    model = f"{p.stem[:48]}-{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
+    return Path(root) / model / f"{st.st_size}-{st.st_mtime_ns}-{isa}-v{LAYOUT_VERSION}-{kernels_build()}"
+
+
+def level_directory(root: str | Path, model_path: str | Path) -> Path | None:
+    """This process's directory under `root` ("": None) for the model at the level it runs."""
+    from .formats import isa
+
+    return model_directory(Path(root), Path(model_path), isa()) if root else None
+
+
+def prune_stale(directory: Path) -> None:
+    """Remove the directories of earlier versions of the same model file (another size or mtime):
+    they can never be read again. Other levels' and builds' of this version stay."""
+    here = directory.name.split("-", 2)[:2]
+    for d in directory.parent.iterdir() if directory.parent.is_dir() else ():
+        if d != directory and d.is_dir() and d.name.split("-", 2)[:2] != here:
+            for f in d.iterdir():
+                with contextlib.suppress(OSError):
+                    f.unlink()
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+class LayoutCache:
+    """The conversions of one process, kept in `directory` (made if missing)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.resident = True  # where products go now (placing)
+        self.hits = self.misses = self.rebuilt = 0
+        self.mapped_bytes = self.resident_bytes = 0
+        self.maps: list[tuple[mmap.mmap, int]] = []  # mapped products: (map, data bytes), for prefetch
+        self.writable = True
+
+    @contextlib.contextmanager
+    def placing(self, resident: bool):
+        """Products made inside go to anonymous memory (resident) or stay mapped from their files."""
+        before, self.resident = self.resident, resident
+        try:
+            yield
+        finally:
+            self.resident = before
+
+    def path(self, key: str) -> Path:
+        return self.directory / (hashlib.sha1(key.encode()).hexdigest()[:24] + ".lay")
+
+    def product(self, key: str, nbytes: int, alloc, fill) -> np.ndarray:
+        """The conversion `key`'s nbytes of output: from its file when it holds them (read into
+        alloc(nbytes), or mapped), else fill(buf) into alloc(nbytes), then written to its file
+        (and, where not resident, mapped from it and the memory given back)."""
+        path = self.path(key)
+        if path.exists():
+            got = self._read(path, key, nbytes, alloc)
+            if got is not None:
+                self.hits += 1
+                return got
+            self.rebuilt += 1
+            print(f"note: layout cache {path}: damaged or stale, made again", file=sys.stderr)
+        self.misses += 1
+        buf = alloc(nbytes)
+        fill(buf)
+        if self.writable and self._write(path, key, buf) and not self.resident:
+            mapped = self._read(path, key, nbytes, alloc)
+            if mapped is not None:
+                return mapped
+        self.resident_bytes += nbytes
+        return buf
+
+    def _header(self, key: str, view: memoryview) -> bytes:
+        k = key.encode()
+        head = _HEAD.pack(MAGIC, LAYOUT_VERSION, len(view), _crc_all(view), _crc_sample(view), len(k)) + k
+        if len(head) > HEADER:
+            raise ValueError(f"layout cache key too long: {key[:80]}...")
+        return head.ljust(HEADER, b"\0")
+
+    def _write(self, path: Path, key: str, buf: np.ndarray) -> bool:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        view = memoryview(buf).cast("B")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._header(key, view))
+                for off in range(0, len(view), COPY_CHUNK):
+                    f.write(view[off:off + COPY_CHUNK])
+            os.replace(tmp, path)
+            return True
+        except OSError as e:  # a full or read-only disk: run on, without the cache
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            print(f"note: layout cache {self.directory}: cannot write ({e.strerror}): layouts are made at "
+                  f"every start", file=sys.stderr)
+            self.writable = False
+            return False
+
+    def _read(self, path: Path, key: str, nbytes: int, alloc) -> np.ndarray | None:
+        """The file's data checked against its header (and the key, size, checksum), or None."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, HEADER, 0)
+            if len(head) < _HEAD.size:
+                return None
+            magic, version, n, crc, crc_s, klen = _HEAD.unpack_from(head)
+            if (magic, version, n) != (MAGIC, LAYOUT_VERSION, nbytes) or head[_HEAD.size:_HEAD.size + klen] != key.encode() \
+                    or os.fstat(fd).st_size != HEADER + nbytes:
+                return None
+            if self.resident:
+                buf = alloc(nbytes)
+                view = memoryview(buf).cast("B")
+                got, c = 0, 0
+                while got < nbytes:
+                    k = os.preadv(fd, [view[got:got + COPY_CHUNK]], HEADER + got)
+                    if k <= 0:
+                        return None
+                    c = zlib.crc32(view[got:got + k], c)
+                    got += k
+                if c != crc:
+                    return None
+                self.resident_bytes += nbytes
+                return buf
+            if nbytes == 0:
+                return alloc(0)
+            m = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            data = memoryview(m)[HEADER:]
+            if _crc_sample(data) != crc_s:
+                data.release()
+                m.close()
+                return None
+            data.release()
+            self.maps.append((m, nbytes))
+            self.mapped_bytes += nbytes
+            return np.frombuffer(m, np.uint8, nbytes, HEADER)
+        finally:
+            os.close(fd)
+
+    def prefetch(self, maps: list) -> None:
+        """Ask the kernel to read these mapped products ahead (MADV_WILLNEED: it starts the reads
+        and returns), so a layer's cold part comes from disk while the layer before computes."""
+        for m, n in maps:
+            with contextlib.suppress(OSError, ValueError):
+                m.madvise(mmap.MADV_WILLNEED, 0, HEADER + n)
+
+
+active: LayoutCache | None = None  # the process's cache, if it has one (activate)
+
+
+@contextlib.contextmanager
+def using(directory: str | Path | None):
+    """A cache in `directory` for the conversions made inside (None or "": none), the process's
+    earlier one (or none) after: a process that loads more than one model (the coordinator, a
+    test) must not look up one model's conversions in another's directory."""
+    global active
+    before = active
+    active = LayoutCache(directory) if directory else None
+    try:
+        yield active
+    finally:
+        active = before
+
+
+def placing(resident: bool):
+    """The active cache's placing(resident), or nothing to do without one."""
+    return active.placing(resident) if active is not None else contextlib.nullcontext()
+
+
+def activate(directory: str | Path | None) -> LayoutCache | None:
+    """Use a cache in `directory` for this process's conversions from now on (None or "": none)."""
+    global active
+    active = LayoutCache(directory) if directory else None
+    return active

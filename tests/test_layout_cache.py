@@ -1,0 +1,218 @@
+"""The layout cache (sparsecore/kernels/layout_cache.py): repacked layouts written once, read back
+(into memory, or mapped from their files) on later starts with the same bytes; a changed model,
+another level or another build of the kernels never reads them; a truncated or damaged file is
+made again with a one-line notice; an engine whose layouts do not all fit maps the FFN's least
+used units from the cache and gives the same tokens as one that holds them all
+(coordinator/runtime/residency.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.residency import cold_units
+from coordinator.runtime.sampling import SamplingParams
+from sparsecore.errors import NotEnoughMemory
+from sparsecore.gguf_file import open_gguf
+from sparsecore.kernels import FileMatrix, interleaving, layout_cache
+from sparsecore.kernels.layout_cache import HEADER, LayoutCache, model_directory, prune_stale
+from sparsecore.tensors import TensorStore
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not interleaving(2), reason="needs a level with interleaved Q4_0 rows")
+
+
+def _conversions(path: Path) -> dict[str, np.ndarray]:
+    """Every kind of conversion the loaders make, on one layer of the tiny model: their bytes."""
+    store = TensorStore(path, open_gguf(path))
+    gate, down = (FileMatrix(store.info(f"blk.0.ffn_{n}.weight")) for n in ("gate", "down"))
+    thr = np.zeros(1, np.float32)
+    own = range(32, 96)
+    out = {
+        "x16": gate.for_fast_products(own),
+        "r16": gate.interleave_blocks(),
+        "held": gate.keep_rows(own).held_copy(),
+        "cols": down.keep_columns(own),
+        "cols_x16": layout_cache_columns(down, own),
+        "twin": gate.with_input_major(own, None, thr),
+    }
+    return {k: (np.asarray(m.twin if k == "twin" else m.data).reshape(-1).copy(), m) for k, m in out.items()}
+
+
+def layout_cache_columns(m, own):
+    from sparsecore.kernels.layouts import columns_for
+
+    return columns_for(m, own, True)
+
+
+@pytest.fixture
+def model(tiny_model_factory):
+    return tiny_model_factory(tensor_type="Q4_0", n_ff=128)
+
+
+def test_made_once_then_read_back_with_the_same_bytes(model, tmp_path):
+    plain = _conversions(model)
+    with layout_cache.using(tmp_path) as cache:
+        first = _conversions(model)
+        made = sorted(tmp_path.glob("*.lay"))
+        assert cache.misses == len(plain) and cache.hits == 0 and len(made) == len(plain)
+    stamps = {p: p.stat().st_mtime_ns for p in made}
+    for resident in (True, False):
+        with layout_cache.using(tmp_path) as cache:
+            with cache.placing(resident):
+                again = _conversions(model)
+            assert cache.hits == len(plain) and cache.misses == 0
+            assert (cache.mapped_bytes > 0) == (not resident) and (cache.resident_bytes > 0) == resident
+        for k, (data, m) in plain.items():
+            same = (lambda a, b: np.array_equal(a[:40], b[:40]) and np.array_equal(a[64:], b[64:])) \
+                if k == "twin" else np.array_equal  # a twin's threshold address is each one's own
+            assert same(first[k][0], data) and m.args[2:4] == first[k][1].args[2:4], k
+            got, gm = again[k]
+            if k == "twin":  # the header's threshold address is this process's, its counters zero
+                head = got[:64].view(np.int64)
+                assert head[5] == gm.twin_threshold_held.ctypes.data and head[6] == head[7] == 0
+                assert np.array_equal(got[64:], data[64:])
+                assert np.array_equal(got[:40], data[:40])
+            else:
+                assert np.array_equal(got, data), k
+    assert {p: p.stat().st_mtime_ns for p in made} == stamps  # nothing written again
+
+
+def _product(m: FileMatrix) -> np.ndarray:
+    cols = m.col_range or range(m.cols)
+    x = np.random.default_rng(1).standard_normal(len(cols), dtype=np.float32)
+    return m.matvec(x, rows=m.row_range or range(m.rows), cols=cols, fast=True)
+
+
+def test_products_on_mapped_layouts_equal_the_made_ones(model, tmp_path):
+    plain = _conversions(model)
+    with layout_cache.using(tmp_path):
+        _conversions(model)
+    with layout_cache.using(tmp_path) as cache, cache.placing(False):
+        mapped = _conversions(model)
+    for k in ("x16", "cols_x16", "cols", "held"):
+        assert isinstance(mapped[k][1].data.base, mmap_type()) or mapped[k][1].data.base is not None
+        np.testing.assert_array_equal(_product(plain[k][1]), _product(mapped[k][1]))
+
+
+def mmap_type():
+    import mmap
+
+    return mmap.mmap
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "data"])
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, damage, resident):
+    plain = _conversions(model)
+    with layout_cache.using(tmp_path):
+        _conversions(model)
+    files = sorted(tmp_path.glob("*.lay"))
+    for p in files:
+        size = p.stat().st_size
+        with open(p, "r+b") as f:
+            if damage == "truncate":
+                f.truncate(size - 100)
+            elif damage == "header":
+                f.seek(20)
+                f.write(b"\xff\xff\xff\xff")
+            else:  # the first data page: read by the full check and by the mapped one's sample
+                f.seek(HEADER)
+                b = f.read(1)
+                f.seek(HEADER)
+                f.write(bytes([b[0] ^ 0x5A]))
+    capfd.readouterr()
+    with layout_cache.using(tmp_path) as cache, cache.placing(resident):
+        again = _conversions(model)
+    err = capfd.readouterr().err.splitlines()
+    assert cache.rebuilt == len(files) and cache.hits == 0
+    assert len([l for l in err if "damaged or stale, made again" in l]) == len(files)
+    for k, (data, _) in plain.items():
+        assert np.array_equal(again[k][0][64:] if k == "twin" else again[k][0], data[64:] if k == "twin" else data)
+    with layout_cache.using(tmp_path) as cache:  # and the made-again files are good
+        _conversions(model)
+        assert cache.hits == len(files) and cache.rebuilt == 0
+
+
+def test_a_changed_model_or_level_has_another_directory(model, tmp_path):
+    d = model_directory(tmp_path, model, "avx2")
+    assert model_directory(tmp_path, model, "avx2") == d
+    assert model_directory(tmp_path, model, "generic") != d
+    d.mkdir(parents=True)
+    (d / "x.lay").write_bytes(b"old")
+    other_level = model_directory(tmp_path, model, "generic")
+    other_level.mkdir(parents=True)
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the model rewritten
+    try:
+        changed = model_directory(tmp_path, model, "avx2")
+        assert changed != d and changed.parent == d.parent
+        changed.mkdir(parents=True)
+        prune_stale(changed)
+        assert not d.exists() and not other_level.exists() and changed.exists()  # the old version's, every level
+    finally:
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _mapped_layouts(pid: int) -> int:
+    """How many layout cache files process `pid` has mapped."""
+    return len({line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                if line.endswith(".lay")})
+
+
+def _generate(path, n=12, maps: list | None = None, **kw):
+    with Engine(path, EngineOptions(threads=2, cpu_workers=1, spin=False, **kw)) as eng:
+        out = list(eng.generate([1, 2, 3, 4], n, SamplingParams(temperature=0.0), stop_at_eos=False))
+        if maps is not None:
+            maps.extend(_mapped_layouts(pid) for pid in [os.getpid(), *(w.proc.pid for w in eng.pool.workers)])
+        return out
+
+
+def test_an_engine_starts_warm_from_the_cache_with_the_same_tokens(model, tmp_path):
+    want = _generate(model, layout_cache="off")
+    assert _generate(model, layout_cache=str(tmp_path)) == want
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.lay")}
+    assert len(files) > 4  # both processes' conversions
+    assert _generate(model, layout_cache=str(tmp_path)) == want
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.lay")} == files  # read, not made
+
+
+def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeypatch):
+    """Memory for all but part of the FFN's layouts: the plan maps the rest from the layout cache
+    (a one-line notice), and the tokens are the unlimited run's. Without a cache it refuses in
+    one line; with too little for what must stay it refuses too."""
+    want = _generate(model, layout_cache="off")
+    eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
+    plan = eng.memory
+    assert plan.ffn_copied > 0
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.ffn_copied // 2))
+    eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
+    cold = cold_units(eng.memory, eng.store, eng.cfg)
+    assert cold is not None and cold.any() and cold.shape == (eng.cfg.n_layers, 1)
+    for _ in range(2):  # cold (made and written), then warm (mapped from the files)
+        maps = []
+        assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
+        assert all(n > 0 for n in maps), maps  # the coordinator's and the worker's cold parts are mapped
+    monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE")
+    maps = []
+    assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
+    assert maps == [0, 0]  # where everything fits, everything is read into memory
+    with pytest.raises(NotEnoughMemory, match="must stay in memory"):
+        monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.must_stay - (1 << 20)))
+        Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)))
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.ffn_copied // 2))
+    with pytest.raises(NotEnoughMemory):
+        Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache="off"))
+
+
+def test_the_command_line_takes_the_option(model, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(model), "-p", "hi", "-n", "2",
+                        "--layout-cache", str(tmp_path), "-t", "2", "--spec", "off"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert list(tmp_path.rglob("*.lay"))
