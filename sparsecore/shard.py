@@ -327,9 +327,16 @@ class ExpertsLayer:
                              f"{cfg.n_experts}")
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
         self.experts = []
-        for e in range(cfg.n_experts):  # cold experts' layouts stay mapped from the layout cache
+        # cold experts' layouts stay mapped from the layout cache: their maps, per expert, are read
+        # ahead once a token has chosen them (token_into)
+        self.cold_maps: dict[int, list] = {}
+        cache = layout_cache.active
+        for e in range(cfg.n_experts):
+            before = len(cache.maps) if cache is not None else 0
             with layout_cache.placing(cold is None or not cold[e]):
                 self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
+            if cache is not None and len(cache.maps) > before:
+                self.cold_maps[e] = cache.maps[before:]
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
@@ -365,6 +372,14 @@ class ExpertsLayer:
         g = np.array([np.dot(row, g64) for row in x.astype(np.float64)])
         return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
 
+    def _read_ahead(self, ids: np.ndarray) -> None:
+        """Start reading the chosen experts that are mapped from disk (all of them, then compute):
+        one fault at a time would read them one after the other, a token's few hundred KB each."""
+        for e in ids:
+            maps = self.cold_maps.get(int(e))
+            if maps:
+                layout_cache.read_ahead(maps)
+
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
         return route(self.router, x, self.k, self.renormalize, self.probs)
@@ -374,6 +389,8 @@ class ExpertsLayer:
         """One token into `out` (hidden,): the weighted sum of its experts' shares."""
         if active is not None or threshold is not None:
             raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        if self.cold_maps:  # route here first, to have the chosen cold experts' reads start together
+            self._read_ahead(self.route(x[None])[0][0])
         key = (x.ctypes.data, out.ctypes.data)
         args, _ = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
@@ -407,6 +424,7 @@ class ExpertsLayer:
             return self.token_into(x[0], activation, None, None, out[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(xs)
+        self._read_ahead(np.unique(ids))
         parts = np.empty((B, self.k, xs.shape[1]), np.float32)
         n = 0
         for e in np.unique(ids):
@@ -434,6 +452,7 @@ class ExpertsLayer:
             y = np.empty_like(xs)
             return y, self.token_into(xs[0], activation, None, None, y[0])
         ids, weights = self.route(xs)
+        self._read_ahead(np.unique(ids))
         y, n = np.zeros_like(xs), 0
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)

@@ -22,7 +22,7 @@ from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, interleaving, layout_cache
 from sparsecore.kernels.layout_cache import HEADER, LayoutCache, model_directory, prune_stale
 from sparsecore.tensors import TensorStore
-from tests.conftest import REPO
+from tests.conftest import REPO, run_make_bench_model
 
 pytestmark = pytest.mark.skipif(not interleaving(2), reason="needs a level with interleaved Q4_0 rows")
 
@@ -216,3 +216,23 @@ def test_the_command_line_takes_the_option(model, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert list(tmp_path.rglob("*.lay"))
+
+
+def test_cold_experts_are_mapped_and_decode_the_same_tokens(tmp_path, tiny_model, monkeypatch):
+    """A routed model whose experts do not all fit: the cold ones are mapped from the cache (read
+    ahead once a token chooses them), the tokens those of a run that holds them all."""
+    model = tmp_path / "moe.gguf"
+    run_make_bench_model(["--shape", "tiny", "--layers", "2", "--quiet", "--type", "q4_0", "--arch", "qwen3moe",
+                          "--tokenizer-from", str(tiny_model), "-o", str(model)])
+    tmp_path = tmp_path / "layouts"
+    want = _generate(model, layout_cache="off")
+    plan = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True).memory
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.ffn_copied // 2))
+    eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
+    cold = cold_units(eng.memory, eng.store, eng.cfg)
+    assert cold.shape == (eng.cfg.n_layers, eng.cfg.n_experts) and 0 < cold.sum() < cold.size
+    for _ in range(2):
+        maps = []
+        assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
+        assert all(n > 0 for n in maps), maps
+

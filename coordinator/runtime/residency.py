@@ -46,7 +46,8 @@ def cold_units(plan: MemoryPlan, store, cfg, profile_file: Path | None = None) -
         return None
     sizes = ffn_unit_bytes(store, cfg)
     total = int(sizes.sum()) or 1
-    reserve = max(STREAM_RESERVE, int(STREAM_SHARE * plan.available))
+    # (a small model's units are read in a few pages: a quarter of its FFN is room enough)
+    reserve = min(max(STREAM_RESERVE, int(STREAM_SHARE * plan.available)), plan.ffn_copied // 4)
     keep_bytes = max(0, plan.available - plan.must_stay - reserve)
     # the unit sizes are the file's; what a process holds of them is the plan's copied bytes
     keep_file = int(keep_bytes * total / plan.ffn_copied)

@@ -208,15 +208,18 @@ class LayoutCache:
         finally:
             os.close(fd)
 
-    def prefetch(self, maps: list) -> None:
-        """Ask the kernel to read these mapped products ahead (MADV_WILLNEED: it starts the reads
-        and returns), so a layer's cold part comes from disk while the layer before computes."""
-        for m, n in maps:
-            with contextlib.suppress(OSError, ValueError):
-                m.madvise(mmap.MADV_WILLNEED, 0, HEADER + n)
 
 
 active: LayoutCache | None = None  # the process's cache, if it has one (activate)
+
+
+def read_ahead(maps: list) -> None:
+    """Ask the kernel to read these mapped products (LayoutCache.maps entries) now
+    (MADV_WILLNEED: it queues the reads and returns), so that several come from disk at once
+    instead of one page fault after another."""
+    for m, n in maps:
+        with contextlib.suppress(OSError, ValueError):
+            m.madvise(mmap.MADV_WILLNEED, 0, HEADER + n)
 
 
 @contextlib.contextmanager
