@@ -236,3 +236,12 @@ def test_cold_experts_are_mapped_and_decode_the_same_tokens(tmp_path, tiny_model
         assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
         assert all(n > 0 for n in maps), maps
 
+
+
+def test_info_says_what_is_read_from_disk(model, tmp_path):
+    plan = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True).memory
+    env = {**os.environ, "SPARSEINFER_MEM_AVAILABLE": str(plan.anonymous - plan.ffn_copied // 2)}
+    r = subprocess.run([sys.executable, "-m", "coordinator", "info", "-m", str(model), "-t", "2", "--cpu-workers", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "fits with" in r.stdout and "read from disk" in r.stdout and "cold " in r.stdout, r.stdout

@@ -32,7 +32,7 @@ def info_json(cfg, types: dict, memory, plan: dict | None) -> str:
     out = {"config": asdict(cfg), "tensor_types": dict(types),
            "memory": {**{k: b for k, b, _ in memory.rows()}, "total": memory.total, "must_fit": memory.anonymous,
                       "available": memory.available, "available_from": memory.available_from,
-                      "processes": memory.processes}}
+                      "processes": memory.processes, "cold": memory.cold}}
     if plan is not None:
         out["plan"] = plan
     return json.dumps(out, indent=2)
@@ -46,7 +46,9 @@ def info_lines(cfg, types: dict, memory, ctx, parallel) -> list[str]:
                  f"{f', serve --parallel {parallel}' if parallel else ''}):")
     lines += ["  " + line for line in memory.lines()]
     fits = memory.available is None or memory.anonymous <= memory.available
-    lines.append("  " + ("fits" if fits else "does NOT fit: a run would be refused"))
+    lines.append("  " + ("fits" if fits else f"fits with {memory.cold / 1e9:.2f} GB read from disk as tokens need it"
+                         if memory.cold and memory.must_stay <= memory.available
+                         else "does NOT fit: a run would be refused"))
     return lines
 
 

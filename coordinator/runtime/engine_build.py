@@ -46,7 +46,7 @@ from .engine_options import SPARSE_METHODS, EngineOptions, check
 from .memory_plan import fit_hints, plan_memory
 from .model_files import load_input_level, load_thresholds, profile_path
 from .model_fetch import cache_root
-from .residency import cold_units
+from .residency import cold_bytes, cold_units, ffn_unit_bytes
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
 from .worker_pool import WorkerPool
@@ -161,6 +161,7 @@ class EngineBuilder:
         # not all fit (coordinator/runtime/residency.py)
         self.layout_root = layout_root(opts.layout_cache, self.path) if opts.weights == "gguf" else ""
         self.cold = cold_units(self.memory, store, cfg, profile_path(self.path)) if self.layout_root else None
+        self.memory.cold = cold_bytes(self.memory, ffn_unit_bytes(store, cfg), self.cold)
         self.kv_pool = self.pool = self.ffn = self.head = self.model = self.twins = None
 
     def load_tokenizer(self) -> GGUFTokenizer:

@@ -56,6 +56,7 @@ class MemoryPlan:
     # copied and twin bytes of the FFN tensors: what the layout cache can map instead of holding
     # (coordinator/runtime/residency.py), where the rest does not fit
     ffn_copied: int = 0
+    cold: int = 0  # of those, what the residency leaves mapped from the layout cache (residency.py)
     available: int | None = None
     available_from: str = ""
 
@@ -80,6 +81,9 @@ class MemoryPlan:
         out = [f"{k:10s} {b / GB:7.3f} GB  {why}" for k, b, why in self.rows()]
         out.append(f"{'total':10s} {self.total / GB:7.3f} GB  ({self.anonymous / GB:.3f} GB that must fit, "
                    f"{self.mapped / GB:.3f} GB of file pages)")
+        if self.cold:
+            out.append(f"{'cold':10s} {self.cold / GB:7.3f} GB  of the copied FFN layouts mapped from the layout cache "
+                       f"instead (they do not all fit): read from disk as tokens need them")
         if self.available is not None:
             out.append(f"{'available':10s} {self.available / GB:7.3f} GB  ({self.available_from})")
         return out

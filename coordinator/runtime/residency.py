@@ -69,6 +69,13 @@ def cold_units(plan: MemoryPlan, store, cfg, profile_file: Path | None = None) -
     return cold
 
 
+def cold_bytes(plan: MemoryPlan, sizes: np.ndarray, cold: np.ndarray | None) -> int:
+    """The plan's FFN layout bytes that `cold` leaves mapped."""
+    if cold is None:
+        return 0
+    return int(plan.ffn_copied * float(sizes[cold.astype(bool)].sum()) / max(1, int(sizes.sum())))
+
+
 def _routing(profile_file: Path | None, shape) -> list[np.ndarray] | None:
     """The profile's routing counts per layer, if it has them for this shape."""
     if profile_file is None or not Path(profile_file).exists():
