@@ -55,8 +55,10 @@ def test_the_reference_routes_with_a_margin():
 def test_config_reads_the_experts(moe_models, arch):
     cfg = read_config(moe_models[arch], open_gguf(moe_models[arch]))
     assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
-    assert cfg.native_attention and cfg.qk_norm == (arch == "qwen3moe") and cfg.qkv_bias == (arch == "qwen2moe")
-    assert cfg.expert_norm == (arch != "qwen2moe")  # llama.cpp renormalizes qwen3moe's and Mixtral's top k only
+    assert cfg.native_attention and cfg.qk_norm == (arch in ("qwen3moe", "olmoe")) and cfg.qkv_bias == (arch == "qwen2moe")
+    assert cfg.qk_norm_full == (arch == "olmoe")  # over every head, not per head
+    # llama.cpp renormalizes qwen3moe's and Mixtral's top k only
+    assert cfg.expert_norm == (arch not in ("qwen2moe", "olmoe"))
     assert cfg.n_ff_shared == (2 * N_FF_EXPERT if arch == "qwen2moe" else 0)
     assert cfg.arch == ("llama" if arch == "mixtral" else arch) and cfg.permuted_qk == (arch == "mixtral")
 
@@ -180,7 +182,7 @@ def test_experts_of_a_type_without_kernels_are_converted_and_run(tmp_path, tiny_
     assert "TQ2_0 tensors" in err and "requantized once at load" in err
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_models, arch, fast, no_leaks):
     """Sequences decoded together share each chosen expert's rows (tokens grouped by expert), and
