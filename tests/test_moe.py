@@ -4,12 +4,13 @@ ExpertsLayer) against transformers, through the real coordinator and worker proc
 The tiny qwen3moe, Mixtral and qwen2moe models (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen,
 64 neurons each; qwen2moe's shared expert 128) are written as llama.cpp's converter writes
 Qwen3-30B-A3B, Mixtral (a `llama` file with Q/K permuted) and Qwen1.5-MoE (stacked ffn_*_exps,
-the router as ffn_gate_inp, the shared expert as ffn_*_shexp and its gate ffn_gate_inp_shexp).
+the router as ffn_gate_inp, the shared expert as ffn_*_shexp and its gate ffn_gate_inp_shexp),
+and OLMoE (Q/K norms over every head: tests/test_olmoe.py).
 scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM (norm_topk_prob, llama.cpp's
-qwen3moe flag), MixtralForCausalLM and Qwen2MoeForCausalLM (no renormalization) on the same
+qwen3moe flag), MixtralForCausalLM, Qwen2MoeForCausalLM and OlmoeForCausalLM (no renormalization) on the same
 weights and recorded the smallest gap between a token's k-th and (k+1)-th router probability and
-logit (at least 0.001 and 0.007, against float differences of about 1e-6; Mixtral's and
-qwen2moe's seeds were chosen for it): no near-tie decides a route. Exact arithmetic; ids must
+logit (at least 0.001 and 0.007, against float differences of about 1e-6; Mixtral's,
+qwen2moe's and olmoe's seeds were chosen for it): no near-tie decides a route. Exact arithmetic; ids must
 match, logits within LOGITS_ATOL.
 """
 from __future__ import annotations

@@ -24,8 +24,11 @@ from tests.test_attend_kernel import Layer, f32_matrix, rope_ref
 class FullNormLayer(Layer):
     """Layer with olmoe's Q/K norms: one RMSNorm over all n_heads x hd values of Q, one over K's."""
 
-    def __init__(self, *shape, seed: int):
+    def __init__(self, *shape, seed: int, bias: bool = False):
         super().__init__(*shape, seed=seed)
+        # Q | K | V biases in the file's row order (transformers' attention_bias: added before the norms)
+        self.bias = self.rng.uniform(-1, 1, (self.n_heads + 2 * self.n_kv) * self.hd).astype(np.float32) \
+            if bias else None
         # heads of different sizes (as trained models' are): the RMS over some heads is then far
         # from the RMS over all of them
         self.wq[: self.hidden // 2] *= 3
@@ -37,7 +40,8 @@ class FullNormLayer(Layer):
         return K.AttentionStep(f32_matrix(self.wq, "q"), self.q_rows, f32_matrix(self.wk, "k"), self.k_rows,
                                f32_matrix(self.wv, "v"), f32_matrix(np.eye(self.hidden), "o"), self.norm, 1e-6,
                                self.n_heads, self.n_kv, self.hd, self.d, self.cos, self.sin, kc, vc, fast=False,
-                               extras=K.AttentionExtras(q_norm=self.q_norm, k_norm=self.k_norm, qk_norm_full=True))
+                               extras=K.AttentionExtras(q_norm=self.q_norm, k_norm=self.k_norm, qk_norm_full=True,
+                                                        bias=self.bias))
 
     def reference(self, h, pos, kc, vc, per_share: tuple[int, int] | None = None):
         """The attention output in float64; `per_share` (h0, h1): what a share that normalized
@@ -47,7 +51,11 @@ class FullNormLayer(Layer):
         x = x / np.sqrt(np.mean(x * x) + 1e-6) * self.norm
         q = self.wq[self.q_rows].astype(np.float64) @ x
         k = self.wk[self.k_rows].astype(np.float64) @ x
-        v = (self.wv.astype(np.float64) @ x).reshape(self.n_kv, hd)
+        v = self.wv.astype(np.float64) @ x
+        if self.bias is not None:
+            nq, nk = self.n_heads * hd, self.n_kv * hd
+            q, k, v = q + self.bias[self.q_rows], k + self.bias[nq + self.k_rows], v + self.bias[nq + nk:]
+        v = v.reshape(self.n_kv, hd)
         rms = lambda a: a / np.sqrt(np.mean(a * a) + 1e-6)  # noqa: E731
         if per_share is None:
             q, k = rms(q) * self.q_norm, rms(k) * self.k_norm
@@ -67,13 +75,15 @@ class FullNormLayer(Layer):
         return out.reshape(-1)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("shape", [(4, 4, 16, 16), (8, 2, 64, 64), (6, 3, 32, 32)], ids=str)
-def test_full_width_qk_norms_whole_and_in_shares_of_the_heads(isa, shape):
+def test_full_width_qk_norms_whole_and_in_shares_of_the_heads(isa, shape, bias):
     """The native step normalizes Q over every head and K over every KV head (float64 reference);
     a share of the heads (attn_part, as a worker computes it: keep_output_columns) computes
     every head's Q and K for the norm and returns its own heads' output, and the shares add up
-    to the whole. A share that normalized its own heads alone would be far off."""
-    L = FullNormLayer(*shape, seed=3)
+    to the whole. A share that normalized its own heads alone would be far off. Q/K/V biases
+    (transformers' attention_bias) come before the norms, in a share too."""
+    L = FullNormLayer(*shape, seed=3, bias=bias)
     pos = 37
     _, kc, vc = L.caches(pos)
     h = L.rng.standard_normal(L.hidden).astype(np.float32)
@@ -106,12 +116,13 @@ def test_a_full_width_record_is_checked():
     L.q_norm = L.q_norm[:16]  # one head's width: olmoe's norm spans all four
     with pytest.raises(ValueError, match="q_norm"):
         L.step(kc, vc)
+    L.q_norm, L.k_norm = np.ones(64, np.float32), L.k_norm[:16]
+    with pytest.raises(ValueError, match="k_norm"):
+        L.step(kc, vc)
+    with pytest.raises(ValueError, match="without q_norm"):
+        K.AttentionExtras(qk_norm_full=True).record(L.hidden, 4, 2, 16)
     L = FullNormLayer(4, 2, 16, 16, seed=1)
-    step = L.step(kc, vc)
-    bias = K.AttentionExtras(q_norm=L.q_norm, k_norm=L.k_norm, qk_norm_full=True, bias=np.zeros(128, np.float32))
-    with pytest.raises(ValueError, match="biases"):
-        bias.record(L.hidden, 4, 2, 16)
-    assert step.extra["qk_norm_full"][0] == 1
+    assert L.step(kc, vc).extra["qk_norm_full"][0] == 1
 
 
 def _rewrite(src, dst, tensors=None, fields=None):

@@ -45,8 +45,6 @@ class AttentionExtras:
         full = self.qk_norm_full
         if full and (self.q_norm is None or self.k_norm is None):
             raise ValueError("attention qk_norm_full without q_norm and k_norm")
-        if full and self.bias is not None:  # attn_part adds biases after the share's products, not every head's
-            raise ValueError("attention qk_norm_full with Q/K/V biases: not computed natively")
         q_n, k_n = (n_heads * head_dim, n_kv * head_dim) if full else (head_dim, head_dim)
         for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", q_n), ("k_norm", k_n),
                         ("post_norm", hidden), ("norm_bias", hidden)):

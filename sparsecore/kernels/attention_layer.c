@@ -119,7 +119,7 @@ static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(f
  * span every head (qk_norm_full): every head's rows of Q and K for the B rows of sc.x (products
  * into out, then v, in the file's row order), reordered (q_rows, k_rows), normalized whole, and
  * the share's values moved to the front of each row: sc.q and sc.k as the share's own products
- * would leave them. Biases are refused with these norms (sparsecore/kernels/attention.py). */
+ * would leave them. Q's and K's biases are added here, before the norm (attn_part adds V's). */
 static void full_qk_share(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, int hidden, int n_heads,
                           int n_kv, int hd, const attn_extra *ex, float eps, int B, int fast, attn_scratch sc,
                           int64_t q0, int64_t nq, int64_t k0, int64_t nk) {
@@ -130,6 +130,10 @@ static void full_qk_share(mat wq, const int32_t *q_rows, mat wk, const int32_t *
         float *q = sc.q + b * NQ, *k = sc.k + b * NK;
         for (int64_t i = 0; i < NQ; i++) q[i] = sc.out[b * NQ + q_rows[i]];
         for (int64_t i = 0; i < NK; i++) k[i] = sc.v[b * NK + k_rows[i]];
+        if (ex->bias) {  /* the file's row order, as q_rows and k_rows index it */
+            for (int64_t i = 0; i < NQ; i++) q[i] += ex->bias[q_rows[i]];
+            for (int64_t i = 0; i < NK; i++) k[i] += ex->bias[NQ + k_rows[i]];
+        }
         rms_norm_into(q, ex->q_norm, eps, (int)NQ, q);
         rms_norm_into(k, ex->k_norm, eps, (int)NK, k);
     }
@@ -195,8 +199,10 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     if (ex->bias) {  /* Q/K/V biases (qwen2): the file's row order, as q_rows and k_rows index it */
         const float *bq = ex->bias, *bk = bq + (int64_t)n_heads * hd, *bv = bk + (int64_t)n_kv * hd;
         for (int b = 0; b < B; b++) {
-            for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] += bq[q_rows[q0 + i]];
-            for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] += bk[k_rows[k0 + i]];
+            if (!share_of_full) {  /* full_qk_share added Q's and K's before their norms */
+                for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] += bq[q_rows[q0 + i]];
+                for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] += bk[k_rows[k0 + i]];
+            }
             for (int64_t i = 0; i < nk; i++) sc.v[b * nk + i] += bv[k0 + i];
         }
     }
