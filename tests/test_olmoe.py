@@ -208,3 +208,20 @@ def test_llama_cpp_reads_the_tiny_file_as_transformers_does(tmp_path):
     assert (got[len(case["prompt_ids"]) - 1:-1].argmax(1) == case["generated_ids"]).all()
     del llm
 
+
+
+def test_torch_attention_normalizes_over_every_head_too(tmp_path, no_leaks):
+    """A prompt the quality tools watch (attn_observer) takes torch's attention on the
+    coordinator (coordinator/model/torch_layers.py): its Q/K norms span every head as the
+    native step's do, so its logits are transformers' too."""
+    from coordinator.runtime.engine import Engine, EngineOptions
+    from tests.fixtures.arch_oracle import LOGITS_ATOL
+
+    case = REF["archs"]["olmoe"][0]
+    ids = case["prompt_ids"] + case["generated_ids"]
+    seen = []
+    with Engine(write_tiny_arch(tmp_path / "o.gguf", "olmoe"), EngineOptions(cpu_workers=1, threads=2)) as eng:
+        eng.model.attn_observer = lambda layer, x, out: seen.append(layer)
+        logits = eng.forward_logits(ids)
+    assert seen == [0, 1]  # the torch path ran, once per layer
+    assert float(np.abs(logits - reference_logits("olmoe")).max()) < LOGITS_ATOL
