@@ -1,6 +1,6 @@
 """`AttentionStep`: one layer's attention block in one native call (_kernels.attn_token,
 attn_batch, attn_part), and `AttentionExtras`, the layer's variants beyond llama's
-(sparsecore/arch.py says whose): Q/K/V biases, per-head Q/K norms, the output's norm and scale,
+(sparsecore/arch.py says whose): Q/K/V biases, Q/K norms (per head, or over every head), the output's norm and scale,
 the softmax scale, a sliding window, a LayerNorm (the input norm's bias) instead of RMSNorm. The extras travel to C as one record (ATTN_EXTRA, the
 layout of attention_layer.c's attn_extra, checked against it at import)."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ class AttentionExtras:
     """A layer's attention beyond llama's; None or 0 where the layer has no such part."""
     bias: np.ndarray | None = None  # Q | K | V biases, the file's row order (n_heads hd + 2 n_kv hd)
     q_norm: np.ndarray | None = None  # RMSNorm weights (head_dim) of each query head, before rope
-    k_norm: np.ndarray | None = None  # and of each key head
+    k_norm: np.ndarray | None = None  # and of each key head (both all heads wide: qk_norm_full)
     post_norm: np.ndarray | None = None  # RMSNorm weights (hidden) of the output before the residual
     norm_bias: np.ndarray | None = None  # the input norm's bias (hidden): a LayerNorm (falcon), else RMSNorm
     scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim))
