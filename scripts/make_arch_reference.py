@@ -56,7 +56,8 @@ def build(arch: str):
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
            "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
-           "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM)}[arch]
+           "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
     model = cls[1](cfg).float().eval()

@@ -39,6 +39,12 @@ which decides the tensors' layout:
   weights renormalized to sum 1, and the chosen experts' SwiGLU FFNs (slices of the 3-D
   `ffn_{gate,up,down}_exps`, `expert_feed_forward_length` neurons each) summed with those
   weights (llama.cpp's build_moe_ffn with its qwen3moe flags). `feed_forward_length` is unused.
+- olmoe (OLMoE-1B-7B): llama's attention with neox rope (no permutation) and RMSNorms of Q and K
+  over the whole projection (`attn_q_norm` n_heads x head_dim wide, `attn_k_norm` n_kv x
+  head_dim: one RMS over every head, not per head as qwen3's), before rope; every FFN routed
+  experts as qwen3moe's but the top k not renormalized (llama.cpp's build_moe_ffn flag for
+  LLM_ARCH_OLMOE; transformers' norm_topk_prob defaults to False for it); one expert's neurons
+  are `feed_forward_length` (the converter writes no expert length).
 - granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
   block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
   `attention.scale`, logits divided by `logit_scale`.
@@ -86,6 +92,7 @@ class Arch:
     expert_gating: str = "softmax"  # routed: the router's probabilities
     expert_norm: bool = False  # routed: the top-k weights renormalized to sum 1
     shared_expert: bool = False  # routed: plus a dense FFN every token runs, times sigmoid(gate . x)
+    qk_norm_full: bool = False  # attn_q_norm / attn_k_norm normalize all heads' values at once (olmoe)
 
     def routed(self, has_expert_count: bool) -> bool:
         """Whether a file of this family with (or without) {arch}.expert_count has routed FFNs."""
@@ -134,6 +141,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("qwen3"),
     Arch("qwen3moe", ffn="routed", expert_norm=True),
     Arch("qwen2moe", ffn="routed", shared_expert=True),
+    Arch("olmoe", ffn="routed", qk_norm_full=True),
     Arch("gemma3", activation="gelu_tanh", post_norms=True, embed_scale="sqrt_hidden", sliding_pattern=6,
          rope_base_swa=10000.0, scale_by_hidden_at_layers=62),
     Arch("phi3", fused_qkv=True, fused_gate_up=True),

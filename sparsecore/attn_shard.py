@@ -11,7 +11,9 @@ kernel (_kernels.attn_part).
 
 Every architecture whose attention the native step computes is split (ModelConfig.native_attention:
 its biases, Q/K norms, output norms and scales, windows, per-layer rope bases and LayerNorms travel
-with the step as `AttentionExtras`). Falcon's parallel blocks split too: a share is attention alone,
+with the step as `AttentionExtras`). Olmoe's Q/K norms span every head: each share then computes
+every head's Q and K to normalize them exactly as the whole layer does, and keeps its own
+(attention_layer.c full_qk_share): its V, attention and output product stay split. Falcon's parallel blocks split too: a share is attention alone,
 and the model reads its FFN's input before the attention changes the residual
 (coordinator/model/transformer.py Transformer._ffn_input, sparsecore/lockstep.py).
 """
@@ -99,7 +101,7 @@ def layer_extras(store: TensorStore, cfg: ModelConfig, i: int) -> AttentionExtra
         bias=np.concatenate([f32(f"attn_{n}.bias") for n in "qkv"]) if cfg.qkv_bias else None,
         q_norm=f32("attn_q_norm.weight") if cfg.qk_norm else None,
         k_norm=f32("attn_k_norm.weight") if cfg.qk_norm else None,
-        post_norm=f32("post_attention_norm.weight") if cfg.post_norms else None,
+        post_norm=f32("post_attention_norm.weight") if cfg.post_norms else None, qk_norm_full=cfg.qk_norm_full,
         scale=cfg.attn_scale, out_scale=cfg.residual_scale, window=cfg.layer_window(i))
 
 

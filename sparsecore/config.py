@@ -37,6 +37,7 @@ class ModelConfig:
     permuted_qk: bool = True  # Q/K rows in llama.cpp's permuted order (rope "normal")
     qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias
     qk_norm: bool = False  # blk.N.attn_{q,k}_norm.weight, per head
+    qk_norm_full: bool = False  # ... over all heads' values at once (olmoe): n_heads hd and n_kv hd wide
     post_norms: bool = False  # blk.N.post_attention_norm / post_ffw_norm
     embed_scale: float | None = None  # embeddings times this
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
@@ -171,7 +172,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         sparse_threshold=None if thr is None else float(thr),
         permuted_qk=spec.rope == "normal",
         qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names or spec.qk_norm_full,  # olmoe's: required
+        qk_norm_full=spec.qk_norm_full,
         post_norms=spec.post_norms,
         embed_scale=embed_scale,
         attn_scale=attn_scale,

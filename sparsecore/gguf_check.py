@@ -318,6 +318,7 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
     expect = {"output.weight": [hidden, vocab], "output_norm.weight": [hidden]}
     spec = ARCHS.get(arch)
     gate_in_up = spec is not None and spec.fused_gate_up
+    full_qk = spec is not None and spec.qk_norm_full
     if spec is not None and spec.routed(p + "expert_count" in reader.fields):  # nothing sized from an unchecked count
         n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
         _int(path, reader, p + "expert_used_count", None, 1, n_exp, f" ({p}expert_count = {n_exp})")
@@ -354,6 +355,9 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             # falcon has no gate at all
             b + "ffn_up.weight": [hidden, 2 * n_ff if gate_in_up else n_ff],
             b + "attn_qkv.weight": [hidden, n_heads * head_dim + n_kv * (head_dim + v_dim)],
+            # Q/K norms: per head (qwen3, gemma3), or over every head at once (olmoe)
+            b + "attn_q_norm.weight": [n_heads * head_dim if full_qk else head_dim],
+            b + "attn_k_norm.weight": [n_kv * head_dim if full_qk else head_dim],
         })
     for name, want in expect.items():
         got = shapes.get(name)

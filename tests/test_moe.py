@@ -4,12 +4,13 @@ ExpertsLayer) against transformers, through the real coordinator and worker proc
 The tiny qwen3moe, Mixtral and qwen2moe models (tests/fixtures/tiny_arch.py: 8 experts, 2 chosen,
 64 neurons each; qwen2moe's shared expert 128) are written as llama.cpp's converter writes
 Qwen3-30B-A3B, Mixtral (a `llama` file with Q/K permuted) and Qwen1.5-MoE (stacked ffn_*_exps,
-the router as ffn_gate_inp, the shared expert as ffn_*_shexp and its gate ffn_gate_inp_shexp).
+the router as ffn_gate_inp, the shared expert as ffn_*_shexp and its gate ffn_gate_inp_shexp),
+and OLMoE (Q/K norms over every head: tests/test_olmoe.py).
 scripts/make_arch_reference.py ran transformers' Qwen3MoeForCausalLM (norm_topk_prob, llama.cpp's
-qwen3moe flag), MixtralForCausalLM and Qwen2MoeForCausalLM (no renormalization) on the same
+qwen3moe flag), MixtralForCausalLM, Qwen2MoeForCausalLM and OlmoeForCausalLM (no renormalization) on the same
 weights and recorded the smallest gap between a token's k-th and (k+1)-th router probability and
-logit (at least 0.001 and 0.007, against float differences of about 1e-6; Mixtral's and
-qwen2moe's seeds were chosen for it): no near-tie decides a route. Exact arithmetic; ids must
+logit (at least 0.001 and 0.007, against float differences of about 1e-6; Mixtral's,
+qwen2moe's and olmoe's seeds were chosen for it): no near-tie decides a route. Exact arithmetic; ids must
 match, logits within LOGITS_ATOL.
 """
 from __future__ import annotations
@@ -55,8 +56,10 @@ def test_the_reference_routes_with_a_margin():
 def test_config_reads_the_experts(moe_models, arch):
     cfg = read_config(moe_models[arch], open_gguf(moe_models[arch]))
     assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
-    assert cfg.native_attention and cfg.qk_norm == (arch == "qwen3moe") and cfg.qkv_bias == (arch == "qwen2moe")
-    assert cfg.expert_norm == (arch != "qwen2moe")  # llama.cpp renormalizes qwen3moe's and Mixtral's top k only
+    assert cfg.native_attention and cfg.qk_norm == (arch in ("qwen3moe", "olmoe")) and cfg.qkv_bias == (arch == "qwen2moe")
+    assert cfg.qk_norm_full == (arch == "olmoe")  # over every head, not per head
+    # llama.cpp renormalizes qwen3moe's and Mixtral's top k only
+    assert cfg.expert_norm == (arch not in ("qwen2moe", "olmoe"))
     assert cfg.n_ff_shared == (2 * N_FF_EXPERT if arch == "qwen2moe" else 0)
     assert cfg.arch == ("llama" if arch == "mixtral" else arch) and cfg.permuted_qk == (arch == "mixtral")
 
@@ -180,7 +183,7 @@ def test_experts_of_a_type_without_kernels_are_converted_and_run(tmp_path, tiny_
     assert "TQ2_0 tensors" in err and "requantized once at load" in err
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_models, arch, fast, no_leaks):
     """Sequences decoded together share each chosen expert's rows (tokens grouped by expert), and

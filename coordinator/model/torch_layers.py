@@ -67,7 +67,10 @@ def _attention(model, i: int, x: torch.Tensor, cache) -> torch.Tensor:
         qkv = qkv + torch.from_numpy(L.bias)
     qkv = qkv.view(T, nq + 2 * nkv, hd)
     qk = qkv[:, : nq + nkv]
-    if L.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head's Q and K before rope
+    if L.q_norm is not None and cfg.qk_norm_full:  # olmoe: one RMSNorm over all heads' Q, and K's
+        qk = torch.cat((norm(qk[:, :nq].reshape(T, nq * hd), L.q_norm.weight, None, cfg.rms_eps).view(T, nq, hd),
+                        norm(qk[:, nq:].reshape(T, nkv * hd), L.k_norm.weight, None, cfg.rms_eps).view(T, nkv, hd)), 1)
+    elif L.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head's Q and K before rope
         qk = torch.cat((norm(qk[:, :nq], L.q_norm.weight, None, cfg.rms_eps),
                         norm(qk[:, nq:], L.k_norm.weight, None, cfg.rms_eps)), 1)
     qk = rope(qk, *L.rope, pos, cfg.rope_dim)

@@ -1,6 +1,6 @@
 """`AttentionStep`: one layer's attention block in one native call (_kernels.attn_token,
 attn_batch, attn_part), and `AttentionExtras`, the layer's variants beyond llama's
-(sparsecore/arch.py says whose): Q/K/V biases, per-head Q/K norms, the output's norm and scale,
+(sparsecore/arch.py says whose): Q/K/V biases, Q/K norms (per head, or over every head), the output's norm and scale,
 the softmax scale, a sliding window, a LayerNorm (the input norm's bias) instead of RMSNorm. The extras travel to C as one record (ATTN_EXTRA, the
 layout of attention_layer.c's attn_extra, checked against it at import)."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ from .held_memory import ptr
 from .layouts import columns_for
 
 ATTN_EXTRA = np.dtype([("bias", "<i8"), ("q_norm", "<i8"), ("k_norm", "<i8"), ("post_norm", "<i8"),
-                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4")])
+                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("qk_norm_full", "<i4")])
 _C_LAYOUT = _kernels.attn_extra_layout()
-if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names[:-1])) != _C_LAYOUT:
+if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names)) != _C_LAYOUT:
     raise ImportError(f"attention_layer.c's attn_extra {_C_LAYOUT} and ATTN_EXTRA disagree: rebuild the kernels")
 
 
@@ -27,19 +27,27 @@ class AttentionExtras:
     """A layer's attention beyond llama's; None or 0 where the layer has no such part."""
     bias: np.ndarray | None = None  # Q | K | V biases, the file's row order (n_heads hd + 2 n_kv hd)
     q_norm: np.ndarray | None = None  # RMSNorm weights (head_dim) of each query head, before rope
-    k_norm: np.ndarray | None = None  # and of each key head
+    k_norm: np.ndarray | None = None  # and of each key head (both all heads wide: qk_norm_full)
     post_norm: np.ndarray | None = None  # RMSNorm weights (hidden) of the output before the residual
     norm_bias: np.ndarray | None = None  # the input norm's bias (hidden): a LayerNorm (falcon), else RMSNorm
     scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim))
     out_scale: float | None = None  # the output times this before the residual (after post_norm)
     window: int | None = None  # a query at p sees keys p - window < k <= p
+    # q_norm and k_norm are one RMSNorm over all heads' values (olmoe: n_heads x head_dim and
+    # n_kv x head_dim wide), not each head's; a share of the heads then computes every head's Q
+    # and K for it (attention_layer.c full_qk_share)
+    qk_norm_full: bool = False
 
     def record(self, hidden: int, n_heads: int, n_kv: int, head_dim: int) -> tuple[np.ndarray, dict]:
         """(the ATTN_EXTRA record, by field the float32 arrays its addresses point into: keep them
         alive), checked."""
         rec = np.zeros(1, ATTN_EXTRA)
         keep = {}
-        for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", head_dim), ("k_norm", head_dim),
+        full = self.qk_norm_full
+        if full and (self.q_norm is None or self.k_norm is None):
+            raise ValueError("attention qk_norm_full without q_norm and k_norm")
+        q_n, k_n = (n_heads * head_dim, n_kv * head_dim) if full else (head_dim, head_dim)
+        for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", q_n), ("k_norm", k_n),
                         ("post_norm", hidden), ("norm_bias", hidden)):
             a = getattr(self, name)
             if a is None:
@@ -54,6 +62,7 @@ class AttentionExtras:
         if self.window is not None and self.window < 1:
             raise ValueError(f"attention window {self.window}: must be at least 1")
         rec["window"] = self.window or 0
+        rec["qk_norm_full"] = int(full)
         return rec, keep
 
 
@@ -140,9 +149,11 @@ class AttentionStep:
         self.o_part = columns_for(o, cols, self.fast)
         qkv = q, k, v
         # Fast mode: the share's rows of Q, K and V and its columns of the output interleaved
-        # 16 by 16 where they can be (attn_part asks for them as ranges, in file order)
+        # 16 by 16 where they can be (attn_part asks for them as ranges, in file order); every
+        # row of Q and K where their norms span every head (the share computes them all)
+        qk_rows = (range(q.rows), range(k.rows)) if self.extras.qk_norm_full else (q_rows, k_rows)
         if self.fast:
-            qkv = tuple(m.for_fast_products(r) for m, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
+            qkv = tuple(m.for_fast_products(r) for m, r in ((q, qk_rows[0]), (k, qk_rows[1]), (v, k_rows)))
         self.qkv_part = qkv  # alive as long as the addresses in part_head
         self.part_heads, self.part_head = (h0, h1), self._head(*qkv, self.o_part)
 
@@ -157,7 +168,9 @@ class AttentionStep:
             q_rows, k_rows, cols = self.head_rows(*self.part_heads)
             q, k, v = self.qkv_part
             fused = getattr(add, "fused", None)
-            if fused is not None:  # Q's rows, K's, V's: one twin (attn_part's one-token products)
+            if self.extras.qk_norm_full:  # the share reads every head's Q and K: twins on V and the output only
+                self.qkv_part = (q, k, add(v, k_rows, None, "attn_in"))
+            elif fused is not None:  # Q's rows, K's, V's: one twin (attn_part's one-token products)
                 self.qkv_part = tuple(fused([(q, q_rows), (k, k_rows), (v, k_rows)], None, "attn_in"))
             else:
                 self.qkv_part = (add(q, q_rows, None, "attn_in"), add(k, k_rows, None, "attn_in"),

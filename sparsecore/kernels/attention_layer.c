@@ -24,13 +24,13 @@ typedef struct {
 typedef struct {
     const float *bias;      /* Q | K | V biases in the file's row order (n_heads hd + 2 n_kv hd), or NULL */
     const float *q_norm;    /* RMSNorm weights (hd) applied to each query head before rope, or NULL */
-    const float *k_norm;    /* and to each key head */
+    const float *k_norm;    /* and to each key head (n_heads hd and n_kv hd wide where qk_norm_full) */
     const float *post_norm; /* RMSNorm weights (hidden) of the attention output before the residual, or NULL */
     const float *norm_bias; /* the input norm's bias (hidden): it is then a LayerNorm (falcon), or NULL: RMSNorm */
     float scale;            /* the softmax scale; 0: 1/sqrt(hd) */
     float out_scale;        /* the attention output times this before the residual; 0: 1 */
     int32_t window;         /* a query at p sees keys p - window < k <= p; 0: every key */
-    int32_t reserved;
+    int32_t qk_norm_full;   /* 1: q_norm and k_norm are one RMSNorm over all heads' values (olmoe) */
 } attn_extra;
 
 static const attn_extra NO_EXTRA = {0};
@@ -76,9 +76,11 @@ static void norm_into(const float *h, const float *w, const float *b, float eps,
 static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int group, int first, int hd, int d,
                    const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
                    const attn_extra *ex, float eps, float *att, float *out) {
-    if (ex->q_norm)  /* each head's RMSNorm over its hd values, before rope (qwen3, gemma3) */
+    /* each head's RMSNorm over its hd values, before rope (qwen3, gemma3); over every head at once
+     * (qk_norm_full: olmoe), attn_part applied it before */
+    if (ex->q_norm && !ex->qk_norm_full)
         for (int j = 0; j < n_heads; j++) rms_norm_into(q + (int64_t)j * hd, ex->q_norm, eps, hd, q + (int64_t)j * hd);
-    if (ex->k_norm)
+    if (ex->k_norm && !ex->qk_norm_full)
         for (int j = 0; j < n_kv; j++) rms_norm_into(k + (int64_t)j * hd, ex->k_norm, eps, hd, k + (int64_t)j * hd);
     rope(q, n_heads, hd, d, cos_r, sin_r);
     rope(k, n_kv, hd, d, cos_r, sin_r);
@@ -113,6 +115,34 @@ static _Thread_local void *qkv_buf;
 static _Thread_local int64_t qkv_cap;
 static float *qkv_scratch(int64_t n) { return grown(&qkv_buf, &qkv_cap, sizeof(float) * n); }
 
+/* A share's Q and K (query heads from q0, nq values; KV heads from k0, nk) where the Q/K norms
+ * span every head (qk_norm_full): every head's rows of Q and K for the B rows of sc.x (products
+ * into out, then v, in the file's row order), reordered (q_rows, k_rows), normalized whole, and
+ * the share's values moved to the front of each row: sc.q and sc.k as the share's own products
+ * would leave them. Q's and K's biases are added here, before the norm (attn_part adds V's). */
+static void full_qk_share(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_rows, int hidden, int n_heads,
+                          int n_kv, int hd, const attn_extra *ex, float eps, int B, int fast, attn_scratch sc,
+                          int64_t q0, int64_t nq, int64_t k0, int64_t nk) {
+    int64_t NQ = (int64_t)n_heads * hd, NK = (int64_t)n_kv * hd, ldxq = hidden / QK;
+    products(wq, NULL, 0, NQ, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.out, NQ);
+    products(wk, NULL, 0, NK, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, NK);
+    for (int b = 0; b < B; b++) {  /* rows in order; a share's row b lies at or before the whole row b */
+        float *q = sc.q + b * NQ, *k = sc.k + b * NK;
+        for (int64_t i = 0; i < NQ; i++) q[i] = sc.out[b * NQ + q_rows[i]];
+        for (int64_t i = 0; i < NK; i++) k[i] = sc.v[b * NK + k_rows[i]];
+        if (ex->bias) {  /* the file's row order, as q_rows and k_rows index it */
+            for (int64_t i = 0; i < NQ; i++) q[i] += ex->bias[q_rows[i]];
+            for (int64_t i = 0; i < NK; i++) k[i] += ex->bias[NQ + k_rows[i]];
+        }
+        rms_norm_into(q, ex->q_norm, eps, (int)NQ, q);
+        rms_norm_into(k, ex->k_norm, eps, (int)NK, k);
+    }
+    for (int b = 0; b < B; b++) {  /* ascending: the destination never passes a source yet unread */
+        memmove(sc.q + b * nq, sc.q + b * NQ + q0, sizeof(float) * nq);
+        memmove(sc.k + b * nk, sc.k + b * NK + k0, sizeof(float) * nk);
+    }
+}
+
 /* The attention of query heads [h0, h1) (and their KV heads) for B sequences decoded together
  * (continuous batching), each at its own position with its own KV cache: the norm per row, the
  * Q, K, V rows of those heads read once for all B (matmul), rope, the cache write and softmax
@@ -140,12 +170,20 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     /* One token with Q, K and V of these heads in one fused twin (cols_generic.c
      * COLS_MAGIC_FUSED: their rows stacked, Q's then K's then V's): one product, each active
      * input's channel one stream of the three matrices' values (K's and V's alone: a line) */
-    const cols_hdr *fused = B == 1 ? cols_take_fused(wq, q0, nq + 2 * nk, 0, hidden) : NULL;
+    /* Q/K norms over every head (olmoe): one RMS over all heads' values, which a share of the heads
+     * does not have. A share computes every head's Q and K (the same products the whole layer
+     * would, so the same norms), normalizes them and keeps its own heads' (full_qk_share);
+     * V, attention and the output product stay its heads' alone. */
+    int share_of_full = ex->qk_norm_full && (h0 != 0 || h1 != n_heads);
+    const cols_hdr *fused = B == 1 && !share_of_full ? cols_take_fused(wq, q0, nq + 2 * nk, 0, hidden) : NULL;
     float *qkv = fused ? qkv_scratch(nq + 2 * nk) : NULL;
     if (qkv && cols_products(fused, sc.x, sc.xq, fast, qkv) >= 0) {
         for (int64_t i = 0; i < nq; i++) sc.q[i] = qkv[q_rows[q0 + i] - q0];
         for (int64_t i = 0; i < nk; i++) sc.k[i] = qkv[nq + k_rows[k0 + i] - k0];
         memcpy(sc.v, qkv + nq + nk, sizeof(float) * nk);
+    } else if (share_of_full) {
+        full_qk_share(wq, q_rows, wk, k_rows, hidden, n_heads, n_kv, hd, ex, eps, B, fast, sc, q0, nq, k0, nk);
+        products(wv, NULL, k0, nk, 0, hidden, sc.x, hidden, sc.xq, ldxq, B, fast, sc.v, nk);
     } else {
     /* Q's rows in the file's order (one stream: rows visited out of order cost 15 % more), into
      * out for now, then reordered per head (q_rows permutes rows within each head only) */
@@ -161,11 +199,18 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     if (ex->bias) {  /* Q/K/V biases (qwen2): the file's row order, as q_rows and k_rows index it */
         const float *bq = ex->bias, *bk = bq + (int64_t)n_heads * hd, *bv = bk + (int64_t)n_kv * hd;
         for (int b = 0; b < B; b++) {
-            for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] += bq[q_rows[q0 + i]];
-            for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] += bk[k_rows[k0 + i]];
+            if (!share_of_full) {  /* full_qk_share added Q's and K's before their norms */
+                for (int64_t i = 0; i < nq; i++) sc.q[b * nq + i] += bq[q_rows[q0 + i]];
+                for (int64_t i = 0; i < nk; i++) sc.k[b * nk + i] += bk[k_rows[k0 + i]];
+            }
             for (int64_t i = 0; i < nk; i++) sc.v[b * nk + i] += bv[k0 + i];
         }
     }
+    if (ex->qk_norm_full && !share_of_full)  /* every head here: one RMS over the row */
+        for (int b = 0; b < B; b++) {
+            rms_norm_into(sc.q + b * nq, ex->q_norm, eps, (int)nq, sc.q + b * nq);
+            rms_norm_into(sc.k + b * nk, ex->k_norm, eps, (int)nk, sc.k + b * nk);
+        }
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
         attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, group, h0 - kv0 * group, hd, d, cos_t + (int64_t)p0 * d,
