@@ -308,6 +308,14 @@ def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
     return ids, weights
 
 
+def step_threshold(w, buf: SharedBuffers, layer: int):
+    """The threshold a CATS step of `layer` gives its FFN `w`: the layer's from shared memory, or
+    for a routed layer (ExpertsLayer) its experts' row, where the segment holds them."""
+    if isinstance(w, ExpertsLayer) and buf.expert_thresholds.shape[1] == len(w.experts):
+        return buf.expert_thresholds[layer]
+    return float(buf.thresholds[layer])
+
+
 class ExpertsLayer:
     """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of every
     expert's neurons, each expert a FileLayer over its slices of the stacked ffn_*_exps tensors,
@@ -330,6 +338,7 @@ class ExpertsLayer:
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
+        self._flat = np.empty(cfg.n_experts, np.float32)  # one threshold for every expert (expert_thresholds)
         # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
         # times sigmoid(gate . x), which each process computes alike and applies to its own share.
         self.shared = self.shared_gate = None
@@ -366,42 +375,68 @@ class ExpertsLayer:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
         return route(self.router, x, self.k, self.renormalize, self.probs)
 
-    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+    def expert_thresholds(self, threshold) -> np.ndarray | None:
+        """A step's `threshold` as one CATS threshold per expert (E float32), or None (dense):
+        None; a float (the layer's, for every expert); or E values (SharedBuffers.
+        expert_thresholds' row of the layer: each expert's own, calibrated on the tokens routed
+        to it). A negative value leaves that expert dense."""
+        if threshold is None:
+            return None
+        if np.ndim(threshold) == 0:
+            self._flat[:] = float(threshold)
+            return self._flat
+        t = np.asarray(threshold)
+        if t.shape != (len(self.experts),) or t.dtype != np.float32 or not t.flags.c_contiguous:
+            raise ValueError(f"expert thresholds {t.shape} {t.dtype}: one contiguous float32 per expert "
+                             f"({len(self.experts)})")
+        return t
+
+    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
-        """One token into `out` (hidden,): the weighted sum of its experts' shares."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        """One token into `out` (hidden,): the weighted sum of its experts' shares, each chosen
+        expert dense or, with `threshold` (expert_thresholds), at its own CATS threshold."""
+        if active is not None:
+            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
+        thr = self.expert_thresholds(threshold)
         key = (x.ctypes.data, out.ctypes.data)
-        args, _ = self._calls.get(key, (None, None))
+        args, ffn = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
             e = self.experts[0]
             ffn = ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
                                  self.gate_mode)
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
-            args = [*self._head, ptr(out), ffn.address]
+            args = [*self._head, ptr(out), ffn.address, 0]
             self._calls[key] = (args, ffn)  # the record lives as long as its address is kept
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
                 self._calls = {key: self._calls[key]}
+        # a sparse step: the record's threshold >= 0 says so, the kernel takes each chosen expert's
+        ffn.threshold, args[-1] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
         n = _kernels.moe_token(*args)
-        if self.shared is not None:  # its share of the shared expert, scaled by the gate
+        if self.shared is not None:  # its share of the shared expert (dense: no thresholds calibrated), scaled by the gate
             part = self.part[0]
             n += self.shared.token_into(x, activation, None, None, part)
             out += self._shared_scale(x[None])[0] * part
         return n
 
-    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+    def _expert_threshold(self, thr: np.ndarray | None, e: int) -> float | None:
+        """Expert e's threshold of a step (None: dense), as its FileLayer takes it."""
+        return None if thr is None or thr[e] < 0 else float(thr[e])
+
+    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
         """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
         grouped by expert: each chosen expert's rows are read once for every token that chose it
-        (ffn_batch gives each token what ffn_token gives it alone), then each token's shares are
-        summed in its own order of experts, as moe_token sums them: a row is what token_into
-        gives, bit for bit (continuous batching must not change a reply)."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        (ffn_batch gives each token what ffn_token gives it alone, at the expert's threshold),
+        then each token's shares are summed in its own order of experts, as moe_token sums
+        them: a row is what token_into gives, bit for bit (continuous batching must not change a
+        reply)."""
+        if active is not None:
+            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
         B = len(x)
         if B == 1:
-            return self.token_into(x[0], activation, None, None, out[0])
+            return self.token_into(x[0], activation, None, threshold, out[0])
+        thr = self.expert_thresholds(threshold)
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(xs)
         parts = np.empty((B, self.k, xs.shape[1]), np.float32)
@@ -409,7 +444,8 @@ class ExpertsLayer:
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
             share = self.part[:len(rows)]
-            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None, None, share)
+            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
+                                            self._expert_threshold(thr, e), share)
             parts[rows, slot] = share
         out[:B] = 0.0
         for j in range(self.k):
@@ -421,20 +457,22 @@ class ExpertsLayer:
         return n
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
-             threshold: float | None) -> tuple[np.ndarray, int]:
+             threshold) -> tuple[np.ndarray, int]:
         """x (T, hidden) -> (this shard's partial output (T, hidden), active pairs): the tokens
-        grouped by expert, each expert's tokens in one batched step (FileLayer.step), weighted."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        grouped by expert, each expert's tokens in one batched step (FileLayer.step) at its
+        threshold (expert_thresholds), weighted."""
+        if active is not None:
+            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
         xs = np.ascontiguousarray(x, dtype=np.float32)
         if len(xs) == 1:
             y = np.empty_like(xs)
-            return y, self.token_into(xs[0], activation, None, None, y[0])
+            return y, self.token_into(xs[0], activation, None, threshold, y[0])
+        thr = self.expert_thresholds(threshold)
         ids, weights = self.route(xs)
         y, n = np.zeros_like(xs), 0
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
-            part, k = self.experts[e].step(xs[rows], activation, None, None)
+            part, k = self.experts[e].step(xs[rows], activation, None, self._expert_threshold(thr, e))
             y[rows] += weights[rows, slot][:, None] * part
             n += k
         if self.shared is not None:
@@ -555,9 +593,9 @@ class FfnShard:
                                  f"an output slot of {flat.size} values")
             flat[: logits.size] = logits
             return 0, int((time.perf_counter() - t0) * 1e9)
-        threshold = float(buf.thresholds[req.layer]) if req.threshold else None
-        active = None if req.dense or req.threshold else buf.mask
         w = self.layers[req.layer]
+        threshold = step_threshold(w, buf, req.layer) if req.threshold else None
+        active = None if req.dense or req.threshold else buf.mask
         if req.predict:  # one token: score this shard's neurons from its pre-norm residual in x[1]
             if req.n_tokens != 1 or req.layer not in self.predict:
                 raise ValueError(f"a predictor step of {req.n_tokens} tokens for layer {req.layer}, which this "

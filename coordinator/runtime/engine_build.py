@@ -101,13 +101,14 @@ class EngineBuilder:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
         if cfg.routed:  # what routed experts (ExpertsLayer) run with so far
             refused = [what for what, on in (("--weights " + opts.weights, opts.weights != "gguf"),
-                                             ("--sparsity", opts.sparsity is not None),
+                                             ("--sparse-method input (experts take CATS thresholds)",
+                                              opts.sparsity is not None and opts.sparse_method == "input"),
                                              ("--vram-budget", opts.vram_budget_gb is not None),
                                              ("--predictor", bool(opts.predictor) and opts.predictor != "none"))
                        if on]
             if refused:
-                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks with "
-                                 f"every chosen expert dense for now: not with {refused[0]}")
+                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks, its "
+                                 f"experts dense or with CATS thresholds: not with {refused[0]}")
         self.down_t = down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
@@ -187,7 +188,7 @@ class EngineBuilder:
                                    kv_pool=self.kv_pool,
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
                                    else "", row_layout=self.row_layout, input_major=self.input_major,
-                                   adaptive_spin=opts.adaptive_spin)
+                                   adaptive_spin=opts.adaptive_spin, n_experts=cfg.n_experts)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
