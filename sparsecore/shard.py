@@ -350,12 +350,24 @@ class ExpertsLayer:
             self.shared_gate = np.ascontiguousarray(
                 store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
-        # every expert's gate, up and down as mat records, looked up by the native token step
+        self._tabulate()
+
+    def _tabulate(self) -> None:
+        """Every expert's gate, up and down as mat records, looked up by the native token step."""
         self.table = (Mat * (3 * len(self.experts)))(*(mat_record(m) for e in self.experts
                                                        for m in (e.gate, e.up, e.down)))
         self._head = (ctypes.addressof(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
+
+    def add_twins(self, add) -> None:
+        """Each expert's twins as its FileLayer makes them (sparsecore/input_sparsity.py): with
+        CATS ("down") a down twin over the owned neurons, so that a chosen expert's skipped
+        neuron skips its whole down row as a dense layer's does (down's file rows hold 32
+        neurons a block: at 50 % of neurons active nearly every block has one)."""
+        for e in self.experts:
+            e.add_twins(add)
+        self._tabulate()
 
     @property
     def nbytes(self) -> int:

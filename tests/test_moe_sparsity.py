@@ -231,3 +231,76 @@ def test_the_engine_decodes_each_expert_at_its_threshold_as_the_emulation(model,
     scale = np.abs(want[0]).max()
     np.testing.assert_allclose(got, want[0], rtol=0, atol=1e-4 * scale)
     assert np.abs(got - want[1]).max() > 1e-2 * scale
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory, tiny_model):
+    """A tiny qwen3moe in Q8_0 (the bench file's writer): types with input-major twins."""
+    from tests.conftest import run_make_bench_model
+
+    out = tmp_path_factory.mktemp("moe_q8") / "moe-q8.gguf"
+    run_make_bench_model(["--shape", "tiny", "--layers", "2", "--quiet", "--tokenizer-from", str(tiny_model), "-o",
+                          str(out), "--type", "q8_0", "--arch", "qwen3moe"])
+    return out
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_experts_down_twins_skip_the_inactive_neurons_rows(q8_model, fast, isa):
+    """With CATS's down twins (input_sparsity.attach "down": the engine's at a level) each chosen
+    expert reads only its active neurons' down rows: the same output as down read whole (h is 0
+    there), fewer channels read; with the word negative (dense) the twins are not read at all and
+    the output is the twinless layer's bit for bit."""
+    from protocol.shm_layout import INPUT_SITES
+    from sparsecore.input_sparsity import attach
+
+    cfg = read_config(q8_model, open_gguf(q8_model))
+    load = lambda: FfnShard.load(q8_model, [np.arange(cfg.n_ff)] * cfg.n_layers, weights="gguf", fast=fast,
+                                 row_layout="gate" if fast else "")
+    plain, twinned = load(), load()
+    words = np.full((cfg.n_layers, len(INPUT_SITES)), -1.0, np.float32)
+    twins = attach(words, "down", twinned.layers, None)
+    assert len(twins.matrices) == cfg.n_layers * cfg.n_experts
+    xs = np.random.default_rng(3).standard_normal((4, cfg.hidden)).astype(np.float32)
+    for layer in range(cfg.n_layers):
+        a, b = plain.layers[layer], twinned.layers[layer]
+        for x in xs:
+            y0, y1 = np.empty_like(x), np.empty_like(x)
+            a.token_into(x, cfg.activation, None, None, y0)
+            b.token_into(x, cfg.activation, None, None, y1)
+            np.testing.assert_array_equal(y0, y1)  # dense: the twins unread
+            assert sum(m.twin_active for m in twins.matrices) == 0
+            words[:, INPUT_SITES.index("ffn_h")] = 0.0  # CATS at a level: h == 0 skipped
+            thr = np.full(cfg.n_experts, 0.05, np.float32)
+            thr[::2] = 0.2
+            n0 = a.token_into(x, cfg.activation, None, thr, y0)
+            n1 = b.token_into(x, cfg.activation, None, thr, y1)
+            words[:] = -1.0
+            assert n0 == n1 < cfg.n_experts_used * cfg.n_ff
+            np.testing.assert_allclose(y1, y0, rtol=0, atol=(2e-2 if fast else 1e-5) * np.abs(y0).max())
+            active, _ = (sum(c) for c in zip(*(m.reset_twin_counts() for m in twins.matrices)))
+            assert 0 < active <= n1  # the down rows of active neurons only
+
+
+def test_calibrate_then_generate_decodes_a_routed_model_at_its_level(q8_model, no_leaks):
+    """`sparseinfer calibrate` on a routed model stores CATS levels per expert and their held-out
+    perplexity (an engine at each level); `generate` then decodes at the calibrated level by
+    default (the quality budget huge: a random model), experts' down twins made at load."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.fixtures.child_env import repo_env
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "coordinator", *a, "-m", str(q8_model), "-t", "2"],
+                                    capture_output=True, text=True, timeout=300, cwd=REPO, env=repo_env())
+    r = run("calibrate", "--levels", "0.5", "--chunks", "3", "--chunk-len", "48", "--quality-chunks", "2",
+            "--no-speed-check")
+    assert r.returncode == 0, r.stderr
+    stored = json.loads(thresholds_path(q8_model).read_text())
+    assert stored["quality"]["method"] == "cats" and set(stored["quality"]["levels"]) == {"0.50"}
+    assert 0.3 < stored["quality"]["levels"]["0.50"]["active"] < 0.7
+    assert np.shape(stored["expert_levels"]["0.50"]) == (2, read_config(q8_model, open_gguf(q8_model)).n_experts)
+    assert "CATS 0.50" in r.stdout
+    r = run("generate", "-p", "the quick brown fox", "-n", "4", "--quality-budget", "1000")
+    assert r.returncode == 0, r.stderr
+    assert "sparsity 0.50 (cats sparsity" in r.stderr

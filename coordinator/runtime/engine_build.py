@@ -36,7 +36,7 @@ from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
 from sparsecore.predictor_rows import has_predictors
 from sparsecore.rope import layer_tables
-from sparsecore.shard import FileLayer
+from sparsecore.shard import ExpertsLayer, FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
 from .. import set_torch_threads
@@ -209,7 +209,7 @@ class EngineBuilder:
             # our FFN share's and head's twins while the workers load (repacking them is most of a
             # sparse start: 1.1B Q4_0 at --sparsity 0.5, 0.5 s here)
             own_layers = {} if self.ffn.own is None else {
-                i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+                i: w for i, w in self.ffn.own.layers.items() if isinstance(w, (FileLayer, ExpertsLayer))}
             head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
             thresholds = self.pool.buffers.input_thresholds
             self.twins = attach_twins(thresholds, self.input_major, own_layers, None, head,
