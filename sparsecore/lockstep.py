@@ -47,7 +47,8 @@ from .config import ModelConfig
 from .kernels import (MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
                       residual_norm_args)
 from .kv_pool import KvPool
-from .shard import ExpertsLayer, FileLayer, step_threshold
+from .expert_thresholds import step_threshold
+from .shard import ExpertsLayer, FileLayer
 from .tensors import TensorStore
 
 NO_NORM = (0, 0)  # an exchange that normalizes nothing: (weights, bias) addresses

@@ -27,6 +27,7 @@ from protocol.messages import ROW_LAYOUTS
 from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
+from .expert_thresholds import of_expert, per_expert, step_threshold
 from .gguf_file import open_gguf
 from .kernels import (MAX_SMALL_BATCH, FfnCall, FfnScratch, FileMatrix, Mat, _kernels, ffn_batch, ffn_token,
                       ffn_token_call, mat_record, neuron_align, ptr, supports)
@@ -308,14 +309,6 @@ def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
     return ids, weights
 
 
-def step_threshold(w, buf: SharedBuffers, layer: int):
-    """The threshold a CATS step of `layer` gives its FFN `w`: the layer's from shared memory, or
-    for a routed layer (ExpertsLayer) its experts' row, where the segment holds them."""
-    if isinstance(w, ExpertsLayer) and buf.expert_thresholds.shape[1] == len(w.experts):
-        return buf.expert_thresholds[layer]
-    return float(buf.thresholds[layer])
-
-
 class ExpertsLayer:
     """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of every
     expert's neurons, each expert a FileLayer over its slices of the stacked ffn_*_exps tensors,
@@ -338,7 +331,7 @@ class ExpertsLayer:
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
-        self._flat = np.empty(cfg.n_experts, np.float32)  # one threshold for every expert (expert_thresholds)
+        self._flat = np.empty(cfg.n_experts, np.float32)  # one threshold for every expert (per_expert)
         # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
         # times sigmoid(gate . x), which each process computes alike and applies to its own share.
         self.shared = self.shared_gate = None
@@ -387,29 +380,11 @@ class ExpertsLayer:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
         return route(self.router, x, self.k, self.renormalize, self.probs)
 
-    def expert_thresholds(self, threshold) -> np.ndarray | None:
-        """A step's `threshold` as one CATS threshold per expert (E float32), or None (dense):
-        None; a float (the layer's, for every expert); or E values (SharedBuffers.
-        expert_thresholds' row of the layer: each expert's own, calibrated on the tokens routed
-        to it). A negative value leaves that expert dense."""
-        if threshold is None:
-            return None
-        if np.ndim(threshold) == 0:
-            self._flat[:] = float(threshold)
-            return self._flat
-        t = np.asarray(threshold)
-        if t.shape != (len(self.experts),) or t.dtype != np.float32 or not t.flags.c_contiguous:
-            raise ValueError(f"expert thresholds {t.shape} {t.dtype}: one contiguous float32 per expert "
-                             f"({len(self.experts)})")
-        return t
-
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
         """One token into `out` (hidden,): the weighted sum of its experts' shares, each chosen
-        expert dense or, with `threshold` (expert_thresholds), at its own CATS threshold."""
-        if active is not None:
-            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
-        thr = self.expert_thresholds(threshold)
+        expert dense or, with `threshold` (expert_thresholds.per_expert), at its own threshold."""
+        thr = per_expert(threshold, self._flat, active)
         key = (x.ctypes.data, out.ctypes.data)
         args, ffn = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
@@ -431,10 +406,6 @@ class ExpertsLayer:
             out += self._shared_scale(x[None])[0] * part
         return n
 
-    def _expert_threshold(self, thr: np.ndarray | None, e: int) -> float | None:
-        """Expert e's threshold of a step (None: dense), as its FileLayer takes it."""
-        return None if thr is None or thr[e] < 0 else float(thr[e])
-
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
         """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
@@ -443,12 +414,9 @@ class ExpertsLayer:
         then each token's shares are summed in its own order of experts, as moe_token sums
         them: a row is what token_into gives, bit for bit (continuous batching must not change a
         reply)."""
-        if active is not None:
-            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
-        B = len(x)
+        B, thr = len(x), per_expert(threshold, self._flat, active)
         if B == 1:
             return self.token_into(x[0], activation, None, threshold, out[0])
-        thr = self.expert_thresholds(threshold)
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(xs)
         parts = np.empty((B, self.k, xs.shape[1]), np.float32)
@@ -457,7 +425,7 @@ class ExpertsLayer:
             rows, slot = np.nonzero(ids == e)
             share = self.part[:len(rows)]
             n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
-                                            self._expert_threshold(thr, e), share)
+                                            of_expert(thr, e), share)
             parts[rows, slot] = share
         out[:B] = 0.0
         for j in range(self.k):
@@ -472,19 +440,16 @@ class ExpertsLayer:
              threshold) -> tuple[np.ndarray, int]:
         """x (T, hidden) -> (this shard's partial output (T, hidden), active pairs): the tokens
         grouped by expert, each expert's tokens in one batched step (FileLayer.step) at its
-        threshold (expert_thresholds), weighted."""
-        if active is not None:
-            raise ValueError("routed experts take no predictor's mask (the mask is over one FFN's neurons)")
-        xs = np.ascontiguousarray(x, dtype=np.float32)
+        threshold (expert_thresholds.per_expert), weighted."""
+        xs, thr = np.ascontiguousarray(x, dtype=np.float32), per_expert(threshold, self._flat, active)
         if len(xs) == 1:
             y = np.empty_like(xs)
             return y, self.token_into(xs[0], activation, None, threshold, y[0])
-        thr = self.expert_thresholds(threshold)
         ids, weights = self.route(xs)
         y, n = np.zeros_like(xs), 0
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
-            part, k = self.experts[e].step(xs[rows], activation, None, self._expert_threshold(thr, e))
+            part, k = self.experts[e].step(xs[rows], activation, None, of_expert(thr, e))
             y[rows] += weights[rows, slot][:, None] * part
             n += k
         if self.shared is not None:
