@@ -42,10 +42,16 @@ def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
 
 @lru_cache(maxsize=8)
 def _routed(path: str) -> bool:
+    """Whether the file's FFNs are routed experts; False where it cannot be read (the engine then
+    says why in its one line)."""
     from sparsecore.config import read_config
+    from sparsecore.errors import ModelFileError
     from sparsecore.gguf_file import open_gguf
 
-    return read_config(Path(path), open_gguf(path)).routed
+    try:
+        return read_config(Path(path), open_gguf(path)).routed
+    except (ModelFileError, OSError, ValueError):
+        return False
 
 
 def sparse_method_for(path) -> str:
