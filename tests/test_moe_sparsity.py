@@ -304,3 +304,14 @@ def test_calibrate_then_generate_decodes_a_routed_model_at_its_level(q8_model, n
     r = run("generate", "-p", "the quick brown fox", "-n", "4", "--quality-budget", "1000")
     assert r.returncode == 0, r.stderr
     assert "sparsity 0.50 (cats sparsity" in r.stderr
+
+
+def test_expert_thresholds_of_another_shape_are_refused_in_one_line(model, calibrated, tmp_path):
+    stored = json.loads(thresholds_path(model).read_text())
+    stored["expert_levels"][f"{LEVEL:.2f}"] = [[0.1] * 3] * 2
+    bad = tmp_path / "bad.thresholds.json"
+    bad.write_text(json.dumps(stored))
+    with pytest.raises(ValueError) as e:
+        Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False, sparsity=LEVEL, sparse_method="cats",
+                                    thresholds_file=str(bad)))
+    assert "bad.thresholds.json" in str(e.value) and "calibrate again" in str(e.value) and "\n" not in str(e.value)

@@ -159,8 +159,8 @@ class Engine:
 
     def _set_expert_thresholds(self, sparsity: float, per_layer: list[float]) -> None:
         """A routed model's CATS thresholds per expert into shared memory, where every process
-        holding expert rows reads its layer's row at each threshold step (sparsecore/shard.py
-        step_threshold); each expert takes its layer's threshold where the file has none."""
+        holding expert rows reads its layer's row at each threshold step (sparsecore/
+        expert_thresholds.py); each expert takes its layer's threshold where the file has none."""
         table = self.pool.buffers.expert_thresholds
         if not table.size:
             return
