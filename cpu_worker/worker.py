@@ -28,7 +28,7 @@ from sparsecore.kernels import layout_cache
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
 from sparsecore.lockstep import Abandoned, Lockstep
-from sparsecore.shard import FfnShard, FileLayer
+from sparsecore.shard import ExpertsLayer, FfnShard, FileLayer
 from sparsecore.tensors import TensorStore
 
 IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
@@ -88,7 +88,7 @@ class Worker:
             self.lockstep = Lockstep.build(self.buffers, a.slot, self.attn.steps, (self.attn.h0, self.attn.h1),
                                            self.shard, store, cfg)
         if a.input_major:  # after the attention's share is kept: its twins are the share's
-            layers = {i: w for i, w in self.shard.layers.items() if isinstance(w, FileLayer)}
+            layers = {i: w for i, w in self.shard.layers.items() if isinstance(w, (FileLayer, ExpertsLayer))}
             attach_twins(self.buffers.input_thresholds, a.input_major, layers,
                          self.attn.steps if self.attn is not None else None, self.shard.head,
                          self.buffers.head_threshold)

@@ -3,7 +3,7 @@ and the doorbell words that synchronize each layer without a system call.
 
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
     [thresholds: f32 n_layers][input thresholds: f32 n_layers*INPUT_SITES + 1][seq: i64 max_tokens*2]
-    [request: i64 x 8][slot 0: i64 x 8]...
+    [request: i64 x 8][slot 0: i64 x 8]...[expert thresholds: f32 n_layers*n_experts]
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
 
@@ -34,7 +34,7 @@ import numpy as np
 from .messages import PROTOCOL_VERSION
 
 MAGIC = b"SPINFSHM"
-_HEADER = struct.Struct("<8sIIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots, n_layers
+_HEADER = struct.Struct("<8sIIIIIII")  # magic, version, hidden, n_ff, max_tokens, n_slots, n_layers, n_experts
 HEADER_BYTES = 64
 SHM_PREFIX = "sparseinfer_"
 
@@ -104,6 +104,7 @@ class ShmLayout:
     max_tokens: int
     n_slots: int
     n_layers: int = 1
+    n_experts: int = 0  # a routed model's experts per layer (their CATS thresholds), else 0
 
     @property
     def x_offset(self) -> int:
@@ -138,21 +139,25 @@ class ShmLayout:
         return self.request_offset + 8 * LINE_WORDS
 
     @property
-    def size(self) -> int:
+    def expert_thresholds_offset(self) -> int:
         return self.slots_offset + 8 * LINE_WORDS * self.n_slots
+
+    @property
+    def size(self) -> int:
+        return _align(self.expert_thresholds_offset + 4 * self.n_layers * self.n_experts)
 
     def header(self) -> bytes:
         return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots,
-                            self.n_layers)
+                            self.n_layers, self.n_experts)
 
     @classmethod
     def from_header(cls, buf) -> "ShmLayout":
-        magic, version, hidden, n_ff, max_tokens, n_slots, n_layers = _HEADER.unpack_from(buf, 0)
+        magic, version, hidden, n_ff, max_tokens, n_slots, n_layers, n_experts = _HEADER.unpack_from(buf, 0)
         if magic != MAGIC:
             raise LayoutError(f"shared memory has magic {magic!r}, expected {MAGIC!r}")
         if version != PROTOCOL_VERSION:
             raise LayoutError(f"shared memory layout version {version}, this process speaks {PROTOCOL_VERSION}")
-        return cls(hidden, n_ff, max_tokens, n_slots, n_layers)
+        return cls(hidden, n_ff, max_tokens, n_slots, n_layers, n_experts)
 
 
 class _Mapping:
@@ -178,8 +183,10 @@ def new_segment_name() -> str:
 class SharedBuffers:
     """numpy views onto the segment: x (max_tokens, hidden), mask (n_ff,), out (slots, max_tokens,
     hidden), thresholds (n_layers,), input_thresholds (n_layers, INPUT_SITES), head_threshold (1,),
-    seq (max_tokens, 2) int64, and the doorbell: request (8,)
-    and slots (n_slots, 8) int64."""
+    seq (max_tokens, 2) int64, the doorbell: request (8,) and slots (n_slots, 8) int64, and a
+    routed model's expert_thresholds (n_layers, n_experts): CATS's threshold of each expert,
+    which a threshold step of a routed layer applies to each chosen expert (sparsecore/shard.py
+    ExpertsLayer) in place of the layer's."""
 
     def __init__(self, shm: "_Mapping", layout: ShmLayout, owner: bool):
         self.shm, self.layout, self.owner = shm, layout, owner
@@ -196,6 +203,7 @@ class SharedBuffers:
         self.seq = np.ndarray((L.max_tokens, 2), np.int64, buf, L.seq_offset)
         self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
         self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
+        self.expert_thresholds = np.ndarray((L.n_layers, L.n_experts), np.float32, buf, L.expert_thresholds_offset)
 
     @property
     def name(self) -> str:
@@ -221,6 +229,7 @@ class SharedBuffers:
         made = cls(shm, layout, owner=True)
         made.input_thresholds[:] = -1.0  # dense until a level is set
         made.head_threshold[:] = -1.0
+        made.expert_thresholds[:] = -1.0
         return made
 
     @classmethod
@@ -262,7 +271,7 @@ class SharedBuffers:
     def close(self) -> None:
         # Views must go before the mmap can close.
         self.x = self.mask = self.out = self.thresholds = self.input_thresholds = self.head_threshold = None
-        self.seq = self.request = self.slots = None
+        self.seq = self.request = self.slots = self.expert_thresholds = None
         try:
             self.shm.close()
         except BufferError:

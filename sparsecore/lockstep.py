@@ -47,6 +47,7 @@ from .config import ModelConfig
 from .kernels import (MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
                       residual_norm_args)
 from .kv_pool import KvPool
+from .expert_thresholds import step_threshold
 from .shard import ExpertsLayer, FileLayer
 from .tensors import TensorStore
 
@@ -221,7 +222,7 @@ class Lockstep:
         """run's layers for any rows (a continuous batch, predictors)."""
         B = len(h)
         mine, hh, x = self.mine, self.h[:B], self.x[:B]
-        n_active, phase, thresholds = 0, 0, self.buffers.thresholds
+        n_active, phase = 0, 0
         for i, attn in enumerate(self.attn):
             phase += 1
             off = i * layer_bytes
@@ -232,7 +233,7 @@ class Lockstep:
             w = self.ffn[i]
             if predict and not self.parallel:
                 active = self.predict[i].mask_for(hh[0])
-            t = float(thresholds[i]) if threshold else None
+            t = step_threshold(w, self.buffers, i) if threshold else None
             phase += 1
             if B == 1:
                 n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
@@ -267,7 +268,8 @@ class Lockstep:
             self._exchange(base + phase, peers, sums[phase & 1], 1, self._attn_norm(i), check, self.post[i][0])
             phase += 1
             if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
-                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, None, self.mine[phase & 1][0])
+                t = step_threshold(self.ffn[i], self.buffers, i) if threshold else None
+                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, t, self.mine[phase & 1][0])
             else:
                 call = ffn[phase & 1]
                 call.threshold = float(thresholds[i]) if threshold else -1.0

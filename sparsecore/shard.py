@@ -27,6 +27,7 @@ from protocol.messages import ROW_LAYOUTS
 from protocol.shm_layout import SharedBuffers, StepKind
 
 from .config import read_config
+from .expert_thresholds import of_expert, per_expert, step_threshold
 from .gguf_file import open_gguf
 from .kernels import (MAX_SMALL_BATCH, FfnCall, FfnScratch, FileMatrix, Mat, _kernels, ffn_batch, ffn_token,
                       ffn_token_call, mat_record, neuron_align, ptr, supports)
@@ -340,6 +341,7 @@ class ExpertsLayer:
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
+        self._flat = np.empty(cfg.n_experts, np.float32)  # one threshold for every expert (per_expert)
         # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
         # times sigmoid(gate . x), which each process computes alike and applies to its own share.
         self.shared = self.shared_gate = None
@@ -351,12 +353,24 @@ class ExpertsLayer:
             self.shared_gate = np.ascontiguousarray(
                 store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
-        # every expert's gate, up and down as mat records, looked up by the native token step
+        self._tabulate()
+
+    def _tabulate(self) -> None:
+        """Every expert's gate, up and down as mat records, looked up by the native token step."""
         self.table = (Mat * (3 * len(self.experts)))(*(mat_record(m) for e in self.experts
                                                        for m in (e.gate, e.up, e.down)))
         self._head = (ctypes.addressof(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
+
+    def add_twins(self, add) -> None:
+        """Each expert's twins as its FileLayer makes them (sparsecore/input_sparsity.py): with
+        CATS ("down") a down twin over the owned neurons, so that a chosen expert's skipped
+        neuron skips its whole down row as a dense layer's does (down's file rows hold 32
+        neurons a block: at 50 % of neurons active nearly every block has one)."""
+        for e in self.experts:
+            e.add_twins(add)
+        self._tabulate()
 
     @property
     def nbytes(self) -> int:
@@ -384,44 +398,45 @@ class ExpertsLayer:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
         return route(self.router, x, self.k, self.renormalize, self.probs)
 
-    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
-        """One token into `out` (hidden,): the weighted sum of its experts' shares."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        """One token into `out` (hidden,): the weighted sum of its experts' shares, each chosen
+        expert dense or, with `threshold` (expert_thresholds.per_expert), at its own threshold."""
+        thr = per_expert(threshold, self._flat, active)
         if self.cold_maps:  # route here first, to have the chosen cold experts' reads start together
             self._read_ahead(self.route(x[None])[0][0])
         key = (x.ctypes.data, out.ctypes.data)
-        args, _ = self._calls.get(key, (None, None))
+        args, ffn = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
             e = self.experts[0]
             ffn = ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
                                  self.gate_mode)
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
-            args = [*self._head, ptr(out), ffn.address]
+            args = [*self._head, ptr(out), ffn.address, 0]
             self._calls[key] = (args, ffn)  # the record lives as long as its address is kept
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
                 self._calls = {key: self._calls[key]}
+        # a sparse step: the record's threshold >= 0 says so, the kernel takes each chosen expert's
+        ffn.threshold, args[-1] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
         n = _kernels.moe_token(*args)
-        if self.shared is not None:  # its share of the shared expert, scaled by the gate
+        if self.shared is not None:  # its share of the shared expert (dense: no thresholds calibrated), scaled by the gate
             part = self.part[0]
             n += self.shared.token_into(x, activation, None, None, part)
             out += self._shared_scale(x[None])[0] * part
         return n
 
-    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray) -> int:
         """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
         grouped by expert: each chosen expert's rows are read once for every token that chose it
-        (ffn_batch gives each token what ffn_token gives it alone), then each token's shares are
-        summed in its own order of experts, as moe_token sums them: a row is what token_into
-        gives, bit for bit (continuous batching must not change a reply)."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
-        B = len(x)
+        (ffn_batch gives each token what ffn_token gives it alone, at the expert's threshold),
+        then each token's shares are summed in its own order of experts, as moe_token sums
+        them: a row is what token_into gives, bit for bit (continuous batching must not change a
+        reply)."""
+        B, thr = len(x), per_expert(threshold, self._flat, active)
         if B == 1:
-            return self.token_into(x[0], activation, None, None, out[0])
+            return self.token_into(x[0], activation, None, threshold, out[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(xs)
         self._read_ahead(np.unique(ids))
@@ -430,7 +445,8 @@ class ExpertsLayer:
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
             share = self.part[:len(rows)]
-            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None, None, share)
+            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
+                                            of_expert(thr, e), share)
             parts[rows, slot] = share
         out[:B] = 0.0
         for j in range(self.k):
@@ -442,21 +458,20 @@ class ExpertsLayer:
         return n
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
-             threshold: float | None) -> tuple[np.ndarray, int]:
+             threshold) -> tuple[np.ndarray, int]:
         """x (T, hidden) -> (this shard's partial output (T, hidden), active pairs): the tokens
-        grouped by expert, each expert's tokens in one batched step (FileLayer.step), weighted."""
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
-        xs = np.ascontiguousarray(x, dtype=np.float32)
+        grouped by expert, each expert's tokens in one batched step (FileLayer.step) at its
+        threshold (expert_thresholds.per_expert), weighted."""
+        xs, thr = np.ascontiguousarray(x, dtype=np.float32), per_expert(threshold, self._flat, active)
         if len(xs) == 1:
             y = np.empty_like(xs)
-            return y, self.token_into(xs[0], activation, None, None, y[0])
+            return y, self.token_into(xs[0], activation, None, threshold, y[0])
         ids, weights = self.route(xs)
         self._read_ahead(np.unique(ids))
         y, n = np.zeros_like(xs), 0
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
-            part, k = self.experts[e].step(xs[rows], activation, None, None)
+            part, k = self.experts[e].step(xs[rows], activation, None, of_expert(thr, e))
             y[rows] += weights[rows, slot][:, None] * part
             n += k
         if self.shared is not None:
@@ -582,9 +597,9 @@ class FfnShard:
                                  f"an output slot of {flat.size} values")
             flat[: logits.size] = logits
             return 0, int((time.perf_counter() - t0) * 1e9)
-        threshold = float(buf.thresholds[req.layer]) if req.threshold else None
-        active = None if req.dense or req.threshold else buf.mask
         w = self.layers[req.layer]
+        threshold = step_threshold(w, buf, req.layer) if req.threshold else None
+        active = None if req.dense or req.threshold else buf.mask
         if req.predict:  # one token: score this shard's neurons from its pre-norm residual in x[1]
             if req.n_tokens != 1 or req.layer not in self.predict:
                 raise ValueError(f"a predictor step of {req.n_tokens} tokens for layer {req.layer}, which this "

@@ -94,7 +94,8 @@ def test_fast_arithmetic_decodes_close_to_exact(moe_models, no_leaks):
     assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
 
 
-@pytest.mark.parametrize("opt,word", [(dict(weights="f32"), "--weights f32"), (dict(sparsity=0.5), "--sparsity")])
+@pytest.mark.parametrize("opt,word", [(dict(weights="f32"), "--weights f32"),
+                                      (dict(sparsity=0.5), "--sparse-method input")])
 def test_what_experts_do_not_run_with_is_refused_in_one_line(moe_models, opt, word):
     with pytest.raises(ValueError) as e:
         Engine(moe_models["qwen3moe"], EngineOptions(cpu_workers=1, threads=2, **opt), plan_only=True)
@@ -129,10 +130,9 @@ def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, arch,
     assert word in str(e.value) and "\n" not in str(e.value)
 
 
-def test_generate_on_experts_does_not_suggest_calibrating(moe_models, no_leaks):
-    """`generate` on a mixture-of-experts file decodes densely and says nothing about
-    calibrating (its experts take no sparsity level yet: the hint would send the user to a
-    refusal)."""
+def test_generate_on_experts_suggests_calibrating_once(moe_models, no_leaks):
+    """`generate` on an uncalibrated mixture-of-experts file decodes densely and says how to
+    calibrate it (its experts take CATS levels: tests/test_moe_sparsity.py)."""
     import subprocess
     import sys
 
@@ -142,7 +142,7 @@ def test_generate_on_experts_does_not_suggest_calibrating(moe_models, no_leaks):
     r = subprocess.run([sys.executable, "-m", "coordinator", "generate", "-m", str(moe_models["qwen3moe"]), "-p",
                         "Hello", "-n", "3"], capture_output=True, text=True, timeout=300, cwd=REPO, env=repo_env())
     assert r.returncode == 0, r.stderr
-    assert "decode 2 tok" in r.stderr and "calibrate" not in r.stderr
+    assert "decode 2 tok" in r.stderr and "sparseinfer calibrate -m" in r.stderr
 
 
 def test_experts_of_a_type_without_kernels_are_converted_and_run(tmp_path, tiny_model, capfd, no_leaks):

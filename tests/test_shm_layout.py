@@ -258,3 +258,24 @@ def test_a_step_word_carries_its_kind_and_layer():
         step_word(StepKind.FFN, -1)
     with pytest.raises(ValueError, match="unknown step kind"):
         step_of(step_word(StepKind.LOCKSTEP) + (1 << 32) * 7)
+
+
+def test_a_routed_models_expert_thresholds_follow_the_slots_and_round_trip():
+    """ShmLayout.n_experts: one float per (layer, expert) after the doorbell's lines, in the header,
+    dense (-1) in a new segment; a dense model's layout has none and keeps its size."""
+    L = ShmLayout(hidden=16, n_ff=40, max_tokens=4, n_slots=3, n_layers=5, n_experts=7)
+    assert L.expert_thresholds_offset == L.slots_offset + 64 * L.n_slots
+    assert L.size >= L.expert_thresholds_offset + 4 * 5 * 7 and L.size % 64 == 0
+    assert ShmLayout(16, 40, 4, 3, 5).size == ShmLayout(16, 40, 4, 3, 5).expert_thresholds_offset
+    buf = bytearray(HEADER_BYTES)
+    buf[: len(L.header())] = L.header()
+    assert ShmLayout.from_header(buf) == L
+    made = SharedBuffers.create(L)
+    try:
+        assert made.expert_thresholds.shape == (5, 7) and (made.expert_thresholds == -1).all()
+        made.expert_thresholds[2, 3] = 0.25
+        other = SharedBuffers.attach(made.name)
+        assert other.expert_thresholds[2, 3] == np.float32(0.25)
+        other.close()
+    finally:
+        made.close()

@@ -3,6 +3,7 @@ generate, chat and serve decode at, and `open_engine`, which makes EngineOptions
 command's options (those passed through the click context included)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import click
@@ -34,14 +35,30 @@ def decode_sparsity(path, sparsity) -> tuple[float | None, str]:
     from sparsecore.predictor_rows import has_predictors  # not coordinator.model.predictor's import of torch
     from ..runtime.sparsity_level import choose
 
-    reader = open_gguf(path)
-    if has_predictors(reader):  # PowerInfer's files decode with their own predictors
+    if has_predictors(open_gguf(path)):  # PowerInfer's files decode with their own predictors
         return None, ""
-    from sparsecore.config import read_config
+    return choose(Path(path), sparse_method_for(path), meta("sparseinfer.quality_budget", 0.02))
 
-    if read_config(Path(path), reader).routed:  # experts decode densely for now: no level to calibrate
-        return None, ""
-    return choose(Path(path), sparse_method_from_context(), meta("sparseinfer.quality_budget", 0.02))
+
+@lru_cache(maxsize=8)
+def _routed(path: str) -> bool:
+    """Whether the file's FFNs are routed experts; False where it cannot be read (the engine then
+    says why in its one line)."""
+    from sparsecore.config import read_config
+    from sparsecore.errors import ModelFileError
+    from sparsecore.gguf_file import open_gguf
+
+    try:
+        return read_config(Path(path), open_gguf(path)).routed
+    except (ModelFileError, OSError, ValueError):
+        return False
+
+
+def sparse_method_for(path) -> str:
+    """How a level skips weights on this model: --sparse-method, but CATS on a routed
+    (mixture-of-experts) model, whose experts take per-expert CATS thresholds only (no
+    input-major twins: coordinator/tools/calibrate.py)."""
+    return "cats" if _routed(str(Path(path).resolve())) else sparse_method_from_context()
 
 
 def say(line: str) -> None:
@@ -54,10 +71,11 @@ def open_engine(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity
     """`interleave`: EngineOptions.interleave (False for a command that switches to sparse steps)."""
     from ..runtime.engine import Engine, EngineOptions
 
-    return Engine(resolve_model(model), EngineOptions(cpu_workers=cpu_workers, threads=threads,
+    model = resolve_model(model)
+    return Engine(model, EngineOptions(cpu_workers=cpu_workers, threads=threads,
                                                       gpu_share=gpu_share, ctx=ctx, transport=transport,
                                                       sparsity=sparsity, predictor=predictor_from_context(),
-                                                      sparse_method=sparse_method_from_context(),
+                                                      sparse_method=sparse_method_for(model),
                                                       kv_caches=kv_caches, interleave=interleave,
                                                       weights=weights_from_context(),
                                                       fast=arith_from_context() == "fast",

@@ -13,9 +13,9 @@ import click
 from ..runtime.engine_options import check_values
 from . import reports
 from .app import main
-from .engine_args import open_engine, text_chunks
-from .options import (ENGINE_OPTION_NAMES, arith_from_context, corpus_options, engine_options,
-                      sparse_method_from_context, weights_from_context, weights_option)
+from .engine_args import open_engine, sparse_method_for, text_chunks
+from .options import (ENGINE_OPTION_NAMES, arith_from_context, corpus_options, engine_options, weights_from_context,
+                      weights_option)
 from .validation import check_corpus, check_engine_args, check_range
 
 
@@ -170,7 +170,7 @@ def bench(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, pp, 
             level = s
             try:
                 load_thresholds(eng.path, s)
-                if sparse_method_from_context() == "input":
+                if sparse_method_for(eng.path) == "input":  # a routed model: CATS
                     load_input_thresholds(eng.path, s)
             except ValueError:  # not calibrated yet: do it now, as `sparseinfer calibrate` would
                 click.echo(f"no thresholds for sparsity {level_key(s)} in {thresholds_path(eng.path)}: "

@@ -94,7 +94,8 @@ def calibration_lines(path, table: dict) -> list[str]:
     lines = [f"wrote {path} ({table['tokens']} calibration tokens, levels {', '.join(table['levels'])})"]
     q = table.get("quality")
     if q:
-        lines.append(f"held-out perplexity over {q['tokens']} tokens: dense {q['dense']:.3f}; input sparsity "
+        method = "CATS" if q.get("method") == "cats" else "input sparsity"
+        lines.append(f"held-out perplexity over {q['tokens']} tokens: dense {q['dense']:.3f}; {method} "
                      + ", ".join(f"{k} {v['ppl']:.3f} ({100 * (v['ppl'] / q['dense'] - 1):+.1f} %)"
                                  for k, v in sorted(q["levels"].items())))
     return lines

@@ -10,9 +10,8 @@ import click
 
 from . import reports
 from .app import main
-from .engine_args import open_engine, text_chunks
-from .options import (arith_from_context, arith_option, corpus_options, engine_options, sparse_method_from_context,
-                      weights_from_context)
+from .engine_args import open_engine, sparse_method_for, text_chunks
+from .options import arith_from_context, arith_option, corpus_options, engine_options, weights_from_context
 from .validation import OptionError, check_corpus, check_engine_args, check_range
 
 
@@ -40,8 +39,8 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
                                      need=(f"--chunk-len {chunk_len}", chunk_len))
     from tqdm import tqdm
 
-    from ..runtime.model_files import save_thresholds
-    from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, quality as run_quality
+    from ..runtime.model_files import level_key, save_thresholds
+    from ..tools.calibrate import DEFAULT_LEVELS, calibrate as run_calibration, cats_quality, quality as run_quality
 
     grid = sorted(set(given) if given else set(DEFAULT_LEVELS))
     if sparsity is not None:
@@ -50,11 +49,19 @@ def calibrate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, 
     with open_engine(path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport) as eng:
         data = text_chunks(eng, corpus, "calibration", chunks, chunk_len)
         table = run_calibration(eng, tqdm(data, desc="calibrating", unit="chunk"), grid)
-        if quality_chunks:
+        routed = "expert_levels" in table  # experts take CATS, measured on an engine at a level
+        if quality_chunks and not routed:
             held = text_chunks(eng, corpus, "heldout", quality_chunks, chunk_len)
             with tqdm(total=len(grid) + 1, desc="held-out perplexity", unit="level") as bar:
                 table["quality"] = run_quality(eng, held, table, bar.update)
         model_path, path = eng.path, save_thresholds(eng.path, table)
+    if quality_chunks and routed:
+        with open_engine(model_path, threads, cpu_workers, gpu_share, max(ctx, chunk_len), transport, grid[-1],
+                         interleave=False) as eng:
+            held = text_chunks(eng, corpus, "heldout", quality_chunks, chunk_len)
+            with tqdm(total=len(grid) + 1, desc="held-out perplexity", unit="level") as bar:
+                table["quality"] = cats_quality(eng, held, [level_key(s) for s in grid], bar.update)
+        path = save_thresholds(model_path, table)
     for line in reports.calibration_lines(path, table):
         click.echo(line)
     if speed_check and arith_from_context() == "fast" and weights_from_context() == "gguf":
@@ -69,7 +76,7 @@ def _speed_check(model_path, threads, cpu_workers, gpu_share, transport, corpus)
     from ..runtime.model_files import calibration, level_keys, save_speed
     from ..tools import corpus as corpus_mod, speed_check
 
-    levels = [float(k) for k in level_keys(calibration(model_path), sparse_method_from_context())]
+    levels = [float(k) for k in level_keys(calibration(model_path), sparse_method_for(model_path))]
     if not levels:
         return
     reps = 3

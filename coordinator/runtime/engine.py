@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -21,6 +22,7 @@ from protocol.shm_layout import INPUT_SITES
 from .decode_plan import DecodePlan
 from .engine_build import EngineBuilder, close_started, load_level
 from .engine_options import EngineOptions  # noqa: F401 (re-exported: callers import it from here)
+from .model_files import load_expert_thresholds, thresholds_path
 from .sampling import Sampler, SamplingParams, pick_next
 from . import speculative
 from .speculative import SpecStats, Speculator
@@ -129,6 +131,7 @@ class Engine:
             raise ValueError("predictors are active: threshold sparsity and predictors are exclusive")
         words = self.pool.buffers.input_thresholds
         self.pool.buffers.head_threshold[0] = -1.0
+        self.pool.buffers.expert_thresholds[:] = -1.0
         if sparsity is None:
             self.ffn.set_thresholds(None)
             words[:] = -1.0
@@ -146,11 +149,29 @@ class Engine:
                       file=sys.stderr)
             self.ffn.set_thresholds(None)  # the steps are dense to the protocol: the twins skip
         else:
-            self.ffn.set_thresholds(self._thresholds(sparsity))
+            per_layer = self._thresholds(sparsity)
+            self.ffn.set_thresholds(per_layer)
+            self._set_expert_thresholds(sparsity, per_layer)
             words[:] = -1.0
             if self.input_major:  # down's twins skip the neurons CATS zeroed (h == 0)
                 words[:, INPUT_SITES.index("ffn_h")] = 0.0
         self.sparsity = sparsity
+
+    def _set_expert_thresholds(self, sparsity: float, per_layer: list[float]) -> None:
+        """A routed model's CATS thresholds per expert into shared memory, where every process
+        holding expert rows reads its layer's row at each threshold step (sparsecore/
+        expert_thresholds.py); each expert takes its layer's threshold where the file has none."""
+        table = self.pool.buffers.expert_thresholds
+        if not table.size:
+            return
+        table[:] = np.asarray(per_layer, dtype=np.float32)[:, None]
+        path = Path(self.opts.thresholds_file) if self.opts.thresholds_file else None
+        experts = load_expert_thresholds(self.path, sparsity, path)
+        if experts is not None:
+            if np.shape(experts) != table.shape:
+                raise ValueError(f"{path or thresholds_path(self.path)}: expert thresholds of shape "
+                                 f"{np.shape(experts)}, the model has {table.shape}: calibrate again")
+            table[:] = np.asarray(experts, dtype=np.float32)
 
     # ---- public API -------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
 from sparsecore.predictor_rows import has_predictors
 from sparsecore.rope import layer_tables
-from sparsecore.shard import FileLayer
+from sparsecore.shard import ExpertsLayer, FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
 from .. import set_torch_threads
@@ -103,13 +103,14 @@ class EngineBuilder:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
         if cfg.routed:  # what routed experts (ExpertsLayer) run with so far
             refused = [what for what, on in (("--weights " + opts.weights, opts.weights != "gguf"),
-                                             ("--sparsity", opts.sparsity is not None),
+                                             ("--sparse-method input (experts take CATS thresholds)",
+                                              opts.sparsity is not None and opts.sparse_method == "input"),
                                              ("--vram-budget", opts.vram_budget_gb is not None),
                                              ("--predictor", bool(opts.predictor) and opts.predictor != "none"))
                        if on]
             if refused:
-                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks with "
-                                 f"every chosen expert dense for now: not with {refused[0]}")
+                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks, its "
+                                 f"experts dense or with CATS thresholds: not with {refused[0]}")
         self.down_t = down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
@@ -195,7 +196,7 @@ class EngineBuilder:
                                    predictor_path=str(predictors.path) if predictors is not None and predictors.in_file
                                    else "", row_layout=self.row_layout, input_major=self.input_major,
                                    adaptive_spin=opts.adaptive_spin, layout_cache=self.layout_root,
-                                   cold_units=self.cold)
+                                   cold_units=self.cold, n_experts=cfg.n_experts)
         except BaseException:
             if self.kv_pool is not None:
                 self.kv_pool.close()
@@ -226,7 +227,7 @@ class EngineBuilder:
         # our FFN share's and head's twins while the workers load (repacking them is most of a
         # sparse start: 1.1B Q4_0 at --sparsity 0.5, 0.5 s here)
         own_layers = {} if self.ffn.own is None else {
-            i: w for i, w in self.ffn.own.layers.items() if isinstance(w, FileLayer)}
+            i: w for i, w in self.ffn.own.layers.items() if isinstance(w, (FileLayer, ExpertsLayer))}
         head = self.ffn.own.head if self.ffn.own is not None and self.ffn.own.head is not None else self.head
         thresholds = self.pool.buffers.input_thresholds
         self.twins = attach_twins(thresholds, self.input_major, own_layers, None, head,

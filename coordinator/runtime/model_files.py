@@ -15,6 +15,9 @@ Thresholds: `{"format", "model", "model_bytes", "activation", "tokens", "seconds
 layer; input_levels to input sparsity's, per layer one per site (`sites`, protocol.shm_layout.
 INPUT_SITES); head_levels to the lm_head input's; quality holds the held-out perplexity of dense
 and of each input level (coordinator/tools/calibrate.py), which the default level is chosen from.
+A routed (mixture-of-experts) model's file adds `expert_levels`: per level, per layer, CATS's
+threshold of each expert (its quantile over the tokens routed to it; the layer's where too few
+were), and its quality is CATS's (method "cats"); a dense model's file has no such key.
 
 Profile: one float32 array `layer_N` of activation frequencies in [0, 1] per layer, and
 `metadata`, a JSON document stored as a one-element string array, so that the file loads with
@@ -137,6 +140,16 @@ def load_thresholds(model: Path, sparsity: float, path: Path | None = None) -> l
     return [float(t) for t in levels[key]]
 
 
+def load_expert_thresholds(model: Path, sparsity: float, path: Path | None = None) -> list[list[float]] | None:
+    """A routed model's CATS thresholds at `sparsity` per layer and expert (the file's
+    expert_levels), or None where its calibration has none (a dense model's file, or one from
+    before experts were calibrated: every expert then takes its layer's threshold)."""
+    path = path or thresholds_path(model)
+    levels = _read_thresholds(model, path, sparsity).get("expert_levels") or {}
+    got = levels.get(level_key(sparsity))
+    return None if got is None else [[float(t) for t in layer] for layer in got]
+
+
 def load_input_level(model: Path, sparsity: float, path: Path | None = None) -> tuple[list[list[float]], float]:
     """Input sparsity's thresholds at `sparsity`, from one read of the file: per layer, one per
     protocol.shm_layout.INPUT_SITES; and the lm_head input's (sparsecore/lm_head.py:
@@ -199,6 +212,8 @@ def save_thresholds(model: Path, table: dict, path: Path | None = None) -> Path:
         if old.get("input_levels") and old.get("sites") == table.get("sites") and "input_levels" in table:
             table["input_levels"] = {**old["input_levels"], **table["input_levels"]}
             table["head_levels"] = {**old.get("head_levels", {}), **table.get("head_levels", {})}
+        if old.get("expert_levels") and "expert_levels" in table:
+            table["expert_levels"] = {**old["expert_levels"], **table["expert_levels"]}
     with _replaced_atomically(path) as tmp:
         tmp.write_text(json.dumps(table, indent=1))
     return path

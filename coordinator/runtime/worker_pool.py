@@ -113,7 +113,7 @@ class WorkerPool:
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
                  attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
                  row_layout: str = "", input_major: str = "", adaptive_spin: bool | None = None,
-                 layout_cache: str = "", cold_units: np.ndarray | None = None):
+                 layout_cache: str = "", cold_units: np.ndarray | None = None, n_experts: int = 0):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -155,7 +155,8 @@ class WorkerPool:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(worker_endpoint(self.run_dir, transport))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers)
+        # n_experts: a routed model's per-expert CATS thresholds (SharedBuffers.expert_thresholds)
+        layout = ShmLayout(hidden, plan.n_ff, max_tokens, len(plan.shards), plan.n_layers, n_experts)
         self.buffers = SharedBuffers.create(layout, shm_name)
         self.spinning_workers = sum(1 for sh in self.proc_shards if any(len(n) for n in sh.neurons))
         self.spin = choose_spin(self.spinning_workers, cores) if spin is None else spin

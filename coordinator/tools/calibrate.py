@@ -6,7 +6,10 @@
   share an input (protocol.shm_layout.INPUT_SITES): Q/K/V on the normed residual, O on the
   attention output, gate/up on the FFN's normed input, down on its hidden activation h.
 - CATS (arXiv 2404.08763): an FFN neuron is skipped when |act(gate x)| is below its layer's
-  threshold, so its up row and down column are never read; gate is read in full to decide.
+  threshold, so its up row and down column are never read; gate is read in full to decide. A
+  routed (mixture-of-experts) model's experts take CATS only, with a threshold per layer and
+  expert (`expert_levels`): each expert's gate activations have their own scale, so one layer
+  threshold would leave some experts nearly dense and others nearly empty.
 
 Calibration runs the dense model over calibration text and sets each threshold at the quantile
 of the magnitudes equal to the target sparsity. Thresholds for a grid of sparsities are stored
@@ -30,6 +33,9 @@ DEFAULT_LEVELS = tuple(round(0.1 * i, 2) for i in range(1, 10))
 # each row gives `hidden` (or n_ff) magnitudes, so 1024 rows pin a quantile well, and the rows
 # of a 1.1B model's four sites stay a few hundred MB.
 SAMPLE_ROWS = 1024
+# An expert chosen for fewer calibration tokens than this takes its layer's threshold: a quantile
+# of a handful of tokens' activations is noise (each row gives n_ff magnitudes, but of one token).
+MIN_EXPERT_ROWS = 16
 
 
 class _RowSample:
@@ -77,6 +83,8 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
 
     t0 = time.perf_counter()
     n_tokens = observe.dense_run(engine, chunks, on_ffn, attention_observer=on_attention, head_observer=on_head)
+    if cfg.routed:
+        return {**_header(path, cfg, n_tokens, t0), **_expert_levels(engine, inputs, levels)}
     gates = observe.GateActivity(engine)
     table = {level_key(s): [] for s in levels}
     input_table = {level_key(s): [] for s in levels}
@@ -98,17 +106,45 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
             input_table[level_key(s)].append([site[k] for site in per_site])
     head_q = observe.magnitude_quantiles(torch.from_numpy(np.concatenate(heads)).abs(), levels).tolist()
     return {
-        "format": THRESHOLDS_FORMAT,
-        "model": path.name,
-        "model_bytes": path.stat().st_size,
-        "activation": cfg.activation,
-        "tokens": n_tokens,
-        "seconds": round(time.perf_counter() - t0, 1),
+        **_header(path, cfg, n_tokens, t0),
         "levels": table,
         "sites": list(INPUT_SITES),
         "input_levels": input_table,
         "head_levels": {level_key(s): q for s, q in zip(levels, head_q)},
     }
+
+
+def _header(path, cfg, n_tokens: int, t0: float) -> dict:
+    return {"format": THRESHOLDS_FORMAT, "model": path.name, "model_bytes": path.stat().st_size,
+            "activation": cfg.activation, "tokens": n_tokens, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _expert_levels(engine, inputs: dict[int, list[np.ndarray]], levels) -> dict:
+    """A routed model's CATS thresholds: per level, the layer's (the quantile over every (token,
+    chosen expert) pair's magnitudes) and each expert's (over the tokens routed to it, the layer's
+    where fewer than MIN_EXPERT_ROWS were)."""
+    acts = observe.ExpertActivity(engine)
+    table = {level_key(s): [] for s in levels}
+    experts = {level_key(s): [] for s in levels}
+    for layer in range(len(inputs)):
+        xs = np.concatenate(inputs.pop(layer))
+        ids = acts.route(layer, xs)
+        per_expert: dict[int, list[float]] = {}
+        mags = []
+        for e in range(acts.n_experts):
+            rows = np.flatnonzero((ids == e).any(axis=1))
+            if not len(rows):
+                continue
+            m = acts(layer, e, xs[rows])
+            if len(rows) >= MIN_EXPERT_ROWS:
+                per_expert[e] = observe.magnitude_quantiles(m, levels).tolist()
+            mags.append(m.flatten())
+        pooled = observe.magnitude_quantiles(torch.cat(mags), levels).tolist()
+        for k, s in enumerate(levels):
+            table[level_key(s)].append(pooled[k])
+            experts[level_key(s)].append([per_expert[e][k] if e in per_expert else pooled[k]
+                                          for e in range(acts.n_experts)])
+    return {"levels": table, "expert_levels": experts}
 
 
 def quality(engine, chunks: list[list[int]], table: dict, progress=None) -> dict:
@@ -135,3 +171,29 @@ def quality(engine, chunks: list[list[int]], table: dict, progress=None) -> dict
         if progress:
             progress(1)
     return {"method": "input", "tokens": base["tokens"], "dense": round(base["ppl"], 4), "levels": levels}
+
+
+def cats_quality(engine, chunks: list[list[int]], keys: list[str], progress=None) -> dict:
+    """Held-out perplexity of the dense model and of CATS at each level `keys` of the thresholds
+    file, by the engine's own steps (every token of a prompt thresholded as decoding does it:
+    coordinator/tools/perplexity.py), with the fraction of neurons computed: a routed model's
+    quality, its experts taking CATS only. The engine must have been started with a level (rows
+    laid out for threshold steps); its level is restored. `progress(1)` after each level."""
+    from .perplexity import perplexity
+
+    old = engine.sparsity
+    try:
+        observe.set_sparsity_source(engine, None)
+        base = perplexity(engine, chunks)
+        if progress:
+            progress(1)
+        levels = {}
+        for key in sorted(keys, key=float):
+            observe.set_sparsity_source(engine, float(key))
+            r = perplexity(engine, chunks)
+            levels[key] = {"ppl": round(r["ppl"], 4), "active": round(float(r["active_fraction"]), 4)}
+            if progress:
+                progress(1)
+    finally:
+        observe.set_sparsity_source(engine, old)
+    return {"method": "cats", "tokens": base["tokens"], "dense": round(base["ppl"], 4), "levels": levels}

@@ -334,3 +334,31 @@ class GateActivity:
 
     def __call__(self, layer: int, x) -> torch.Tensor:
         return gate_activity(self.gate(layer), x, self.activation)
+
+
+class ExpertActivity:
+    """`gate_activity` for a routed model's experts: the FFN inputs routed as every process routes
+    them (sparsecore.shard.route, the token step's kernel), then |act(gate_e x)| of the rows each
+    expert e was chosen for: the magnitudes a CATS threshold of that expert is compared with
+    (sparsecore/kernels/moe_step.c moe_token)."""
+
+    def __init__(self, engine):
+        cfg = engine.cfg
+        self._store = engine.store
+        self.activation, self.n_experts, self.k, self.renorm = (cfg.activation, cfg.n_experts, cfg.n_experts_used,
+                                                                cfg.expert_norm)
+
+    def route(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The experts each row of x (T, hidden) goes to: (T, k) int32."""
+        from sparsecore.kernels import FileMatrix
+        from sparsecore.shard import route
+
+        router = FileMatrix(self._store.info(f"blk.{layer}.ffn_gate_inp.weight"))
+        return route(router, x, self.k, self.renorm)[0]
+
+    def __call__(self, layer: int, e: int, x) -> torch.Tensor:
+        """|act(x @ gate_e.T)| (rows of x, expert e's neurons), gate_e dequantized from the file."""
+        from sparsecore.kernels import FileMatrix
+
+        gate = FileMatrix(self._store.expert(f"blk.{layer}.ffn_gate_exps.weight", e)).dequantize()
+        return gate_activity(_torch()[0].from_numpy(gate), x, self.activation)

@@ -33,15 +33,21 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
  * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y;
  * the table holds every expert's gate, up and down as mat records, so the experts a token picks
  * are looked up, not passed)
- * times its weight, summed into out (hidden). Returns the active neurons, or ffn_token's error. */
+ * times its weight, summed into out (hidden). Sparse steps (c->threshold >= 0: CATS) take each
+ * chosen expert's own threshold from thr_e (E floats, calibrated per expert: an expert's gate
+ * activations have their own scale), or c->threshold for every expert where thr_e is NULL; a
+ * dense step (c->threshold < 0) ignores thr_e, so it runs exactly as before thresholds existed.
+ * Returns the active neurons, or ffn_token's error. */
 static int64_t moe_token(const mat *table, int E, int k, int renorm, mat router, float *probs, int32_t *ids,
-                         float *w, ffn_call *c, float *out) {
+                         float *w, const float *thr_e, ffn_call *c, float *out) {
     moe_route(router, c->x, c->hidden, E, k, renorm, probs, ids, w);
     memset(out, 0, sizeof(float) * c->hidden);
+    int sparse = c->threshold >= 0.f;
     int64_t n = 0;
     for (int j = 0; j < k; j++) {
         const mat *row = table + (int64_t)ids[j] * 3;
         c->gate = row[0], c->up = row[1], c->down = row[2];
+        if (sparse && thr_e) c->threshold = thr_e[ids[j]];
         int64_t a = ffn_token(c);
         if (a < 0) return a;
         n += a;

@@ -113,8 +113,9 @@ static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, renorm,
  *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, ffn_call_ptr (the matrices
- *           any expert's, y the one-expert scratch)) -> active neurons */
-#define MOE_ARGS (4 + MAT_ARGS + 5)
+ *           any expert's, y the one-expert scratch, its threshold < 0 dense or >= 0 CATS),
+ *           thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all)) -> active neurons */
+#define MOE_ARGS (4 + MAT_ARGS + 6)
 static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != MOE_ARGS) {
         PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MOE_ARGS);
@@ -127,15 +128,16 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     args += 4 + MAT_ARGS;
     float *probs = ARG_PTR(0), *w = ARG_PTR(2), *out = ARG_PTR(3);
     int32_t *ids = ARG_PTR(1);
+    const float *thr_e = ARG_PTR(5);
     ffn_call c;
     if (PyErr_Occurred() || get_ffn_call("moe_token", args[4], &c)) return NULL;
-    if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask || c.threshold >= 0.f) {
-        PyErr_SetString(PyExc_ValueError, "moe_token: one token, dense experts, 1 <= k <= E");
+    if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask) {
+        PyErr_SetString(PyExc_ValueError, "moe_token: one token, no mask, 1 <= k <= E");
         return NULL;
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_token(table, E, k, renorm, r, probs, ids, w, &c, out);
+    n = moe_token(table, E, k, renorm, r, probs, ids, w, thr_e, &c, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
