@@ -79,15 +79,24 @@ class _Channel:
 
 
 class LlamaCppSide:
-    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int):
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, repack: bool = True):
         import numpy as np
+        import llama_cpp.llama as binding
         from llama_cpp import Llama
 
         self.np = np
+        if not repack:  # its weights the file's mapped pages only (llama.cpp's --no-repack)
+            defaults = binding.llama_cpp.llama_model_default_params
+
+            def plain_mmap():
+                p = defaults()
+                p.use_extra_bufts = False
+                return p
+            binding.llama_cpp.llama_model_default_params = plain_mmap
         self.llm = Llama(model, verbose=False, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                          n_threads=threads, n_threads_batch=threads)
         self.n_vocab = self.llm.n_vocab()
-        self.modes = ["llama.cpp"]
+        self.modes = ["llama.cpp" if repack else "llama.cpp no-repack"]
 
     def _argmax_last(self) -> int:
         # logits_all=False: llama-cpp-python keeps no scores; read the last row directly
@@ -456,6 +465,9 @@ def main():
     ap.add_argument("--isa", choices=["avx2", "avx-vnni"],
                     help="both sides at this x86 level: ours capped there, llama.cpp from .bench/llama-cpp-ISA "
                          "(scripts/setup-bench --isa ISA)")
+    ap.add_argument("--llamacpp-repack", choices=("on", "off"), default="on",
+                    help="off: llama.cpp keeps its weights as the file's mapped pages only (its --no-repack: "
+                         "no repacked copies in anonymous memory, which a memory limit may not hold)")
     ap.add_argument("--mem-limit", type=int, metavar="MB",
                     help="each side alone under a memory limit of MB (a cgroup made for it, the page cache "
                          "dropped first; root): the sides then run one after the other, not interleaved")
@@ -479,7 +491,7 @@ def main():
     specs = []  # (kind, config, environment) of each benchmarked process
     if args.only != "ours":
         specs.append(("llamacpp", dict(model=str(llama_model), threads=args.threads, n_ctx=n_ctx,
-                                       n_batch=max(args.pp, 512)), llama_env))
+                                       n_batch=max(args.pp, 512), repack=args.llamacpp_repack == "on"), llama_env))
     if args.only != "llamacpp":
         for w in args.weights:
             label = "" if args.weights == [DEFAULT_WEIGHTS] else f"{w} "

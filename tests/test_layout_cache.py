@@ -245,3 +245,21 @@ def test_info_says_what_is_read_from_disk(model, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr
     assert "fits with" in r.stdout and "read from disk" in r.stdout and "cold " in r.stdout, r.stdout
+
+
+def test_a_rewritten_model_is_never_read_from_its_old_layouts(tmp_path):
+    """The same path and size, other weights: the engine makes the layouts again (the old
+    directory removed) and gives the new model's tokens, those of a run without the cache."""
+    from tests.fixtures.tiny_gguf import write_tiny_llama
+
+    path, layouts = tmp_path / "m.gguf", tmp_path / "layouts"
+    write_tiny_llama(path, tensor_type="Q4_0", n_ff=128, seed=0)
+    first = _generate(path, layout_cache=str(layouts))
+    old = {p.parent for p in layouts.rglob("*.lay")}
+    size = path.stat().st_size
+    write_tiny_llama(path, tensor_type="Q4_0", n_ff=128, seed=1)
+    assert path.stat().st_size == size
+    want = _generate(path, layout_cache="off")
+    assert want != first  # other weights, other tokens: a stale cache would give `first`
+    assert _generate(path, layout_cache=str(layouts)) == want
+    assert not any(d.exists() for d in old) and list(layouts.rglob("*.lay"))
