@@ -2,7 +2,9 @@
 matrix over other memory, the one it was given left as it was. Rows or columns kept
 (keep_rows, keep_columns), a held copy of the file's rows (held_copy), the repacked layouts X16
 (interleave, for_fast_products) and R16 (interleave_blocks, for_row_products), and input-major
-twins (with_input_major, fuse_input_major). The memory they fill comes from held_memory.py.
+twins (with_input_major, fuse_input_major). The memory they fill comes from held_memory.py,
+or, where the process has a layout cache, from the file the conversion was written to on an
+earlier start (layout_cache.py: read back, or left mapped where the memory plan says so).
 FileMatrix carries each as a method of the same name, so conversions chain:
 `m.keep_rows(r).interleave()`.
 """
