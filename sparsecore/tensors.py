@@ -46,6 +46,30 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
     return out
 
 
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # doubled E2M1
+
+
+def mxfp4_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Rows of MXFP4 blocks (an E8M0 scale byte e, then 16 bytes of 4-bit codes: value j in
+    byte j's low nibble, j + 16 in its high) as Q8_0 blocks holding the same numbers exactly:
+    the doubled E2M1 values are small integers and the scale 2^(e - 128) (half of E8M0's, as
+    ggml) a float16 wherever it lies in float16's range; a block outside it (e < 104 or e > 143,
+    values below 2^-24 or above 2^15 times 12) goes through gguf-py's rounding instead."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 17)
+    e, qs = blocks[:, 0].astype(np.int32), blocks[:, 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    out = np.empty((len(blocks), 34), np.uint8)
+    out[:, 2:] = _MXFP4_VALUES[codes].view(np.uint8)
+    odd = (e < 104) | (e > 143)
+    with np.errstate(all="ignore"):  # a hostile file's huge scales become inf, without numpy's warnings
+        out[:, :2] = np.ldexp(np.float32(1), np.where(odd, 0, e - 128)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        if odd.any():
+            exact = dequantize(blocks[odd], GGMLQuantizationType.MXFP4).astype(np.float32).reshape(-1, 32)
+            out[odd] = quantize(exact, GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    return out.reshape(rows, -1)
+
+
 def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
     read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
@@ -54,6 +78,8 @@ def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     from .kernels import supports
 
     tt = t.tensor_type
+    if tt == GGMLQuantizationType.MXFP4 and not supports(tt) and len(t.shape) in (2, 3):
+        return GGMLQuantizationType.Q8_0, mxfp4_as_q8_0
     if supports(tt) or len(t.shape) not in (2, 3) or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                    GGMLQuantizationType.BF16):
         return None
@@ -114,6 +140,10 @@ def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
             blk, f = name[: -len("ffn_up.weight")], int(n_ff)
             out[blk + "ffn_gate.weight"] = row_slice(t, blk + "ffn_gate.weight", 0, f)
             out[blk + "ffn_up.weight"] = row_slice(t, blk + "ffn_up.weight", f, 2 * f)
+        elif spec.ffn_norm_name != "ffn_norm" and name.endswith(f".{spec.ffn_norm_name}.weight"):
+            # gpt-oss's FFN input norm is its post_attention_norm: shown (only) as ffn_norm
+            alias = name[: -len(spec.ffn_norm_name + ".weight")] + "ffn_norm.weight"
+            out[alias] = t._replace(name=alias)
         elif name.endswith(".ffn_up.weight") and spec.ffn_gate == "none":
             out.setdefault(name.replace("ffn_up", "ffn_gate"), t)
     return out
@@ -126,6 +156,10 @@ class TensorStore:
         self.by_name = {t.name: t for t in reader.tensors}
         # fused tensors (phi3) under the names of their parts (a fused ffn_up's name means its up half)
         self.by_name.update(fused_aliases(reader, self.by_name))
+        spec = ARCHS.get(field_value(reader, "general.architecture"))
+        if spec is not None and spec.ffn_norm_name != "ffn_norm":  # not also a gemma3-style output norm
+            for n in [n for n in self.by_name if n.endswith(f".{spec.ffn_norm_name}.weight")]:
+                del self.by_name[n]
         self.converted: dict = {}
 
     def _native(self, t):

@@ -353,7 +353,7 @@ class Transformer:
         sparsecore.rope.layer_tables' order (the KV pool's); each layer's `rope` is its pair."""
         factors = _f32(store.matrix("rope_freqs.weight")) if store.has("rope_freqs.weight") else None
         keys, index = layer_tables(self.cfg)
-        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors) for key in keys]
+        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors, self.cfg.rope_yarn) for key in keys]
         for L, t in zip(self.layers, index):
             L.rope = tables[t]
         return tables
