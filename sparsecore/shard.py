@@ -486,7 +486,11 @@ class FfnShard:
                 if not (device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer])):
                     raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
                                      f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
-                layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
+                    from .oai_experts import OaiExpertsLayer
+                    layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                else:
+                    layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
             elif weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
                 layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
             else:

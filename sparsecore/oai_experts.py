@@ -1,0 +1,104 @@
+"""`OaiExpertsLayer`: gpt-oss's routed layer (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE with
+LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT; transformers' GptOssMLP), one process's share:
+
+    logits = router x + router_bias; the k largest (ties to the lower index); w = softmax of those k
+    y = sum over them of w_e * (down_e[:, own] h_e + [own starts at 0] down_bias_e)
+    h_e = (clamp(up_e[own] x + bu, -L, L) + 1) * g * sigmoid(1.702 g),  g = min(gate_e[own] x + bg, L)
+
+The down bias is added once, by the process whose range starts the expert's neurons; every
+process routes each token itself alike (float64 sums a row at a time, whatever the batch).
+
+Correct first: the chosen experts' owned rows are dequantized to float32 per call (once for all
+the call's tokens that chose the expert) and each token's products are its own matrix-vector
+products, so a token's output is the same bit for bit alone or in a batch (continuous batching
+must not change a reply). No native kernel takes the biases and the clamp yet.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .shard import ExpertsLayer
+
+SWIGLU_ALPHA = np.float32(1.702)  # gpt-oss's sigmoid gain (transformers' swiglu_alpha; llama.cpp's constant)
+
+
+def route_softmax_weight(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(T, E) router logits -> the k largest of each row (ties to the lower index) and the
+    softmax over those k alone: (T, k) int32, (T, k) float32."""
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.int32)
+    top = np.take_along_axis(logits, ids, axis=1)
+    e = np.exp(top - top[:, :1])
+    return ids, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+class OaiExpertsLayer(ExpertsLayer):
+    """ExpertsLayer with gpt-oss's routing, expert biases and clamped SwiGLU (module doc)."""
+
+    def __init__(self, store, layer: int, own: range, fast: bool, scratch, cfg, row_layout: str = ""):
+        super().__init__(store, layer, own, fast, scratch, cfg, row_layout)
+        p = f"blk.{layer}."
+        f64 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float64)  # noqa: E731
+        self.router_w, self.router_b = f64("ffn_gate_inp.weight"), f64("ffn_gate_inp.bias")
+        f32 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float32)  # noqa: E731
+        sl = slice(own.start, own.stop)
+        self.gate_b, self.up_b = f32("ffn_gate_exps.bias")[:, sl], f32("ffn_up_exps.bias")[:, sl]
+        # the down bias once across the processes: by the one whose range starts the neurons
+        self.down_b = f32("ffn_down_exps.bias") if own.start == 0 else None
+        self.limit = np.float32(cfg.swiglu_limit)
+
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
+        x64 = np.asarray(x, dtype=np.float64)
+        logits = np.array([self.router_w @ row for row in x64]).reshape(len(x64), -1) + self.router_b
+        return route_softmax_weight(logits, self.k)
+
+    def _expert(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expert e's owned gate and up rows (n, hidden) and down columns (hidden, n), float32."""
+        ex, n = self.experts[e], len(self.own)
+        hidden = ex.gate.cols
+        gate = ex.gate.dequantize(self.own).reshape(n, hidden)
+        up = ex.up.dequantize(self.own).reshape(n, hidden)
+        down = ex.down.dequantize(cols=self.own).reshape(hidden, n)
+        return gate, up, down
+
+    def _share(self, e: int, mats, x: np.ndarray) -> np.ndarray:
+        """One token's share of expert e (before its weight), down bias included where owned."""
+        gate, up, down = mats
+        g = np.minimum(gate @ x + self.gate_b[e], self.limit)
+        u = np.clip(up @ x + self.up_b[e], -self.limit, self.limit)
+        h = (u + np.float32(1)) * (g * (np.float32(1) / (np.float32(1) + np.exp(-(g * SWIGLU_ALPHA)))))
+        y = down @ h.astype(np.float32)
+        return y if self.down_b is None else y + self.down_b[e]
+
+    def _rows(self, xs: np.ndarray, out: np.ndarray) -> int:
+        """out[t] = token t's share, each token alone (grouped by expert for the dequantizing)."""
+        ids, weights = self.route(xs)
+        parts = np.empty((len(xs), self.k, xs.shape[1]), np.float32)
+        for e in np.unique(ids):
+            mats = self._expert(int(e))
+            for t, j in zip(*np.nonzero(ids == e)):
+                parts[t, j] = self._share(int(e), mats, xs[t])
+        out[:len(xs)] = 0.0
+        for j in range(self.k):
+            out[:len(xs)] += weights[:, j, None] * parts[:, j]
+        return len(xs) * self.k * len(self.own)
+
+    def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        return self._rows(np.ascontiguousarray(x, dtype=np.float32)[None], out[None])
+
+    def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
+                   out: np.ndarray) -> int:
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        return self._rows(np.ascontiguousarray(x, dtype=np.float32), out)
+
+    def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
+             threshold: float | None) -> tuple[np.ndarray, int]:
+        if active is not None or threshold is not None:
+            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty_like(xs)
+        return y, self._rows(xs, y)
