@@ -46,7 +46,7 @@ which decides the tensors' layout:
   `post_attention_norm` (shown as `ffn_norm`). Every FFN routed: the router with a bias, the top
   k of its logits and a softmax over those k (llama.cpp's "softmax_weight" gating); experts with
   biases and the clamped SwiGLU: g = min(gate, 7), u = clamp(up, -7, 7),
-  (u + 1) * g * sigmoid(1.702 g). Experts in MXFP4 (converted at load where no kernel reads it).
+  (u + 1) * g * sigmoid(1.702 g). Experts in MXFP4, a native type (IQ4_NL-like).
 - granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
   block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
   `attention.scale`, logits divided by `logit_scale`.

@@ -46,40 +46,14 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
     return out
 
 
-_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # doubled E2M1
-
-
-def mxfp4_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Rows of MXFP4 blocks (an E8M0 scale byte e, then 16 bytes of 4-bit codes: value j in
-    byte j's low nibble, j + 16 in its high) as Q8_0 blocks holding the same numbers exactly:
-    the doubled E2M1 values are small integers and the scale 2^(e - 128) (half of E8M0's, as
-    ggml) a float16 wherever it lies in float16's range; a block outside it (e < 104 or e > 143,
-    values below 2^-24 or above 2^15 times 12) goes through gguf-py's rounding instead."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 17)
-    e, qs = blocks[:, 0].astype(np.int32), blocks[:, 1:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    out = np.empty((len(blocks), 34), np.uint8)
-    out[:, 2:] = _MXFP4_VALUES[codes].view(np.uint8)
-    odd = (e < 104) | (e > 143)
-    with np.errstate(all="ignore"):  # a hostile file's huge scales become inf, without numpy's warnings
-        out[:, :2] = np.ldexp(np.float32(1), np.where(odd, 0, e - 128)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        if odd.any():
-            exact = dequantize(blocks[odd], GGMLQuantizationType.MXFP4).astype(np.float32).reshape(-1, 32)
-            out[odd] = quantize(exact, GGMLQuantizationType.Q8_0).reshape(-1, 34)
-    return out.reshape(rows, -1)
-
-
 def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
-    read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
+    read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0), else None: requantized to the nearest
     native type of at most 8 bits that keeps their precision: Q5_0 (5.5 bits per weight) for the
     types of at most 4, else Q8_0 (8.5). Never float32."""
     from .kernels import supports
 
     tt = t.tensor_type
-    if tt == GGMLQuantizationType.MXFP4 and not supports(tt) and len(t.shape) in (2, 3):
-        return GGMLQuantizationType.Q8_0, mxfp4_as_q8_0
     if supports(tt) or len(t.shape) not in (2, 3) or tt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                    GGMLQuantizationType.BF16):
         return None

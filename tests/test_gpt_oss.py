@@ -187,20 +187,15 @@ def test_tensors_inconsistent_with_the_metadata_are_one_line(model, tmp_path, te
     assert tensor in str(e.value) and "\n" not in str(e.value)
 
 
-def test_mxfp4_converts_to_q8_0_holding_the_same_numbers():
-    """The load-time conversion (until a native MXFP4 kernel): gguf-py's MXFP4 values, bit for
-    bit, over scales from 2^-20 to 2^10; a scale beyond float16's range goes through rounding."""
-    import gguf
-    from gguf.quants import dequantize, quantize
+def test_mxfp4_experts_stay_in_the_file_s_blocks(model, capfd, no_leaks):
+    """MXFP4 is a native type (IQ4_NL's code paths with its codebook and E8M0 scale): the experts
+    are read in place, nothing converted at load."""
+    from sparsecore.kernels import supports
+    from sparsecore.tensors import TensorStore
 
-    from sparsecore.tensors import mxfp4_as_q8_0
-
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((8, 256)) * np.exp2(rng.integers(-18, 10, (8, 1)))).astype(np.float32)
-    q = quantize(x, gguf.GGMLQuantizationType.MXFP4)
-    want = dequantize(q, gguf.GGMLQuantizationType.MXFP4)
-    np.testing.assert_array_equal(dequantize(mxfp4_as_q8_0(q), gguf.GGMLQuantizationType.Q8_0), want)
-    tiny = q.copy().reshape(-1, 17)
-    tiny[0, 0] = 100  # 2^-28: below float16's subnormals
-    got = dequantize(mxfp4_as_q8_0(tiny.reshape(q.shape)), gguf.GGMLQuantizationType.Q8_0).reshape(-1, 32)
-    np.testing.assert_allclose(got[0], dequantize(tiny[:1], gguf.GGMLQuantizationType.MXFP4)[0], atol=1e-7)
+    store = TensorStore(model, open_gguf(model))
+    assert supports(39) and store.expert("blk.0.ffn_up_exps.weight", 3).tensor_type == 39 and not store.converted
+    with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        eng.forward_logits([1, 2, 3])
+        assert not eng.memory.converted_types
+    assert "requantized" not in capfd.readouterr().err

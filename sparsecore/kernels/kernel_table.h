@@ -5,7 +5,7 @@
 
 /* every type the kernels read (base.c's TYPES) */
 #define FOR_TYPES(X) X(F32) X(F16) X(BF16) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(IQ4_NL) X(Q2_K) X(Q3_K) \
-                     X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_XS) X(IQ3_XXS) X(IQ3_S)
+                     X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_XS) X(IQ3_XXS) X(IQ3_S) X(MXFP4)
 
 /* How a level's fast-mode products read the activations when not as q8 blocks: packed once per
  * product (pack_x) by `pack`, `ld` xpairs a token, `size` for B tokens. */
