@@ -8,10 +8,11 @@ LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT; transformers' GptOssMLP), one proc
 The down bias is added once, by the process whose range starts the expert's neurons; every
 process routes each token itself alike (float64 sums a row at a time, whatever the batch).
 
-Correct first: the chosen experts' owned rows are dequantized to float32 per call (once for all
-the call's tokens that chose the expert) and each token's products are its own matrix-vector
-products, so a token's output is the same bit for bit alone or in a batch (continuous batching
-must not change a reply). No native kernel takes the biases and the clamp yet.
+The products are the native kernels' matrix-vector products on the file's blocks (MXFP4 read
+in place), each token's its own, so a token's output is the same bit for bit alone or in a
+batch (continuous batching must not change a reply); the biases, the clamp and the weighted sum
+are numpy on vectors of the owned neurons. No fused native step (moe_token) takes the biases
+and the clamp yet: a call per product.
 """
 from __future__ import annotations
 
@@ -35,7 +36,12 @@ class OaiExpertsLayer(ExpertsLayer):
     """ExpertsLayer with gpt-oss's routing, expert biases and clamped SwiGLU (module doc)."""
 
     def __init__(self, store, layer: int, own: range, fast: bool, scratch, cfg, row_layout: str = ""):
-        super().__init__(store, layer, own, fast, scratch, cfg, row_layout)
+        # the experts' matrices as the file lays them out (fast mode's interleaved copies are for
+        # ffn_token's fused step), fast mode's 8-bit activations at call time
+        super().__init__(store, layer, own, False, scratch, cfg, row_layout)
+        self.fast = fast
+        self.calls = [(e.gate.prepare(own, fast=fast), e.up.prepare(own, fast=fast),
+                       e.down.prepare(None, own, fast=fast)) for e in self.experts]
         p = f"blk.{layer}."
         f64 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float64)  # noqa: E731
         self.router_w, self.router_b = f64("ffn_gate_inp.weight"), f64("ffn_gate_inp.bias")
@@ -52,32 +58,22 @@ class OaiExpertsLayer(ExpertsLayer):
         logits = np.array([self.router_w @ row for row in x64]).reshape(len(x64), -1) + self.router_b
         return route_softmax_weight(logits, self.k)
 
-    def _expert(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Expert e's owned gate and up rows (n, hidden) and down columns (hidden, n), float32."""
-        ex, n = self.experts[e], len(self.own)
-        hidden = ex.gate.cols
-        gate = ex.gate.dequantize(self.own).reshape(n, hidden)
-        up = ex.up.dequantize(self.own).reshape(n, hidden)
-        down = ex.down.dequantize(cols=self.own).reshape(hidden, n)
-        return gate, up, down
-
-    def _share(self, e: int, mats, x: np.ndarray) -> np.ndarray:
+    def _share(self, e: int, x: np.ndarray) -> np.ndarray:
         """One token's share of expert e (before its weight), down bias included where owned."""
-        gate, up, down = mats
-        g = np.minimum(gate @ x + self.gate_b[e], self.limit)
-        u = np.clip(up @ x + self.up_b[e], -self.limit, self.limit)
+        gate, up, down = self.calls[e]
+        g = np.minimum(gate(x) + self.gate_b[e], self.limit)
+        u = np.clip(up(x) + self.up_b[e], -self.limit, self.limit)
         h = (u + np.float32(1)) * (g * (np.float32(1) / (np.float32(1) + np.exp(-(g * SWIGLU_ALPHA)))))
-        y = down @ h.astype(np.float32)
-        return y if self.down_b is None else y + self.down_b[e]
+        y = down(np.ascontiguousarray(h, dtype=np.float32))
+        return y + self.down_b[e] if self.down_b is not None else y
 
     def _rows(self, xs: np.ndarray, out: np.ndarray) -> int:
-        """out[t] = token t's share, each token alone (grouped by expert for the dequantizing)."""
+        """out[t] = token t's share, each token alone."""
         ids, weights = self.route(xs)
         parts = np.empty((len(xs), self.k, xs.shape[1]), np.float32)
-        for e in np.unique(ids):
-            mats = self._expert(int(e))
-            for t, j in zip(*np.nonzero(ids == e)):
-                parts[t, j] = self._share(int(e), mats, xs[t])
+        for t in range(len(xs)):
+            for j in range(self.k):
+                parts[t, j] = self._share(int(ids[t, j]), xs[t])
         out[:len(xs)] = 0.0
         for j in range(self.k):
             out[:len(xs)] += weights[:, j, None] * parts[:, j]

@@ -68,6 +68,15 @@ def test_greedy_and_logits_match_transformers(model, share, no_leaks):
         assert_matches(eng, "gpt-oss")
 
 
+def test_fast_arithmetic_decodes_close_to_exact(model, no_leaks):
+    """Fast mode (8-bit activations into the experts' MXFP4 products): logits close."""
+    case = REF["archs"]["gpt-oss"][0]
+    with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=True)) as eng:
+        logits = eng.forward_logits(case["prompt_ids"])
+    want = reference_logits("gpt-oss")[: len(case["prompt_ids"])]
+    assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
+
+
 def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(model, no_leaks):
     prompts = [c["prompt_ids"] for c in REF["archs"]["gpt-oss"]] + [[5, 6, 7, 8, 9]]
     with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False, kv_caches=2 * len(prompts) + 1)) as eng:
