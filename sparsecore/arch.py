@@ -40,7 +40,8 @@ which decides the tensors' layout:
   `ffn_{gate,up,down}_exps`, `expert_feed_forward_length` neurons each) summed with those
   weights (llama.cpp's build_moe_ffn with its qwen3moe flags). `feed_forward_length` is unused.
 - gpt-oss (OpenAI's gpt-oss-20b/120b; llama.cpp's LLM_ARCH_OPENAI_MOE): Q/K/V and output biases,
-  a learned sink logit per head in the softmax's denominator (`attn_sinks`), every other layer
+  a learned sink logit per head in the softmax's denominator (`attn_sinks`; the native step's
+  kernels add e^(sink - max) to each head's denominator), every other layer
   (the even ones) within `attention.sliding_window`, YaRN rope (`rope.scaling.*`; transformers'
   correction range not truncated, as gpt-oss's config says). The FFN norm is named
   `post_attention_norm` (shown as `ffn_norm`). Every FFN routed: the router with a bias, the top

@@ -81,9 +81,9 @@ class ModelConfig:
     def native_attention(self) -> bool:
         """Whether the native attention step computes this model's attention (its variants: Q/K/V
         biases, Q/K norms, output norms, scales, sliding windows, per-layer rope bases,
-        LayerNorms; parallel blocks read the FFN's input before it): every architecture the
+        LayerNorms, gpt-oss's sinks and output bias; parallel blocks read the FFN's input before it): every architecture the
         table names, where rope fits in a head."""
-        return self.rope_dim <= self.head_dim and not self.attn_sinks  # sinks: the torch path for now
+        return self.rope_dim <= self.head_dim
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every position."""

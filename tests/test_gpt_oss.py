@@ -57,14 +57,32 @@ def test_the_ffn_norm_is_post_attention_norm_and_no_output_norm(model):
                                   gguf_tensors()["blk.0.post_attention_norm.weight"])
 
 
-@pytest.mark.parametrize("share", [None, 0.0], ids=["coordinator+worker", "worker-alone"])
-def test_greedy_and_logits_match_transformers(model, share, no_leaks):
+@pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
+                         ids=["coordinator+worker", "split-attention", "lockstep", "worker-alone"])
+def test_greedy_and_logits_match_transformers(model, share, path, no_leaks):
     """Each process computes its range of every chosen expert's neurons (32 / 32 with a worker;
-    the down bias once, by the range that starts the expert), routing each token itself."""
-    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, kv_caches=2, coordinator_share=share)
+    the down bias once, by the range that starts the expert), routing each token itself; the
+    attention is the native step's (sinks, the output bias once, by the share of head 0; the even
+    layers' window), split by heads across the processes or in lockstep where asked."""
+    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, kv_caches=2, coordinator_share=share,
+                         decode_path=path, adaptive_spin=False if path == "lockstep" else None)
     with Engine(model, opts) as eng:
         owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
         assert sum(owned) == N_LAYERS * N_FF_EXPERT and sum(1 for n in owned if n) == (1 if share == 0.0 else 2)
+        assert all(step is not None for step in eng.model.native)  # no layer on the torch path
+        assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
+                                                    "lockstep": "lockstep"}[path]
+        assert_matches(eng, "gpt-oss")
+        decoded = sum(len(c["generated_ids"]) - 1 for c in REF["archs"]["gpt-oss"])
+        assert len(eng.ffn.stats.lockstep_us) == (decoded if path == "lockstep" else 0)
+
+
+def test_native_attention_with_sinks_at_every_level(model, isa, no_leaks):
+    """The coordinator's native attention steps (this process, at each ISA level the CPU runs:
+    the portable softmax and the SIMD ones each add the sinks to their denominators)."""
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=False, coordinator_share=0.0)
+    with Engine(model, opts) as eng:
+        assert all(step is not None for step in eng.model.native)
         assert_matches(eng, "gpt-oss")
 
 

@@ -15,9 +15,10 @@ from .formats import MAX_SMALL_BATCH
 from .held_memory import ptr
 
 ATTN_EXTRA = np.dtype([("bias", "<i8"), ("q_norm", "<i8"), ("k_norm", "<i8"), ("post_norm", "<i8"),
-                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4")])
+                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("reserved", "<i4"),
+                       ("sinks", "<i8"), ("out_bias", "<i8")])
 _C_LAYOUT = _kernels.attn_extra_layout()
-if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names[:-1])) != _C_LAYOUT:
+if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names if f != "reserved")) != _C_LAYOUT:
     raise ImportError(f"attention_layer.c's attn_extra {_C_LAYOUT} and ATTN_EXTRA disagree: rebuild the kernels")
 
 
@@ -32,6 +33,8 @@ class AttentionExtras:
     scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim))
     out_scale: float | None = None  # the output times this before the residual (after post_norm)
     window: int | None = None  # a query at p sees keys p - window < k <= p
+    sinks: np.ndarray | None = None  # per query head a logit in the softmax's denominator (gpt-oss)
+    out_bias: np.ndarray | None = None  # the output product's bias (hidden; gpt-oss)
 
     def record(self, hidden: int, n_heads: int, n_kv: int, head_dim: int) -> tuple[np.ndarray, dict]:
         """(the ATTN_EXTRA record, by field the float32 arrays its addresses point into: keep them
@@ -39,7 +42,7 @@ class AttentionExtras:
         rec = np.zeros(1, ATTN_EXTRA)
         keep = {}
         for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", head_dim), ("k_norm", head_dim),
-                        ("post_norm", hidden), ("norm_bias", hidden)):
+                        ("post_norm", hidden), ("norm_bias", hidden), ("sinks", n_heads), ("out_bias", hidden)):
             a = getattr(self, name)
             if a is None:
                 continue

@@ -24,7 +24,9 @@ typedef float (*dot_packed_fn)(const uint8_t *w, const q8blk *xq, const xpair *x
 typedef void (*dots_packed_fn)(const uint8_t *w, const q8blk *xq, int64_t ldq, const xpair *xp, int nb, int B,
                                int alone, float *y, int64_t ldy);
 typedef void (*axpy_fn)(const uint8_t *w, float a, float *y, int n);
-typedef void (*attend_fn)(const float *q, int g, const float *K, const float *V, int n, int hd, float scale, float *out);
+/* sinks: per head a logit in the softmax's denominator only (gpt-oss), or NULL */
+typedef void (*attend_fn)(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
+                          const float *sinks, float *out);
 typedef int64_t (*cols_fast_fn)(const cols_hdr *h, const q8blk *xq, const uint32_t *masks, float *y);
 
 typedef struct {
