@@ -226,3 +226,34 @@ def test_mxfp4_experts_stay_in_the_file_s_blocks(model, capfd, no_leaks):
         eng.forward_logits([1, 2, 3])
         assert not eng.memory.converted_types
     assert "requantized" not in capfd.readouterr().err
+
+
+def test_bench_file_decodes_as_llama_cpp_does(tmp_path, tiny_model, no_leaks):
+    """scripts/make_bench_model.py --arch gpt-oss (MXFP4 experts with biases, sinks, YaRN keys)
+    writes a file the engine decodes natively, and where llama-cpp-python and the bench
+    tokenizer's file are here (llama.cpp does not know the tiny vocabulary's pre-tokenizer),
+    llama.cpp reads the same file and picks the same greedy tokens (its own gpt-oss graph: an
+    implementation that is not ours)."""
+    from scripts.make_bench_model import DEFAULT_TOKENIZER
+    from tests.conftest import run_make_bench_model
+
+    path = tmp_path / "gpt-oss.gguf"
+    tok = DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.exists() else tiny_model
+    run_make_bench_model(["--shape", "tiny", "--arch", "gpt-oss", "--type", "q8_0", "--experts", "4",
+                          "--experts-used", "2", "--expert-ff", "128", "--quiet", "--tokenizer-from",
+                          str(tok), "-o", str(path)])
+    types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == "MXFP4" and types["blk.1.attn_sinks.weight"] == "F32"
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        assert eng.cfg.arch == "gpt-oss" and all(s is not None for s in eng.model.native)
+        got = list(eng.generate([1, 2, 3], 6, stop_at_eos=False))
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if tok != DEFAULT_TOKENIZER:
+        pytest.skip(f"{DEFAULT_TOKENIZER} is not here (scripts/setup-bench fetches it)")
+    m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+    m.eval([1, 2, 3])
+    want = []
+    for _ in range(6):
+        want.append(int(np.argmax(m.scores[m.n_tokens - 1])))
+        m.eval([want[-1]])
+    assert got == want
