@@ -129,6 +129,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     thr = field_value(reader, "powerinfer.sparse_threshold")
     n_layers = int(_require(path, reader, p + "block_count"))
     window = field_value(reader, p + "attention.sliding_window")
+    if window is None and spec.attn_sinks:  # gpt-oss: llama.cpp requires it (its even layers slide)
+        _require(path, reader, p + "attention.sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None  # phi3 writes 0 for none
     sliding: tuple[bool, ...] = ()
     if spec.sliding_pattern is not None:

@@ -188,6 +188,7 @@ def _copy_fields(reader, w, drop: str | None = None, value=None) -> None:
 @pytest.mark.parametrize("drop,word", [("rope.scaling.factor", "gpt-oss.rope.scaling.factor"),
                                        ("rope.scaling.original_context_length",
                                         "gpt-oss.rope.scaling.original_context_length"),
+                                       ("attention.sliding_window", "gpt-oss.attention.sliding_window"),
                                        ("expert_count", "gpt-oss.expert_count")])
 def test_missing_metadata_is_one_line_naming_the_key(tmp_path, drop, word):
     path = write_tiny_gpt_oss(tmp_path / "bad.gguf", drop=(drop,))
@@ -212,6 +213,23 @@ def test_tensors_inconsistent_with_the_metadata_are_one_line(model, tmp_path, te
     with pytest.raises(ModelFileError) as e:
         read_config(tmp_path / "bad.gguf", open_gguf(tmp_path / "bad.gguf"))
     assert tensor in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_missing_sink_tensor_is_one_line(model, tmp_path):
+    import gguf
+
+    from tests.fixtures.tiny_gguf import write_gguf
+
+    reader = open_gguf(model)
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", "gpt-oss")
+    _copy_fields(reader, w)
+    for t in reader.tensors:
+        if t.name != "blk.2.attn_sinks.weight":
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    write_gguf(w)
+    with pytest.raises(ModelFileError) as e:
+        Engine(tmp_path / "bad.gguf", EngineOptions(cpu_workers=1, threads=2), plan_only=True)
+    assert "blk.2.attn_sinks.weight is missing" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mxfp4_experts_stay_in_the_file_s_blocks(model, capfd, no_leaks):
