@@ -275,3 +275,22 @@ def test_bench_file_decodes_as_llama_cpp_does(tmp_path, tiny_model, no_leaks):
         want.append(int(np.argmax(m.scores[m.n_tokens - 1])))
         m.eval([want[-1]])
     assert got == want
+
+
+def test_the_coordinator_decodes_without_importing_torch(model):
+    """Every layer's attention on the native step and the experts on the native products: a
+    coordinator that decodes gpt-oss never imports torch (about 1 s and a quarter GB)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.fixtures.child_env import repo_env
+
+    code = ("import sys\nfrom coordinator.runtime.engine import Engine, EngineOptions\n"
+            f"with Engine({str(model)!r}, EngineOptions(cpu_workers=1, threads=2)) as eng:\n"
+            "    print(len(list(eng.generate([5, 6, 7, 8, 9, 10, 11, 12, 13], 9, stop_at_eos=False))))\n"
+            "print('torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=repo_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["9", "False"]
