@@ -8,16 +8,19 @@ LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT; transformers' GptOssMLP), one proc
 The down bias is added once, by the process whose range starts the expert's neurons; every
 process routes each token itself alike (float64 sums a row at a time, whatever the batch).
 
-The products are the native kernels' matrix-vector products on the file's blocks (MXFP4 read
-in place), each token's its own, so a token's output is the same bit for bit alone or in a
-batch (continuous batching must not change a reply); the biases, the clamp and the weighted sum
-are numpy on vectors of the owned neurons. No fused native step (moe_token) takes the biases
+The products are the native kernels' on the file's blocks (MXFP4 read in place): a token alone
+through matvec, the tokens of a batch or prompt that chose the same expert through matmul (its
+rows read once for up to MAX_SMALL_BATCH tokens), which gives each token what matvec gives it,
+so a token's output is the same bit for bit alone or in a batch (continuous batching must not
+change a reply); the biases, the clamp and the weighted sum are numpy on each token's vector
+of the owned neurons. No fused native step (moe_token) takes the biases
 and the clamp yet: a call per product.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .kernels import MAX_SMALL_BATCH
 from .shard import ExpertsLayer
 
 SWIGLU_ALPHA = np.float32(1.702)  # gpt-oss's sigmoid gain (transformers' swiglu_alpha; llama.cpp's constant)
@@ -58,22 +61,43 @@ class OaiExpertsLayer(ExpertsLayer):
         logits = np.array([self.router_w @ row for row in x64]).reshape(len(x64), -1) + self.router_b
         return route_softmax_weight(logits, self.k)
 
+    def _glu(self, e: int, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """The clamped SwiGLU of one token's gate and up products (biases added here), float32."""
+        g = np.minimum(g + self.gate_b[e], self.limit)
+        u = np.clip(u + self.up_b[e], -self.limit, self.limit)
+        return ((u + np.float32(1)) * (g * (np.float32(1) / (np.float32(1) + np.exp(-(g * SWIGLU_ALPHA)))))).astype(
+            np.float32)
+
     def _share(self, e: int, x: np.ndarray) -> np.ndarray:
         """One token's share of expert e (before its weight), down bias included where owned."""
         gate, up, down = self.calls[e]
-        g = np.minimum(gate(x) + self.gate_b[e], self.limit)
-        u = np.clip(up(x) + self.up_b[e], -self.limit, self.limit)
-        h = (u + np.float32(1)) * (g * (np.float32(1) / (np.float32(1) + np.exp(-(g * SWIGLU_ALPHA)))))
-        y = down(np.ascontiguousarray(h, dtype=np.float32))
+        y = down(self._glu(e, gate(x), up(x)))
         return y + self.down_b[e] if self.down_b is not None else y
 
+    def _shares(self, e: int, X: np.ndarray) -> np.ndarray:
+        """Several tokens' shares of expert e, (B, hidden), B <= MAX_SMALL_BATCH: its rows read once
+        for all (the kernels' matmul gives each token what matvec gives it alone, and the SwiGLU
+        is each token's own vector, as _share's), so each row is _share's, bit for bit."""
+        ex = self.experts[e]
+        G = ex.gate.matmul(X, rows=self.own, fast=self.fast)
+        U = ex.up.matmul(X, rows=self.own, fast=self.fast)
+        H = np.stack([self._glu(e, G[b], U[b]) for b in range(len(X))])
+        Y = ex.down.matmul(H, cols=self.own, fast=self.fast)
+        return Y + self.down_b[e] if self.down_b is not None else Y
+
     def _rows(self, xs: np.ndarray, out: np.ndarray) -> int:
-        """out[t] = token t's share, each token alone."""
+        """out[t] = token t's share, as each token alone: the tokens that chose an expert through
+        its rows together, MAX_SMALL_BATCH at a time."""
         ids, weights = self.route(xs)
         parts = np.empty((len(xs), self.k, xs.shape[1]), np.float32)
-        for t in range(len(xs)):
-            for j in range(self.k):
-                parts[t, j] = self._share(int(ids[t, j]), xs[t])
+        for e in np.unique(ids):
+            ts, js = np.nonzero(ids == e)
+            for a in range(0, len(ts), MAX_SMALL_BATCH):
+                t, j = ts[a:a + MAX_SMALL_BATCH], js[a:a + MAX_SMALL_BATCH]
+                if len(t) == 1:
+                    parts[t[0], j[0]] = self._share(int(e), xs[t[0]])
+                else:
+                    parts[t, j] = self._shares(int(e), np.ascontiguousarray(xs[t]))
         out[:len(xs)] = 0.0
         for j in range(self.k):
             out[:len(xs)] += weights[:, j, None] * parts[:, j]
