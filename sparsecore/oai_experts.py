@@ -35,6 +35,20 @@ def route_softmax_weight(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     return ids, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+class OaiRouter:
+    """Layer `layer`'s router with its bias: x (T, hidden) -> route_softmax_weight of its logits,
+    float64 sums a row at a time (every process, and `sparseinfer profile`, alike)."""
+
+    def __init__(self, store, layer: int):
+        f64 = lambda n: np.ascontiguousarray(store.matrix(f"blk.{layer}.{n}"), dtype=np.float64)  # noqa: E731
+        self.w, self.b = f64("ffn_gate_inp.weight"), f64("ffn_gate_inp.bias")
+
+    def __call__(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        x64 = np.asarray(x, dtype=np.float64)
+        logits = np.array([self.w @ row for row in x64]).reshape(len(x64), -1) + self.b
+        return route_softmax_weight(logits, k)
+
+
 class OaiExpertsLayer(ExpertsLayer):
     """ExpertsLayer with gpt-oss's routing, expert biases and clamped SwiGLU (module doc)."""
 
@@ -46,8 +60,7 @@ class OaiExpertsLayer(ExpertsLayer):
         self.calls = [(e.gate.prepare(own, fast=fast), e.up.prepare(own, fast=fast),
                        e.down.prepare(None, own, fast=fast)) for e in self.experts]
         p = f"blk.{layer}."
-        f64 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float64)  # noqa: E731
-        self.router_w, self.router_b = f64("ffn_gate_inp.weight"), f64("ffn_gate_inp.bias")
+        self.biased_router = OaiRouter(store, layer)
         f32 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float32)  # noqa: E731
         sl = slice(own.start, own.stop)
         self.gate_b, self.up_b = f32("ffn_gate_exps.bias")[:, sl], f32("ffn_up_exps.bias")[:, sl]
@@ -57,9 +70,7 @@ class OaiExpertsLayer(ExpertsLayer):
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
-        x64 = np.asarray(x, dtype=np.float64)
-        logits = np.array([self.router_w @ row for row in x64]).reshape(len(x64), -1) + self.router_b
-        return route_softmax_weight(logits, self.k)
+        return self.biased_router(x, self.k)
 
     def _glu(self, e: int, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         """The clamped SwiGLU of one token's gate and up products (biases added here), float32."""

@@ -294,3 +294,19 @@ def test_the_coordinator_decodes_without_importing_torch(model):
                        env=repo_env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["9", "False"]
+
+
+def test_profile_counts_the_routes_the_engine_takes(model, no_leaks):
+    """`sparseinfer profile` routes each FFN input with the router's bias, as the layers do."""
+    from coordinator.tools import profile
+    from sparsecore.oai_experts import OaiRouter
+
+    with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        seen = []
+        eng.ffn.observer = lambda layer, x, *_: seen.append((layer, np.array(x)))
+        eng.forward_logits([5, 6, 7, 8])
+        eng.ffn.observer = None
+        freqs = profile.collect(eng, [[5, 6, 7, 8]]).freqs
+        for layer, x in seen:
+            ids = OaiRouter(eng.store, layer)(x, N_USED)[0]
+            np.testing.assert_allclose(freqs[layer], np.bincount(ids.reshape(-1), minlength=N_EXPERTS) / 4)
