@@ -35,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.tiny_arch import ARCHS, MOE, POWERINFER, gguf_tensors, hf_config, hf_weights  # noqa: E402
+from tests.fixtures.tiny_arch import ARCHS, MOE, OAI, POWERINFER, gguf_tensors, hf_config, hf_weights  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures"
 N_NEW = 16
@@ -57,9 +57,12 @@ def build(arch: str):
            "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
            "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
-           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[arch]
+           "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+           "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[arch]
     cfg = cls[0](**hf_config(arch))
     cfg._attn_implementation = "eager"
+    if arch in OAI:  # its experts' own loop (GptOssExperts.forward), not a grouped kernel
+        cfg._experts_implementation = "eager"
     model = cls[1](cfg).float().eval()
     sd = {k: torch.from_numpy(v) for k, v in hf_weights(arch).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -70,7 +73,7 @@ def build(arch: str):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     if arch in POWERINFER:
         _powerinfer_ffn(arch, model)
-    if arch in MOE:
+    if arch in MOE + OAI:
         _watch_routing(model)
     return model
 
@@ -91,7 +94,7 @@ def _watch_routing(model) -> None:
             k = mod.top_k
             _Routing.min_gap = min(_Routing.min_gap, float((probs[:, k - 1] - probs[:, k]).min()))
             _Routing.min_logit_gap = min(_Routing.min_logit_gap, float((logits[:, k - 1] - logits[:, k]).min()))
-        layer.mlp.gate.register_forward_hook(hook)
+        (layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate).register_forward_hook(hook)
 
 
 class _Predicted:
@@ -192,14 +195,14 @@ def main(only: list[str]) -> None:
         out.setdefault("versions", {}).update({a: {"transformers": transformers.__version__,
                                                    "torch": torch.__version__} for a in only})
         arrays = dict(np.load(FIXTURES / "arch_reference_logits.npz"))
-    for arch in only or ARCHS + POWERINFER + MOE:
+    for arch in only or ARCHS + POWERINFER + MOE + OAI:
         model = build(arch)
         cases = []
         for k, p in enumerate(PROMPTS):
             _Routing.min_gap = _Routing.min_logit_gap = float("inf")
             ids, margins = greedy(model, p, N_NEW)
             cases.append({"prompt_ids": p, "generated_ids": ids, "min_margin": min(margins)})
-            if arch in MOE:
+            if arch in MOE + OAI:
                 cases[-1]["min_route_gap"] = _Routing.min_gap
                 cases[-1]["min_route_logit_gap"] = _Routing.min_logit_gap
             if k == 0:

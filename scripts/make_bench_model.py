@@ -5,6 +5,7 @@
     python scripts/make_bench_model.py --shape 1.1b --type q4_0 --relu --active 0.1 -o /tmp/b.pwri.gguf
     python scripts/make_bench_model.py --shape 1.1b --type q3_k_m   # by llama.cpp's quantizer
     python scripts/make_bench_model.py --shape 1.1b --type q4_k_m --arch qwen3
+    python scripts/make_bench_model.py --shape 20b --type q8_0 --arch gpt-oss --layers 4
 
 --arch writes the shape as another architecture's file (sparsecore/arch.py), with what its
 attention adds: qwen2 Q/K/V biases (rope base 1e6); qwen3 per-head Q/K norms (rope base 1e6);
@@ -12,8 +13,10 @@ gemma3 Q/K norms, norms of the attention and FFN outputs, tied embeddings (no ou
 a sliding window of 512 on five layers of six (llama.cpp's pattern), GeGLU; qwen3moe qwen3's
 attention and routed experts (--experts, --experts-used, --expert-ff; the 30b-a3b shape has
 Qwen3-30B-A3B's) stacked as ffn_{gate,up,down}_exps with the router ffn_gate_inp (--router-skew:
-some experts routed far more often than others, for placement to find). The extra
-tensors (biases, norms, the router) are F32, as llama.cpp's quantizer leaves them.
+some experts routed far more often than others, for placement to find); gpt-oss its attention
+(Q/K/V/O biases, sinks, a window of 128 on the even layers, YaRN keys) and routed experts with
+biases, the experts MXFP4 whatever --type (the 20b shape has gpt-oss-20b's). The extra tensors
+(biases, norms, the router, sinks) are F32, as llama.cpp's quantizer leaves them.
 
 Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
 (Llama-2 7B); --hidden/--ff/--layers/--heads/--kv-heads override any of them. The vocabulary
@@ -83,7 +86,12 @@ SHAPES = {
     # Qwen3-30B-A3B (--arch qwen3moe; --layers 8 for a file of its shape that fits anywhere)
     "30b-a3b": dict(hidden=2048, n_ff=6144, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128,
                     n_experts_used=8, expert_ff=768),
+    # gpt-oss-20b (--arch gpt-oss: experts MXFP4 whatever --type, which the other matrices take, as
+    # llama.cpp's MXFP4 files; --layers 4 for a file of its shape that fits anywhere)
+    "20b": dict(hidden=2880, n_ff=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=32,
+                n_experts_used=4, expert_ff=2880),
 }
+MOE_ARCHS = ("qwen3moe", "gpt-oss")
 FILE_TYPES = {"f16": FT.MOSTLY_F16, "q8_0": FT.MOSTLY_Q8_0, "q4_0": FT.MOSTLY_Q4_0,
               "q4_k_m": FT.MOSTLY_Q4_K_M}
 # llama.cpp's file types (llama_cpp.LLAMA_FTYPE_MOSTLY_<NAME>) made by its quantizer from an f16 file
@@ -126,6 +134,10 @@ def predictor_type(ftype: str) -> QT:
 
 
 def encode(a: np.ndarray, t: QT) -> np.ndarray:
+    if t == QT.MXFP4:  # gguf-py's quantizer holds 16 floats per value: a few hundred rows at a time
+        rows = a.reshape(-1, a.shape[-1])
+        out = np.concatenate([gguf.quants.quantize(rows[r:r + 256], t) for r in range(0, len(rows), 256)])
+        return out.reshape(*a.shape[:-1], -1)
     if t == QT.F32:
         return a.astype(np.float32, copy=False)
     if t == QT.F16:
@@ -210,6 +222,11 @@ def tensor_specs(a) -> list[Spec]:
         mat(p + "attn_q.weight", (nq, h), 1 / np.sqrt(h), i)
         mat(p + "attn_k.weight", (kv, h), 1 / np.sqrt(h), i)
         mat(p + "attn_v.weight", (kv, h), 1 / np.sqrt(h), i)
+        if a.arch == "gpt-oss":  # Q/K/V and output biases, sinks
+            for n, size in (("q", nq), ("k", kv), ("v", kv)):
+                f32(p + f"attn_{n}.bias", size)
+            f32(p + "attn_output.bias", h, 0.01)
+            f32(p + "attn_sinks.weight", a.n_heads, 1.0)
         if a.arch == "qwen2":
             for n, size in (("q", nq), ("k", kv), ("v", kv)):
                 f32(p + f"attn_{n}.bias", size)
@@ -220,7 +237,19 @@ def tensor_specs(a) -> list[Spec]:
         if a.arch == "gemma3":
             specs.append(Spec(p + "post_attention_norm.weight", (h,), QT.F32, ones(h)))
             specs.append(Spec(p + "post_ffw_norm.weight", (h,), QT.F32, ones(h)))
-        specs.append(Spec(p + "ffn_norm.weight", (h,), QT.F32, ones(h)))
+        specs.append(Spec(p + ("post_attention_norm" if a.arch == "gpt-oss" else "ffn_norm") + ".weight", (h,),
+                          QT.F32, ones(h)))
+        if a.arch == "gpt-oss":  # the router with its bias, MXFP4 experts with biases
+            E, f = a.n_experts, a.expert_ff
+            specs.append(Spec(p + "ffn_gate_inp.weight", (E, h), QT.F32,
+                              _skewed(normal((E, h), 1 / np.sqrt(h), len(specs)), a.router_skew, a.seed, i)))
+            f32(p + "ffn_gate_inp.bias", E)
+            for n, shape, scale in (("gate", (E, f, h), 1 / np.sqrt(h)), ("up", (E, f, h), 1 / np.sqrt(h)),
+                                    ("down", (E, h, f), out_scale / np.sqrt(f))):
+                specs.append(Spec(p + f"ffn_{n}_exps.weight", shape, QT.MXFP4, normal(shape, scale, len(specs))))
+            for n, shape, scale in (("gate", (E, f), 0.1), ("up", (E, f), 0.1), ("down", (E, h), 0.01)):
+                specs.append(Spec(p + f"ffn_{n}_exps.bias", shape, QT.F32, normal(shape, scale, len(specs))))
+            continue
         if a.arch == "qwen3moe":  # the router, then the experts stacked on an outer axis
             E, f = a.n_experts, a.expert_ff
             specs.append(Spec(p + "ffn_gate_inp.weight", (E, h), QT.F32,
@@ -363,12 +392,17 @@ def write_own(a, report: bool = True) -> Path:
     w.add_head_count(a.n_heads)
     w.add_head_count_kv(a.n_kv_heads)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0 if a.arch == "llama" else 1e6)
-    w.add_layer_norm_rms_eps(1e-5 if a.arch == "llama" else 1e-6)
-    if a.arch in ("qwen3", "gemma3", "qwen3moe"):
+    w.add_rope_freq_base({"llama": 10000.0, "gpt-oss": 150000.0}.get(a.arch, 1e6))
+    w.add_layer_norm_rms_eps(1e-5 if a.arch in ("llama", "gpt-oss") else 1e-6)
+    if a.arch in ("qwen3", "gemma3", "qwen3moe", "gpt-oss"):
         w.add_key_length(hd)
         w.add_value_length(hd)
-    if a.arch == "qwen3moe":
+    if a.arch == "gpt-oss":  # GptOssModel's keys: the window, YaRN as gpt-oss-20b's config has it
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+    if a.arch in MOE_ARCHS:
         w.add_expert_count(a.n_experts)
         w.add_expert_used_count(a.n_experts_used)
         w.add_expert_feed_forward_length(a.expert_ff)
@@ -433,7 +467,7 @@ def parse_args(argv=None):
     ap.add_argument("--router-skew", type=float, default=0.0,
                     help="qwen3moe: router rows scaled by (rank + 1)^-skew (0.35: the top quarter of experts takes "
                          "about 60%% of the routes); 0: uniform")
-    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"], default="llama",
+    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss"], default="llama",
                     help="the file's architecture: what its attention adds to llama's (module doc)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -442,7 +476,7 @@ def parse_args(argv=None):
             setattr(a, k, v)
     if a.head_dim is None:
         a.head_dim = a.hidden // a.n_heads
-    if a.arch == "qwen3moe":
+    if a.arch in MOE_ARCHS:
         for k, v in dict(n_experts=8, n_experts_used=2, expert_ff=a.n_ff // 4).items():
             if getattr(a, k) is None:
                 setattr(a, k, v)

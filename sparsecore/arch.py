@@ -45,6 +45,15 @@ which decides the tensors' layout:
   experts as qwen3moe's but the top k not renormalized (llama.cpp's build_moe_ffn flag for
   LLM_ARCH_OLMOE; transformers' norm_topk_prob defaults to False for it); one expert's neurons
   are `feed_forward_length` (the converter writes no expert length).
+- gpt-oss (OpenAI's gpt-oss-20b/120b; llama.cpp's LLM_ARCH_OPENAI_MOE): Q/K/V and output biases,
+  a learned sink logit per head in the softmax's denominator (`attn_sinks`; the native step's
+  kernels add e^(sink - max) to each head's denominator), every other layer
+  (the even ones) within `attention.sliding_window`, YaRN rope (`rope.scaling.*`; transformers'
+  correction range not truncated, as gpt-oss's config says). The FFN norm is named
+  `post_attention_norm` (shown as `ffn_norm`). Every FFN routed: the router with a bias, the top
+  k of its logits and a softmax over those k (llama.cpp's "softmax_weight" gating); experts with
+  biases and the clamped SwiGLU: g = min(gate, 7), u = clamp(up, -7, 7),
+  (u + 1) * g * sigmoid(1.702 g). Experts in MXFP4, a native type (IQ4_NL-like).
 - granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
   block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
   `attention.scale`, logits divided by `logit_scale`.
@@ -93,6 +102,13 @@ class Arch:
     expert_norm: bool = False  # routed: the top-k weights renormalized to sum 1
     shared_expert: bool = False  # routed: plus a dense FFN every token runs, times sigmoid(gate . x)
     qk_norm_full: bool = False  # attn_q_norm / attn_k_norm normalize all heads' values at once (olmoe)
+    # gpt-oss: "softmax_weight" gating (the top k logits, then their softmax), experts with biases
+    # and the clamped SwiGLU of this limit; sinks in the attention softmax; YaRN's range untruncated
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    attn_sinks: bool = False
+    yarn_truncate: bool = True
+    ffn_norm_name: str = "ffn_norm"  # what the file calls the FFN's input norm (shown as ffn_norm)
 
     def routed(self, has_expert_count: bool) -> bool:
         """Whether a file of this family with (or without) {arch}.expert_count has routed FFNs."""
@@ -121,13 +137,17 @@ class Arch:
         if self.norm == "layer":
             per_layer.append("attn_norm.bias")
         if not self.parallel:
-            per_layer.append("ffn_norm")
+            per_layer.append(self.ffn_norm_name)
         if qk_norm:
             per_layer += ["attn_q_norm", "attn_k_norm"]
         if self.post_norms:
             per_layer += ["post_attention_norm", "post_ffw_norm"]
         if qkv_bias:
             per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if self.attn_sinks:
+            per_layer += ["attn_sinks", "attn_output.bias"]
+        if routed and self.expert_bias:
+            per_layer += ["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]
         return names + [f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight"
                         for i in range(n_layers) for n in per_layer]
 
@@ -148,6 +168,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("bamboo", activation="relu", ffn_gate="sym", **_LLAMA),
     Arch("falcon", norm="layer", eps_key="attention.layer_norm_epsilon", activation="gelu", ffn_gate="none",
          fused_qkv=True, parallel=True),
+    Arch("gpt-oss", ffn="routed", expert_gating="softmax_weight", expert_bias=True, swiglu_limit=7.0,
+         attn_sinks=True, sliding_pattern=2, yarn_truncate=False, ffn_norm_name="post_attention_norm"),
     Arch("granite", embed_scale="embedding_scale", residual_scale_key="residual_scale",
          attn_scale_key="attention.scale", logit_scale_key="logit_scale", **_LLAMA),
 )}

@@ -10,7 +10,8 @@ coordinator computes its own share with the same step objects, so every process 
 kernel (_kernels.attn_part).
 
 Every architecture whose attention the native step computes is split (ModelConfig.native_attention:
-its biases, Q/K norms, output norms and scales, windows, per-layer rope bases and LayerNorms travel
+its biases, Q/K norms, output norms and scales, windows, per-layer rope bases, LayerNorms, gpt-oss's
+sinks and output bias (added by the share of head 0) travel
 with the step as `AttentionExtras`). Olmoe's Q/K norms span every head: each share then computes
 every head's Q and K to normalize them exactly as the whole layer does, and keeps its own
 (attention_layer.c full_qk_share): its V, attention and output product stay split. Falcon's parallel blocks split too: a share is attention alone,
@@ -102,7 +103,9 @@ def layer_extras(store: TensorStore, cfg: ModelConfig, i: int) -> AttentionExtra
         q_norm=f32("attn_q_norm.weight") if cfg.qk_norm else None,
         k_norm=f32("attn_k_norm.weight") if cfg.qk_norm else None,
         post_norm=f32("post_attention_norm.weight") if cfg.post_norms else None, qk_norm_full=cfg.qk_norm_full,
-        scale=cfg.attn_scale, out_scale=cfg.residual_scale, window=cfg.layer_window(i))
+        scale=cfg.attn_scale, out_scale=cfg.residual_scale, window=cfg.layer_window(i),
+        sinks=f32("attn_sinks.weight") if cfg.attn_sinks else None,
+        out_bias=f32("attn_output.bias") if cfg.attn_out_bias else None)
 
 
 def attention_step(store: TensorStore, cfg: ModelConfig, i: int, cos: np.ndarray, sin: np.ndarray,

@@ -59,6 +59,15 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_norm: bool = False  # the chosen experts' weights renormalized to sum 1
     n_ff_shared: int = 0  # the shared expert's neurons (a multiple of n_ff), 0: none
+    # gpt-oss (sparsecore/arch.py): "softmax_weight", the top k router logits (router bias
+    # included), then a softmax over those k; experts with biases and the clamped SwiGLU
+    expert_gating: str = "softmax"
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # the clamped SwiGLU's limit (alpha 1.702, as llama.cpp)
+    attn_sinks: bool = False  # blk.N.attn_sinks: one logit per head in the softmax's denominator
+    attn_out_bias: bool = False  # blk.N.attn_output.bias
+    # YaRN rope: (factor, original context, beta_fast, beta_slow, attention factor, truncate)
+    rope_yarn: tuple | None = None
 
     @property
     def routed(self) -> bool:
@@ -73,7 +82,7 @@ class ModelConfig:
     def native_attention(self) -> bool:
         """Whether the native attention step computes this model's attention (its variants: Q/K/V
         biases, Q/K norms, output norms, scales, sliding windows, per-layer rope bases,
-        LayerNorms; parallel blocks read the FFN's input before it): every architecture the
+        LayerNorms, gpt-oss's sinks and output bias; parallel blocks read the FFN's input before it): every architecture the
         table names, where rope fits in a head."""
         return self.rope_dim <= self.head_dim
 
@@ -121,6 +130,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     thr = field_value(reader, "powerinfer.sparse_threshold")
     n_layers = int(_require(path, reader, p + "block_count"))
     window = field_value(reader, p + "attention.sliding_window")
+    if window is None and spec.attn_sinks:  # gpt-oss: llama.cpp requires it (its even layers slide)
+        _require(path, reader, p + "attention.sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None  # phi3 writes 0 for none
     sliding: tuple[bool, ...] = ()
     if spec.sliding_pattern is not None:
@@ -154,6 +165,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
                        expert_norm=spec.expert_norm)
         if spec.shared_expert:
             experts["n_ff_shared"] = int(_require(path, reader, p + "expert_shared_feed_forward_length"))
+        experts.update(expert_gating=spec.expert_gating, expert_bias=spec.expert_bias,
+                       swiglu_limit=spec.swiglu_limit)
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -188,8 +201,29 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         parallel=spec.parallel,
         residual_scale=_scalar(path, reader, p + spec.residual_scale_key) if spec.residual_scale_key else None,
         logit_scale=_scalar(path, reader, p + spec.logit_scale_key) if spec.logit_scale_key else None,
+        attn_sinks=spec.attn_sinks,
+        attn_out_bias="blk.0.attn_output.bias" in names,
+        rope_yarn=_yarn(path, reader, p, spec),
         **experts,
     )
+
+
+def _yarn(path: Path, reader: GGUFReader, p: str, spec: Arch) -> tuple | None:
+    """(factor, original context, beta_fast, beta_slow, attention factor, truncate) where the
+    file's rope.scaling.type is yarn (gpt-oss), as llama.cpp reads them: the attention factor
+    is rope.scaling.attn_factor (default 1) times 0.1 ln(factor) + 1 (transformers' get_mscale),
+    the betas default to 32 and 1."""
+    if str(field_value(reader, p + "rope.scaling.type", "none")) != "yarn":
+        return None
+    import math
+
+    factor = _scalar(path, reader, p + "rope.scaling.factor")
+    orig = _scalar(path, reader, p + "rope.scaling.original_context_length")
+    fast = float(field_value(reader, p + "rope.scaling.yarn_beta_fast", 32.0))
+    slow = float(field_value(reader, p + "rope.scaling.yarn_beta_slow", 1.0))
+    attn = float(field_value(reader, p + "rope.scaling.attn_factor", 1.0)) * \
+        (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return factor, orig, fast, slow, attn, spec.yarn_truncate
 
 
 def _scalar(path: Path, reader: GGUFReader, key: str) -> float:

@@ -359,6 +359,16 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             b + "attn_q_norm.weight": [n_heads * head_dim if full_qk else head_dim],
             b + "attn_k_norm.weight": [n_kv * head_dim if full_qk else head_dim],
         })
+    if spec is not None and spec.attn_sinks:  # gpt-oss: sinks, biases of the output and of the experts
+        n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
+        f_exp = _int(path, reader, p + "expert_feed_forward_length", n_ff, 1, MAX_FF)
+        for i in range(n_layers):
+            b = f"blk.{i}."
+            expect.update({b + "attn_sinks.weight": [n_heads], b + "attn_output.bias": [hidden],
+                           b + "attn_q.bias": [n_heads * head_dim], b + "attn_k.bias": [n_kv * head_dim],
+                           b + "attn_v.bias": [n_kv * v_dim], b + "post_attention_norm.weight": [hidden],
+                           b + "ffn_gate_inp.bias": [n_exp], b + "ffn_gate_exps.bias": [f_exp, n_exp],
+                           b + "ffn_up_exps.bias": [f_exp, n_exp], b + "ffn_down_exps.bias": [hidden, n_exp]})
     for name, want in expect.items():
         got = shapes.get(name)
         if got is not None and got != want:

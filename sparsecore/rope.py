@@ -8,15 +8,45 @@ import numpy as np
 from .config import ModelConfig
 
 
+def yarn_inv_freq(base: float, d: int, yarn: tuple) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies (float32) and its attention factor, as transformers'
+    _compute_yarn_parameters: each frequency between the original one (extrapolation, fast
+    rotations) and it over `factor` (interpolation, slow ones), by a linear ramp over the
+    dimensions whose rotations in the original context lie between beta_fast and beta_slow
+    (the range's ends floored and ceiled where `truncate`; gpt-oss's are not)."""
+    factor, orig, beta_fast, beta_slow, attn, truncate = yarn
+
+    def dim_of(rotations: float) -> float:
+        return d * np.log(orig / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    e = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    pos_freqs = (np.float64(base) ** e.astype(np.float64)).astype(np.float32)
+    extra = np.float32(1.0) / pos_freqs
+    inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)  # the extrapolation's share
+    return (inter * (np.float32(1) - keep) + extra * keep).astype(np.float32), attn
+
+
 def rope_tables(base: float, scale: float, d: int, max_ctx: int,
-                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                factors: np.ndarray | None = None, yarn: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed sin (max_ctx, d) of rotate-half RoPE, float32, as transformers computes
     them: the inverse frequencies and each position's angle in float32 (an angle's rounding at
     position p is what transformers' is), the cosine and sine of that float32 angle exactly
     rounded (torch's own differ from that in the last bit for a few percent of the entries).
-    `factors`: Llama 3.1-style per-frequency scaling; scale: linear, positions / scale."""
+    `factors`: Llama 3.1-style per-frequency scaling; scale: linear, positions / scale; `yarn`:
+    ModelConfig.rope_yarn (yarn_inv_freq), cos and sin times its attention factor."""
     e = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
     inv_freq = np.float32(1.0) / (np.float64(base) ** e.astype(np.float64)).astype(np.float32)
+    mscale = None
+    if yarn is not None:
+        inv_freq, mscale = yarn_inv_freq(base, d, yarn)
     if factors is not None:
         inv_freq = inv_freq / factors.astype(np.float32)
     if scale != 1.0:
@@ -24,6 +54,8 @@ def rope_tables(base: float, scale: float, d: int, max_ctx: int,
     angles = np.arange(max_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
     cos = np.cos(angles.astype(np.float64)).astype(np.float32)
     sin = np.sin(angles.astype(np.float64)).astype(np.float32)
+    if mscale is not None:  # transformers scales the float32 cos and sin by its attention factor
+        cos, sin = cos * np.float32(mscale), sin * np.float32(mscale)
     # transformers' rotate_half(x) * sin is x with its halves swapped times (-sin, +sin)
     return np.concatenate((cos, cos), 1), np.concatenate((-sin, sin), 1)
 

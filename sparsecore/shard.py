@@ -526,8 +526,12 @@ class FfnShard:
                 if not (device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer])):
                     raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
                                      f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
-                layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
-                                             None if cold is None else cold[layer])
+                if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
+                    from .oai_experts import OaiExpertsLayer
+                    layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                else:
+                    layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
+                                                 None if cold is None else cold[layer])
             elif weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
                 with layout_cache.placing(cold is None or not cold[layer, 0]):
                     layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)

@@ -48,7 +48,7 @@ def requantize(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantization
 
 def conversion(t) -> tuple[GGMLQuantizationType, object] | None:
     """(native type, function of the raw rows) for a quantized tensor type the kernels cannot
-    read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0, MXFP4), else None: requantized to the nearest
+    read (the i-quants of 1 and 2 bits, TQ1_0/TQ2_0), else None: requantized to the nearest
     native type of at most 8 bits that keeps their precision: Q5_0 (5.5 bits per weight) for the
     types of at most 4, else Q8_0 (8.5). Never float32."""
     from .kernels import supports
@@ -114,6 +114,10 @@ def fused_aliases(reader: GGUFReader, by_name: dict) -> dict:
             blk, f = name[: -len("ffn_up.weight")], int(n_ff)
             out[blk + "ffn_gate.weight"] = row_slice(t, blk + "ffn_gate.weight", 0, f)
             out[blk + "ffn_up.weight"] = row_slice(t, blk + "ffn_up.weight", f, 2 * f)
+        elif spec.ffn_norm_name != "ffn_norm" and name.endswith(f".{spec.ffn_norm_name}.weight"):
+            # gpt-oss's FFN input norm is its post_attention_norm: shown (only) as ffn_norm
+            alias = name[: -len(spec.ffn_norm_name + ".weight")] + "ffn_norm.weight"
+            out[alias] = t._replace(name=alias)
         elif name.endswith(".ffn_up.weight") and spec.ffn_gate == "none":
             out.setdefault(name.replace("ffn_up", "ffn_gate"), t)
     return out
@@ -126,6 +130,10 @@ class TensorStore:
         self.by_name = {t.name: t for t in reader.tensors}
         # fused tensors (phi3) under the names of their parts (a fused ffn_up's name means its up half)
         self.by_name.update(fused_aliases(reader, self.by_name))
+        spec = ARCHS.get(field_value(reader, "general.architecture"))
+        if spec is not None and spec.ffn_norm_name != "ffn_norm":  # not also a gemma3-style output norm
+            for n in [n for n in self.by_name if n.endswith(f".{spec.ffn_norm_name}.weight")]:
+                del self.by_name[n]
         self.converted: dict = {}
 
     def _native(self, t):

@@ -80,7 +80,9 @@ def _attention(model, i: int, x: torch.Tensor, cache) -> torch.Tensor:
     keys, vals = ks[:, : pos.stop], vs[:, : pos.stop]
     gqa = nq != nkv  # SDPA maps query heads onto shared K/V heads without copying the cache
     scale = cfg.attn_scale  # None: SDPA's 1/sqrt(head_dim)
-    if L.window is not None and start + T > L.window:
+    if L.sinks is not None:  # gpt-oss: SDPA has no sink logits
+        out = _attend_with_sinks(q, keys, vals, L.sinks, start, L.window, scale)
+    elif L.window is not None and start + T > L.window:
         # A query at position p sees keys p - window < k <= p (transformers' sliding window);
         # keys older than the first query's window are left out of the product.
         lo = max(0, start - L.window + 1)
@@ -102,7 +104,30 @@ def _attention(model, i: int, x: torch.Tensor, cache) -> torch.Tensor:
         model.attn_observer(i, x.numpy(), out.numpy())
     if model.input_filter is not None:
         out = model.input_filter(i, "attn_out", out)
-    return x_wt(out, L.wo)
+    out = x_wt(out, L.wo)
+    return out if L.out_bias is None else out + torch.from_numpy(L.out_bias)
+
+
+def _attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, sinks: np.ndarray, start: int,
+                       window: int | None, scale: float | None) -> torch.Tensor:
+    """q (heads, T, hd) at positions start.., keys and values (kv_heads, start + T, hd): causal
+    attention (within `window` where the layer has one) whose softmax has one more logit per
+    head, its sink, left out of the weighted sum, as transformers' gpt-oss eager attention:
+    the scores minus their row's maximum (sink included), softmax, the sink's column dropped."""
+    H, T, hd = q.shape
+    rep = H // keys.shape[0]
+    if rep > 1:
+        keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
+    s = torch.matmul(q, keys.transpose(1, 2)) * (hd ** -0.5 if scale is None else scale)
+    qpos = torch.arange(start, start + T)[:, None]
+    kpos = torch.arange(keys.shape[1])[None, :]
+    allowed = kpos <= qpos
+    if window is not None:  # a query at p sees keys p - window < k <= p (transformers' sliding window)
+        allowed = allowed & (kpos > qpos - window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    s = torch.cat((s, torch.from_numpy(sinks).view(H, 1, 1).expand(H, T, 1)), dim=-1)
+    p = torch.softmax(s - s.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.matmul(p, vals)
 
 
 def float_matrix(a: np.ndarray) -> torch.Tensor:

@@ -208,6 +208,9 @@ class AttentionLayer:
         self.bias = (_f32(np.concatenate([store.matrix(p + f"attn_{n}.bias") for n in "qkv"]))
                      if cfg.qkv_bias else None)
         self.window = cfg.layer_window(i)
+        # gpt-oss: a sink logit per head in the softmax's denominator, and the output's bias
+        self.sinks = _f32(store.matrix(p + "attn_sinks.weight")) if cfg.attn_sinks else None
+        self.out_bias = _f32(store.matrix(p + "attn_output.bias")) if cfg.attn_out_bias else None
         self.rope: tuple[np.ndarray, np.ndarray] | None = None
         names = [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")]
         permuted = cfg.permuted_qk  # neox-rope architectures keep HF's row order: nothing to undo
@@ -233,7 +236,8 @@ class AttentionLayer:
     @property
     def nbytes(self) -> int:
         """Bytes of weights one decoded token reads in this layer's attention and norms."""
-        parts = [*(self.wqkv if isinstance(self.wqkv, list) else [self.wqkv]), self.wo, self.bias]
+        parts = [*(self.wqkv if isinstance(self.wqkv, list) else [self.wqkv]), self.wo, self.bias, self.sinks,
+                 self.out_bias]
         norms = {id(n): n for n in (self.attn_norm, self.ffn_norm, self.q_norm, self.k_norm,
                                     self.post_attn_norm, self.post_ffn_norm) if n is not None}
         return sum(w.nbytes for w in parts if w is not None) + sum(n.nbytes for n in norms.values())
@@ -353,7 +357,7 @@ class Transformer:
         sparsecore.rope.layer_tables' order (the KV pool's); each layer's `rope` is its pair."""
         factors = _f32(store.matrix("rope_freqs.weight")) if store.has("rope_freqs.weight") else None
         keys, index = layer_tables(self.cfg)
-        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors) for key in keys]
+        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors, self.cfg.rope_yarn) for key in keys]
         for L, t in zip(self.layers, index):
             L.rope = tables[t]
         return tables

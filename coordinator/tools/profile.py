@@ -100,16 +100,22 @@ class RouteCounter:
 
     def __init__(self, store, cfg):
         from sparsecore.kernels import FileMatrix
+        from sparsecore.oai_experts import OaiRouter
 
         self.routers = [FileMatrix(store.info(f"blk.{i}.ffn_gate_inp.weight")) for i in range(cfg.n_layers)]
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        # gpt-oss: the router's bias decides too (sparsecore/oai_experts.py routes as the engine)
+        self.biased = [OaiRouter(store, i) for i in range(cfg.n_layers)] if cfg.expert_bias else None
         self.counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
         self.tokens = np.zeros(cfg.n_layers, np.int64)
 
     def __call__(self, layer: int, x, *_rest) -> None:
         from sparsecore.shard import route
 
-        ids, _ = route(self.routers[layer], np.asarray(x, dtype=np.float32), self.k, self.renormalize)
+        if self.biased is not None:
+            ids, _ = self.biased[layer](np.asarray(x, dtype=np.float32), self.k)
+        else:
+            ids, _ = route(self.routers[layer], np.asarray(x, dtype=np.float32), self.k, self.renormalize)
         np.add.at(self.counts[layer], ids.reshape(-1), 1)
         self.tokens[layer] += len(ids)
 

@@ -16,7 +16,8 @@ from .held_memory import ptr
 from .layouts import columns_for
 
 ATTN_EXTRA = np.dtype([("bias", "<i8"), ("q_norm", "<i8"), ("k_norm", "<i8"), ("post_norm", "<i8"),
-                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("qk_norm_full", "<i4")])
+                       ("norm_bias", "<i8"), ("scale", "<f4"), ("out_scale", "<f4"), ("window", "<i4"), ("qk_norm_full", "<i4"),
+                       ("sinks", "<i8"), ("out_bias", "<i8")])
 _C_LAYOUT = _kernels.attn_extra_layout()
 if (ATTN_EXTRA.itemsize, *(ATTN_EXTRA.fields[f][1] for f in ATTN_EXTRA.names)) != _C_LAYOUT:
     raise ImportError(f"attention_layer.c's attn_extra {_C_LAYOUT} and ATTN_EXTRA disagree: rebuild the kernels")
@@ -37,6 +38,8 @@ class AttentionExtras:
     # n_kv x head_dim wide), not each head's; a share of the heads then computes every head's Q
     # and K for it (attention_layer.c full_qk_share)
     qk_norm_full: bool = False
+    sinks: np.ndarray | None = None  # per query head a logit in the softmax's denominator (gpt-oss)
+    out_bias: np.ndarray | None = None  # the output product's bias (hidden; gpt-oss)
 
     def record(self, hidden: int, n_heads: int, n_kv: int, head_dim: int) -> tuple[np.ndarray, dict]:
         """(the ATTN_EXTRA record, by field the float32 arrays its addresses point into: keep them
@@ -48,7 +51,7 @@ class AttentionExtras:
             raise ValueError("attention qk_norm_full without q_norm and k_norm")
         q_n, k_n = (n_heads * head_dim, n_kv * head_dim) if full else (head_dim, head_dim)
         for name, n in (("bias", (n_heads + 2 * n_kv) * head_dim), ("q_norm", q_n), ("k_norm", k_n),
-                        ("post_norm", hidden), ("norm_bias", hidden)):
+                        ("post_norm", hidden), ("norm_bias", hidden), ("sinks", n_heads), ("out_bias", hidden)):
             a = getattr(self, name)
             if a is None:
                 continue

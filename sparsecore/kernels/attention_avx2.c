@@ -126,7 +126,7 @@ static INLINE void prefetch_chunk(const float *K, const float *V, int W, int hd)
 }
 
 AVX2 static INLINE void heads8(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
-                               float *out) {
+                               const float *sinks, float *out) {
     float m[MAXG];
     __m256 l[MAXG];
     for (int h = 0; h < g; h++) m[h] = -INFINITY, l[h] = _mm256_setzero_ps();
@@ -138,7 +138,7 @@ AVX2 static INLINE void heads8(const float *q, int g, const float *K, const floa
     }
     if (p < n) chunk8(q, g, K + (int64_t)p * hd, V + (int64_t)p * hd, n - p, hd, scale, m, l, out);
     for (int h = 0; h < g; h++) {
-        __m256 r = _mm256_set1_ps(1.f / hsum8(l[h]));
+        __m256 r = _mm256_set1_ps(1.f / (hsum8(l[h]) + (sinks ? expf(sinks[h] - m[h]) : 0.f)));
         for (int s = 0; s < hd; s += 8) _mm256_storeu_ps(out + h * hd + s, _mm256_mul_ps(_mm256_loadu_ps(out + h * hd + s), r));
     }
 }
@@ -146,9 +146,9 @@ AVX2 static INLINE void heads8(const float *q, int g, const float *K, const floa
 /* attend_heads_c for hd a multiple of 8 and g <= MAXG; hd a constant for the common sizes (the
  * loops unrolled, the rows addressed without multiplies: ~20% faster) */
 AVX2 static void attend_heads_avx2(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
-                                   float *out) {
-    if (hd == 64) heads8(q, g, K, V, n, 64, scale, out);
-    else if (hd == 128) heads8(q, g, K, V, n, 128, scale, out);
-    else heads8(q, g, K, V, n, hd, scale, out);
+                                   const float *sinks, float *out) {
+    if (hd == 64) heads8(q, g, K, V, n, 64, scale, sinks, out);
+    else if (hd == 128) heads8(q, g, K, V, n, 128, scale, sinks, out);
+    else heads8(q, g, K, V, n, hd, scale, sinks, out);
 }
 #endif

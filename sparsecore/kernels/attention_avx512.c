@@ -85,7 +85,7 @@ VNNI static INLINE void chunk16(const float *q, int g, const float *K, const flo
 }
 
 VNNI static INLINE void heads16(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
-                                float *out) {
+                                const float *sinks, float *out) {
     float m[MAXG];
     __m512 l[MAXG];
     for (int h = 0; h < g; h++) m[h] = -INFINITY, l[h] = _mm512_setzero_ps();
@@ -97,15 +97,15 @@ VNNI static INLINE void heads16(const float *q, int g, const float *K, const flo
     }
     if (p < n) chunk16(q, g, K + (int64_t)p * hd, V + (int64_t)p * hd, n - p, hd, scale, m, l, out);
     for (int h = 0; h < g; h++) {
-        __m512 r = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[h]));
+        __m512 r = _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(l[h]) + (sinks ? expf(sinks[h] - m[h]) : 0.f)));
         for (int s = 0; s < hd; s += 16) _mm512_storeu_ps(out + h * hd + s, _mm512_mul_ps(_mm512_loadu_ps(out + h * hd + s), r));
     }
 }
 
 VNNI static void attend_heads_avx512(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
-                                     float *out) {
-    if (hd == 64) heads16(q, g, K, V, n, 64, scale, out);
-    else if (hd == 128) heads16(q, g, K, V, n, 128, scale, out);
-    else heads16(q, g, K, V, n, hd, scale, out);
+                                     const float *sinks, float *out) {
+    if (hd == 64) heads16(q, g, K, V, n, 64, scale, sinks, out);
+    else if (hd == 128) heads16(q, g, K, V, n, 128, scale, sinks, out);
+    else heads16(q, g, K, V, n, hd, scale, sinks, out);
 }
 #endif

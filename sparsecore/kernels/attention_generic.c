@@ -15,6 +15,8 @@ static void rope(float *x, int n_heads, int hd, int d, const float *cos_r, const
 }
 
 /* ---- softmax attention over one KV head's n cached positions, for g query heads -------------
+ * With sinks (gpt-oss: a learned logit per head), each head's denominator has e^(sink - max) too
+ * (max over the scores: the ratio is the same as with the sink in the max, as transformers). 
  * Portable: per head, two passes (the scores into att, then the weighted sum of the V rows).
  * AVX2 / AVX-512: the positions in chunks of one vector width W (8 / 16). Per chunk and head, W
  * scores as one vector (W dot products side by side, one horizontal reduction for all W), then
@@ -24,7 +26,7 @@ static void rope(float *x, int n_heads, int hd, int d, const float *cos_r, const
  * and no scratch grows with the context. Other float orders than the portable path, tested
  * against float64 (tests/test_attend_kernel.py). */
 static void attend_heads_c(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
-                           float *att, float *out) {
+                           const float *sinks, float *att, float *out) {
     for (int h = 0; h < g; h++) {
         const float *qh = q + (int64_t)h * hd;
         float mx = -INFINITY, sum = 0.f, *o = out + (int64_t)h * hd;
@@ -36,6 +38,7 @@ static void attend_heads_c(const float *q, int g, const float *K, const float *V
             if (att[p] > mx) mx = att[p];
         }
         for (int p = 0; p < n; p++) { att[p] = expf(att[p] - mx); sum += att[p]; }
+        if (sinks) sum += expf(sinks[h] - mx);  /* the sink's share of the softmax, left out of the sum below */
         memset(o, 0, sizeof(float) * hd);
         for (int p = 0; p < n; p++) {
             const float *v = V + (int64_t)p * hd;

@@ -31,6 +31,8 @@ typedef struct {
     float out_scale;        /* the attention output times this before the residual; 0: 1 */
     int32_t window;         /* a query at p sees keys p - window < k <= p; 0: every key */
     int32_t qk_norm_full;   /* 1: q_norm and k_norm are one RMSNorm over all heads' values (olmoe) */
+    const float *sinks;     /* per query head a logit in the softmax's denominator only (gpt-oss), or NULL */
+    const float *out_bias;  /* the output product's bias (hidden; gpt-oss), added by the share of head 0, or NULL */
 } attn_extra;
 
 static const attn_extra NO_EXTRA = {0};
@@ -75,7 +77,7 @@ static void norm_into(const float *h, const float *w, const float *b, float eps,
  * same rows by the same kernels, so every reader sees one value whichever write lands last. */
 static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, int group, int first, int hd, int d,
                    const float *cos_r, const float *sin_r, int pos, float *kc, float *vc, int max_ctx,
-                   const attn_extra *ex, float eps, float *att, float *out) {
+                   const attn_extra *ex, const float *sinks, float eps, float *att, float *out) {
     /* each head's RMSNorm over its hd values, before rope (qwen3, gemma3); over every head at once
      * (qk_norm_full: olmoe), attn_part applied it before */
     if (ex->q_norm && !ex->qk_norm_full)
@@ -98,15 +100,17 @@ static void attend(float *q, float *k, const float *v, int n_heads, int n_kv, in
         if (b > n_heads) b = n_heads;
         float *qj = q + (int64_t)a * hd, *oj = out + (int64_t)a * hd;
         int heads = b - a;
+        const float *sj = sinks ? sinks + a : NULL;  /* these query heads' sinks */
         if (kern.attend8 && hd % 8 == 0) {
             for (int h = 0; h < heads; h += MAXG) {
                 int g = heads - h < MAXG ? heads - h : MAXG;
-                if (kern.attend16 && hd % 16 == 0) kern.attend16(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
-                else kern.attend8(qj + h * hd, g, K, V, n, hd, scale, oj + h * hd);
+                const float *sh = sj ? sj + h : NULL;
+                if (kern.attend16 && hd % 16 == 0) kern.attend16(qj + h * hd, g, K, V, n, hd, scale, sh, oj + h * hd);
+                else kern.attend8(qj + h * hd, g, K, V, n, hd, scale, sh, oj + h * hd);
             }
             continue;
         }
-        attend_heads_c(qj, heads, K, V, n, hd, scale, att, oj);
+        attend_heads_c(qj, heads, K, V, n, hd, scale, sj, att, oj);
     }
 }
 
@@ -214,11 +218,14 @@ static void attn_part(mat wq, const int32_t *q_rows, mat wk, const int32_t *k_ro
     for (int b = 0; b < B; b++) {
         int p0 = (int)pos[b];
         attend(sc.q + b * nq, sc.k + b * nk, sc.v + b * nk, lq, lk, group, h0 - kv0 * group, hd, d, cos_t + (int64_t)p0 * d,
-               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, ex, eps, sc.att,
-               sc.out + b * nq);
+               sin_t + (int64_t)p0 * d, p0, kcs[b] + head_off, vcs[b] + head_off, max_ctx, ex,
+               ex->sinks ? ex->sinks + h0 : NULL, eps, sc.att, sc.out + b * nq);
         if (fast) quantize_q8(sc.out + b * nq, (int)nq, sc.oq + b * ldoq);
     }
     products(wo, NULL, 0, hidden, q0, (int)nq, sc.out, nq, sc.oq, ldoq, B, fast, part, hidden);
+    if (ex->out_bias && h0 == 0)  /* once across the processes' shares: by the one with head 0 */
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < hidden; i++) part[(int64_t)b * hidden + i] += ex->out_bias[i];
 }
 
 /* attn_token for B sequences: every head's share (attn_part), through the output norm and scale

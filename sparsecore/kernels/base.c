@@ -39,6 +39,8 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q2_K = 10, T_
 enum { T_Q5_0 = 6, T_Q5_1 = 7, T_IQ4_NL = 20, T_IQ4_XS = 23 };
 /* of 256: IQ3_XXS and IQ3_S (3-bit values from grids of 4, signs apart; blocks_generic.c) */
 enum { T_IQ3_XXS = 18, T_IQ3_S = 21 };
+/* blocks of 32: MXFP4 (gpt-oss's experts: E2M1 4-bit values as IQ4_NL's nibbles, an E8M0 scale byte) */
+enum { T_MXFP4 = 39 };
 #define QK 32
 #define QKK 256  /* values per block of the K-quants (and IQ4_XS) */
 #define MAXB 16  /* most tokens of a small batch (matmul, ffn_batch): accumulators live on the stack */
@@ -70,6 +72,16 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* MXFP4's E8M0 scale byte e as ggml reads it (ggml_e8m0_to_fp32_half): 2^(e - 128), half of
+ * E8M0's 2^(e - 127) because its codebook holds the E2M1 values doubled; e 0 and 1 are the
+ * float32 subnormals 2^-128 and 2^-127 */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 static inline int32_t rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* A per-thread scratch buffer of at least `bytes`, grown on demand and kept (calls release the
@@ -95,7 +107,7 @@ enum { TF_KQUANT = 1,  /* blocks of 256 values (8 activation blocks each): the K
        TF_X16 = 8,     /* takes the X16 layout (interleave) */
        TF_R16 = 16 };  /* takes the R16 layout (interleave_blocks) */
 typedef struct { int16_t block, bytes; int flags; } type_traits;
-#define N_TYPES 31
+#define N_TYPES 40
 static const type_traits TYPES[N_TYPES] = {
     [T_F32] = {1, 4, 0}, [T_F16] = {1, 2, 0}, [T_BF16] = {1, 2, 0},
     [T_Q4_0] = {QK, 18, TF_X16 | TF_R16}, [T_Q4_1] = {QK, 20, TF_X16 | TF_R16}, [T_Q8_0] = {QK, 34, TF_X16 | TF_R16},
@@ -104,6 +116,7 @@ static const type_traits TYPES[N_TYPES] = {
     [T_Q4_K] = {QKK, 144, TF_KQUANT | TF_X16}, [T_Q5_K] = {QKK, 176, TF_KQUANT}, [T_Q6_K] = {QKK, 210, TF_KQUANT | TF_X16},
     [T_IQ4_XS] = {QKK, 136, TF_KQUANT | TF_X16},
     [T_IQ3_XXS] = {QKK, 98, TF_KQUANT | TF_IQ3}, [T_IQ3_S] = {QKK, 110, TF_KQUANT | TF_IQ3},
+    [T_MXFP4] = {QK, 17, 0},
 };
 /* t's entry; ids the table lacks read as an empty entry (0 bytes: not a type the kernels take) */
 static inline type_traits traits(int t) {

@@ -121,10 +121,15 @@ AVX2 static inline void iq4_values2(const uint8_t *qs, __m256i *q0, __m256i *q1)
     *q0 = _mm256_permute2x128_si256(lo, hi, 0x20);
     *q1 = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
-/* A Q5_0, Q5_1 or IQ4_NL block's 32 values as 32 bytes (unpack32's order): Q5_0 and Q5_1 q
- * unsigned (0..31, Q5_0's before its -16), IQ4_NL the codebook's (signed) */
+/* MXFP4's codebook (the E2M1 values doubled) in both 128-bit lanes, for pshufb */
+AVX2 static inline __m256i mxfp4_values(const uint8_t *qs) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4)), nibbles(qs));
+}
+/* A Q5_0, Q5_1, IQ4_NL or MXFP4 block's 32 values as 32 bytes (unpack32's order): Q5_0 and Q5_1
+ * q unsigned (0..31, Q5_0's before its -16), IQ4_NL and MXFP4 their codebook's (signed) */
 AVX2 static inline __m256i q32_values(int t, const uint8_t *w) {
     if (t == T_IQ4_NL) return iq4_values(w + 2);
+    if (t == T_MXFP4) return mxfp4_values(w + 1);
     int off = t == T_Q5_1 ? 4 : 2;
     return _mm256_or_si256(nibbles(w + off + 4), bits16(w + off));
 }
@@ -290,7 +295,7 @@ AVX2 static INLINE float dot_exact_avx2(int t, const uint8_t *w, const float *x,
         }
         return hsum8(acc);
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
         float y;
         dots_exact_tile(t, w, x, 0, n, 1, &y, 0);
         return y;
@@ -366,7 +371,7 @@ AVX2 static INLINE float dot_fast_avx2(int t, const uint8_t *w, const q8blk *xq,
         }
         return hsum8(acc);
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
         float y;
         dots_fast_tile(t, w, xq, 0, nb, 1, &y, 0);
         return y;
@@ -433,10 +438,10 @@ AVX2 static INLINE void axpy_avx2(int t, const uint8_t *w, float a, float *y, in
         }
         return;
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {
         const __m256i off = _mm256_set1_epi8(t == T_Q5_0 ? 16 : 0);
         for (int b = 0; b < n / QK; b++, w += type_bytes(t), y += QK)
-            i8x32_axpy(_mm256_sub_epi8(q32_values(t, w), off), y, _mm256_set1_ps(a * f16c_f32(rd16(w))),
+            i8x32_axpy(_mm256_sub_epi8(q32_values(t, w), off), y, _mm256_set1_ps(a * q32_d(t, w)),
                        t == T_Q5_1 ? _mm256_set1_ps(a * f16c_f32(rd16(w + 2))) : zero);
         return;
     }
@@ -803,12 +808,12 @@ AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x,
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]);
         return;
     }
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* as Q4_0 (Q5_0: q - 16), Q4_1 (Q5_1: the min) */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {  /* as Q4_0 (Q5_0: q - 16), Q4_1 (Q5_1: the min) */
         const __m256i off = _mm256_set1_epi8(t == T_Q5_0 ? 16 : 0);
         int bytes = type_bytes(t);
         for (int k = 0; k < nb; k++, w += bytes) {
             i8x32_to_f(_mm256_sub_epi8(q32_values(t, w), off), f);
-            __m256 sc = _mm256_set1_ps(f16c_f32(rd16(w)));
+            __m256 sc = _mm256_set1_ps(q32_d(t, w));
             for (int b = 0; b < B; b++) acc[b] = f32x32_dot(f, x + b * ldx + k * QK, acc[b], sc);
             if (t == T_Q5_1) {
                 __m256 mn = _mm256_set1_ps(f16c_f32(rd16(w + 2)));
@@ -960,10 +965,10 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
         }
         for (int b = 0; b < B; b++) y[b * ldy] = hsum8(acc[b]) + extra[b];
         return;
-    case T_IQ4_NL:  /* signed values: Q8_0's |w| times x with w's sign */
-        for (int k = 0; k < nb; k++, w += 18) {
-            __m256i q = iq4_values(w + 2), qa = _mm256_sign_epi8(q, q);
-            float d = f16c_f32(rd16(w));
+    case T_IQ4_NL: case T_MXFP4:  /* signed values: Q8_0's |w| times x with w's sign */
+        for (int k = 0; k < nb; k++, w += type_bytes(t)) {
+            __m256i q = q32_values(t, w), qa = _mm256_sign_epi8(q, q);
+            float d = q32_d(t, w);
             for (int b = 0; b < B; b++) {
                 const q8blk *xb = xq + b * ldq + k;
                 __m256i s = dot_u8s8(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q));

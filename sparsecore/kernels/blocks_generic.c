@@ -13,12 +13,19 @@
  *   has the 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, its values
  *   IQ4_NL's nibbles in qs[16 j ..+16]; value = (d (ls - 32)) kvalues[i]. */
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4 (17 bytes): u8 e, qs[16] nibbles as Q4_0's, each an index into the E2M1 values doubled;
+ *   value = e8m0_half(e) kvalues_mxfp4[i] (gguf-py's and ggml's dequantization) */
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* the scale of a Q5_0, Q5_1, IQ4_NL or MXFP4 block (unpack32's types) */
+static inline float q32_d(int t, const uint8_t *w) { return t == T_MXFP4 ? e8m0_half(w[0]) : f16_to_f32(rd16(w)); }
 
-/* One Q5_0, Q5_1 or IQ4_NL block's 32 values as int8: Q5_0 q - 16, Q5_1 q (0..31), IQ4_NL the
- * codebook's */
+/* One Q5_0, Q5_1, IQ4_NL or MXFP4 block's 32 values as int8: Q5_0 q - 16, Q5_1 q (0..31), IQ4_NL
+ * and MXFP4 their codebook's */
 static inline void unpack32(int t, const uint8_t *w, int8_t *q) {
-    if (t == T_IQ4_NL) {
-        for (int j = 0; j < 16; j++) { q[j] = kvalues_iq4nl[w[2 + j] & 15]; q[j + 16] = kvalues_iq4nl[w[2 + j] >> 4]; }
+    if (t == T_IQ4_NL || t == T_MXFP4) {
+        const int8_t *kv = t == T_MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl;
+        const uint8_t *qs = w + (t == T_MXFP4 ? 1 : 2);
+        for (int j = 0; j < 16; j++) { q[j] = kv[qs[j] & 15]; q[j + 16] = kv[qs[j] >> 4]; }
         return;
     }
     int off = t == T_Q5_1 ? 4 : 2, zero = t == T_Q5_0 ? 16 : 0;
@@ -28,7 +35,7 @@ static inline void unpack32(int t, const uint8_t *w, int8_t *q) {
         q[j + 16] = (int8_t)(((w[off + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - zero);
     }
 }
-static inline int is_q32x(int t) { return t == T_Q5_0 || t == T_Q5_1 || t == T_IQ4_NL; }  /* unpack32's types */
+static inline int is_q32x(int t) { return t == T_Q5_0 || t == T_Q5_1 || t == T_IQ4_NL || t == T_MXFP4; }  /* unpack32's types */
 
 /* ---- IQ3_XXS and IQ3_S (ggml's layouts), 256 values each ------------------------------------
  * Sub-block j of 32 values: 8 grid indices, each naming 4 unsigned values (one uint32 of a grid,
@@ -346,13 +353,13 @@ static INLINE float dot_exact_of(int t, const uint8_t *w, const float *x, int n)
             acc += f16_to_f32(rd16(w)) * s;
         }
         break;
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {
         int8_t q[QK];
         for (int b = 0; b < n / QK; b++, w += type_bytes(t), x += QK) {
             float s = 0.f, sx = 0.f;
             unpack32(t, w, q);
             for (int j = 0; j < QK; j++) { s += (float)q[j] * x[j]; sx += x[j]; }
-            acc += f16_to_f32(rd16(w)) * s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * sx : 0.f);
+            acc += q32_d(t, w) * s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * sx : 0.f);
         }
         break;
     }
@@ -421,11 +428,11 @@ static INLINE float dot_fast_of(int t, const uint8_t *w, const q8blk *xq, int nb
             acc += f16_to_f32(rd16(w)) * xq->d * (float)s;
             w += 34;
             break;
-        case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* Q5_1's min times sum(x) as Q4_1's */
+        case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {  /* Q5_1's min times sum(x) as Q4_1's */
             int8_t q[QK];
             unpack32(t, w, q);
             for (int j = 0; j < QK; j++) s += q[j] * xq->q[j];
-            acc += f16_to_f32(rd16(w)) * xq->d * (float)s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * xq->d * (float)xq->s : 0.f);
+            acc += q32_d(t, w) * xq->d * (float)s + (t == T_Q5_1 ? f16_to_f32(rd16(w + 2)) * xq->d * (float)xq->s : 0.f);
             w += type_bytes(t);
             break;
         }
@@ -459,10 +466,10 @@ static INLINE void axpy_of(int t, const uint8_t *w, float a, float *y, int n) {
             for (int j = 0; j < QK; j++) y[j] += ad * (float)(int8_t)w[2 + j];
         }
         break;
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {
         int8_t q[QK];
         for (int b = 0; b < n / QK; b++, w += type_bytes(t), y += QK) {
-            float ad = a * f16_to_f32(rd16(w)), am = t == T_Q5_1 ? a * f16_to_f32(rd16(w + 2)) : 0.f;
+            float ad = a * q32_d(t, w), am = t == T_Q5_1 ? a * f16_to_f32(rd16(w + 2)) : 0.f;
             unpack32(t, w, q);
             for (int j = 0; j < QK; j++) y[j] += ad * (float)q[j] + am;
         }
@@ -517,10 +524,10 @@ static void dequant_row(int t, const uint8_t *w, int n, float *o) {
             for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)w[2 + j];
         }
         break;
-    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {  /* as gguf-py: d q (+ m) */
+    case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {  /* as gguf-py: d q (+ m) */
         int8_t q[QK];
         for (int b = 0; b < n / QK; b++, w += type_bytes(t), o += QK) {
-            float d = f16_to_f32(rd16(w));
+            float d = q32_d(t, w);
             unpack32(t, w, q);
             if (t == T_Q5_1) {
                 float mn = f16_to_f32(rd16(w + 2));

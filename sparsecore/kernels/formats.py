@@ -16,7 +16,8 @@ from . import _kernels
 NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0, Q4_1, Q8_0
                 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
                 6: 32, 7: 32, 20: 32, 23: 256,  # Q5_0, Q5_1, IQ4_NL, IQ4_XS
-                18: 256, 21: 256}  # IQ3_XXS, IQ3_S
+                18: 256, 21: 256,  # IQ3_XXS, IQ3_S
+                39: 32}  # MXFP4 (IQ4_NL's code paths with its own codebook and E8M0 scale: blocks_generic.c)
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # Most tokens the small-batch kernels take at once (base.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.

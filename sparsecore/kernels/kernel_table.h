@@ -5,7 +5,7 @@
 
 /* every type the kernels read (base.c's TYPES) */
 #define FOR_TYPES(X) X(F32) X(F16) X(BF16) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(IQ4_NL) X(Q2_K) X(Q3_K) \
-                     X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_XS) X(IQ3_XXS) X(IQ3_S)
+                     X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_XS) X(IQ3_XXS) X(IQ3_S) X(MXFP4)
 
 /* How a level's fast-mode products read the activations when not as q8 blocks: packed once per
  * product (pack_x) by `pack`, `ld` xpairs a token, `size` for B tokens. */
@@ -24,7 +24,9 @@ typedef float (*dot_packed_fn)(const uint8_t *w, const q8blk *xq, const xpair *x
 typedef void (*dots_packed_fn)(const uint8_t *w, const q8blk *xq, int64_t ldq, const xpair *xp, int nb, int B,
                                int alone, float *y, int64_t ldy);
 typedef void (*axpy_fn)(const uint8_t *w, float a, float *y, int n);
-typedef void (*attend_fn)(const float *q, int g, const float *K, const float *V, int n, int hd, float scale, float *out);
+/* sinks: per head a logit in the softmax's denominator only (gpt-oss), or NULL */
+typedef void (*attend_fn)(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
+                          const float *sinks, float *out);
 typedef int64_t (*cols_fast_fn)(const cols_hdr *h, const q8blk *xq, const uint32_t *masks, float *y);
 
 typedef struct {

@@ -254,15 +254,16 @@ static PyObject *py_ffn_call_layout(PyObject *self, PyObject *unused) {
 #undef OFF
 
 /* attn_extra_layout() -> (sizeof(attn_extra), offsets of bias, q_norm, k_norm, post_norm,
- * norm_bias, scale, out_scale, window, qk_norm_full): what sparsecore/kernels/attention.py's
+ * norm_bias, scale, out_scale, window, qk_norm_full, sinks, out_bias): what sparsecore/kernels/attention.py's
  * ATTN_EXTRA must match */
 static PyObject *py_attn_extra_layout(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return Py_BuildValue("(nnnnnnnnnn)", (Py_ssize_t)sizeof(attn_extra), (Py_ssize_t)offsetof(attn_extra, bias),
+    return Py_BuildValue("(nnnnnnnnnnnn)", (Py_ssize_t)sizeof(attn_extra), (Py_ssize_t)offsetof(attn_extra, bias),
                          (Py_ssize_t)offsetof(attn_extra, q_norm), (Py_ssize_t)offsetof(attn_extra, k_norm),
                          (Py_ssize_t)offsetof(attn_extra, post_norm), (Py_ssize_t)offsetof(attn_extra, norm_bias),
                          (Py_ssize_t)offsetof(attn_extra, scale), (Py_ssize_t)offsetof(attn_extra, out_scale),
-                         (Py_ssize_t)offsetof(attn_extra, window), (Py_ssize_t)offsetof(attn_extra, qk_norm_full));
+                         (Py_ssize_t)offsetof(attn_extra, window), (Py_ssize_t)offsetof(attn_extra, qk_norm_full),
+                         (Py_ssize_t)offsetof(attn_extra, sinks), (Py_ssize_t)offsetof(attn_extra, out_bias));
 }
 
 /* interleave(src_ptr, stride, type, rows, n_blocks, dst_ptr): dst holds ceil(rows / 16) groups of
