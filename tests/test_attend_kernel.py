@@ -7,98 +7,11 @@ sees its first KV head at an offset, as a caller with a subset of heads does), a
 the kernel must not read or write (other heads, positions past the token's) holds NaN."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T
 
-from sparsecore import kernels as K
-
-MAX_CTX = 320
-
-
-def f32_matrix(a: np.ndarray, name: str) -> K.FileMatrix:
-    """A float32 (rows, cols) array as the GGUF reader's tensor would give it"""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return K.FileMatrix(SimpleNamespace(name=name, tensor_type=T.F32, shape=(a.shape[1], a.shape[0]), data=a))
-
-
-def rope_tables(d: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed sin (the first half negated), MAX_CTX rows of d, as the Python model's"""
-    inv = 10000.0 ** (-np.arange(0, d, 2) / d)
-    ang = np.arange(MAX_CTX)[:, None] * np.concatenate([inv, inv])[None, :]
-    sign = np.concatenate([-np.ones(d // 2), np.ones(d // 2)])
-    return np.cos(ang).astype(np.float32), (np.sin(ang) * sign).astype(np.float32)
-
-
-def rope_ref(x: np.ndarray, d: int, c: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """x (heads, hd): rotate-half on the first d values of each head"""
-    y = x.copy()
-    half = d // 2
-    rot = np.concatenate([x[:, half:d], x[:, :half]], axis=1)
-    y[:, :d] = x[:, :d] * c + rot * s
-    return y
-
-
-class Layer:
-    """One attention layer with random weights (Wo the identity, so that the residual's change
-    is the attention output itself) and its float64 reference."""
-
-    def __init__(self, n_heads: int, n_kv: int, hd: int, d: int, seed: int, layer_norm: bool = False):
-        rng = np.random.default_rng(seed)
-        self.n_heads, self.n_kv, self.hd, self.d = n_heads, n_kv, hd, d
-        hidden = self.hidden = n_heads * hd
-        # scores of a few units: peaked softmaxes, and maxima that move from chunk to chunk
-        self.wq = (rng.standard_normal((hidden, hidden)) * 3 / np.sqrt(hidden)).astype(np.float32)
-        self.wk = (rng.standard_normal((n_kv * hd, hidden)) / np.sqrt(hidden)).astype(np.float32)
-        self.wv = rng.standard_normal((n_kv * hd, hidden)).astype(np.float32)
-        # rows reordered within each head, as llama.cpp's Q permutation is undone (qk_order)
-        self.q_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_heads)]).astype(np.int32)
-        self.k_rows = np.concatenate([h * hd + rng.permutation(hd) for h in range(n_kv)]).astype(np.int32)
-        self.norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
-        # falcon's LayerNorm: the bias is AttentionExtras.norm_bias (None: RMSNorm)
-        self.norm_bias = rng.uniform(-0.5, 0.5, hidden).astype(np.float32) if layer_norm else None
-        self.cos, self.sin = rope_tables(d)
-        self.rng = rng
-
-    def caches(self, pos: int):
-        """(keys, values) for n_kv heads, a slice of a NaN array with a head either side;
-        positions before pos random, keys growing with the position (later maxima)"""
-        big = np.full((2, self.n_kv + 2, MAX_CTX, self.hd), np.nan, np.float32)
-        grow = 1 + 2 * np.arange(pos) / max(pos, 1)
-        big[0, 1:-1, :pos] = self.rng.standard_normal((self.n_kv, pos, self.hd)) * grow[None, :, None]
-        big[1, 1:-1, :pos] = self.rng.standard_normal((self.n_kv, pos, self.hd))
-        return big, big[0, 1:-1], big[1, 1:-1]
-
-    def step(self, kc, vc) -> K.AttentionStep:
-        return K.AttentionStep(f32_matrix(self.wq, "q"), self.q_rows, f32_matrix(self.wk, "k"), self.k_rows,
-                               f32_matrix(self.wv, "v"), f32_matrix(np.eye(self.hidden), "o"), self.norm, 1e-6,
-                               self.n_heads, self.n_kv, self.hd, self.d, self.cos, self.sin, kc, vc, fast=False,
-                               extras=K.AttentionExtras(norm_bias=self.norm_bias))
-
-    def reference(self, h: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray):
-        """(attention output, new key rows, new value rows) in float64 from the caches before the step"""
-        hd, d = self.hd, self.d
-        x = h.astype(np.float64)
-        if self.norm_bias is None:
-            x = x / np.sqrt(np.mean(x * x) + 1e-6) * self.norm
-        else:
-            x = (x - x.mean()) / np.sqrt(np.var(x) + 1e-6) * self.norm + self.norm_bias
-        q = (self.wq[self.q_rows].astype(np.float64) @ x).reshape(self.n_heads, hd)
-        k = (self.wk[self.k_rows].astype(np.float64) @ x).reshape(self.n_kv, hd)
-        v = (self.wv.astype(np.float64) @ x).reshape(self.n_kv, hd)
-        c, s = self.cos[pos].astype(np.float64), self.sin[pos].astype(np.float64)
-        q, k = rope_ref(q, d, c, s), rope_ref(k, d, c, s)
-        keys = np.concatenate([kc[:, :pos].astype(np.float64), k[:, None]], axis=1)
-        vals = np.concatenate([vc[:, :pos].astype(np.float64), v[:, None]], axis=1)
-        group = self.n_heads // self.n_kv
-        out = np.empty((self.n_heads, hd))
-        for i in range(self.n_heads):
-            sc = keys[i // group] @ q[i] / np.sqrt(hd)
-            a = np.exp(sc - sc.max())
-            out[i] = (a / a.sum()) @ vals[i // group]
-        return out.reshape(-1), k, v
+from tests.fixtures.attention_ref import MAX_CTX, Layer
 
 
 SHAPES = [  # n_heads, n_kv, hd, rope dim

@@ -117,8 +117,7 @@ def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
     layer = OaiExpertsLayer(store, 1, range(0, N_FF_EXPERT), False, FfnScratch(cfg.hidden, N_FF_EXPERT), cfg)
     x = np.random.default_rng(3).standard_normal((6, cfg.hidden)).astype(np.float32)
     got = layer.step(x, "silu", None, None)[0]
-    hc = transformers.GptOssConfig(**hf_config())
-    hc._experts_implementation = "eager"
+    hc = transformers.GptOssConfig(**hf_config(), experts_implementation="eager")
     mlp = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hc).float().eval()
     w = hf_weights()
     mlp.load_state_dict({k[len("model.layers.1.mlp."):]: torch.from_numpy(v) for k, v in w.items()

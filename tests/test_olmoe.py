@@ -18,7 +18,7 @@ from sparsecore.gguf_file import open_gguf
 from tests.fixtures.arch_oracle import REF, reference_logits
 from tests.fixtures.tiny_arch import write_tiny_arch
 from tests.fixtures.tiny_gguf import write_gguf
-from tests.test_attend_kernel import Layer, f32_matrix, rope_ref
+from tests.fixtures.attention_ref import Layer, f32_matrix, rope_ref
 
 
 class FullNormLayer(Layer):
