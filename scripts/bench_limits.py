@@ -1,12 +1,14 @@
 """What scripts/bench_vs_llamacpp.py measures of a benchmarked process tree (CPU time, memory,
 bytes read from disk) and the memory limit it can run a side under (--mem-limit): a cgroup made
 for the run (v1's memory controller or v2), the page cache dropped first, as a machine with that
-much memory would be, the same for both engines (issue 43: a model bigger than memory).
+much memory would be, the same for both engines (issue 43: a model bigger than memory); and
+what the machine is and how busy it is (cpu_name, machine_busy_s, busy_cores).
 """
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -138,3 +140,35 @@ class MemoryLimit:
             self.path.rmdir()
         except OSError:  # a process left in it: the group goes when it does
             pass
+
+
+# ---- the machine: what it is, how busy ----------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / CLOCK_TICK
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes while we sit idle (Linux /proc/stat), else None."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except OSError:
+        return None
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))

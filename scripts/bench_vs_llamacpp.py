@@ -44,7 +44,8 @@ sys.path.insert(0, str(REPO))
 from protocol.messages import WEIGHT_FORMATS  # noqa: E402  (light: no torch)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_limits import CLOCK_TICK, MemoryLimit, drop_caches, tree_cpu_s, tree_memory, tree_read_bytes  # noqa: E402
+from bench_limits import (MemoryLimit, busy_cores, cpu_name, drop_caches, machine_busy_s,  # noqa: E402
+                          tree_cpu_s, tree_memory, tree_read_bytes)
 
 DEFAULT_MODEL = Path.home() / ".cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_WEIGHTS = "gguf-fast"  # what `sparseinfer` runs by default (--weights gguf --arith fast)
@@ -200,13 +201,6 @@ def serve(kind: str, cfg: dict) -> None:
 
 # ---- the parent: processes, memory, interleaving ---------------------------------------------
 
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent not idle since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / CLOCK_TICK
-
-
 class Child:
     """A benchmarked process, driven over its stdin/stdout."""
 
@@ -271,21 +265,6 @@ def measure_bandwidth(threads: int) -> float | None:
         return None
     c.proc.wait()
     return c.hello["gb_s"]
-
-
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """Cores kept busy by other processes while we sit idle (Linux /proc/stat), else None."""
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except OSError:
-        return None
-    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
 
 
 def prompt_ids(model: Path, pp: int) -> list[int]:
@@ -387,14 +366,6 @@ def summarize(runs, pp: int, tg: int) -> dict:
             p99 = sync[min(len(sync) - 1, int(0.99 * len(sync)))]
             out[name]["sync_us"] = dict(median=statistics.median(sync), p99=p99, n=len(sync))
     return out
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 def level_envs(isa: str | None, only: str | None) -> tuple[dict, dict, str]:
