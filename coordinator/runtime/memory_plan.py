@@ -281,7 +281,7 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
     from sparsecore.kernels import input_major_bytes, input_major_type
 
     p = MemoryPlan(processes=1 + n_workers)
-    twinned = (".ffn_down.",) if input_major == "down" else (
+    twinned = (".ffn_down.", ".ffn_down_exps.") if input_major == "down" else (
         ".ffn_gate.", ".ffn_up.", ".ffn_down.", ".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.") \
         if input_major == "all" else ()
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
