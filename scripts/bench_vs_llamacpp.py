@@ -143,7 +143,11 @@ class OursSide:
                                                sparsity=sparsity[0] if sparsity else None,
                                                sparse_method=sparse_method))
         own = self.eng.predictors  # a PWRI file's own fc1/fc2, else None
-        modes = ([Mode("dense")] if dense else []) + [Mode(f"sparse {s:.2f}", sparsity=s) for s in sparsity]
+        # an engine whose twins do not fit in the memory it has decodes densely (it says so): its
+        # sparse modes are named for what they run
+        dropped = " (decoded densely: its twins do not fit)" if sparsity and self.eng.opts.sparsity is None else ""
+        modes = ([Mode("dense")] if dense else []) + [Mode(f"sparse {s:.2f}{dropped}", sparsity=None if dropped else s)
+                                                      for s in sparsity]
         if own is not None:
             modes.append(Mode("predictor", predictors=own))
         self.by_name = {f"ours {label}{m.name}": m for m in modes}
