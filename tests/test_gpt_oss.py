@@ -155,11 +155,11 @@ def test_sinks_change_the_logits(model, tmp_path, no_leaks):
     """The same file with every sink at -1e4 (no weight left to them) is another model."""
     import gguf
 
-    from tests.fixtures.tiny_gguf import write_gguf
+    from tests.fixtures.tiny_gguf import copy_fields, write_gguf
 
     reader = open_gguf(model)
     w = gguf.GGUFWriter(tmp_path / "nosink.gguf", "gpt-oss")
-    _copy_fields(reader, w)
+    copy_fields(reader, w)
     for t in reader.tensors:
         data = np.full_like(np.asarray(t.data), -1e4) if t.name.endswith("attn_sinks.weight") else np.asarray(t.data)
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
@@ -168,20 +168,6 @@ def test_sinks_change_the_logits(model, tmp_path, no_leaks):
     with Engine(tmp_path / "nosink.gguf", EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         logits = eng.forward_logits(case["prompt_ids"])
     assert float(np.abs(logits - reference_logits("gpt-oss")[: len(case["prompt_ids"])]).max()) > 1e-2
-
-
-def _copy_fields(reader, w, drop: str | None = None, value=None) -> None:
-    import gguf
-
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name == drop and value is None:
-            continue
-        v = value if f.name == drop else f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(f.name, v, vt, sub_type=f.types[-1])
-        else:
-            w.add_key_value(f.name, v, vt)
 
 
 @pytest.mark.parametrize("drop,word", [("rope.scaling.factor", "gpt-oss.rope.scaling.factor"),
@@ -200,11 +186,11 @@ def test_missing_metadata_is_one_line_naming_the_key(tmp_path, drop, word):
 def test_tensors_inconsistent_with_the_metadata_are_one_line(model, tmp_path, tensor, shape):
     import gguf
 
-    from tests.fixtures.tiny_gguf import write_gguf
+    from tests.fixtures.tiny_gguf import copy_fields, write_gguf
 
     reader = open_gguf(model)
     w = gguf.GGUFWriter(tmp_path / "bad.gguf", "gpt-oss")
-    _copy_fields(reader, w)
+    copy_fields(reader, w)
     for t in reader.tensors:
         data = np.zeros(shape, np.float32) if t.name == tensor else np.asarray(t.data)
         w.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.F32 if t.name == tensor else t.tensor_type)
@@ -217,11 +203,11 @@ def test_tensors_inconsistent_with_the_metadata_are_one_line(model, tmp_path, te
 def test_a_missing_sink_tensor_is_one_line(model, tmp_path):
     import gguf
 
-    from tests.fixtures.tiny_gguf import write_gguf
+    from tests.fixtures.tiny_gguf import copy_fields, write_gguf
 
     reader = open_gguf(model)
     w = gguf.GGUFWriter(tmp_path / "bad.gguf", "gpt-oss")
-    _copy_fields(reader, w)
+    copy_fields(reader, w)
     for t in reader.tensors:
         if t.name != "blk.2.attn_sinks.weight":
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)

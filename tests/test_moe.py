@@ -29,7 +29,7 @@ from tests.conftest import run_make_bench_model
 from tests.fixtures.arch_oracle import REF, assert_matches, reference_logits, tiny_models
 from tests.fixtures.decoding import assert_batch_is_alone
 from tests.fixtures.tiny_arch import MOE, N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
-from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_gguf import copy_fields, write_gguf
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
@@ -112,15 +112,7 @@ def test_expert_metadata_out_of_range_is_one_line_naming_the_key(tmp_path, arch,
     src = write_tiny_arch(tmp_path / "ok.gguf", arch)
     reader = open_gguf(src)
     w = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        v = value if f.name == key else f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(f.name, v, vt, sub_type=f.types[-1])
-        else:
-            w.add_key_value(f.name, v, vt)
+    copy_fields(reader, w, {key: value})
     for t in reader.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(d) for d in t.shape])),
                      raw_dtype=t.tensor_type)

@@ -17,7 +17,7 @@ from sparsecore.errors import ModelFileError
 from sparsecore.gguf_file import open_gguf
 from tests.fixtures.arch_oracle import REF, reference_logits
 from tests.fixtures.tiny_arch import write_tiny_arch
-from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_gguf import copy_fields, write_gguf
 from tests.fixtures.attention_ref import Layer, f32_matrix, rope_ref
 
 
@@ -131,15 +131,7 @@ def _rewrite(src, dst, tensors=None, fields=None):
 
     reader = open_gguf(src)
     w = gguf.GGUFWriter(dst, "olmoe")
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        v = (fields or {}).get(f.name, f.contents())
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(f.name, v, vt, sub_type=f.types[-1])
-        else:
-            w.add_key_value(f.name, v, vt)
+    copy_fields(reader, w, fields)
     for t in reader.tensors:
         a = np.asarray(t.data)
         if tensors and t.name in tensors:
