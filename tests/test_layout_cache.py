@@ -20,7 +20,7 @@ from coordinator.runtime.sampling import SamplingParams
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, interleaving, layout_cache
-from sparsecore.kernels.layout_cache import HEADER, LayoutCache, model_directory, prune_stale
+from sparsecore.kernels.layout_cache import HEADER, LAYOUT_VERSION, model_directory, prune_stale
 from sparsecore.tensors import TensorStore
 from tests.conftest import REPO, run_make_bench_model
 
@@ -153,8 +153,13 @@ def test_a_changed_model_or_level_has_another_directory(model, tmp_path):
         changed = model_directory(tmp_path, model, "avx2")
         assert changed != d and changed.parent == d.parent
         changed.mkdir(parents=True)
+        same_file_other_level = changed.with_name(changed.name.replace("-avx2-", "-generic-"))
+        other_layout = changed.with_name(changed.name.replace(f"-v{LAYOUT_VERSION}-", f"-v{LAYOUT_VERSION - 1}-"))
+        for extra in (same_file_other_level, other_layout):
+            extra.mkdir(parents=True)
         prune_stale(changed)
         assert not d.exists() and not other_level.exists() and changed.exists()  # the old version's, every level
+        assert same_file_other_level.exists() and not other_layout.exists()  # another layout version: never read
     finally:
         os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
 
