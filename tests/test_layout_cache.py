@@ -24,7 +24,6 @@ from sparsecore.kernels.layout_cache import HEADER, LAYOUT_VERSION, model_direct
 from sparsecore.tensors import TensorStore
 from tests.conftest import REPO, run_make_bench_model
 
-pytestmark = pytest.mark.skipif(not interleaving(2), reason="needs a level with interleaved Q4_0 rows")
 
 
 def _conversions(path: Path) -> dict[str, np.ndarray]:
@@ -34,13 +33,13 @@ def _conversions(path: Path) -> dict[str, np.ndarray]:
     thr = np.zeros(1, np.float32)
     own = range(32, 96)
     out = {
-        "x16": gate.for_fast_products(own),
         "r16": gate.interleave_blocks(),
         "held": gate.keep_rows(own).held_copy(),
         "cols": down.keep_columns(own),
-        "cols_x16": layout_cache_columns(down, own),
         "twin": gate.with_input_major(own, None, thr),
     }
+    if interleaving(2):  # X16 rows, where the level has them (not the portable C)
+        out |= {"x16": gate.for_fast_products(own), "cols_x16": layout_cache_columns(down, own)}
     return {k: (np.asarray(m.twin if k == "twin" else m.data).reshape(-1).copy(), m) for k, m in out.items()}
 
 
@@ -95,7 +94,7 @@ def test_products_on_mapped_layouts_equal_the_made_ones(model, tmp_path):
         _conversions(model)
     with layout_cache.using(tmp_path) as cache, cache.placing(False):
         mapped = _conversions(model)
-    for k in ("x16", "cols_x16", "cols", "held"):
+    for k in [k for k in ("x16", "cols_x16", "cols", "held") if k in plain]:
         assert isinstance(mapped[k][1].data.base, mmap_type()) or mapped[k][1].data.base is not None
         np.testing.assert_array_equal(_product(plain[k][1]), _product(mapped[k][1]))
 
@@ -164,6 +163,18 @@ def test_a_changed_model_or_level_has_another_directory(model, tmp_path):
         os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _nothing_copied(model, plan, want, monkeypatch) -> bool:
+    """At a level without repacked rows (the portable C) the FFN stays in the file's mapped pages:
+    the plan copies nothing there, and a run with just what it says must fit decodes the same
+    tokens. True where that is the case (the caller's check of mapped layouts does not apply)."""
+    if plan.ffn_copied:
+        return False
+    assert not interleaving(2)
+    monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous))
+    assert _generate(model, layout_cache="off") == want
+    return True
+
+
 def _mapped_layouts(pid: int) -> int:
     """How many layout cache files process `pid` has mapped."""
     return len({line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
@@ -194,7 +205,8 @@ def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeyp
     want = _generate(model, layout_cache="off")
     eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
     plan = eng.memory
-    assert plan.ffn_copied > 0
+    if _nothing_copied(model, plan, want, monkeypatch):
+        return
     monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.ffn_copied // 2))
     eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
     cold = cold_units(eng.memory, eng.store, eng.cfg)
@@ -232,6 +244,8 @@ def test_cold_experts_are_mapped_and_decode_the_same_tokens(tmp_path, tiny_model
     tmp_path = tmp_path / "layouts"
     want = _generate(model, layout_cache="off")
     plan = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True).memory
+    if _nothing_copied(model, plan, want, monkeypatch):
+        return
     monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.anonymous - plan.ffn_copied // 2))
     eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
     cold = cold_units(eng.memory, eng.store, eng.cfg)
@@ -249,6 +263,9 @@ def test_info_says_what_is_read_from_disk(model, tmp_path):
     r = subprocess.run([sys.executable, "-m", "coordinator", "info", "-m", str(model), "-t", "2", "--cpu-workers", "1"],
                        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr
+    if not plan.ffn_copied:  # the portable level copies nothing: all of it fits, nothing is cold
+        assert "  fits\n" in r.stdout and "cold " not in r.stdout, r.stdout
+        return
     assert "fits with" in r.stdout and "read from disk" in r.stdout and "cold " in r.stdout, r.stdout
 
 
