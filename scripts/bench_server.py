@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--arith", choices=["exact", "fast"], default="fast", help="ours: sparseinfer serve --arith")
     ap.add_argument("--llama-server", default=str(DEFAULT_LLAMA_SERVER),
                     help="llama.cpp's llama-server binary ('none': ours only)")
+    ap.add_argument("--spec", choices=("off", "ngram"), default=None,
+                    help="ours: sparseinfer serve --spec (default: the server's own, ngram)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -148,7 +150,8 @@ def main() -> None:
         port = free_port()
         servers.append(Server("sparseinfer", [sys.executable, "-m", "coordinator", "serve", "-m", a.model,
                                               "--port", str(port), "-t", str(a.threads), "--parallel", str(slots),
-                                              "--ctx", str(a.ctx), "--arith", a.arith, "--queue", "64"],
+                                              "--ctx", str(a.ctx), "--arith", a.arith, "--queue", "64",
+                                              *(["--spec", a.spec] if a.spec else [])],
                               f"http://127.0.0.1:{port}"))
         if a.llama_server != "none":
             if not Path(a.llama_server).exists():
