@@ -105,8 +105,8 @@ def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
     """One routed layer over every expert's whole range (a process alone) against transformers'
     GptOssMLP on the same weights, on inputs where the SwiGLU's clamp at 7 is met by many
     neurons (so a missing clamp, a bias or the gating's order would show)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch  # transformers is a test dependency (pyproject's test extra): no skip where it is missing
+    import transformers
     from sparsecore.kernels import FfnScratch
     from sparsecore.oai_experts import OaiExpertsLayer
     from sparsecore.tensors import TensorStore
@@ -134,7 +134,7 @@ def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
 
 
 def test_yarn_tables_match_transformers_and_truncation_matters():
-    torch = pytest.importorskip("torch")
+    import torch
     import transformers
 
     from sparsecore.rope import rope_tables
@@ -231,35 +231,27 @@ def test_mxfp4_experts_stay_in_the_file_s_blocks(model, capfd, no_leaks):
     assert "requantized" not in capfd.readouterr().err
 
 
-def test_bench_file_decodes_as_llama_cpp_does(tmp_path, tiny_model, no_leaks):
+def test_bench_file_decodes_as_llama_cpp_does(tmp_path, smollm2_path, no_leaks):
     """scripts/make_bench_model.py --arch gpt-oss (MXFP4 experts with biases, sinks, YaRN keys)
-    writes a file the engine decodes natively, and where llama-cpp-python and the bench
-    tokenizer's file are here (llama.cpp does not know the tiny vocabulary's pre-tokenizer),
-    llama.cpp reads the same file and picks the same greedy tokens (its own gpt-oss graph: an
-    implementation that is not ours)."""
-    from scripts.make_bench_model import DEFAULT_TOKENIZER
-    from tests.conftest import run_make_bench_model
+    writes a file the engine decodes natively, picking the greedy tokens llama.cpp picked on the
+    same file (its own gpt-oss graph: an implementation that is not ours), recorded by
+    scripts/make_llamacpp_reference.py: the file written now must be the one it read."""
+    import hashlib
 
+    from scripts.make_llamacpp_reference import GPT_OSS_BENCH_ARGS
+    from tests.conftest import run_make_bench_model
+    from tests.fixtures.arch_oracle import LLAMA_CPP_REF
+
+    rec = LLAMA_CPP_REF["gpt-oss"]
     path = tmp_path / "gpt-oss.gguf"
-    tok = DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.exists() else tiny_model
-    run_make_bench_model(["--shape", "tiny", "--arch", "gpt-oss", "--type", "q8_0", "--experts", "4",
-                          "--experts-used", "2", "--expert-ff", "128", "--quiet", "--tokenizer-from",
-                          str(tok), "-o", str(path)])
+    run_make_bench_model([*GPT_OSS_BENCH_ARGS, "--tokenizer-from", str(smollm2_path), "-o", str(path)])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["file_sha256"]
     types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == "MXFP4" and types["blk.1.attn_sinks.weight"] == "F32"
     with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         assert eng.cfg.arch == "gpt-oss" and all(s is not None for s in eng.model.native)
-        got = list(eng.generate([1, 2, 3], 6, stop_at_eos=False))
-    llama_cpp = pytest.importorskip("llama_cpp")
-    if tok != DEFAULT_TOKENIZER:
-        pytest.skip(f"{DEFAULT_TOKENIZER} is not here (scripts/setup-bench fetches it)")
-    m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False, logits_all=True)
-    m.eval([1, 2, 3])
-    want = []
-    for _ in range(6):
-        want.append(int(np.argmax(m.scores[m.n_tokens - 1])))
-        m.eval([want[-1]])
-    assert got == want
+        got = list(eng.generate(rec["prompt"], len(rec["greedy"]), stop_at_eos=False))
+    assert got == rec["greedy"]
 
 
 def test_the_coordinator_decodes_without_importing_torch(model):
