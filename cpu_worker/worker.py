@@ -28,7 +28,9 @@ from sparsecore.kernels import layout_cache
 from sparsecore.kv_pool import KvPool, KvShape
 from sparsecore.lifeline import Lifeline
 from sparsecore.lockstep import Abandoned, Lockstep
-from sparsecore.shard import ExpertsLayer, FfnShard, FileLayer
+from sparsecore.experts import ExpertsLayer
+from sparsecore.file_layer import FileLayer
+from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 
 IDLE_CHECK_MS = 500  # how often an idle worker checks that its coordinator still exists
@@ -76,7 +78,19 @@ class Worker:
             torch.set_num_threads(max(1, a.threads))
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
-        layout_cache.activate(layout_cache.level_directory(a.layout_cache, a.model_path))
+        with layout_cache.using(layout_cache.level_directory(a.layout_cache, a.model_path)):
+            self._load_weights(a, neurons, device, store)
+        release_header(store.reader)  # loaded: the header's pages need not stay resident here
+        self.slot = a.slot
+        # A worker that owns no neuron (the GPU worker on a machine without one, by default)
+        # is never asked for a step: it sleeps instead of spinning on a core others compute on.
+        spin_s = a.spin_us / 1e6 if self.shard.layers else 0.0
+        self.bell = WorkerBell(self.buffers, a.slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s,
+                               self.sock, self.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
+
+    def _load_weights(self, a: Assign, neurons: list, device, store: TensorStore) -> None:
+        """load's weights, each conversion from (or into) the model's layout cache: the FFN shard,
+        the attention's heads and the twins."""
         cold = np.frombuffer(a.cold_units, np.uint8).reshape(len(neurons), -1) if a.cold_units else None
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
                                    a.fast, a.predictor_path or None, a.interleave, cold)
@@ -92,13 +106,6 @@ class Worker:
             attach_twins(self.buffers.input_thresholds, a.input_major, layers,
                          self.attn.steps if self.attn is not None else None, self.shard.head,
                          self.buffers.head_threshold)
-        release_header(store.reader)  # loaded: the header's pages need not stay resident here
-        self.slot = a.slot
-        # A worker that owns no neuron (the GPU worker on a machine without one, by default)
-        # is never asked for a step: it sleeps instead of spinning on a core others compute on.
-        spin_s = a.spin_us / 1e6 if self.shard.layers else 0.0
-        self.bell = WorkerBell(self.buffers, a.slot, WakePipe(a.wake_pipe), WakePipe(a.coordinator_pipe), spin_s,
-                               self.sock, self.takes_part, self.lifeline.gone, IDLE_CHECK_MS)
 
     def takes_part(self, kind: StepKind, layer: int) -> bool:
         if kind is StepKind.LOCKSTEP:

@@ -71,7 +71,7 @@ FFN_ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  
 FFN_SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")  # its gate, a dense FFN
 
 # FFN kinds: "dense", one set of neurons per layer; "routed", E experts of n_ff_expert neurons
-# each, k chosen per token by a router (sparsecore/shard.py ExpertsLayer). Arch.ffn is one of
+# each, k chosen per token by a router (sparsecore/experts.py ExpertsLayer). Arch.ffn is one of
 # them, or "dense|routed": routed where the file carries {arch}.expert_count (Mixtral as llama).
 FFN_KINDS = ("dense", "routed")
 

@@ -1,4 +1,4 @@
-"""CATS thresholds of a routed layer's experts (sparsecore/shard.py ExpertsLayer): the forms a
+"""CATS thresholds of a routed layer's experts (sparsecore/experts.py ExpertsLayer): the forms a
 step's threshold takes, and where a process finds them.
 
 `sparseinfer calibrate` stores a threshold per (layer, expert) (coordinator/tools/calibrate.py

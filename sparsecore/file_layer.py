@@ -1,6 +1,6 @@
 """`FileLayer`: one layer's FFN neurons that a process owns, left in the model file's own blocks
 (or its repacked layouts) and computed on by the native kernels: its gate and up rows, its down
-columns; a dense layer, one routed expert (sparsecore/shard.py ExpertsLayer holds a layer's
+columns; a dense layer, one routed expert (sparsecore/experts.py ExpertsLayer holds a layer's
 experts as FileLayers) or a shared expert. Split from shard.py, which holds the shard of every
 layer and the step that serves them.
 """

@@ -48,7 +48,8 @@ from .kernels import (MAX_SMALL_BATCH, AttentionStep, _kernels, ptr,
                       residual_norm_args)
 from .kv_pool import KvPool
 from .expert_thresholds import step_threshold
-from .shard import ExpertsLayer, FileLayer
+from .experts import ExpertsLayer
+from .file_layer import FileLayer
 from .tensors import TensorStore
 
 NO_NORM = (0, 0)  # an exchange that normalizes nothing: (weights, bias) addresses

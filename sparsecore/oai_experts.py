@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import MAX_SMALL_BATCH
-from .shard import ExpertsLayer
+from .experts import ExpertsLayer
 
 SWIGLU_ALPHA = np.float32(1.702)  # gpt-oss's sigmoid gain (transformers' swiglu_alpha; llama.cpp's constant)
 
@@ -33,6 +33,12 @@ def route_softmax_weight(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     top = np.take_along_axis(logits, ids, axis=1)
     e = np.exp(top - top[:, :1])
     return ids, (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _dense_only(active, threshold) -> None:
+    """gpt-oss's experts decode densely: no predictor's mask, no CATS threshold (not calibrated)."""
+    if active is not None or threshold is not None:
+        raise ValueError("gpt-oss's experts decode densely within each chosen expert (no masks or thresholds)")
 
 
 class OaiRouter:
@@ -116,20 +122,17 @@ class OaiExpertsLayer(ExpertsLayer):
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        _dense_only(active, threshold)
         return self._rows(np.ascontiguousarray(x, dtype=np.float32)[None], out[None])
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        _dense_only(active, threshold)
         return self._rows(np.ascontiguousarray(x, dtype=np.float32), out)
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
              threshold: float | None) -> tuple[np.ndarray, int]:
-        if active is not None or threshold is not None:
-            raise ValueError("routed experts decode densely within each chosen expert (no masks or thresholds)")
+        _dense_only(active, threshold)
         xs = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty_like(xs)
         return y, self._rows(xs, y)

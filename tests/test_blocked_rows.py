@@ -210,7 +210,7 @@ def test_a_fast_powerinfer_engine_holds_every_row_it_reads(tmp_path, tensor_type
     blocks interleaved (where the CPU has VNNI) and its ffn_down_t rows copied as they are, none
     of them the file's pages; its logits stay within fast mode's tolerance of exact mode's."""
     from coordinator.runtime.engine import Engine, EngineOptions
-    from sparsecore.shard import FileLayer
+    from sparsecore.file_layer import FileLayer
     from tests.fixtures.tiny_powerinfer import write_tiny_powerinfer
 
     path = write_tiny_powerinfer(tmp_path / "tiny.powerinfer.gguf", tensor_type=tensor_type, rank=32)

@@ -274,7 +274,7 @@ def _fast_engine_interleaves(tiny_model_factory, tmp_path, tensor_type):
     from coordinator.runtime.model_files import save_thresholds
     from coordinator.tools import corpus
     from coordinator.tools.calibrate import calibrate
-    from sparsecore.shard import FileLayer
+    from sparsecore.file_layer import FileLayer
 
     path = tmp_path / "m.gguf"  # its own copy: the thresholds file goes beside it
     shutil.copy(tiny_model_factory(tensor_type=tensor_type), path)

@@ -315,7 +315,7 @@ def test_layers_run_in_place(tiny_model_factory, tensor_type):
     from sparsecore.attn_shard import native_attention
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
-    from sparsecore.shard import FileLayer
+    from sparsecore.file_layer import FileLayer
     from sparsecore.tensors import TensorStore
     path = tiny_model_factory(tensor_type=tensor_type)
     store = TensorStore(path, open_gguf(path))

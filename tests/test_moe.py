@@ -196,7 +196,7 @@ def test_profile_counts_routes_and_placement_predicts_the_routed_share(tmp_path,
     routes give, within 5 points."""
     from coordinator.runtime.placement import expert_placement, routed_share
     from coordinator.tools import corpus, profile
-    from sparsecore.shard import route
+    from sparsecore.experts import route
 
     path = tmp_path / "skew.gguf"
     run_make_bench_model(["--shape", "tiny", "--layers", "2", "--quiet", "--type", "q8_0", "--arch", "qwen3moe",

@@ -1,4 +1,4 @@
-"""CATS sparsity inside routed experts (sparsecore/shard.py ExpertsLayer, moe_step.c moe_token):
+"""CATS sparsity inside routed experts (sparsecore/experts.py ExpertsLayer, moe_step.c moe_token):
 each chosen expert skips the neurons whose |act(gate_e x)| is at or below that expert's own
 threshold, calibrated per (layer, expert) by `sparseinfer calibrate` (coordinator/tools/
 calibrate.py expert_levels) and carried to every process in shared memory.
@@ -19,7 +19,8 @@ from coordinator.runtime.model_files import save_thresholds, thresholds_path
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix
-from sparsecore.shard import ExpertsLayer, FfnShard, route
+from sparsecore.experts import ExpertsLayer, route
+from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 from tests.fixtures.tiny_arch import N_EXPERTS, N_FF_EXPERT, write_tiny_arch
 

@@ -36,7 +36,8 @@ from sparsecore.lm_head import head_tensor_name
 from sparsecore.lockstep import Lockstep
 from sparsecore.predictor_rows import has_predictors
 from sparsecore.rope import layer_tables
-from sparsecore.shard import ExpertsLayer, FileLayer
+from sparsecore.experts import ExpertsLayer
+from sparsecore.file_layer import FileLayer
 from sparsecore.tensors import TensorStore, conversion_notes
 
 from .. import set_torch_threads
@@ -46,7 +47,7 @@ from .engine_options import SPARSE_METHODS, EngineOptions, check
 from .memory_plan import fit_hints, plan_memory
 from .model_files import load_input_level, load_thresholds, profile_path
 from .model_fetch import cache_root
-from .residency import cold_bytes, cold_units, ffn_unit_bytes
+from .residency import cold_units
 from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
                         split_vocabulary, static_plan)
 from .worker_pool import WorkerPool
@@ -165,7 +166,6 @@ class EngineBuilder:
         # not all fit (coordinator/runtime/residency.py)
         self.layout_root = layout_root(opts.layout_cache, self.path) if opts.weights == "gguf" else ""
         self.cold = cold_units(self.memory, store, cfg, profile_path(self.path)) if self.layout_root else None
-        self.memory.cold = cold_bytes(self.memory, ffn_unit_bytes(store, cfg), self.cold)
         self.kv_pool = self.pool = self.ffn = self.head = self.model = self.twins = None
 
     def load_tokenizer(self) -> GGUFTokenizer:
@@ -183,7 +183,7 @@ class EngineBuilder:
     def start(self, launcher=None) -> None:
         """Refuse a plan that does not fit, then make the KV caches' shared memory, the worker
         pool, the FFN, the head, the model and the twins; closes what it made on failure."""
-        opts, cfg, store = self.opts, self.cfg, self.store
+        opts, cfg = self.opts, self.cfg
         notice = self.memory.check(self.path, fit_hints(self.memory, self.kv_shape, self.max_ctx,
                                                         self.memory.processes - 1), self.layout_root)
         if notice:

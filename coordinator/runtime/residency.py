@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from .memory_plan import MIB, MemoryPlan
+from .model_files import load_profile
+from .placement import expert_placement
 
 # Memory left to the page cache for the units read from disk: room for the next layer's part to
 # be read ahead while this one computes, and for the kernel's own readahead.
@@ -41,7 +43,8 @@ def ffn_unit_bytes(store, cfg) -> np.ndarray:
 
 def cold_units(plan: MemoryPlan, store, cfg, profile_file: Path | None = None) -> np.ndarray | None:
     """(n_layers, units per layer) uint8, 1 where the unit's layouts are mapped from the layout
-    cache; None where everything fits (or nothing can be left out: MemoryPlan.check refuses)."""
+    cache; None where everything fits (or nothing can be left out: MemoryPlan.check refuses).
+    The plan's `cold` row is set to the layout bytes that leaves mapped."""
     if plan.available is None or plan.anonymous <= plan.available or plan.ffn_copied <= 0:
         return None
     sizes = ffn_unit_bytes(store, cfg)
@@ -54,34 +57,24 @@ def cold_units(plan: MemoryPlan, store, cfg, profile_file: Path | None = None) -
     cold = np.ones(sizes.shape, np.uint8)
     freqs = _routing(profile_file, sizes.shape) if cfg.routed else None
     if freqs is not None:
-        from .placement import expert_placement
-
         kept = expert_placement(freqs, int(sizes.max()), keep_file)["experts"]
         for i, e in enumerate(kept):
             cold[i, e] = 0
-        return cold
-    used = 0
-    for flat in range(sizes.size):  # in order: the first layers (experts) kept
-        n = int(sizes.flat[flat])
-        if used + n > keep_file:
-            break
-        cold.flat[flat], used = 0, used + n
+    else:
+        used = 0
+        for flat in range(sizes.size):  # in order: the first layers (experts) kept
+            n = int(sizes.flat[flat])
+            if used + n > keep_file:
+                break
+            cold.flat[flat], used = 0, used + n
+    plan.cold = int(plan.ffn_copied * float(sizes[cold.astype(bool)].sum()) / total)
     return cold
-
-
-def cold_bytes(plan: MemoryPlan, sizes: np.ndarray, cold: np.ndarray | None) -> int:
-    """The plan's FFN layout bytes that `cold` leaves mapped."""
-    if cold is None:
-        return 0
-    return int(plan.ffn_copied * float(sizes[cold.astype(bool)].sum()) / max(1, int(sizes.sum())))
 
 
 def _routing(profile_file: Path | None, shape) -> list[np.ndarray] | None:
     """The profile's routing counts per layer, if it has them for this shape."""
     if profile_file is None or not Path(profile_file).exists():
         return None
-    from .model_files import load_profile
-
     try:
         prof = load_profile(profile_file)
     except ValueError:

@@ -61,7 +61,7 @@ def ffn_neuron_bytes(engine) -> float:
         from ..runtime.placement import neuron_bytes
 
         return neuron_bytes(cfg.hidden, engine.opts.weights)
-    from sparsecore.shard import FileLayer
+    from sparsecore.file_layer import FileLayer
 
     # Every layer's: a Q4_K_M file holds Q6_K ffn_down in some layers, Q4_K in the others (layer
     # 0's alone counted 1.054x the bytes on the 1.1B shape). PowerInfer files hold down
@@ -351,7 +351,7 @@ class ExpertActivity:
     def route(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The experts each row of x (T, hidden) goes to: (T, k) int32."""
         from sparsecore.kernels import FileMatrix
-        from sparsecore.shard import route
+        from sparsecore.experts import route
 
         router = FileMatrix(self._store.info(f"blk.{layer}.ffn_gate_inp.weight"))
         return route(router, x, self.k, self.renorm)[0]

@@ -110,7 +110,7 @@ class RouteCounter:
         self.tokens = np.zeros(cfg.n_layers, np.int64)
 
     def __call__(self, layer: int, x, *_rest) -> None:
-        from sparsecore.shard import route
+        from sparsecore.experts import route
 
         if self.biased is not None:
             ids, _ = self.biased[layer](np.asarray(x, dtype=np.float32), self.k)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _kernels
+from .formats import isa
 
 # Bump when any conversion's output bytes change for the same input (the kernels' build hash,
 # part of the directory's name, catches most of it; this catches a change in this file's rules).
@@ -80,8 +81,6 @@ def model_directory(root: Path, model_path: Path, isa: str) -> Path:
 
 def level_directory(root: str | Path, model_path: str | Path) -> Path | None:
     """This process's directory under `root` ("": None) for the model at the level it runs."""
-    from .formats import isa
-
     return model_directory(Path(root), Path(model_path), isa()) if root else None
 
 
@@ -222,7 +221,7 @@ class LayoutCache:
 
 
 
-active: LayoutCache | None = None  # the process's cache, if it has one (activate)
+active: LayoutCache | None = None  # the cache of the conversions being made now, if any (using)
 
 
 def read_ahead(maps: list) -> None:
@@ -251,10 +250,3 @@ def using(directory: str | Path | None):
 def placing(resident: bool):
     """The active cache's placing(resident), or nothing to do without one."""
     return active.placing(resident) if active is not None else contextlib.nullcontext()
-
-
-def activate(directory: str | Path | None) -> LayoutCache | None:
-    """Use a cache in `directory` for this process's conversions from now on (None or "": none)."""
-    global active
-    active = LayoutCache(directory) if directory else None
-    return active
