@@ -61,12 +61,22 @@ def test_made_once_then_read_back_with_the_same_bytes(model, tmp_path):
         made = sorted(tmp_path.glob("*.lay"))
         assert cache.misses == len(plain) and cache.hits == 0 and len(made) == len(plain)
     stamps = {p: p.stat().st_mtime_ns for p in made}
-    for resident in (True, False):
-        with layout_cache.using(tmp_path) as cache:
+    twin_bytes = plain["twin"][0].nbytes
+    for copy_held, resident in PLACEMENTS.values():
+        with layout_cache.using(tmp_path, copy_held) as cache:
             with cache.placing(resident):
                 again = _conversions(model)
             assert cache.hits == len(plain) and cache.misses == 0
-            assert (cache.mapped_bytes > 0) == (not resident) and (cache.resident_bytes > 0) == resident
+            # held: copied into memory, or mapped whole but for the twin (huge pages); cold: mapped
+            held_mapped, copied, cold = cache.held_mapped_bytes, cache.resident_bytes, cache.mapped_bytes
+            if not resident:
+                assert cold > 0 and copied == held_mapped == 0
+            elif copy_held:
+                assert copied > twin_bytes and held_mapped == cold == 0
+            else:
+                assert held_mapped > 0 and copied == twin_bytes and cold == 0
+                assert all(_mapped_file(m.data).endswith(".lay") for k, (_, m) in again.items() if k != "twin")
+                assert not _mapped_file(again["twin"][1].twin).endswith(".lay")
         for k, (data, m) in plain.items():
             same = (lambda a, b: np.array_equal(a[:40], b[:40]) and np.array_equal(a[64:], b[64:])) \
                 if k == "twin" else np.array_equal  # a twin's threshold address is each one's own
@@ -80,6 +90,10 @@ def test_made_once_then_read_back_with_the_same_bytes(model, tmp_path):
             else:
                 assert np.array_equal(got, data), k
     assert {p: p.stat().st_mtime_ns for p in made} == stamps  # nothing written again
+
+
+# how a test reads the cache back: (copy_held, placing(resident))
+PLACEMENTS = {"held-copied": (True, True), "held-mapped": (False, True), "cold": (False, False)}
 
 
 def _product(m: FileMatrix) -> np.ndarray:
@@ -99,15 +113,29 @@ def test_products_on_mapped_layouts_equal_the_made_ones(model, tmp_path):
         np.testing.assert_array_equal(_product(plain[k][1]), _product(mapped[k][1]))
 
 
+def _mapped_file(a: np.ndarray) -> str:
+    """The file whose mapping holds a's first byte ("" for anonymous memory), by /proc/self/maps."""
+    addr = a.ctypes.data
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return rest[4].strip() if len(rest) > 4 else ""
+    raise AssertionError(f"address {addr:#x} is in no mapping")
+
+
 def mmap_type():
     import mmap
 
     return mmap.mmap
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "data"])
-@pytest.mark.parametrize("resident", [True, False])
-def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, damage, resident):
+# A cold product's check reads one page in 64 (not all of what may stay on disk): damage on a
+# page it does not read is for the held placements, which sum all of it.
+@pytest.mark.parametrize("damage,placement", [(d, p) for d in ("truncate", "header", "data", "unsampled data")
+                                              for p in PLACEMENTS if d != "unsampled data" or p != "cold"])
+def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, damage, placement):
+    copy_held, resident = PLACEMENTS[placement]
     plain = _conversions(model)
     with layout_cache.using(tmp_path):
         _conversions(model)
@@ -120,13 +148,18 @@ def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, dama
             elif damage == "header":
                 f.seek(20)
                 f.write(b"\xff\xff\xff\xff")
+            elif damage == "unsampled data":  # the last byte but one page's: only a full check sees it
+                f.seek(size - 4096 - 1 if size > HEADER + 2 * 4096 else size - 1)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x5A]))
             else:  # the first data page: read by the full check and by the mapped one's sample
                 f.seek(HEADER)
                 b = f.read(1)
                 f.seek(HEADER)
                 f.write(bytes([b[0] ^ 0x5A]))
     capfd.readouterr()
-    with layout_cache.using(tmp_path) as cache, cache.placing(resident):
+    with layout_cache.using(tmp_path, copy_held) as cache, cache.placing(resident):
         again = _conversions(model)
     err = capfd.readouterr().err.splitlines()
     assert cache.rebuilt == len(files) and cache.hits == 0
@@ -175,17 +208,26 @@ def _nothing_copied(model, plan, want, monkeypatch) -> bool:
     return True
 
 
-def _mapped_layouts(pid: int) -> int:
-    """How many layout cache files process `pid` has mapped."""
-    return len({line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                if line.endswith(".lay")})
+def _mapped_layouts(pid: int, root: Path) -> tuple[int, int]:
+    """How many layout cache files under `root` process `pid` has mapped: (held, cold). A cold
+    unit's map is advised sequential (VmFlags "sr" in /proc/PID/smaps), a held one's is not."""
+    held, cold, path = set(), set(), None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line.endswith(".lay") and line.split()[-1].startswith(str(root)):
+            path = line.split()[-1]
+        elif line.startswith("VmFlags:"):
+            if path is not None:
+                (cold if "sr" in line.split()[1:] else held).add(path)
+            path = None
+    return len(held), len(cold)
 
 
 def _generate(path, n=12, maps: list | None = None, **kw):
     with Engine(path, EngineOptions(threads=2, cpu_workers=1, spin=False, **kw)) as eng:
         out = list(eng.generate([1, 2, 3, 4], n, SamplingParams(temperature=0.0), stop_at_eos=False))
         if maps is not None:
-            maps.extend(_mapped_layouts(pid) for pid in [os.getpid(), *(w.proc.pid for w in eng.pool.workers)])
+            maps.extend(_mapped_layouts(pid, kw["layout_cache"]) for pid in [os.getpid(),
+                                                                              *(w.proc.pid for w in eng.pool.workers)])
         return out
 
 
@@ -214,11 +256,12 @@ def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeyp
     for _ in range(2):  # cold (made and written), then warm (mapped from the files)
         maps = []
         assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-        assert all(n > 0 for n in maps), maps  # the coordinator's and the worker's cold parts are mapped
+        # the coordinator's and the worker's cold parts are mapped, what they hold read into memory
+        assert all(cold > 0 and held == 0 for held, cold in maps), maps
     monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE")
     maps = []
     assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-    assert maps == [0, 0]  # where everything fits, everything is read into memory
+    assert all(held > 0 and cold == 0 for held, cold in maps), maps  # where everything fits, all held mapped
     with pytest.raises(NotEnoughMemory, match="must stay in memory"):
         monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.must_stay - (1 << 20)))
         Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)))
@@ -253,7 +296,7 @@ def test_cold_experts_are_mapped_and_decode_the_same_tokens(tmp_path, tiny_model
     for _ in range(2):
         maps = []
         assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-        assert all(n > 0 for n in maps), maps
+        assert all(cold > 0 for _, cold in maps), maps
 
 
 

@@ -169,21 +169,25 @@ def test_info_prints_the_plan(tiny_model_factory):
 
 def test_the_plan_bounds_what_the_processes_hold(smollm2_path):
     """After a prompt and some tokens, the processes' private memory is no more than the plan's
-    anonymous bytes, and at least the weights it says they copy. In an interpreter of its own:
+    anonymous bytes, and with the layouts they map from the layout cache at least the weights it
+    says they copy. In an interpreter of its own:
     this one's memory holds what every earlier test of the session left (710 MB late in a full
     run against the plan's 689)."""
     script = f"""
 import json, os
 from coordinator.runtime.engine import Engine, EngineOptions
-from tests.fixtures.procs import status_bytes
+from tests.fixtures.procs import mapped_rss, status_bytes
 with Engine({str(smollm2_path)!r}, EngineOptions()) as eng:
     list(eng.generate(list(range(5, 200)), 16, stop_at_eos=False))
-    held = status_bytes(os.getpid(), "RssAnon") + sum(status_bytes(w.pid, "RssAnon") for w in eng.pool.workers)
+    pids = [os.getpid(), *(w.pid for w in eng.pool.workers)]
+    anon = sum(status_bytes(p, "RssAnon") for p in pids)
+    layouts = sum(mapped_rss(p, ".lay") for p in pids)
     plan = eng.memory
-print(json.dumps(dict(held=held, copied=plan.copied, converted=plan.converted, anonymous=plan.anonymous,
-                      lines=plan.lines())))
+print(json.dumps(dict(anon=anon, layouts=layouts, copied=plan.copied, converted=plan.converted,
+                      anonymous=plan.anonymous, lines=plan.lines())))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["copied"] + got["converted"] <= got["held"] <= got["anonymous"], got
+    assert got["layouts"] > 0, got  # everything fits: the held layouts are mapped from the cache
+    assert got["copied"] + got["converted"] <= got["anon"] + got["layouts"] <= got["anonymous"], got

@@ -206,7 +206,8 @@ class EngineBuilder:
             raise
         try:
             # our conversions, as the workers', from the cache (each process's directory is its level's)
-            with layout_cache.using(layout_cache.level_directory(self.layout_root, self.path)):
+            with layout_cache.using(layout_cache.level_directory(self.layout_root, self.path),
+                                    copy_held=self.cold is not None):
                 self._load(launcher)
         except BaseException:
             self.close()

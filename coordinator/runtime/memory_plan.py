@@ -70,7 +70,8 @@ class MemoryPlan:
 
     def rows(self) -> list[tuple[str, int, str]]:
         n = self.processes
-        return [("copied", self.copied, "weights repacked into each process's memory (interleaved layouts)"),
+        return [("copied", self.copied, "weights repacked for each process (interleaved layouts), mapped from "
+                                        "the layout cache (or copied without one)"),
                 ("twins", self.twins, "input-major copies for sparse decoding"),
                 ("converted", self.converted, "tensors with no native kernel, converted at load"),
                 ("kv", self.kv, "KV caches at full length, rope tables"),
