@@ -80,14 +80,23 @@ def test_cgroup_v2_limits_are_read_the_tightest_ancestor_first(tmp_path):
     assert free == 200 * mb and source.endswith("a/memory.max)")  # the parent's is the tighter
 
 
+def _down_bytes(path) -> int:
+    from sparsecore.gguf_file import open_gguf
+
+    return sum(int(t.n_bytes) for t in open_gguf(path).tensors if ".ffn_down." in t.name)
+
+
 def test_plan_counts_each_kind(tiny_model_factory):
     path = tiny_model_factory(tensor_type="Q4_0")
     fast, exact = _plan(path), _plan(path, fast=False)
     size = path.stat().st_size
-    # exact mode reads every matrix in place; fast mode copies the interleaved ones where the CPU takes them
-    assert exact.copied == 0 and 0.5 * size < exact.mapped <= size
+    # exact mode reads every matrix in place but down, whose columns the two processes holding
+    # neurons each copy a share of; fast mode copies the interleaved ones where the CPU takes them
+    assert exact.copied == _down_bytes(path) > 0 and 0.5 * size < exact.mapped + exact.copied <= size
     assert (fast.copied > 0.5 * size) == interleaving()
-    assert fast.copied + fast.mapped == exact.mapped
+    assert fast.copied + fast.mapped == exact.copied + exact.mapped
+    alone = _plan(path, fast=False, coordinator_share=0.0)
+    assert alone.copied == 0  # the worker holds every neuron, the coordinator none: nothing copied
     assert fast.runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME and fast.processes == 2
     # float copies of the weights compute in torch, which the coordinator then imports
     assert _plan(path, weights="f32").runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME + TORCH_RUNTIME

@@ -233,11 +233,18 @@ def _v1_free(base: Path, rel: str) -> tuple[int, str] | None:
     return best
 
 
+# Down matrices whose columns (one per neuron) a process holds a share of (FileLayer: columns_for)
+FFN_COLUMN_SHARES = (".ffn_down.", ".ffn_down_exps.", ".ffn_down_shexp.")
+
+
 def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_layout: str,
-                 sparse: bool) -> dict[str, tuple[str, int]]:
+                 sparse: bool, split_ffn: bool = False) -> dict[str, tuple[str, int]]:
     """{tensor name: (kind, bytes)} for the tensors a run reads: "copied", "converted" or
     "mapped", by the rules the loaders follow (FileMatrix.for_fast_products and
-    for_row_products; TensorStore's conversions)."""
+    for_row_products; TensorStore's conversions; layouts.columns_for). split_ffn: more than
+    one process holds FFN neurons, so each copies its share of down's columns (keep_columns,
+    in either mode and whatever the type: together the whole matrix), where a process holding
+    them all reads them in place."""
     from sparsecore.kernels import R16_TYPES, X16_TYPES, blocked_rows, interleaving, supports
     from sparsecore.tensors import converted_size
 
@@ -268,6 +275,8 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
             kind = "copied" if (sparse and int(t) in R16_TYPES and blocked_rows()) else "mapped"
         else:
             kind = "copied" if int(t) in X16_TYPES and interleaving(t) else "mapped"
+        if split_ffn and any(d in name for d in FFN_COLUMN_SHARES):
+            kind = "copied"
         out[name] = (kind, nbytes)
     return out
 
@@ -293,7 +302,8 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
             n = input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes))
             p.twins += n
             p.ffn_copied += n if ".ffn_" in name else 0
-    for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
+    for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse,
+                                             split_ffn=ffn_processes > 1).items():
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1
             p.converted += copies * nbytes
