@@ -52,16 +52,12 @@ class ExpertsLayer:
                              f"{cfg.n_experts}")
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
         self.experts = []
-        # cold experts' layouts stay mapped from the layout cache: their maps, per expert, are read
-        # ahead once a token has chosen them (token_into)
-        self.cold_maps: dict[int, list] = {}
-        cache = layout_cache.active
         for e in range(cfg.n_experts):
-            before = len(cache.maps) if cache is not None else 0
             with layout_cache.placing(cold is None or not cold[e]):
                 self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
-            if cache is not None and len(cache.maps) > before:
-                self.cold_maps[e] = cache.maps[before:]
+        # cold experts' layouts stay mapped from the layout cache: read ahead, per expert, once a
+        # token has chosen them (token_into)
+        self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f.cold_maps}
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)

@@ -116,6 +116,18 @@ class Lockstep:
         self._out_ptrs = NO_NORM if out_norm is None else (ptr(self.out_norm), 0 if out_norm_bias is None
                                                            else ptr(self.out_norm_bias))
         self._one: list[tuple | None] = [None] * n_layers
+        # Dense layers the memory plan left on disk, where the disk's readahead is large: each
+        # is read ahead as the layer before it starts (FileLayer.read_ahead), the first two as
+        # the step starts. A routed layer's chosen experts are read once its token is routed.
+        self.cold_reads = [ffn[i].read_ahead if isinstance(ffn[i], FileLayer) and ffn[i].reads_ahead else None
+                           for i in range(n_layers)]
+        self.reads_ahead = any(r is not None for r in self.cold_reads)
+
+    def _read_ahead(self, i: int) -> None:
+        """Layer i starts: the cold layer after it (and at the first layer, itself) is asked for."""
+        for j in (0, 1) if i == 0 else (i + 1,):
+            if j < len(self.cold_reads) and self.cold_reads[j] is not None:
+                self.cold_reads[j]()
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
         """For the participants' slot bitmask: the peers to wait for, and per parity the
@@ -225,6 +237,8 @@ class Lockstep:
         mine, hh, x = self.mine, self.h[:B], self.x[:B]
         n_active, phase = 0, 0
         for i, attn in enumerate(self.attn):
+            if self.reads_ahead:
+                self._read_ahead(i)
             phase += 1
             off = i * layer_bytes
             # a predictor reads the residual before the FFN norm: a parallel block's is the layer's input
@@ -261,6 +275,8 @@ class Lockstep:
         thresholds = self.buffers.thresholds
         n_active, phase = 0, 0
         for i in range(n):
+            if self.reads_ahead:
+                self._read_ahead(i)
             _, att, ffn = self._one_token_args(i)
             phase += 1
             args, k = att[phase & 1]

@@ -20,7 +20,8 @@ from coordinator.runtime.sampling import SamplingParams
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, interleaving, layout_cache
-from sparsecore.kernels.layout_cache import HEADER, LAYOUT_VERSION, model_directory, prune_stale
+from sparsecore.kernels.layout_cache import (HEADER, LARGE_READAHEAD_KB, LAYOUT_VERSION, LayoutCache, device_readahead_kb,
+                                             model_directory, prune_stale)
 from sparsecore.tensors import TensorStore
 from tests.conftest import REPO, run_make_bench_model
 
@@ -171,6 +172,67 @@ def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, dama
         assert cache.hits == len(files) and cache.rebuilt == 0
 
 
+def _resident_pages(m, n: int) -> int:
+    """How many of the first n bytes' pages of map m are in the page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-n // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_a_cold_layer_reads_ahead_all_of_its_files(model, tmp_path, monkeypatch):
+    """FileLayer.read_ahead (what Lockstep calls a layer early) brings every page of the
+    layer's mapped files into the page cache; a held layer maps nothing to read."""
+    import time
+
+    from sparsecore.file_layer import FileLayer
+    from sparsecore.kernels import FfnScratch
+
+    monkeypatch.setenv("SPARSEINFER_COLD_READS", "ahead")
+    store = TensorStore(model, open_gguf(model))
+    own = range(0, 128)
+    scratch = FfnScratch(store.shape("blk.0.ffn_gate.weight")[1], len(own))
+    with layout_cache.using(tmp_path):
+        FileLayer(store, 0, own, True, scratch)  # made and written
+    with layout_cache.using(tmp_path) as cache, cache.placing(False):
+        cold = FileLayer(store, 0, own, True, scratch)
+    assert cold.cold_maps and cold.reads_ahead
+    import mmap
+
+    for m, n in cold.cold_maps:  # unmapped from this process (clean pages: nothing lost), then
+        m.madvise(mmap.MADV_DONTNEED)  # out of the page cache
+    for p in tmp_path.glob("*.lay"):
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)  # just written: the kernel drops only pages already on disk
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    before = sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps)
+    cold.read_ahead()
+    total = sum(-(-(HEADER + n) // 4096) for _, n in cold.cold_maps)
+    deadline = time.monotonic() + 10
+    while sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps) < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert before < total and sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps) == total
+    with layout_cache.using(tmp_path):
+        held = FileLayer(store, 0, own, True, scratch)
+    assert held.cold_maps == [] and not held.reads_ahead
+
+
+def test_cold_reads_follow_the_disks_readahead_unless_told(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPARSEINFER_COLD_READS", raising=False)
+    ra = device_readahead_kb(tmp_path)
+    assert ra is None or ra > 0
+    assert LayoutCache(tmp_path / "a").reads_layers_ahead == (ra is not None and ra > LARGE_READAHEAD_KB)
+    for told, ahead in (("ahead", True), ("faults", False)):
+        monkeypatch.setenv("SPARSEINFER_COLD_READS", told)
+        assert LayoutCache(tmp_path / told).reads_layers_ahead is ahead
+
+
 def test_a_changed_model_or_level_has_another_directory(model, tmp_path):
     d = model_directory(tmp_path, model, "avx2")
     assert model_directory(tmp_path, model, "avx2") == d
@@ -223,7 +285,7 @@ def _mapped_layouts(pid: int, root: Path) -> tuple[int, int]:
 
 
 def _generate(path, n=12, maps: list | None = None, **kw):
-    with Engine(path, EngineOptions(threads=2, cpu_workers=1, spin=False, **kw)) as eng:
+    with Engine(path, EngineOptions(**{"threads": 2, "cpu_workers": 1, "spin": False, **kw})) as eng:
         out = list(eng.generate([1, 2, 3, 4], n, SamplingParams(temperature=0.0), stop_at_eos=False))
         if maps is not None:
             maps.extend(_mapped_layouts(pid, kw["layout_cache"]) for pid in [os.getpid(),
@@ -240,10 +302,13 @@ def test_an_engine_starts_warm_from_the_cache_with_the_same_tokens(model, tmp_pa
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.lay")} == files  # read, not made
 
 
-def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cold_reads", ["faults", "ahead"])
+def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeypatch, cold_reads):
     """Memory for all but part of the FFN's layouts: the plan maps the rest from the layout cache
-    (a one-line notice), and the tokens are the unlimited run's. Without a cache it refuses in
-    one line; with too little for what must stay it refuses too."""
+    (a one-line notice), and the tokens are the unlimited run's, whether cold layers are read by
+    their faults or ahead by the layer before. Without a cache it refuses in one line; with too
+    little for what must stay it refuses too."""
+    monkeypatch.setenv("SPARSEINFER_COLD_READS", cold_reads)
     want = _generate(model, layout_cache="off")
     eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
     plan = eng.memory
@@ -255,7 +320,8 @@ def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeyp
     assert cold is not None and cold.any() and cold.shape == (eng.cfg.n_layers, 1)
     for _ in range(2):  # cold (made and written), then warm (mapped from the files)
         maps = []
-        assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
+        # lockstep: where a cold layer is read ahead by the one before it (Lockstep.cold_reads)
+        assert _generate(model, maps=maps, layout_cache=str(tmp_path), decode_path="lockstep", spin=True) == want
         # the coordinator's and the worker's cold parts are mapped, what they hold read into memory
         assert all(cold > 0 and held == 0 for held, cold in maps), maps
     monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE")

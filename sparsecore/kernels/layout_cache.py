@@ -45,6 +45,14 @@ MAGIC = b"sparseinfer-lay1"
 _HEAD = struct.Struct("<16sIQQII")  # magic, version, nbytes, sum of all, crc of the sample, key length
 SAMPLE_STRIDE = 64 * 4096  # the mapped check reads one page in every 64 (and the last)
 COPY_CHUNK = 8 << 20
+# read_ahead asks for this much at a time: one MADV_WILLNEED reads no more than the device's
+# readahead window (or its largest request) of what it is given, the rest was left to faults
+READ_CHUNK = 256 << 10
+# Device readahead (read_ahead_kb) above which a cold dense layer is read ahead by the layer
+# before it rather than by its faults. This VM's virtio disk at its 8 MB: faults read the 1.45 GB
+# Q8_0 shape's cold layers at 0.66 GB/s (1.18 tok/s under 1000 MB), explicit reads one layer
+# ahead at 0.87 (1.52 tok/s); at 128 KB the faults' 1.1 GB/s (2.06 tok/s) beat them (1.51).
+LARGE_READAHEAD_KB = 1024
 
 
 def _sum_all(view, total: int = 0) -> int:
@@ -62,6 +70,16 @@ def _crc_sample(view: memoryview) -> int:
     for off in range(0, len(view), SAMPLE_STRIDE):
         crc = zlib.crc32(view[off:off + 4096], crc)
     return zlib.crc32(view[max(0, len(view) - 4096):], crc)
+
+
+def device_readahead_kb(path: Path) -> int | None:
+    """The readahead window, in KB, of the device holding `path` (its backing device's
+    read_ahead_kb in sysfs), or None where it cannot be read."""
+    try:
+        dev = os.stat(path).st_dev
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def kernels_build() -> str:
@@ -121,6 +139,12 @@ class LayoutCache:
         self.mapped_bytes = self.resident_bytes = self.held_mapped_bytes = 0
         self.maps: list[tuple[mmap.mmap, int]] = []  # mapped products: (map, data bytes), for prefetch
         self.writable = True
+        # whether a cold dense layer's files are read ahead explicitly (LARGE_READAHEAD_KB);
+        # $SPARSEINFER_COLD_READS=ahead|faults says so instead (tests take both paths anywhere)
+        forced = os.environ.get("SPARSEINFER_COLD_READS", "")
+        ra = device_readahead_kb(self.directory)
+        self.reads_layers_ahead = forced == "ahead" if forced in ("ahead", "faults") else \
+            ra is not None and ra > LARGE_READAHEAD_KB
 
     @contextlib.contextmanager
     def placing(self, resident: bool):
@@ -244,7 +268,8 @@ def read_ahead(maps: list) -> None:
     instead of one page fault after another."""
     for m, n in maps:
         with contextlib.suppress(OSError, ValueError):
-            m.madvise(mmap.MADV_WILLNEED, 0, HEADER + n)
+            for off in range(0, HEADER + n, READ_CHUNK):
+                m.madvise(mmap.MADV_WILLNEED, off, min(READ_CHUNK, HEADER + n - off))
 
 
 @contextlib.contextmanager
