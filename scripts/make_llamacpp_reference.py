@@ -13,6 +13,11 @@ writes now is that one):
          (its vocabulary check refuses the tiny one's "gpt2"; ids are given directly);
   gpt-oss: the bench file `make_bench_model.py --shape tiny --arch gpt-oss` with the SmolLM2
          tokenizer: llama.cpp's 6 greedy tokens after [1, 2, 3].
+  smallthinker: the tiny SmallThinker (tests/fixtures/tiny_smallthinker.py), sigmoid and softmax
+         gating, F32 KV cache: its greedy tokens after the fixture's prompt, the smallest gap
+         between the best and second logit of each greedy pick, and every position's logits
+         (tests/fixtures/llama_cpp_reference_logits.npz, "smallthinker-<gating>"); there is no
+         transformers class for it, so llama.cpp is its only oracle.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 OUT = REPO / "tests/fixtures/llama_cpp_reference.json"
+OUT_LOGITS = REPO / "tests/fixtures/llama_cpp_reference_logits.npz"
 GPT_OSS_BENCH_ARGS = ["--shape", "tiny", "--arch", "gpt-oss", "--type", "q8_0", "--experts", "4", "--experts-used", "2",
                       "--expert-ff", "128", "--quiet"]
 GPT_OSS_PROMPT, GPT_OSS_TOKENS = [1, 2, 3], 6
@@ -78,13 +84,34 @@ def gpt_oss(tmp: Path, llama_cpp) -> dict:
     return {"file_sha256": sha256(path), "prompt": GPT_OSS_PROMPT, "greedy": tokens}
 
 
+def smallthinker(tmp: Path, llama_cpp, gating: str, logits: dict) -> dict:
+    from tests.fixtures.tiny_smallthinker import N_GENERATED, PROMPT, write_tiny_smallthinker
+
+    path = write_tiny_smallthinker(tmp / f"smallthinker-{gating}.gguf", gating)
+    m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False, logits_all=True, type_k=0, type_v=0,
+                        flash_attn=False)
+    m.eval(PROMPT)
+    tokens = []
+    for _ in range(N_GENERATED):
+        tokens.append(int(np.argmax(m.scores[m.n_tokens - 1])))
+        m.eval([tokens[-1]])
+    rows = np.array(m.scores[:m.n_tokens], np.float32)
+    logits[f"smallthinker-{gating}"] = rows
+    picks = np.sort(rows[len(PROMPT) - 1:-1], axis=1)
+    return {"file_sha256": sha256(path), "prompt": PROMPT, "greedy": tokens,
+            "min_margin": float((picks[:, -1] - picks[:, -2]).min())}
+
+
 def main() -> None:
     import llama_cpp
 
+    logits: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as d:
         out = {"llama_cpp_python": llama_cpp.__version__, "olmoe": olmoe(Path(d), llama_cpp),
-               "gpt-oss": gpt_oss(Path(d), llama_cpp)}
+               "gpt-oss": gpt_oss(Path(d), llama_cpp),
+               "smallthinker": {g: smallthinker(Path(d), llama_cpp, g, logits) for g in ("sigmoid", "softmax")}}
     OUT.write_text(json.dumps(out, indent=1) + "\n")
+    np.savez_compressed(OUT_LOGITS, **logits)
     print(json.dumps(out, indent=1))
 
 

@@ -1,0 +1,224 @@
+"""SmallThinker (gguf arch `smallthinker`, PowerInfer's SmallThinker-4B-A0.6B / 21B-A3B) against
+llama.cpp, its only oracle (transformers has no class for it), through the real coordinator and
+worker processes.
+
+The tiny model (tests/fixtures/tiny_smallthinker.py: 5 layers, 8 experts of 64 neurons, 2
+chosen, sigmoid or softmax gating) was run by llama.cpp (llama-cpp-python, F32 KV cache) in
+scripts/make_llamacpp_reference.py: its greedy tokens and every position's logits are recorded
+(tests/fixtures/llama_cpp_reference.json, llama_cpp_reference_logits.npz) with the SHA-256 of the
+file it read, which the file written here must have. Exact arithmetic: ids equal, logits within
+LOGITS_ATOL (measured 2e-6 and 4.5e-6 with logits up to 4).
+
+What the comparison breaks on (each checked by changing the engine once: logits off by 0.9 to 4.4):
+the router scoring the FFN's input instead of the layer's; the file's window (4) instead of
+llama.cpp's 4096; rope on the NoPE layers 0 and 4; the sliding layers at rope.freq_base instead of
+rope.freq_base_swa; the top k not renormalized; SiLU instead of ReLU; the two gatings swapped.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import gguf
+import numpy as np
+import pytest
+
+from coordinator.runtime.engine import Engine, EngineOptions
+from coordinator.runtime.sampling import SamplingParams
+from sparsecore.config import read_config
+from sparsecore.errors import ModelFileError
+from sparsecore.experts import route
+from sparsecore.gguf_file import open_gguf
+from sparsecore.kernels import FileMatrix
+from sparsecore.shard import FfnShard
+from sparsecore.tensors import TensorStore
+from tests.fixtures.arch_oracle import FIXTURES, LLAMA_CPP_REF
+from tests.fixtures.decoding import assert_batch_is_alone
+from tests.fixtures.tiny_smallthinker import (N_EXPERTS, N_FF_EXPERT, N_LAYERS, N_USED, PROMPT, ROPE_BASE,
+                                              ROPE_BASE_SWA, write_tiny_smallthinker)
+
+GATINGS = ("sigmoid", "softmax")
+REC = LLAMA_CPP_REF["smallthinker"]
+LOGITS_ATOL = 1e-4
+
+
+def llama_cpp_logits(gating: str) -> np.ndarray:
+    return np.load(FIXTURES / "llama_cpp_reference_logits.npz")[f"smallthinker-{gating}"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("smallthinker")
+    return {g: write_tiny_smallthinker(d / f"tiny-smallthinker-{g}.gguf", g) for g in GATINGS}
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+def test_the_file_is_the_one_llama_cpp_read(models, gating):
+    assert hashlib.sha256(models[gating].read_bytes()).hexdigest() == REC[gating]["file_sha256"]
+    assert REC[gating]["prompt"] == PROMPT
+    assert llama_cpp_logits(gating).shape[0] == len(PROMPT) + len(REC[gating]["greedy"])
+    assert REC[gating]["min_margin"] > 1e-2  # no near-tie decides a greedy token
+
+
+def test_config_reads_smallthinker(models):
+    cfg = read_config(models["sigmoid"], open_gguf(models["sigmoid"]))
+    assert cfg.routed and (cfg.n_experts, cfg.n_experts_used, cfg.n_ff) == (N_EXPERTS, N_USED, N_FF_EXPERT)
+    assert cfg.expert_gating == "sigmoid" and cfg.expert_norm and cfg.router_reads_layer_input
+    assert cfg.activation == "relu" and cfg.ffn_gate == "par" and not cfg.permuted_qk  # ReGLU, neox rope
+    # the file says a window of 4: llama.cpp attends within 4096 on the sliding layers
+    assert cfg.sliding_window == 4096
+    assert [cfg.layer_window(i) for i in range(N_LAYERS)] == [None, 4096, 4096, 4096, None]
+    assert [cfg.layer_has_rope(i) for i in range(N_LAYERS)] == [False, True, True, True, False]
+    assert [cfg.layer_rope_base(i)[0] for i in range(1, 4)] == [ROPE_BASE_SWA] * 3
+    assert cfg.native_attention
+    softmax = read_config(models["softmax"], open_gguf(models["softmax"]))
+    assert softmax.expert_gating == "softmax"
+
+
+@pytest.mark.parametrize("n_layers,fields,sliding,rope", [
+    # pattern 2: layers 0, 2, 4 global; NoPE stays every 4th layer (llama.cpp's step is not the pattern)
+    (5, {"attention.sliding_window_pattern": 2}, [False, True, False, True, False], [False, True, True, True, False]),
+    # pattern 0: every layer slides (set_swa_pattern's n_pattern == 0)
+    (5, {"attention.sliding_window_pattern": 0}, [True] * 5, [False, True, True, True, False]),
+    # exactly 4 layers: llama.cpp ropes every layer (n_no_rope_layer_step == n_layer)
+    (4, {}, [False, True, True, True], [True] * 4),
+    # no window (or 0): every layer global, with rope
+    (5, {"attention.sliding_window": None}, [False] * 5, [True] * 5),
+    (5, {"attention.sliding_window": 0}, [False] * 5, [True] * 5)],
+    ids=["pattern-2", "pattern-0", "four-layers", "no-window", "window-0"])
+def test_the_layer_pattern_is_llama_cpps(tmp_path, n_layers, fields, sliding, rope):
+    path = write_tiny_smallthinker(tmp_path / "p.gguf", fields=fields, n_layers=n_layers)
+    cfg = read_config(path, open_gguf(path))
+    assert [cfg.layer_window(i) is not None for i in range(n_layers)] == sliding
+    assert [cfg.layer_has_rope(i) for i in range(n_layers)] == rope
+    # the sliding layers' base: rope.freq_base_swa; the global ones rope.freq_base
+    assert [cfg.layer_rope_base(i)[0] for i in range(n_layers)] == [ROPE_BASE_SWA if s else ROPE_BASE
+                                                                    for s in sliding]
+
+
+def _routes(eng, ids: list[int]) -> list[tuple[int, np.ndarray]]:
+    """Every layer's router input (the layer's input) for ids as a prompt, through the model's
+    FFN (its router_in argument)."""
+    seen, ffn = [], eng.model.ffn
+
+    def watch(i, x, before, decode=None, router_in=None):
+        seen.append((i, router_in.copy()))
+        return ffn(i, x, before, decode=decode, router_in=router_in)
+
+    eng.model.ffn = watch
+    try:
+        eng.forward_logits(ids)
+    finally:
+        eng.model.ffn = ffn
+    return seen
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+def test_the_reference_routes_with_a_margin(models, gating, no_leaks):
+    """Between every token's k-th and (k+1)-th router logit (sigmoid and softmax keep their
+    order) there is a gap far above float differences (1e-6): no near-tie decides a route."""
+    with Engine(models[gating], EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        seen = _routes(eng, PROMPT + REC[gating]["greedy"])
+        assert [i for i, _ in seen] == list(range(N_LAYERS))
+        gaps = []
+        for i, rows in seen:
+            w = eng.store.matrix(f"blk.{i}.ffn_gate_inp.weight").astype(np.float64)
+            logits = np.sort(rows.astype(np.float64) @ w.T, axis=1)
+            gaps.append(float((logits[:, -N_USED] - logits[:, -N_USED - 1]).min()))
+    assert min(gaps) > 1e-3
+
+
+@pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
+                         ids=["coordinator+worker", "split-attention", "lockstep", "worker-alone"])
+@pytest.mark.parametrize("gating", GATINGS)
+def test_greedy_and_logits_match_llama_cpp(models, gating, share, path, no_leaks):
+    """Each process computes its range of every chosen expert's neurons (32 / 32 with a worker),
+    routing each token itself from the layer's input (a posted step carries it after the FFN's;
+    a lockstep part copies its own); prompts group their tokens by expert. The decoded tokens
+    take the path asked; the prompt and the logits' sequence the per-layer steps."""
+    opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
+                         coordinator_share=share, adaptive_spin=False if path == "lockstep" else None)
+    want = REC[gating]["greedy"]
+    with Engine(models[gating], opts) as eng:
+        owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
+        assert sum(owned) == N_LAYERS * N_FF_EXPERT and sum(1 for n in owned if n) == (1 if share == 0.0 else 2)
+        assert all(step is not None for step in eng.model.native)  # NoPE layers too: native attention
+        assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
+                                                    "lockstep": "lockstep"}[path]
+        got = list(eng.generate(PROMPT, len(want), SamplingParams(temperature=0.0), stop_at_eos=False))
+        assert got == want
+        assert len(eng.ffn.stats.lockstep_us) == (len(want) - 1 if path == "lockstep" else 0)
+        logits = eng.forward_logits(PROMPT + want)
+    assert float(np.abs(logits - llama_cpp_logits(gating)).max()) < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(models, fast, no_leaks):
+    """Sequences decoded together route each row from its own layer input and share each chosen
+    expert's rows; every row's logits equal its sequence's decoded alone, bit for bit."""
+    prompts = [PROMPT, [5, 6, 7, 8, 9], [200, 3]]
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, kv_caches=2 * len(prompts) + 1)
+    with Engine(models["sigmoid"], opts) as eng:
+        assert_batch_is_alone(eng.model, prompts)
+
+
+def test_fast_arithmetic_decodes_close_to_exact(models, no_leaks):
+    """Fast mode (8-bit activations) on the F32 file: logits close to llama.cpp's exact ones."""
+    want = llama_cpp_logits("sigmoid")
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=True)) as eng:
+        logits = eng.forward_logits(PROMPT + REC["sigmoid"]["greedy"])
+    assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+def test_the_routing_kernel_gates_as_llama_cpp(models, gating, isa):
+    """moe_route with the architecture's gating at every level: sigmoid (or softmax) of the
+    router's logits, the top k by probability, their weights renormalized to sum 1."""
+    store = TensorStore(models[gating], open_gguf(models[gating]))
+    router = FileMatrix(store.info("blk.1.ffn_gate_inp.weight"))
+    w = store.matrix("blk.1.ffn_gate_inp.weight").astype(np.float64)
+    x = np.random.default_rng(1).standard_normal((6, w.shape[1])).astype(np.float32) * 0.35
+    ids, weights = route(router, x, N_USED, True, gating=gating)
+    logits = x.astype(np.float64) @ w.T
+    if gating == "sigmoid":
+        probs = 1 / (1 + np.exp(-logits))
+    else:
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+    top = np.argsort(-probs, axis=1)[:, :N_USED]
+    np.testing.assert_array_equal(ids, top)
+    chosen = np.take_along_axis(probs, top, 1)
+    np.testing.assert_allclose(weights, chosen / chosen.sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_a_routed_layer_refuses_to_route_without_the_layer_input(models):
+    """smallthinker's router scores the layer's input: the FFN input cannot stand in for it."""
+    shard = FfnShard.load(models["sigmoid"], [np.arange(N_FF_EXPERT)] * N_LAYERS, weights="gguf")
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match="layer's input"):
+        shard.layers[0].step(x, "relu", None, None)
+    y, _ = shard.layers[0].step(x, "relu", None, None, router_x=x * 0.5)
+    assert y.shape == x.shape
+
+
+@pytest.mark.parametrize("fields,word", [
+    ({"expert_gating_func": None}, "smallthinker.expert_gating_func is missing"),
+    ({"expert_gating_func": 3}, "smallthinker.expert_gating_func = 3: must be in 1..2 (1 softmax, 2 sigmoid)"),
+    ({"expert_gating_func": 0}, "smallthinker.expert_gating_func = 0"),
+    ({"expert_feed_forward_length": None}, "smallthinker.expert_feed_forward_length is missing"),
+    ({"expert_feed_forward_length": 32}, "blk.0.ffn_gate_exps.weight has shape [64, 64, 8], expected [64, 32, 8]"),
+    ({"attention.sliding_window_pattern": (-1, gguf.GGUFValueType.INT32)},
+     "smallthinker.attention.sliding_window_pattern = -1: must be in 0..4096"),
+    ({"attention.sliding_window_pattern": ("4", gguf.GGUFValueType.STRING)},
+     "smallthinker.attention.sliding_window_pattern has type STRING, expected an integer"),
+    ({"rope.freq_base_swa": -1.0}, "smallthinker.rope.freq_base_swa = -1.0: must be a finite positive number"),
+    ({"expert_used_count": 9}, "smallthinker.expert_used_count = 9")],
+    ids=["gating-missing", "gating-3", "gating-0", "expert-ff-missing", "expert-ff-vs-tensors", "pattern-negative",
+         "pattern-string", "swa-base", "used-count"])
+def test_bad_metadata_is_one_line_naming_the_key(tmp_path, fields, word):
+    bad = write_tiny_smallthinker(tmp_path / "bad.gguf", fields=fields)
+    with pytest.raises(ModelFileError) as e:
+        read_config(bad, open_gguf(bad))
+    assert word in str(e.value) and str(bad) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ModelFileError) as e:  # the engine says the same before it starts anything
+        Engine(bad, EngineOptions(cpu_workers=1, threads=2), plan_only=True)
+    assert word in str(e.value) and "\n" not in str(e.value)
