@@ -222,3 +222,60 @@ def test_bad_metadata_is_one_line_naming_the_key(tmp_path, fields, word):
     with pytest.raises(ModelFileError) as e:  # the engine says the same before it starts anything
         Engine(bad, EngineOptions(cpu_workers=1, threads=2), plan_only=True)
     assert word in str(e.value) and "\n" not in str(e.value)
+
+
+def test_profile_counts_the_routes_of_the_layer_input(models, no_leaks):
+    """`sparseinfer profile` routes each token as the engine does: from the layer's input (its
+    observer gets it beside the FFN's), which chooses other experts than the FFN input would."""
+    from coordinator.tools import profile
+
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2)) as eng:
+        seen = _routes(eng, PROMPT)
+        ffn_inputs = []
+        eng.ffn.observer = lambda layer, x, *_: ffn_inputs.append(x.copy())
+        eng.forward_logits(PROMPT)
+        eng.ffn.observer = None
+        counted = profile.collect(eng, [PROMPT])
+        differs = False
+        for (layer, rows), x, freqs in zip(seen, ffn_inputs, counted.freqs):
+            router = FileMatrix(eng.store.info(f"blk.{layer}.ffn_gate_inp.weight"))
+            count = lambda a: np.bincount(route(router, a, N_USED, True)[0].reshape(-1),  # noqa: E731
+                                          minlength=N_EXPERTS) / len(PROMPT)
+            np.testing.assert_allclose(freqs, count(rows))
+            differs |= not np.allclose(freqs, count(x))
+    assert differs  # routing the FFN's input would count other experts
+
+
+def test_calibrate_routes_the_layer_input(models, no_leaks):
+    """`sparseinfer calibrate`'s per-expert CATS levels are over the tokens each expert is chosen
+    for, routed from the layer's input: the median of |relu(gate_e x)| over those tokens' FFN
+    inputs x, for every expert chosen by at least 16 tokens (fewer: the layer's level)."""
+    from coordinator.tools import calibrate
+
+    rng = np.random.default_rng(0)
+    chunks = [[int(t) for t in rng.integers(3, 350, 16)] for _ in range(4)]
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2)) as eng:
+        table = calibrate.calibrate(eng, chunks, levels=(0.5,))
+        seen = [_routes(eng, c) for c in chunks]  # (layer, layer inputs) per chunk and layer
+        ffn_in = {i: [] for i in range(N_LAYERS)}
+        eng.ffn.observer = lambda layer, x, *_: ffn_in[layer].append(x.copy())
+        for c in chunks:
+            eng.forward_logits(c)
+        eng.ffn.observer = None
+        store = eng.store
+        checked = differs = 0
+        for layer in range(N_LAYERS):
+            router = FileMatrix(store.info(f"blk.{layer}.ffn_gate_inp.weight"))
+            xs = np.concatenate(ffn_in[layer])
+            ids = route(router, np.concatenate([s[layer][1] for s in seen]), N_USED, True)[0]
+            wrong = route(router, xs, N_USED, True)[0]
+            gates = store.matrix(f"blk.{layer}.ffn_gate_exps.weight")
+            (levels,) = table["expert_levels"].values()
+            for e in range(N_EXPERTS):
+                rows = np.flatnonzero((ids == e).any(axis=1))
+                differs += not np.array_equal(rows, np.flatnonzero((wrong == e).any(axis=1)))
+                if len(rows) >= calibrate.MIN_EXPERT_ROWS:
+                    mags = np.maximum(xs[rows].astype(np.float64) @ gates[e].T.astype(np.float64), 0)
+                    assert levels[layer][e] == pytest.approx(np.quantile(mags, 0.5), rel=1e-4, abs=1e-6)
+                    checked += 1
+    assert checked >= N_LAYERS and differs  # routing the FFN's input would pick other tokens

@@ -31,9 +31,10 @@ from .worker_pool import WorkerPool
 if TYPE_CHECKING:  # coordinator/model/predictor.py imports torch: only a run with predictors loads it
     from ..model.predictor import Predictors
 
-# observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)):
+# observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)[, the
+# router's input (T, hidden): only where the router scores the layer's input, smallthinker]):
 # calibration and profiling watch every FFN input through it (coordinator/tools/).
-Observer = Callable[[int, np.ndarray, np.ndarray], None]
+Observer = Callable[..., None]
 
 
 @dataclass
@@ -117,7 +118,7 @@ class SparseFfn:
         are a prompt). `router_in`: the layer's inputs (T, hidden) where the router scores them
         (smallthinker): a step of n tokens carries them in x[n:2n], after the FFN's inputs."""
         if self.observer is not None:
-            self.observer(layer, xs, pre_norm)
+            self.observer(layer, xs, pre_norm, *(() if router_in is None else (router_in,)))
         # Decoding is sparse when thresholds or predictors are set (each token its own active
         # set); prefill stays dense (a long prompt's tokens together activate nearly every
         # neuron) unless perplexity asks otherwise.
