@@ -279,3 +279,29 @@ def test_calibrate_routes_the_layer_input(models, no_leaks):
                     assert levels[layer][e] == pytest.approx(np.quantile(mags, 0.5), rel=1e-4, abs=1e-6)
                     checked += 1
     assert checked >= N_LAYERS and differs  # routing the FFN's input would pick other tokens
+
+
+def test_torch_attention_keeps_the_nope_layers_and_the_router_input(models, no_leaks):
+    """A prompt the quality tools watch (attn_observer) takes torch's attention on the
+    coordinator (coordinator/model/torch_layers.py): its NoPE layers' identity tables and the
+    router's copy of the layer input (taken before attention returns a new h) give llama.cpp's
+    logits there too."""
+    seen = []
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        eng.model.attn_observer = lambda layer, x, out: seen.append(layer)
+        logits = eng.forward_logits(PROMPT + REC["sigmoid"]["greedy"])
+    assert seen == list(range(N_LAYERS))  # the torch path ran, once per layer
+    assert float(np.abs(logits - llama_cpp_logits("sigmoid")).max()) < LOGITS_ATOL
+
+
+def test_embeddings_route_from_the_layer_input(models, no_leaks):
+    """Transformer.hidden_states (the embeddings endpoint) runs texts' FFNs together, each row
+    routed from its own layer input: a text's states are the same alone and beside another, and
+    through the head they are llama.cpp's logits of the prompt."""
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=False, kv_caches=3)) as eng:
+        m = eng.model
+        alone = m.hidden_states([PROMPT], [m.new_cache()])
+        both = m.hidden_states([PROMPT, [9, 8, 7]], [m.new_cache(), m.new_cache()])
+        logits = m.head(alone)
+    np.testing.assert_array_equal(both[:len(PROMPT)], alone)
+    assert float(np.abs(logits - llama_cpp_logits("sigmoid")[:len(PROMPT)]).max()) < LOGITS_ATOL
