@@ -305,3 +305,36 @@ def test_embeddings_route_from_the_layer_input(models, no_leaks):
         logits = m.head(alone)
     np.testing.assert_array_equal(both[:len(PROMPT)], alone)
     assert float(np.abs(logits - llama_cpp_logits("sigmoid")[:len(PROMPT)]).max()) < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("path", ["auto", "lockstep"])
+def test_relu_experts_skip_their_idle_neurons_exactly(models, tmp_path, path, no_leaks):
+    """ReGLU experts: a neuron whose relu(gate x) is 0 adds nothing, so CATS thresholds of 0
+    for every expert skip those neurons and decode llama.cpp's tokens and logits, computing
+    fewer neurons than the chosen experts hold (SmallThinker's own sparsity)."""
+    import json
+
+    from coordinator.tools import calibrate
+
+    level = "0.50"
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        table = calibrate.calibrate(eng, [PROMPT], levels=(0.5,))
+    table["levels"][level] = [0.0] * N_LAYERS
+    table["expert_levels"][level] = [[0.0] * N_EXPERTS] * N_LAYERS
+    tfile = tmp_path / "zero.thresholds.json"
+    tfile.write_text(json.dumps(table))
+    want = REC["sigmoid"]["greedy"]
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=False, sparsity=0.5, sparse_method="cats",
+                         thresholds_file=str(tfile), decode_path=path, kv_caches=2,
+                         adaptive_spin=False if path == "lockstep" else None)
+    with Engine(models["sigmoid"], opts) as eng:
+        assert (eng.pool.buffers.expert_thresholds == 0).all()
+        got = list(eng.generate(PROMPT, len(want), SamplingParams(temperature=0.0), stop_at_eos=False))
+        eng.reset()
+        eng.model.forward(PROMPT + want[:-1])  # a prompt: dense
+        eng.ffn.stats.clear_counts()
+        logits = eng.model.forward(want[-1:])  # a decoded token: its experts' active neurons only
+        computed = sum(eng.ffn.stats.active.values())
+    assert got == want
+    assert float(np.abs(logits[-1] - llama_cpp_logits("sigmoid")[-1]).max()) < LOGITS_ATOL
+    assert 0 < computed < 0.8 * N_LAYERS * N_USED * N_FF_EXPERT  # measured 324 of 640
