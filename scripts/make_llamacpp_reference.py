@@ -17,7 +17,9 @@ writes now is that one):
          gating, F32 KV cache: its greedy tokens after the fixture's prompt, the smallest gap
          between the best and second logit of each greedy pick, and every position's logits
          (tests/fixtures/llama_cpp_reference_logits.npz, "smallthinker-<gating>"); there is no
-         transformers class for it, so llama.cpp is its only oracle.
+         transformers class for it, so llama.cpp is its only oracle; and the bench file
+         `make_bench_model.py --shape tiny --arch smallthinker` (Q8_0, SmolLM2 tokenizer):
+         llama.cpp's 6 greedy tokens after [1, 2, 3] ("smallthinker-bench").
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ OUT_LOGITS = REPO / "tests/fixtures/llama_cpp_reference_logits.npz"
 GPT_OSS_BENCH_ARGS = ["--shape", "tiny", "--arch", "gpt-oss", "--type", "q8_0", "--experts", "4", "--experts-used", "2",
                       "--expert-ff", "128", "--quiet"]
 GPT_OSS_PROMPT, GPT_OSS_TOKENS = [1, 2, 3], 6
+SMALLTHINKER_BENCH_ARGS = ["--shape", "tiny", "--arch", "smallthinker", "--type", "q8_0", "--layers", "5",
+                           "--quiet"]
 
 
 def sha256(path: Path) -> str:
@@ -69,12 +73,13 @@ def olmoe(tmp: Path, llama_cpp) -> dict:
                                             == case["generated_ids"]).all())}
 
 
-def gpt_oss(tmp: Path, llama_cpp) -> dict:
+def bench_file(tmp: Path, llama_cpp, args: list[str], name: str) -> dict:
+    """llama.cpp's greedy tokens after GPT_OSS_PROMPT on the bench file `args` write."""
     from scripts.make_bench_model import DEFAULT_TOKENIZER
     from tests.conftest import run_make_bench_model
 
-    path = tmp / "gpt-oss.gguf"
-    run_make_bench_model([*GPT_OSS_BENCH_ARGS, "--tokenizer-from", str(DEFAULT_TOKENIZER), "-o", str(path)])
+    path = tmp / f"{name}.gguf"
+    run_make_bench_model([*args, "--tokenizer-from", str(DEFAULT_TOKENIZER), "-o", str(path)])
     m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False, logits_all=True)
     m.eval(GPT_OSS_PROMPT)
     tokens = []
@@ -108,8 +113,9 @@ def main() -> None:
     logits: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as d:
         out = {"llama_cpp_python": llama_cpp.__version__, "olmoe": olmoe(Path(d), llama_cpp),
-               "gpt-oss": gpt_oss(Path(d), llama_cpp),
-               "smallthinker": {g: smallthinker(Path(d), llama_cpp, g, logits) for g in ("sigmoid", "softmax")}}
+               "gpt-oss": bench_file(Path(d), llama_cpp, GPT_OSS_BENCH_ARGS, "gpt-oss"),
+               "smallthinker": {g: smallthinker(Path(d), llama_cpp, g, logits) for g in ("sigmoid", "softmax")},
+               "smallthinker-bench": bench_file(Path(d), llama_cpp, SMALLTHINKER_BENCH_ARGS, "smallthinker-bench")}
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     np.savez_compressed(OUT_LOGITS, **logits)
     print(json.dumps(out, indent=1))

@@ -338,3 +338,24 @@ def test_relu_experts_skip_their_idle_neurons_exactly(models, tmp_path, path, no
     assert got == want
     assert float(np.abs(logits[-1] - llama_cpp_logits("sigmoid")[-1]).max()) < LOGITS_ATOL
     assert 0 < computed < 0.8 * N_LAYERS * N_USED * N_FF_EXPERT  # measured 324 of 640
+
+
+def test_bench_file_decodes_as_llama_cpp_does(tmp_path, smollm2_path, no_leaks):
+    """scripts/make_bench_model.py --arch smallthinker (Q8_0, sigmoid routing, a window in the
+    file: llama.cpp's NoPE and sliding layers) writes a file the engine reads as llama.cpp does
+    and decodes, in fast mode (8-bit activations, as llama.cpp's Q8_0 products), to the greedy
+    tokens llama.cpp picked on it, recorded by scripts/make_llamacpp_reference.py."""
+    from scripts.make_llamacpp_reference import SMALLTHINKER_BENCH_ARGS
+    from tests.conftest import run_make_bench_model
+
+    rec = LLAMA_CPP_REF["smallthinker-bench"]
+    path = tmp_path / "smallthinker.gguf"
+    run_make_bench_model([*SMALLTHINKER_BENCH_ARGS, "--tokenizer-from", str(smollm2_path), "-o", str(path)])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["file_sha256"]
+    cfg = read_config(path, open_gguf(path))
+    assert cfg.expert_gating == "sigmoid" and cfg.router_reads_layer_input and cfg.activation == "relu"
+    assert [cfg.layer_has_rope(i) for i in range(5)] == [False, True, True, True, False]
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=True)) as eng:
+        assert all(s is not None for s in eng.model.native)
+        got = list(eng.generate(rec["prompt"], len(rec["greedy"]), stop_at_eos=False))
+    assert got == rec["greedy"]
