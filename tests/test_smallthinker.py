@@ -359,3 +359,15 @@ def test_bench_file_decodes_as_llama_cpp_does(tmp_path, smollm2_path, no_leaks):
         assert all(s is not None for s in eng.model.native)
         got = list(eng.generate(rec["prompt"], len(rec["greedy"]), stop_at_eos=False))
     assert got == rec["greedy"]
+
+
+def test_a_one_token_exchange_is_refused_in_one_line(models, no_leaks):
+    """A posted step carries the router's input after the FFN's, so an exchange needs room for
+    two rows a token: --max-batch 1 is refused before anything starts."""
+    with pytest.raises(ValueError) as e:
+        Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, max_batch=1), plan_only=True)
+    assert "--max-batch 1" in str(e.value) and "layer's input" in str(e.value) and "\n" not in str(e.value)
+    # 3 rows: a prompt goes one token an exchange, and still decodes llama.cpp's tokens
+    want = REC["sigmoid"]["greedy"]
+    with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=False, max_batch=3)) as eng:
+        assert list(eng.generate(PROMPT, len(want), SamplingParams(temperature=0.0), stop_at_eos=False)) == want
