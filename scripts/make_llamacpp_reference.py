@@ -19,7 +19,9 @@ writes now is that one):
          (tests/fixtures/llama_cpp_reference_logits.npz, "smallthinker-<gating>"); there is no
          transformers class for it, so llama.cpp is its only oracle; and the bench file
          `make_bench_model.py --shape tiny --arch smallthinker` (Q8_0, SmolLM2 tokenizer):
-         llama.cpp's 6 greedy tokens after [1, 2, 3] ("smallthinker-bench").
+         llama.cpp's 6 greedy tokens after [1, 2, 3] ("smallthinker-bench"); and the sigmoid
+         model's other layer patterns (tiny_smallthinker.PATTERNS): their logits of its sequence
+         ("smallthinker-patterns").
 """
 from __future__ import annotations
 
@@ -107,6 +109,22 @@ def smallthinker(tmp: Path, llama_cpp, gating: str, logits: dict) -> dict:
             "min_margin": float((picks[:, -1] - picks[:, -2]).min())}
 
 
+def smallthinker_patterns(tmp: Path, llama_cpp, ids: list[int], logits: dict) -> dict:
+    """Each of the tiny SmallThinker's other layer patterns (sigmoid gating): llama.cpp's logits of
+    `ids` and the SHA-256 of the file it read."""
+    from tests.fixtures.tiny_smallthinker import PATTERNS, write_tiny_smallthinker
+
+    out = {}
+    for name, kw in PATTERNS.items():
+        path = write_tiny_smallthinker(tmp / f"smallthinker-{name}.gguf", **kw)
+        m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False, logits_all=True, type_k=0, type_v=0,
+                            flash_attn=False)
+        m.eval(ids)
+        logits[f"smallthinker-{name}"] = np.array(m.scores[:len(ids)], np.float32)
+        out[name] = {"file_sha256": sha256(path), "ids": ids}
+    return out
+
+
 def main() -> None:
     import llama_cpp
 
@@ -116,6 +134,9 @@ def main() -> None:
                "gpt-oss": bench_file(Path(d), llama_cpp, GPT_OSS_BENCH_ARGS, "gpt-oss"),
                "smallthinker": {g: smallthinker(Path(d), llama_cpp, g, logits) for g in ("sigmoid", "softmax")},
                "smallthinker-bench": bench_file(Path(d), llama_cpp, SMALLTHINKER_BENCH_ARGS, "smallthinker-bench")}
+        sigmoid = out["smallthinker"]["sigmoid"]
+        out["smallthinker-patterns"] = smallthinker_patterns(Path(d), llama_cpp, sigmoid["prompt"] + sigmoid["greedy"],
+                                                             logits)
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     np.savez_compressed(OUT_LOGITS, **logits)
     print(json.dumps(out, indent=1))

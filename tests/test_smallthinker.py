@@ -33,7 +33,7 @@ from sparsecore.shard import FfnShard
 from sparsecore.tensors import TensorStore
 from tests.fixtures.arch_oracle import FIXTURES, LLAMA_CPP_REF
 from tests.fixtures.decoding import assert_batch_is_alone
-from tests.fixtures.tiny_smallthinker import (N_EXPERTS, N_FF_EXPERT, N_LAYERS, N_USED, PROMPT, ROPE_BASE,
+from tests.fixtures.tiny_smallthinker import (N_EXPERTS, N_FF_EXPERT, N_LAYERS, N_USED, PATTERNS, PROMPT, ROPE_BASE,
                                               ROPE_BASE_SWA, write_tiny_smallthinker)
 
 GATINGS = ("sigmoid", "softmax")
@@ -93,6 +93,21 @@ def test_the_layer_pattern_is_llama_cpps(tmp_path, n_layers, fields, sliding, ro
     # the sliding layers' base: rope.freq_base_swa; the global ones rope.freq_base
     assert [cfg.layer_rope_base(i)[0] for i in range(n_layers)] == [ROPE_BASE_SWA if s else ROPE_BASE
                                                                     for s in sliding]
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_other_layer_patterns_match_llama_cpp(tmp_path, pattern, no_leaks):
+    """The files of other layer patterns (tiny_smallthinker.PATTERNS: another period, period 0,
+    4 layers, no window, no sliding rope base) are the ones llama.cpp read, and their logits are
+    its (a layer read as sliding or not, with rope or not, against llama.cpp's reading, moves
+    them by far more than LOGITS_ATOL)."""
+    rec = LLAMA_CPP_REF["smallthinker-patterns"][pattern]
+    path = write_tiny_smallthinker(tmp_path / f"{pattern}.gguf", **PATTERNS[pattern])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["file_sha256"]
+    with Engine(path, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
+        logits = eng.forward_logits(rec["ids"])
+    want = np.load(FIXTURES / "llama_cpp_reference_logits.npz")[f"smallthinker-{pattern}"]
+    assert float(np.abs(logits - want).max()) < LOGITS_ATOL
 
 
 def _routes(eng, ids: list[int]) -> list[tuple[int, np.ndarray]]:
