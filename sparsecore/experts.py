@@ -67,9 +67,9 @@ class ExpertsLayer:
                              f"{cfg.n_experts}")
         self.k, self.renormalize, self.gating = cfg.n_experts_used, cfg.expert_norm, cfg.expert_gating
         self.router_reads_layer_input = cfg.router_reads_layer_input
-        # such a token is routed by moe_route on its router input first, then moe_token runs
-        # the experts it chose (MOE_ROUTED)
-        # (gpt-oss's gating is not the kernel's: OaiExpertsLayer routes in Python)
+        # moe_route's and moe_token's flags; where the router reads the layer's input, token_into
+        # routes that first and moe_token runs the experts it chose (MOE_ROUTED). gpt-oss's
+        # gating is not the kernel's: OaiExpertsLayer routes in Python.
         self.flags = 0 if self.gating == "softmax_weight" else \
             route_flags(self.renormalize, self.gating) | (MOE_ROUTED if self.router_reads_layer_input else 0)
         self.experts = []
