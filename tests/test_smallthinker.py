@@ -386,3 +386,22 @@ def test_a_one_token_exchange_is_refused_in_one_line(models, no_leaks):
     want = REC["sigmoid"]["greedy"]
     with Engine(models["sigmoid"], EngineOptions(cpu_workers=1, threads=2, fast=False, max_batch=3)) as eng:
         assert list(eng.generate(PROMPT, len(want), SamplingParams(temperature=0.0), stop_at_eos=False)) == want
+
+
+def test_the_coordinator_decodes_without_importing_torch(models):
+    """The NoPE layers' identity tables, the routers' copies of the layer input and the ReGLU
+    experts are all native or numpy: a coordinator decoding smallthinker never imports torch."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.fixtures.child_env import repo_env
+
+    code = ("import sys\nfrom coordinator.runtime.engine import Engine, EngineOptions\n"
+            f"with Engine({str(models['sigmoid'])!r}, EngineOptions(cpu_workers=1, threads=2)) as eng:\n"
+            f"    print(len(list(eng.generate({PROMPT!r}, 5, stop_at_eos=False))))\n"
+            "print('torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=repo_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["5", "False"]
