@@ -93,6 +93,10 @@ class Lockstep:
         self.half = min(MAX_SMALL_BATCH, buffers.layout.max_tokens // 2)  # rows of one phase parity
         self.h = np.empty((self.half, hidden), np.float32)  # this process's copy of the residuals
         self.x = np.empty((self.half, hidden), np.float32)  # the FFN's normed input
+        # smallthinker: the layers' inputs, copied before the attention phase adds to them, which
+        # their routers score (ExpertsLayer.router_reads_layer_input); None where no router does
+        self.router_in = np.empty((self.half, hidden), np.float32) if any(
+            isinstance(w, ExpertsLayer) and w.router_reads_layer_input for w in ffn.values()) else None
         out = buffers.out
         self.mine = [out[slot, p * self.half:(p + 1) * self.half] for p in (0, 1)]
         self.words = buffers.slots
@@ -243,17 +247,21 @@ class Lockstep:
             off = i * layer_bytes
             # a predictor reads the residual before the FFN norm: a parallel block's is the layer's input
             active = self.predict[i].mask_for(hh[0]) if predict and self.parallel else None
+            w = self.ffn[i]
+            routing = {}
+            if self.router_in is not None and w.router_reads_layer_input:  # before the exchange adds to hh
+                self.router_in[:B] = hh
+                routing = {"router_x": self.router_in[0] if B == 1 else self.router_in[:B]}
             attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
             self._exchange(base + phase, peers, sums[phase & 1], B, self._attn_norm(i), check, self.post[i][0])
-            w = self.ffn[i]
             if predict and not self.parallel:
                 active = self.predict[i].mask_for(hh[0])
             t = step_threshold(w, self.buffers, i) if threshold else None
             phase += 1
             if B == 1:
-                n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
+                n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0], **routing)
             else:
-                n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
+                n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B], **routing)
             self._exchange(base + phase, peers, sums[phase & 1], B, self._ffn_norm(i, last_norm), check,
                            self.post[i][1])
         h[:] = hh
@@ -281,12 +289,17 @@ class Lockstep:
             phase += 1
             args, k = att[phase & 1]
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
+            routing = {}
+            if ffn is None and self.router_in is not None and self.ffn[i].router_reads_layer_input:
+                self.router_in[0] = self.h[0]  # the layer's input, before the exchange adds to it
+                routing = {"router_x": self.router_in[0]}
             _kernels.attn_part(*args)
             self._exchange(base + phase, peers, sums[phase & 1], 1, self._attn_norm(i), check, self.post[i][0])
             phase += 1
             if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
                 t = step_threshold(self.ffn[i], self.buffers, i) if threshold else None
-                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, t, self.mine[phase & 1][0])
+                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, t, self.mine[phase & 1][0],
+                                                   **routing)
             else:
                 call = ffn[phase & 1]
                 call.threshold = float(thresholds[i]) if threshold else -1.0
