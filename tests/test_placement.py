@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.runtime.placement import Plan, WorkerShard, static_plan
+from coordinator.runtime.placement import Plan, WorkerShard, split_vocabulary, static_plan
 
 COMBOS = [  # (n_layers, n_ff, gpu_share, n_cpu_workers)
     (2, 160, 0.4, 2),
@@ -104,3 +104,19 @@ def test_static_plan_coordinator_share(n_ff, gpu_share, n_cpu, coord):
 def test_static_plan_coordinator_share_invalid(coord):
     with pytest.raises(ValueError, match="coordinator share"):
         static_plan(2, 160, 0.0, 1, coord)
+
+
+def test_head_rows_follow_the_intended_shares_not_the_block_cuts():
+    """A K-quant expert's 768 neurons cut on 256-neuron blocks go 512/256 to two processes; the
+    head's rows follow the even split they were meant to have (its own phase would otherwise
+    wait on the bigger share), and still only processes that hold neurons get rows."""
+    cut = static_plan(2, 768, 0.0, 1, 0.5, 256)
+    meant = static_plan(2, 768, 0.0, 1, 0.5, 1)
+    loads = sorted(sum(len(n) for n in s.neurons) for s in cut.shards if any(len(n) for n in s.neurons))
+    assert loads == [512, 1024]  # two layers of 256 and 512
+    by_cut = split_vocabulary(cut, 49152, 1 << 20)
+    even = split_vocabulary(cut, 49152, 1 << 20, meant)
+    assert sorted(by_cut) == sorted(even) == [1, 2]  # the worker with neurons and the coordinator
+    rows = lambda split: sorted(b - a for a, b in split.values())  # noqa: E731
+    assert rows(by_cut) == [16384, 32768] and rows(even) == [24576, 24576]
+    assert sorted(even.values())[0][0] == 0 and sorted(even.values())[-1][1] == 49152

@@ -103,17 +103,22 @@ def default_coordinator_share(cuda: bool, n_cpu: int, per_worker: int) -> float:
     return 0.0 if cuda else 1.0 / (1 + n_cpu * per_worker)
 
 
-def split_vocabulary(plan: Plan, n_vocab: int, slot_capacity: int) -> dict[int, tuple[int, int]]:
+def split_vocabulary(plan: Plan, n_vocab: int, slot_capacity: int,
+                     shares: Plan | None = None) -> dict[int, tuple[int, int]]:
     """The lm_head's vocabulary rows per slot, [start, stop), in proportion to the FFN neurons
-    each process computes, for plans with a coordinator shard (the last slot, which takes the
-    last rows). Empty (the coordinator computes the whole head) when there is no coordinator
-    shard, nobody to share with, or a worker's rows would not fit its output slot of
-    `slot_capacity` floats."""
+    each process computes (or, `shares`, is meant to: the same plan before its cuts were put on
+    block edges), for plans with a coordinator shard (the last slot, which takes the last
+    rows). Empty (the coordinator computes the whole head) when there is no coordinator shard,
+    nobody to share with, or a worker's rows would not fit its output slot of `slot_capacity`
+    floats."""
     if not plan.shards or plan.shards[-1].role != "coordinator":
         return {}
     own = len(plan.shards) - 1
     slots = [slot for slot, sh in enumerate(plan.shards[:-1]) if any(len(n) for n in sh.neurons)] + [own]
-    load = np.array([sum(len(n) for n in plan.shards[slot].neurons) for slot in slots], dtype=np.float64)
+    by = shares if shares is not None and len(shares.shards) == len(plan.shards) else plan
+    load = np.array([sum(len(n) for n in by.shards[slot].neurons) for slot in slots], dtype=np.float64)
+    if load.sum() <= 0:
+        return {}
     # cuts on multiples of 16 rows: a share then starts on a group of interleaved rows (FileMatrix.interleave)
     cuts = np.concatenate([[0], np.round(np.cumsum(load) / load.sum() * n_vocab / 16) * 16]).astype(int)
     cuts = np.minimum(cuts, n_vocab)
