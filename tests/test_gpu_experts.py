@@ -24,6 +24,7 @@ from coordinator.runtime.engine import Engine, EngineOptions
 from coordinator.runtime.memory_plan import plan_memory
 from coordinator.runtime.model_files import PROFILE_FORMAT, Profile, profile_path, save_profile
 from coordinator.runtime.placement import expert_placement, expert_plan, gpu_expert_bytes
+from coordinator.serve.metrics import routed_metrics
 from sparsecore.config import read_config
 from sparsecore.experts import route
 from sparsecore.gguf_file import open_gguf
@@ -69,6 +70,7 @@ def run(path, observe: bool = False, **opts):
         if observe:
             eng.ffn.observer = lambda layer, x, *_: seen.append((layer, np.array(x)))
         toks = list(eng.generate(PROMPT, N_NEW, stop_at_eos=False))
+        assert eng.routed_work() == {**eng.stats()["routed"]}  # one run since the start: the same counts
         held = {w.role: np.frombuffer(w.experts, np.uint8).reshape(eng.cfg.n_layers, -1).astype(bool)
                 for w in eng.pool.workers}
         devices = {w.role: w.device for w in eng.pool.workers}
@@ -116,6 +118,13 @@ def test_the_gpu_worker_owns_the_most_routed_experts_and_the_tokens_do_not_chang
     assert by_role["cpu"]["routes"] == by_role["coordinator"]["routes"] == total - on_gpu
     assert by_role["gpu"]["share"] == pytest.approx(on_gpu / total)
     assert routed["predicted_share"] == pytest.approx(expected["predicted_share"])
+    # the server's metrics carry the same counts
+    families = {f.name: f for f in routed_metrics(routed)}
+    assert families["sparseinfer_routed_choices"].samples[0].value == total
+    assert {tuple(s.labels.values()): s.value for s in families["sparseinfer_routed_choices_computed"].samples} == {
+        ("gpu", "0"): on_gpu, ("cpu", "1"): total - on_gpu, ("coordinator", "2"): total - on_gpu}
+    assert families["sparseinfer_routed_share_predicted"].samples[0].value == pytest.approx(
+        expected["predicted_share"])
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
