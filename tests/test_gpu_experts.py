@@ -225,3 +225,6 @@ def test_generate_reports_the_measured_share_beside_infos_prediction(profiled, n
                          capture_output=True, text=True, timeout=300, cwd=REPO, env=repo_env())
     assert bad.returncode != 0 and "holds no expert" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+    negative = subprocess.run(cli + ["info", "-m", str(path), "--vram-budget", "-1"], capture_output=True, text=True,
+                              timeout=300, cwd=REPO, env=repo_env())
+    assert negative.returncode != 0 and negative.stderr.strip() == "error: --vram-budget -1.0: a budget cannot be negative"

@@ -88,7 +88,8 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 
-    check_values(ENGINE_OPTION_NAMES, ctx=ctx)  # the plan's context, as given (not capped at the trained one)
+    # the plan's context, as given (not capped at the trained one); the budget as generate checks it
+    check_values(ENGINE_OPTION_NAMES, ctx=ctx, vram_budget_gb=vram_budget_gb)
     path, _, _ = check_engine_args(model, threads, cpu_workers, None)
     reader = open_gguf(path)
     cfg = read_config(path, reader)
