@@ -32,6 +32,7 @@ from sparsecore.kernels import FileMatrix
 from sparsecore.tensors import TensorStore
 from tests.conftest import REPO
 from tests.fixtures.child_env import repo_env
+from tests.fixtures.decoding import assert_batch_is_alone
 from tests.fixtures.tiny_arch import N_EXPERTS, N_FF_EXPERT, write_tiny_arch
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -140,6 +141,23 @@ def test_the_torch_expert_path_gives_the_same_tokens(profiled, arch, no_leaks):
     total, on_gpu = routes_on(path, cfg, seen, placed["experts"])
     gpu = next(p for p in stats["routed"]["processes"] if p["role"] == "gpu")
     assert stats["routed"]["routes"] == total and gpu["routes"] == on_gpu
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_a_continuous_batch_under_a_budget_decodes_each_sequence_as_alone(profiled, arch, fast, no_leaks):
+    """The server's batches group tokens by expert in every process, each computing only the
+    experts it owns: every row's logits equal its sequence's decoded alone, bit for bit."""
+    path, cfg, _ = profiled[arch]
+    prompts = [PROMPT, [9, 8, 7, 6], [20, 21, 22, 23, 24, 25]]
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, gpu_device="cpu", kv_caches=2 * len(prompts) + 1,
+                         vram_budget_gb=budget_gib(path, cfg, "gguf", N_PLACED))
+    with Engine(path, opts) as eng:
+        assert eng.expert_placement["placed"] == N_PLACED
+        assert_batch_is_alone(eng.model, prompts)
+        routed = eng.routed_work()
+        gpu = next(p for p in routed["processes"] if p["role"] == "gpu")
+        assert 0 < gpu["routes"] < routed["routes"]
 
 
 def test_a_budget_over_every_expert_leaves_the_cpu_side_the_shared_expert(profiled, no_leaks):
