@@ -91,12 +91,10 @@ class ExpertsLayer:
             self.shared_gate = np.ascontiguousarray(
                 store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
+        # an owned expert (any: they share shapes and types; its record sets up the token step), or
+        # None where the process holds only a share of the shared expert here
+        self.first: FileLayer | None = next((e for e in self.experts if e is not None), None)
         self._tabulate()
-
-    @property
-    def first(self) -> FileLayer | None:
-        """An owned expert (any: they share shapes and types), or None where none is."""
-        return next((e for e in self.experts if e is not None), None)
 
     def _tabulate(self) -> None:
         """Every expert's gate, up and down as mat records, looked up by the native token step;
