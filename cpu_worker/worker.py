@@ -79,7 +79,8 @@ class Worker:
             torch.set_num_threads(max(1, a.threads))
         neurons = [np.frombuffer(raw, dtype=np.int32) for raw in a.neurons]
         store = TensorStore(a.model_path, open_gguf(a.model_path, vocabulary=False))  # it tokenizes nothing
-        with layout_cache.using(layout_cache.level_directory(a.layout_cache, a.model_path)):
+        with layout_cache.using(layout_cache.level_directory(a.layout_cache, a.model_path),
+                                copy_held=bool(a.cold_units)):
             self._load_weights(a, neurons, device, store)
         release_header(store.reader)  # loaded: the header's pages need not stay resident here
         self.slot = a.slot

@@ -6,6 +6,7 @@
     python scripts/make_bench_model.py --shape 1.1b --type q3_k_m   # by llama.cpp's quantizer
     python scripts/make_bench_model.py --shape 1.1b --type q4_k_m --arch qwen3
     python scripts/make_bench_model.py --shape 20b --type q8_0 --arch gpt-oss --layers 4
+    python scripts/make_bench_model.py --shape 4b-a0.6b --type q4_0 --arch smallthinker
 
 --arch writes the shape as another architecture's file (sparsecore/arch.py), with what its
 attention adds: qwen2 Q/K/V biases (rope base 1e6); qwen3 per-head Q/K norms (rope base 1e6);
@@ -15,7 +16,10 @@ attention and routed experts (--experts, --experts-used, --expert-ff; the 30b-a3
 Qwen3-30B-A3B's) stacked as ffn_{gate,up,down}_exps with the router ffn_gate_inp (--router-skew:
 some experts routed far more often than others, for placement to find); gpt-oss its attention
 (Q/K/V/O biases, sinks, a window of 128 on the even layers, YaRN keys) and routed experts with
-biases, the experts MXFP4 whatever --type (the 20b shape has gpt-oss-20b's). The extra tensors
+biases, the experts MXFP4 whatever --type (the 20b shape has gpt-oss-20b's); smallthinker llama's
+attention (a window of 4096 in the file: llama.cpp's NoPE layer every 4th, the others sliding) and
+ReGLU experts routed from the layer's input with sigmoid gating (the 4b-a0.6b shape has
+SmallThinker-4B-A0.6B's: 32 experts of 768, 4 used). The extra tensors
 (biases, norms, the router, sinks) are F32, as llama.cpp's quantizer leaves them.
 
 Shapes: tiny (2 layers, hidden 256, for tests), 1.1b (TinyLlama), 3b (OpenLLaMA 3B), 7b
@@ -90,8 +94,11 @@ SHAPES = {
     # llama.cpp's MXFP4 files; --layers 4 for a file of its shape that fits anywhere)
     "20b": dict(hidden=2880, n_ff=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=32,
                 n_experts_used=4, expert_ff=2880),
+    # SmallThinker-4B-A0.6B (--arch smallthinker)
+    "4b-a0.6b": dict(hidden=1536, n_ff=768, n_layers=32, n_heads=12, n_kv_heads=2, head_dim=128, n_experts=32,
+                     n_experts_used=4, expert_ff=768),
 }
-MOE_ARCHS = ("qwen3moe", "gpt-oss")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "smallthinker")
 FILE_TYPES = {"f16": FT.MOSTLY_F16, "q8_0": FT.MOSTLY_Q8_0, "q4_0": FT.MOSTLY_Q4_0,
               "q4_k_m": FT.MOSTLY_Q4_K_M}
 # llama.cpp's file types (llama_cpp.LLAMA_FTYPE_MOSTLY_<NAME>) made by its quantizer from an f16 file
@@ -250,7 +257,7 @@ def tensor_specs(a) -> list[Spec]:
             for n, shape, scale in (("gate", (E, f), 0.1), ("up", (E, f), 0.1), ("down", (E, h), 0.01)):
                 specs.append(Spec(p + f"ffn_{n}_exps.bias", shape, QT.F32, normal(shape, scale, len(specs))))
             continue
-        if a.arch == "qwen3moe":  # the router, then the experts stacked on an outer axis
+        if a.arch in ("qwen3moe", "smallthinker"):  # the router, then the experts stacked on an outer axis
             E, f = a.n_experts, a.expert_ff
             specs.append(Spec(p + "ffn_gate_inp.weight", (E, h), QT.F32,
                               _skewed(normal((E, h), 1 / np.sqrt(h), len(specs)), a.router_skew, a.seed, i)))
@@ -406,6 +413,9 @@ def write_own(a, report: bool = True) -> Path:
         w.add_expert_count(a.n_experts)
         w.add_expert_used_count(a.n_experts_used)
         w.add_expert_feed_forward_length(a.expert_ff)
+    if a.arch == "smallthinker":  # SmallThinkerModel's keys: sigmoid routing (no router softmax), the window
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_sliding_window(4096)
     if a.arch == "gemma3":
         w.add_sliding_window(512)
     w.add_vocab_size(a.vocab)
@@ -461,13 +471,14 @@ def parse_args(argv=None):
     ap.add_argument("--rank", type=int, help="--relu: predictor rank (default hidden/4, a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", dest="head_dim", type=int, help="default hidden / heads")
-    ap.add_argument("--experts", dest="n_experts", type=int, help="qwen3moe: experts per layer")
-    ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="qwen3moe: experts per token")
-    ap.add_argument("--expert-ff", dest="expert_ff", type=int, help="qwen3moe: one expert's neurons")
+    ap.add_argument("--experts", dest="n_experts", type=int, help="routed archs: experts per layer")
+    ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="routed archs: experts per token")
+    ap.add_argument("--expert-ff", dest="expert_ff", type=int, help="routed archs: one expert's neurons")
     ap.add_argument("--router-skew", type=float, default=0.0,
-                    help="qwen3moe: router rows scaled by (rank + 1)^-skew (0.35: the top quarter of experts takes "
+                    help="routed archs: router rows scaled by (rank + 1)^-skew (0.35: the top quarter of experts takes "
                          "about 60%% of the routes); 0: uniform")
-    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss"], default="llama",
+    ap.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "smallthinker"],
+                    default="llama",
                     help="the file's architecture: what its attention adds to llama's (module doc)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)

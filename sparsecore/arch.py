@@ -54,6 +54,19 @@ which decides the tensors' layout:
   k of its logits and a softmax over those k (llama.cpp's "softmax_weight" gating); experts with
   biases and the clamped SwiGLU: g = min(gate, 7), u = clamp(up, -7, 7),
   (u + 1) * g * sigmoid(1.702 g). Experts in MXFP4, a native type (IQ4_NL-like).
+- smallthinker (PowerInfer's SmallThinker-4B-A0.6B / 21B-A3B; llama.cpp's LLM_ARCH_SMALLTHINKER):
+  llama's attention with neox rope (no permutation); every FFN routed: the router `ffn_gate_inp`
+  scores the layer's INPUT (the residual before attn_norm, computed before the attention), not
+  the FFN's normed input; `expert_gating_func` in the file says softmax (1) or sigmoid (2) of
+  its logits; the top k renormalized to sum 1 (build_moe_ffn's norm_w, fixed true);
+  `expert_weights_scale` is not read (llama.cpp's smallthinker ignores it); ReGLU experts,
+  relu(gate x) * (up x), `expert_feed_forward_length` neurons each. Where the file has
+  `attention.sliding_window` > 0, llama.cpp makes layers 0, n, 2n, ... (n:
+  `attention.sliding_window_pattern`, default 4) global and WITHOUT rope (NoPE: every 4th
+  layer, n_no_rope_layer_step's default, also when n is not 4), the others sliding within a
+  window of 4096 whatever the file's value (it overwrites n_swa), rope base
+  `rope.freq_base_swa` (default: rope.freq_base) on the sliding layers; without a window every
+  layer is global with rope.
 - granite (IBM Granite 3.x): llama plus four scalars: embeddings times `embedding_scale`, every
   block's attention and FFN outputs times `residual_scale` before the residual, softmax scale
   `attention.scale`, logits divided by `logit_scale`.
@@ -74,6 +87,10 @@ FFN_SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_
 # each, k chosen per token by a router (sparsecore/experts.py ExpertsLayer). Arch.ffn is one of
 # them, or "dense|routed": routed where the file carries {arch}.expert_count (Mixtral as llama).
 FFN_KINDS = ("dense", "routed")
+
+# {arch}.expert_gating_func's values (llama.cpp's llama_expert_gating_func_type) that a file may
+# name, and the gating each is
+EXPERT_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,18 @@ class Arch:
     attn_sinks: bool = False
     yarn_truncate: bool = True
     ffn_norm_name: str = "ffn_norm"  # what the file calls the FFN's input norm (shown as ffn_norm)
+    # smallthinker: the gating named by the file's {arch}.expert_gating_func (EXPERT_GATING_FUNCS);
+    # the router reads the layer's input; the sliding pattern's global layers come first in
+    # each group of sliding_pattern (layer 0 global); sliding layers attend within this fixed
+    # window whatever the file says; every no_rope_step-th layer (0 first) has no rope where the
+    # file has a window; the sliding layers' rope base rope.freq_base_swa, default the global one
+    gating_from_file: bool = False
+    router_reads_layer_input: bool = False
+    sliding_global_first: bool = False
+    sliding_window_fixed: int | None = None
+    no_rope_step: int | None = None
+    rope_base_swa_key: bool = False
+    expert_ff_required: bool = False  # routed: {arch}.expert_feed_forward_length must be in the file
 
     def routed(self, has_expert_count: bool) -> bool:
         """Whether a file of this family with (or without) {arch}.expert_count has routed FFNs."""
@@ -170,6 +199,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          fused_qkv=True, parallel=True),
     Arch("gpt-oss", ffn="routed", expert_gating="softmax_weight", expert_bias=True, swiglu_limit=7.0,
          attn_sinks=True, sliding_pattern=2, yarn_truncate=False, ffn_norm_name="post_attention_norm"),
+    Arch("smallthinker", ffn="routed", activation="relu", expert_norm=True, gating_from_file=True,
+         router_reads_layer_input=True, sliding_pattern=4, sliding_global_first=True, sliding_window_fixed=4096,
+         no_rope_step=4, rope_base_swa_key=True, expert_ff_required=True),
     Arch("granite", embed_scale="embedding_scale", residual_scale_key="residual_scale",
          attn_scale_key="attention.scale", logit_scale_key="logit_scale", **_LLAMA),
 )}

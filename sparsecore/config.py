@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from .arch import ARCHS, SUPPORTED_ARCHS, Arch  # noqa: F401 (SUPPORTED_ARCHS: re-exported)
+from .arch import ARCHS, EXPERT_GATING_FUNCS, SUPPORTED_ARCHS, Arch  # noqa: F401 (SUPPORTED_ARCHS: re-exported)
 from .errors import ModelFileError
 from .gguf_check import check_model_metadata
 from .gguf_file import field_value
@@ -43,6 +43,7 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
     sliding_window: int | None = None  # attend to the last this-many positions (sliding layers)
     sliding_layers: tuple[bool, ...] = ()  # per layer: uses the window (empty: every layer if any)
+    rope_layers: tuple[bool, ...] = ()  # per layer: applies rope (empty: every layer; smallthinker's NoPE layers)
     rope_base_swa: float | None = None  # rope base of the sliding layers; None = rope_base
     rope_scale: float = 1.0  # linear rope scaling factor of the global layers
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
@@ -60,8 +61,10 @@ class ModelConfig:
     expert_norm: bool = False  # the chosen experts' weights renormalized to sum 1
     n_ff_shared: int = 0  # the shared expert's neurons (a multiple of n_ff), 0: none
     # gpt-oss (sparsecore/arch.py): "softmax_weight", the top k router logits (router bias
-    # included), then a softmax over those k; experts with biases and the clamped SwiGLU
+    # included), then a softmax over those k; experts with biases and the clamped SwiGLU;
+    # smallthinker: "softmax" or "sigmoid", as its file's expert_gating_func says
     expert_gating: str = "softmax"
+    router_reads_layer_input: bool = False  # smallthinker: the router scores the layer's input, not the FFN's
     expert_bias: bool = False
     swiglu_limit: float | None = None  # the clamped SwiGLU's limit (alpha 1.702, as llama.cpp)
     attn_sinks: bool = False  # blk.N.attn_sinks: one logit per head in the softmax's denominator
@@ -91,6 +94,10 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[i]):
             return None
         return self.sliding_window
+
+    def layer_has_rope(self, i: int) -> bool:
+        """Whether layer i rotates Q and K (smallthinker's NoPE layers do not)."""
+        return not self.rope_layers or self.rope_layers[i]
 
     def layer_rope_base(self, i: int) -> tuple[float, float]:
         """(rope base, linear scale) of layer i: gemma3's sliding layers have their own base."""
@@ -134,7 +141,16 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         _require(path, reader, p + "attention.sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None  # phi3 writes 0 for none
     sliding: tuple[bool, ...] = ()
-    if spec.sliding_pattern is not None:
+    rope_layers: tuple[bool, ...] = ()
+    if spec.sliding_global_first:  # smallthinker: as llama.cpp, only where the file has a window
+        if window is not None:
+            window = spec.sliding_window_fixed or window
+            n = int(field_value(reader, p + "attention.sliding_window_pattern", spec.sliding_pattern))
+            sliding = tuple(n == 0 or i % n != 0 for i in range(n_layers))  # set_swa_pattern(n, dense_first)
+            step = spec.no_rope_step
+            if step != n_layers:  # llama.cpp's use_rope: n_no_rope_layer_step == n_layer || il % step != 0
+                rope_layers = tuple(i % step != 0 for i in range(n_layers))
+    elif spec.sliding_pattern is not None:
         pattern = field_value(reader, p + "attention.sliding_window_pattern")
         if isinstance(pattern, (list, tuple)):  # one bool per layer (newer converters)
             sliding = tuple(bool(b) for b in pattern)
@@ -165,8 +181,11 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
                        expert_norm=spec.expert_norm)
         if spec.shared_expert:
             experts["n_ff_shared"] = int(_require(path, reader, p + "expert_shared_feed_forward_length"))
-        experts.update(expert_gating=spec.expert_gating, expert_bias=spec.expert_bias,
-                       swiglu_limit=spec.swiglu_limit)
+        gating = spec.expert_gating
+        if spec.gating_from_file:  # checked by check_model_metadata
+            gating = EXPERT_GATING_FUNCS[int(_require(path, reader, p + "expert_gating_func"))]
+        experts.update(expert_gating=gating, expert_bias=spec.expert_bias, swiglu_limit=spec.swiglu_limit,
+                       router_reads_layer_input=spec.router_reads_layer_input)
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -192,8 +211,8 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         attn_scale=attn_scale,
         sliding_window=window,
         sliding_layers=sliding,
-        rope_base_swa=(float(field_value(reader, p + "rope.freq_base_swa", spec.rope_base_swa))
-                       if spec.rope_base_swa is not None else None),
+        rope_layers=rope_layers,
+        rope_base_swa=_rope_base_swa(reader, p, spec, bool(sliding)),
         rope_scale=rope_scale,
         final_logit_softcap=float(cap) if cap else None,
         ffn_gate=spec.ffn_gate,
@@ -206,6 +225,16 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         rope_yarn=_yarn(path, reader, p, spec),
         **experts,
     )
+
+
+def _rope_base_swa(reader: GGUFReader, p: str, spec: Arch, sliding: bool) -> float | None:
+    """The sliding layers' rope base: gemma3's own default, or (smallthinker, where layers slide)
+    the global base unless the file says rope.freq_base_swa, as llama.cpp reads them."""
+    if spec.rope_base_swa is not None:
+        return float(field_value(reader, p + "rope.freq_base_swa", spec.rope_base_swa))
+    if spec.rope_base_swa_key and sliding:
+        return float(field_value(reader, p + "rope.freq_base_swa", field_value(reader, p + "rope.freq_base", 10000.0)))
+    return None
 
 
 def _yarn(path: Path, reader: GGUFReader, p: str, spec: Arch) -> tuple | None:

@@ -17,19 +17,32 @@ from .kernels import layout_cache
 from .tensors import TensorStore
 
 
+# moe_step.c's routing flags
+MOE_RENORM, MOE_SIGMOID, MOE_ROUTED = 1, 2, 4
+
+
+def route_flags(renormalize: bool, gating: str = "softmax") -> int:
+    """moe_route's flags for a model's routing (ModelConfig.expert_norm, .expert_gating)."""
+    if gating not in ("softmax", "sigmoid"):
+        raise ValueError(f"the routing kernel computes softmax or sigmoid gating, not {gating!r}")
+    return (MOE_RENORM if renormalize else 0) | (MOE_SIGMOID if gating == "sigmoid" else 0)
+
+
 def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
-          probs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+          probs: np.ndarray | None = None, gating: str = "softmax") -> tuple[np.ndarray, np.ndarray]:
     """The k experts of each row of x (T, hidden) and their weights, (T, k) int32 and float32,
     by the kernel the token step routes with (moe_step.c moe_route): what a process computes,
-    and what `sparseinfer profile` counts. router: ffn_gate_inp, one row per expert."""
+    and what `sparseinfer profile` counts. router: ffn_gate_inp, one row per expert; x: what it
+    scores (the FFN's input, or smallthinker's layer input); gating: softmax or sigmoid."""
     T, E = len(x), router.rows
     xs = np.ascontiguousarray(x, dtype=np.float32)
     if xs.ndim != 2 or xs.shape[1] != router.cols or not 1 <= k <= E:
         raise ValueError(f"routing {xs.shape} inputs over {E} experts of width {router.cols}, top {k}")
     probs = np.empty(E, np.float32) if probs is None else probs
     ids, weights = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+    flags = route_flags(renormalize, gating)
     for t in range(T):
-        _kernels.moe_route(*router.args, ptr(xs[t]), xs.shape[1], E, k, int(renormalize), ptr(probs), ptr(ids[t]),
+        _kernels.moe_route(*router.args, ptr(xs[t]), xs.shape[1], E, k, flags, ptr(probs), ptr(ids[t]),
                            ptr(weights[t]))
     return ids, weights
 
@@ -43,8 +56,10 @@ class ExpertsLayer:
     the same experts: no routing crosses the wire), and computes its share of the chosen experts
     it owns, each times its weight:
         y = sum over the token's k experts e, owned, of w_e * down_e[:, own] (act(gate_e[own] x) * up_e[own] x)
-    Routing as llama.cpp's build_moe_ffn: softmax of router . x, the top k (ties to the lower
-    index), renormalized to sum 1 where the architecture says (qwen3moe).
+    Routing as llama.cpp's build_moe_ffn: softmax (or sigmoid: smallthinker's file may say) of
+    router . x, the top k (ties to the lower index), renormalized to sum 1 where the architecture
+    says (qwen3moe). smallthinker's router scores the layer's input instead of x (`router_x` of
+    the steps, which the caller must then pass: x cannot stand in for it).
     `counts` (E int64) counts the chosen experts computed here, token by token: the measured
     routed share (count_into points it at the process's row of shared memory)."""
 
@@ -57,25 +72,27 @@ class ExpertsLayer:
         if self.router.rows != cfg.n_experts:
             raise ValueError(f"blk.{layer}.ffn_gate_inp.weight scores {self.router.rows} experts, the file says "
                              f"{cfg.n_experts}")
-        self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        self.k, self.renormalize, self.gating = cfg.n_experts_used, cfg.expert_norm, cfg.expert_gating
+        self.router_reads_layer_input = cfg.router_reads_layer_input
+        # moe_route's and moe_token's flags; where the router reads the layer's input, token_into
+        # routes that first and moe_token runs the experts it chose (MOE_ROUTED). gpt-oss's
+        # gating is not the kernel's: OaiExpertsLayer routes in Python.
+        self.flags = 0 if self.gating == "softmax_weight" else \
+            route_flags(self.renormalize, self.gating) | (MOE_ROUTED if self.router_reads_layer_input else 0)
         self.owned = np.ones(cfg.n_experts, bool) if owned is None else np.asarray(owned, bool)
         if self.owned.shape != (cfg.n_experts,):
             raise ValueError(f"layer {layer}: an ownership of {self.owned.shape} experts, the file has {cfg.n_experts}")
         self.counts = np.zeros(cfg.n_experts, np.int64)
         self.experts: list[FileLayer | None] = []  # None: an expert another process computes
-        # cold experts' layouts stay mapped from the layout cache: their maps, per expert, are read
-        # ahead once a token has chosen them (token_into)
-        self.cold_maps: dict[int, list] = {}
-        cache = layout_cache.active
         for e in range(cfg.n_experts):
             if not self.owned[e]:
                 self.experts.append(None)
                 continue
-            before = len(cache.maps) if cache is not None else 0
             with layout_cache.placing(cold is None or not cold[e]):
                 self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
-            if cache is not None and len(cache.maps) > before:
-                self.cold_maps[e] = cache.maps[before:]
+        # cold experts' layouts stay mapped from the layout cache: read ahead, per expert, once a
+        # token has chosen them (token_into)
+        self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f is not None and f.cold_maps}
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
@@ -103,7 +120,7 @@ class ExpertsLayer:
         for e in self.experts:
             records += [Mat(), Mat(), Mat()] if e is None else [mat_record(m) for m in (e.gate, e.up, e.down)]
         self.table = (Mat * len(records))(*records)
-        self._head = (ctypes.addressof(self.table), len(self.experts), self.k, int(self.renormalize), *self.router.args,
+        self._head = (ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
 
@@ -149,15 +166,33 @@ class ExpertsLayer:
                 layout_cache.read_ahead(maps)
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The experts of each row of x (T, hidden) and their weights: (T, k) int32, (T, k) float32."""
-        return route(self.router, x, self.k, self.renormalize, self.probs)
+        """The experts of each row of x (T, hidden), the rows the router scores, and their
+        weights: (T, k) int32, (T, k) float32."""
+        return route(self.router, x, self.k, self.renormalize, self.probs, self.gating)
+
+    def _scored(self, x: np.ndarray, router_x: np.ndarray | None) -> np.ndarray:
+        """What the router scores for the FFN inputs x: x, or the layer's inputs router_x
+        (smallthinker), which must then be given."""
+        if not self.router_reads_layer_input:
+            return x
+        if router_x is None or router_x.shape != x.shape:
+            raise ValueError(f"this router scores the layer's input: {x.shape} FFN inputs need as many layer inputs, "
+                             f"got {None if router_x is None else router_x.shape}")
+        return np.ascontiguousarray(router_x, dtype=np.float32)
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
-                   out: np.ndarray) -> int:
+                   out: np.ndarray, router_x: np.ndarray | None = None) -> int:
         """One token into `out` (hidden,): the weighted sum of its experts' shares, each chosen
-        expert dense or, with `threshold` (expert_thresholds.per_expert), at its own threshold."""
+        expert dense or, with `threshold` (expert_thresholds.per_expert), at its own threshold.
+        router_x: the token's layer input, where the router scores that (smallthinker)."""
         thr = per_expert(threshold, self._flat, active)
-        if self.cold_maps:  # route here first, to have the chosen cold experts' reads start together
+        if self.router_reads_layer_input:  # routed here, into the arrays moe_token reads (MOE_ROUTED)
+            rx = self._scored(x, router_x)
+            _kernels.moe_route(*self.router.args, ptr(rx), len(rx), len(self.experts), self.k, self.flags,
+                               ptr(self.probs), ptr(self.ids), ptr(self.weights))
+            if self.cold_maps:
+                self._read_ahead(self.ids)
+        elif self.cold_maps:  # route here first, to have the chosen cold experts' reads start together
             self._read_ahead(self.route(x[None])[0][0])
         key = (x.ctypes.data, out.ctypes.data)
         args, ffn = self._calls.get(key, (None, None))
@@ -199,18 +234,19 @@ class ExpertsLayer:
         return mine
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
-                   out: np.ndarray) -> int:
+                   out: np.ndarray, router_x: np.ndarray | None = None) -> int:
         """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
         grouped by expert: each chosen expert's rows are read once for every token that chose it
         (ffn_batch gives each token what ffn_token gives it alone, at the expert's threshold),
         then each token's shares are summed in its own order of experts, as moe_token sums
         them: a row is what token_into gives, bit for bit (continuous batching must not change a
-        reply)."""
+        reply). router_x: the layer's inputs (B, hidden) where the router scores them."""
         B, thr = len(x), per_expert(threshold, self._flat, active)
         if B == 1:
-            return self.token_into(x[0], activation, None, threshold, out[0])
+            return self.token_into(x[0], activation, None, threshold, out[0],
+                                   None if router_x is None else router_x[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
-        ids, weights = self.route(xs)
+        ids, weights = self.route(self._scored(xs, router_x))
         mine = self._count(ids)
         self._read_ahead(mine)
         parts = np.zeros((B, self.k, xs.shape[1]), np.float32)  # zero where another process's expert
@@ -231,15 +267,16 @@ class ExpertsLayer:
         return n
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
-             threshold) -> tuple[np.ndarray, int]:
+             threshold, router_x: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """x (T, hidden) -> (this shard's partial output (T, hidden), active pairs): the tokens
         grouped by expert, each expert's tokens in one batched step (FileLayer.step) at its
-        threshold (expert_thresholds.per_expert), weighted."""
+        threshold (expert_thresholds.per_expert), weighted. router_x: as batch_into's."""
         xs, thr = np.ascontiguousarray(x, dtype=np.float32), per_expert(threshold, self._flat, active)
         if len(xs) == 1:
             y = np.empty_like(xs)
-            return y, self.token_into(xs[0], activation, None, threshold, y[0])
-        ids, weights = self.route(xs)
+            return y, self.token_into(xs[0], activation, None, threshold, y[0],
+                                      None if router_x is None else router_x[0])
+        ids, weights = self.route(self._scored(xs, router_x))
         mine = self._count(ids)
         self._read_ahead(mine)
         y, n = np.zeros_like(xs), 0

@@ -12,6 +12,7 @@ import numpy as np
 
 from .kernels import (MAX_SMALL_BATCH, FfnCall, FfnScratch, FileMatrix, ffn_batch, ffn_token, ffn_token_call,
                       neuron_align, supports)
+from .kernels import layout_cache
 from .kernels.layouts import columns_for
 from .tensors import TensorStore
 
@@ -77,6 +78,8 @@ class FileLayer:
             self.gate, self.up, self.down = (FileMatrix(store.info(p + n)) for n in ("ffn_gate.weight",
                                                                                      "ffn_up.weight", down))
         self.own, self.fast, self.scratch = own, fast, scratch
+        cache = layout_cache.active
+        before = len(cache.maps) if cache is not None else 0
         self.idx = np.arange(own.start, own.stop)
         if not self.down_t:  # a share of the neurons reads a part of every down row: hold that part
             self.down = columns_for(self.down, own, fast)  # interleaved where fast mode interleaves it
@@ -99,6 +102,17 @@ class FileLayer:
                 self.gate = self.gate.for_row_products(own)
             self.up = self.gate if gate_mode == "none" else self.up if self.up.interleaved else \
                 self.up.for_row_products(own)
+        # this layer's products mapped from the layout cache where the memory plan left it on
+        # disk (layout_cache.LayoutCache.maps): a routed layer reads a chosen expert's ahead once
+        # a token is routed (ExpertsLayer); a dense one's the layer before reads (Lockstep), where
+        # the disk's readahead is large (LayoutCache.reads_layers_ahead)
+        self.cold_maps = cache.maps[before:] if cache is not None else []
+        self.reads_ahead = bool(self.cold_maps) and cache.reads_layers_ahead
+
+    def read_ahead(self) -> None:
+        """Start reading all of this layer's products that are mapped from disk (they then come
+        while the layers before it compute)."""
+        layout_cache.read_ahead(self.cold_maps)
 
     @property
     def tiled_prefill(self) -> bool:

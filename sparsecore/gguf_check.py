@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
-from .arch import ARCHS
+from .arch import ARCHS, EXPERT_GATING_FUNCS
 from .errors import ModelFileError
 from .kernels import _kernels
 
@@ -322,7 +322,14 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
     if spec is not None and spec.routed(p + "expert_count" in reader.fields):  # nothing sized from an unchecked count
         n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
         _int(path, reader, p + "expert_used_count", None, 1, n_exp, f" ({p}expert_count = {n_exp})")
-        f_exp = _int(path, reader, p + "expert_feed_forward_length", n_ff, 1, MAX_FF)
+        # llama.cpp sizes smallthinker's experts by this key alone (0 without it)
+        f_exp = _int(path, reader, p + "expert_feed_forward_length", None if spec.expert_ff_required else n_ff, 1, MAX_FF)
+        if spec.gating_from_file:  # smallthinker: softmax or sigmoid, as the file says (llama.cpp has no default)
+            gating = _int(path, reader, p + "expert_gating_func", None, min(EXPERT_GATING_FUNCS),
+                          max(EXPERT_GATING_FUNCS), " (" + ", ".join(f"{k} {v}" for k, v in
+                                                                     EXPERT_GATING_FUNCS.items()) + ")")
+            if gating not in EXPERT_GATING_FUNCS:
+                _fail(path, f"metadata {p}expert_gating_func = {gating}: must be one of {sorted(EXPERT_GATING_FUNCS)}")
         f_sh = 0
         if spec.shared_expert:  # the shared expert: each process runs the same multiple of its expert range
             f_sh = _int(path, reader, p + "expert_shared_feed_forward_length", None, f_exp, MAX_FF)
@@ -359,6 +366,11 @@ def check_model_metadata(path: Path, reader: GGUFReader, arch: str) -> None:
             b + "attn_q_norm.weight": [n_heads * head_dim if full_qk else head_dim],
             b + "attn_k_norm.weight": [n_kv * head_dim if full_qk else head_dim],
         })
+    if spec is not None and spec.sliding_global_first:  # smallthinker's layer pattern: one period, 0 every layer sliding
+        if p + "attention.sliding_window_pattern" in reader.fields:
+            _int(path, reader, p + "attention.sliding_window_pattern", None, 0, MAX_LAYERS)
+        if p + "rope.freq_base_swa" in reader.fields:
+            _positive_float(path, reader, p + "rope.freq_base_swa", None)
     if spec is not None and spec.attn_sinks:  # gpt-oss: sinks, biases of the output and of the experts
         n_exp = _int(path, reader, p + "expert_count", None, 1, MAX_EXPERTS)
         f_exp = _int(path, reader, p + "expert_feed_forward_length", n_ff, 1, MAX_FF)

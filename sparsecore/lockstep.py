@@ -93,6 +93,10 @@ class Lockstep:
         self.half = min(MAX_SMALL_BATCH, buffers.layout.max_tokens // 2)  # rows of one phase parity
         self.h = np.empty((self.half, hidden), np.float32)  # this process's copy of the residuals
         self.x = np.empty((self.half, hidden), np.float32)  # the FFN's normed input
+        # smallthinker: the layers' inputs, copied before the attention phase adds to them, which
+        # their routers score (ExpertsLayer.router_reads_layer_input); None where no router does
+        self.router_in = np.empty((self.half, hidden), np.float32) if any(
+            isinstance(w, ExpertsLayer) and w.router_reads_layer_input for w in ffn.values()) else None
         out = buffers.out
         self.mine = [out[slot, p * self.half:(p + 1) * self.half] for p in (0, 1)]
         self.words = buffers.slots
@@ -116,6 +120,18 @@ class Lockstep:
         self._out_ptrs = NO_NORM if out_norm is None else (ptr(self.out_norm), 0 if out_norm_bias is None
                                                            else ptr(self.out_norm_bias))
         self._one: list[tuple | None] = [None] * n_layers
+        # Dense layers the memory plan left on disk, where the disk's readahead is large: each
+        # is read ahead as the layer before it starts (FileLayer.read_ahead), the first two as
+        # the step starts. A routed layer's chosen experts are read once its token is routed.
+        self.cold_reads = [ffn[i].read_ahead if isinstance(ffn[i], FileLayer) and ffn[i].reads_ahead else None
+                           for i in range(n_layers)]
+        self.reads_ahead = any(r is not None for r in self.cold_reads)
+
+    def _read_ahead(self, i: int) -> None:
+        """Layer i starts: the cold layer after it (and at the first layer, itself) is asked for."""
+        for j in (0, 1) if i == 0 else (i + 1,):
+            if j < len(self.cold_reads) and self.cold_reads[j] is not None:
+                self.cold_reads[j]()
 
     def _plan(self, parts: int) -> tuple[list[int], list[np.ndarray]]:
         """For the participants' slot bitmask: the peers to wait for, and per parity the
@@ -225,21 +241,27 @@ class Lockstep:
         mine, hh, x = self.mine, self.h[:B], self.x[:B]
         n_active, phase = 0, 0
         for i, attn in enumerate(self.attn):
+            if self.reads_ahead:
+                self._read_ahead(i)
             phase += 1
             off = i * layer_bytes
             # a predictor reads the residual before the FFN norm: a parallel block's is the layer's input
             active = self.predict[i].mask_for(hh[0]) if predict and self.parallel else None
+            w = self.ffn[i]
+            routing = {}
+            if self.router_in is not None and w.router_reads_layer_input:  # before the exchange adds to hh
+                self.router_in[:B] = hh
+                routing = {"router_x": self.router_in[0] if B == 1 else self.router_in[:B]}
             attn.part(hh, pos, kp + off, vp + off, *self.heads, mine[phase & 1][:B])
             self._exchange(base + phase, peers, sums[phase & 1], B, self._attn_norm(i), check, self.post[i][0])
-            w = self.ffn[i]
             if predict and not self.parallel:
                 active = self.predict[i].mask_for(hh[0])
             t = step_threshold(w, self.buffers, i) if threshold else None
             phase += 1
             if B == 1:
-                n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0])
+                n_active += w.token_into(x[0], self.activation, active, t, mine[phase & 1][0], **routing)
             else:
-                n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B])
+                n_active += w.batch_into(x, self.activation, active, t, mine[phase & 1][:B], **routing)
             self._exchange(base + phase, peers, sums[phase & 1], B, self._ffn_norm(i, last_norm), check,
                            self.post[i][1])
         h[:] = hh
@@ -261,16 +283,23 @@ class Lockstep:
         thresholds = self.buffers.thresholds
         n_active, phase = 0, 0
         for i in range(n):
+            if self.reads_ahead:
+                self._read_ahead(i)
             _, att, ffn = self._one_token_args(i)
             phase += 1
             args, k = att[phase & 1]
             args[k], args[k + 1], args[k + 2] = a0 + 24 * i, a0 + 24 * i + 8, a0 + 24 * i + 16
+            routing = {}
+            if ffn is None and self.router_in is not None and self.ffn[i].router_reads_layer_input:
+                self.router_in[0] = self.h[0]  # the layer's input, before the exchange adds to it
+                routing = {"router_x": self.router_in[0]}
             _kernels.attn_part(*args)
             self._exchange(base + phase, peers, sums[phase & 1], 1, self._attn_norm(i), check, self.post[i][0])
             phase += 1
             if ffn is None:  # routed experts: every process routes the token itself (ExpertsLayer)
                 t = step_threshold(self.ffn[i], self.buffers, i) if threshold else None
-                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, t, self.mine[phase & 1][0])
+                n_active += self.ffn[i].token_into(self.x[0], self.activation, None, t, self.mine[phase & 1][0],
+                                                   **routing)
             else:
                 call = ffn[phase & 1]
                 call.threshold = float(thresholds[i]) if threshold else -1.0

@@ -60,13 +60,26 @@ def rope_tables(base: float, scale: float, d: int, max_ctx: int,
     return np.concatenate((cos, cos), 1), np.concatenate((-sin, sin), 1)
 
 
+# The key of a layer without rope (smallthinker's NoPE layers) in layer_tables: its table is
+# cos 1, sin 0, so the rotation every attention path applies leaves Q and K exactly as they are
+NO_ROPE = (0.0, 0.0)
+
+
+def layer_rope_tables(key: tuple[float, float], d: int, max_ctx: int, factors: np.ndarray | None = None,
+                      yarn: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The tables of one of layer_tables' keys: rope_tables, or the identity for NO_ROPE."""
+    if key == NO_ROPE:
+        return np.ones((max_ctx, d), np.float32), np.zeros((max_ctx, d), np.float32)
+    return rope_tables(*key, d, max_ctx, factors, yarn)
+
+
 def layer_tables(cfg: ModelConfig) -> tuple[list[tuple[float, float]], list[int]]:
-    """The distinct (base, scale) pairs of the layers' rope, in order of first use, and each
-    layer's index into them."""
+    """The distinct (base, scale) pairs of the layers' rope (NO_ROPE for a layer without), in
+    order of first use, and each layer's index into them."""
     keys: list[tuple[float, float]] = []
     index = []
     for i in range(cfg.n_layers):
-        key = cfg.layer_rope_base(i)
+        key = cfg.layer_rope_base(i) if cfg.layer_has_rope(i) else NO_ROPE
         if key not in keys:
             keys.append(key)
         index.append(keys.index(key))

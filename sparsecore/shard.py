@@ -149,9 +149,9 @@ class FfnShard:
                 import torch
 
                 own = as_range(np.asarray(idx, dtype=np.int64), 1)
-                if own is None or cfg.expert_bias:
+                if own is None or cfg.expert_bias or cfg.router_reads_layer_input:
                     raise ValueError(f"layer {layer}: routed experts in torch take a contiguous range of each "
-                                     f"expert's neurons, and not gpt-oss's")
+                                     f"expert's neurons, and not gpt-oss's or smallthinker's routing")
                 device = torch.device(device)
                 fmt = weights if weights != "gguf" else ("f16" if device.type == "cuda" else "f32")
                 layers[layer] = TorchExpertsLayer(store, layer, own, cfg, device, fmt, owned, with_shared)
@@ -248,16 +248,20 @@ class FfnShard:
                 raise ValueError(f"a predictor step of {req.n_tokens} tokens for layer {req.layer}, which this "
                                  f"shard {'cannot score' if req.layer not in self.predict else 'scores one at a time'}")
             active = self.predict[req.layer].mask_for(buf.x[1])
-        if req.n_tokens == 1 and isinstance(w, (FileLayer, ExpertsLayer)):  # a decoded token: the kernel writes the slot
-            n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0])
+        # smallthinker's router scores the layer's inputs: the step carries them after the FFN's
+        T = req.n_tokens
+        routing = {"router_x": buf.x[T:2 * T]} if isinstance(w, ExpertsLayer) and w.router_reads_layer_input else {}
+        if T == 1 and isinstance(w, (FileLayer, ExpertsLayer)):  # a decoded token: the kernel writes the slot
+            one = {"router_x": buf.x[1]} if routing else {}
+            n_active = w.token_into(buf.x[0], self.activation, active, threshold, buf.out[slot, 0], **one)
             return n_active, int((time.perf_counter() - t0) * 1e9)
         if req.n_tokens <= MAX_SMALL_BATCH and isinstance(w, (FileLayer, ExpertsLayer)):  # sequences decoded together: the same
             n_active = w.batch_into(buf.x[:req.n_tokens], self.activation, active, threshold,
-                                    buf.out[slot, :req.n_tokens])
+                                    buf.out[slot, :req.n_tokens], **routing)
             return n_active, int((time.perf_counter() - t0) * 1e9)
         if isinstance(w, (FileLayer, ExpertsLayer, TorchExpertsLayer)):  # a prompt: numpy's GEMM or integer tiles;
             # torch's experts: routed here on the CPU, computed on their device
-            y, n_active = w.step(buf.x[:req.n_tokens], self.activation, active, threshold)
+            y, n_active = w.step(buf.x[:req.n_tokens], self.activation, active, threshold, **routing)
             buf.out[slot, :req.n_tokens] = y
             return n_active, int((time.perf_counter() - t0) * 1e9)
         import torch

@@ -74,6 +74,22 @@ def test_generate_refuses_bad_values_before_loading(tiny_model, args, needle):
     _assert_refused(["generate", "-m", str(tiny_model), "-p", "hello", *args], needle)
 
 
+def test_a_prompt_that_leaves_no_room_is_refused_before_loading(tiny_model):
+    # 40 words: more tokens than the 64 - 40 left; a prompt of few bytes is not tokenized at all
+    # before loading (count_prompt_tokens), and the engine then counts it again
+    _assert_refused(["generate", "-m", str(tiny_model), "-p", "hello " * 40, "-n", "40", "--ctx", "64"],
+                    "+ 40 exceed the context of 64 tokens")
+
+
+def test_prompt_tokens_are_counted_only_where_they_may_not_fit(tiny_model):
+    from coordinator.cli.validation import count_prompt_tokens
+
+    assert count_prompt_tokens(tiny_model, "hello", 3, 64) is None  # 5 bytes + 3 + 3 <= 64: no tokenizer built
+    n = count_prompt_tokens(tiny_model, "hello " * 40, 3, 64)
+    assert n is not None and 40 <= n <= 240
+    assert count_prompt_tokens(tiny_model, "hello", 57, 64) is not None  # 5 + 3 + 57 > 64: counted
+
+
 def test_empty_prompt_is_refused(tiny_model):
     _assert_refused(["generate", "-m", str(tiny_model), "-p", ""], "-p/--prompt '': empty")
 

@@ -20,7 +20,8 @@ from coordinator.runtime.sampling import SamplingParams
 from sparsecore.errors import NotEnoughMemory
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FileMatrix, interleaving, layout_cache
-from sparsecore.kernels.layout_cache import HEADER, LAYOUT_VERSION, model_directory, prune_stale
+from sparsecore.kernels.layout_cache import (HEADER, LARGE_READAHEAD_KB, LAYOUT_VERSION, LayoutCache, device_readahead_kb,
+                                             model_directory, prune_stale)
 from sparsecore.tensors import TensorStore
 from tests.conftest import REPO, run_make_bench_model
 
@@ -61,12 +62,22 @@ def test_made_once_then_read_back_with_the_same_bytes(model, tmp_path):
         made = sorted(tmp_path.glob("*.lay"))
         assert cache.misses == len(plain) and cache.hits == 0 and len(made) == len(plain)
     stamps = {p: p.stat().st_mtime_ns for p in made}
-    for resident in (True, False):
-        with layout_cache.using(tmp_path) as cache:
+    twin_bytes = plain["twin"][0].nbytes
+    for copy_held, resident in PLACEMENTS.values():
+        with layout_cache.using(tmp_path, copy_held) as cache:
             with cache.placing(resident):
                 again = _conversions(model)
             assert cache.hits == len(plain) and cache.misses == 0
-            assert (cache.mapped_bytes > 0) == (not resident) and (cache.resident_bytes > 0) == resident
+            # held: copied into memory, or mapped whole but for the twin (huge pages); cold: mapped
+            held_mapped, copied, cold = cache.held_mapped_bytes, cache.resident_bytes, cache.mapped_bytes
+            if not resident:
+                assert cold > 0 and copied == held_mapped == 0
+            elif copy_held:
+                assert copied > twin_bytes and held_mapped == cold == 0
+            else:
+                assert held_mapped > 0 and copied == twin_bytes and cold == 0
+                assert all(_mapped_file(m.data).endswith(".lay") for k, (_, m) in again.items() if k != "twin")
+                assert not _mapped_file(again["twin"][1].twin).endswith(".lay")
         for k, (data, m) in plain.items():
             same = (lambda a, b: np.array_equal(a[:40], b[:40]) and np.array_equal(a[64:], b[64:])) \
                 if k == "twin" else np.array_equal  # a twin's threshold address is each one's own
@@ -80,6 +91,10 @@ def test_made_once_then_read_back_with_the_same_bytes(model, tmp_path):
             else:
                 assert np.array_equal(got, data), k
     assert {p: p.stat().st_mtime_ns for p in made} == stamps  # nothing written again
+
+
+# how a test reads the cache back: (copy_held, placing(resident))
+PLACEMENTS = {"held-copied": (True, True), "held-mapped": (False, True), "cold": (False, False)}
 
 
 def _product(m: FileMatrix) -> np.ndarray:
@@ -99,15 +114,29 @@ def test_products_on_mapped_layouts_equal_the_made_ones(model, tmp_path):
         np.testing.assert_array_equal(_product(plain[k][1]), _product(mapped[k][1]))
 
 
+def _mapped_file(a: np.ndarray) -> str:
+    """The file whose mapping holds a's first byte ("" for anonymous memory), by /proc/self/maps."""
+    addr = a.ctypes.data
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return rest[4].strip() if len(rest) > 4 else ""
+    raise AssertionError(f"address {addr:#x} is in no mapping")
+
+
 def mmap_type():
     import mmap
 
     return mmap.mmap
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "data"])
-@pytest.mark.parametrize("resident", [True, False])
-def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, damage, resident):
+# A cold product's check reads one page in 64 (not all of what may stay on disk): damage on a
+# page it does not read is for the held placements, which sum all of it.
+@pytest.mark.parametrize("damage,placement", [(d, p) for d in ("truncate", "header", "data", "unsampled data")
+                                              for p in PLACEMENTS if d != "unsampled data" or p != "cold"])
+def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, damage, placement):
+    copy_held, resident = PLACEMENTS[placement]
     plain = _conversions(model)
     with layout_cache.using(tmp_path):
         _conversions(model)
@@ -120,13 +149,18 @@ def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, dama
             elif damage == "header":
                 f.seek(20)
                 f.write(b"\xff\xff\xff\xff")
+            elif damage == "unsampled data":  # the last byte but one page's: only a full check sees it
+                f.seek(size - 4096 - 1 if size > HEADER + 2 * 4096 else size - 1)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x5A]))
             else:  # the first data page: read by the full check and by the mapped one's sample
                 f.seek(HEADER)
                 b = f.read(1)
                 f.seek(HEADER)
                 f.write(bytes([b[0] ^ 0x5A]))
     capfd.readouterr()
-    with layout_cache.using(tmp_path) as cache, cache.placing(resident):
+    with layout_cache.using(tmp_path, copy_held) as cache, cache.placing(resident):
         again = _conversions(model)
     err = capfd.readouterr().err.splitlines()
     assert cache.rebuilt == len(files) and cache.hits == 0
@@ -136,6 +170,67 @@ def test_a_damaged_file_is_made_again_with_a_notice(model, tmp_path, capfd, dama
     with layout_cache.using(tmp_path) as cache:  # and the made-again files are good
         _conversions(model)
         assert cache.hits == len(files) and cache.rebuilt == 0
+
+
+def _resident_pages(m, n: int) -> int:
+    """How many of the first n bytes' pages of map m are in the page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-n // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_a_cold_layer_reads_ahead_all_of_its_files(model, tmp_path, monkeypatch):
+    """FileLayer.read_ahead (what Lockstep calls a layer early) brings every page of the
+    layer's mapped files into the page cache; a held layer maps nothing to read."""
+    import time
+
+    from sparsecore.file_layer import FileLayer
+    from sparsecore.kernels import FfnScratch
+
+    monkeypatch.setenv("SPARSEINFER_COLD_READS", "ahead")
+    store = TensorStore(model, open_gguf(model))
+    own = range(0, 128)
+    scratch = FfnScratch(store.shape("blk.0.ffn_gate.weight")[1], len(own))
+    with layout_cache.using(tmp_path):
+        FileLayer(store, 0, own, True, scratch)  # made and written
+    with layout_cache.using(tmp_path) as cache, cache.placing(False):
+        cold = FileLayer(store, 0, own, True, scratch)
+    assert cold.cold_maps and cold.reads_ahead
+    import mmap
+
+    for m, n in cold.cold_maps:  # unmapped from this process (clean pages: nothing lost), then
+        m.madvise(mmap.MADV_DONTNEED)  # out of the page cache
+    for p in tmp_path.glob("*.lay"):
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)  # just written: the kernel drops only pages already on disk
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    before = sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps)
+    cold.read_ahead()
+    total = sum(-(-(HEADER + n) // 4096) for _, n in cold.cold_maps)
+    deadline = time.monotonic() + 10
+    while sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps) < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert before < total and sum(_resident_pages(m, HEADER + n) for m, n in cold.cold_maps) == total
+    with layout_cache.using(tmp_path):
+        held = FileLayer(store, 0, own, True, scratch)
+    assert held.cold_maps == [] and not held.reads_ahead
+
+
+def test_cold_reads_follow_the_disks_readahead_unless_told(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPARSEINFER_COLD_READS", raising=False)
+    ra = device_readahead_kb(tmp_path)
+    assert ra is None or ra > 0
+    assert LayoutCache(tmp_path / "a").reads_layers_ahead == (ra is not None and ra > LARGE_READAHEAD_KB)
+    for told, ahead in (("ahead", True), ("faults", False)):
+        monkeypatch.setenv("SPARSEINFER_COLD_READS", told)
+        assert LayoutCache(tmp_path / told).reads_layers_ahead is ahead
 
 
 def test_a_changed_model_or_level_has_another_directory(model, tmp_path):
@@ -175,17 +270,26 @@ def _nothing_copied(model, plan, want, monkeypatch) -> bool:
     return True
 
 
-def _mapped_layouts(pid: int) -> int:
-    """How many layout cache files process `pid` has mapped."""
-    return len({line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                if line.endswith(".lay")})
+def _mapped_layouts(pid: int, root: Path) -> tuple[int, int]:
+    """How many layout cache files under `root` process `pid` has mapped: (held, cold). A cold
+    unit's map is advised sequential (VmFlags "sr" in /proc/PID/smaps), a held one's is not."""
+    held, cold, path = set(), set(), None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line.endswith(".lay") and line.split()[-1].startswith(str(root)):
+            path = line.split()[-1]
+        elif line.startswith("VmFlags:"):
+            if path is not None:
+                (cold if "sr" in line.split()[1:] else held).add(path)
+            path = None
+    return len(held), len(cold)
 
 
 def _generate(path, n=12, maps: list | None = None, **kw):
-    with Engine(path, EngineOptions(threads=2, cpu_workers=1, spin=False, **kw)) as eng:
+    with Engine(path, EngineOptions(**{"threads": 2, "cpu_workers": 1, "spin": False, **kw})) as eng:
         out = list(eng.generate([1, 2, 3, 4], n, SamplingParams(temperature=0.0), stop_at_eos=False))
         if maps is not None:
-            maps.extend(_mapped_layouts(pid) for pid in [os.getpid(), *(w.proc.pid for w in eng.pool.workers)])
+            maps.extend(_mapped_layouts(pid, kw["layout_cache"]) for pid in [os.getpid(),
+                                                                              *(w.proc.pid for w in eng.pool.workers)])
         return out
 
 
@@ -198,10 +302,13 @@ def test_an_engine_starts_warm_from_the_cache_with_the_same_tokens(model, tmp_pa
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.lay")} == files  # read, not made
 
 
-def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cold_reads", ["faults", "ahead"])
+def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeypatch, cold_reads):
     """Memory for all but part of the FFN's layouts: the plan maps the rest from the layout cache
-    (a one-line notice), and the tokens are the unlimited run's. Without a cache it refuses in
-    one line; with too little for what must stay it refuses too."""
+    (a one-line notice), and the tokens are the unlimited run's, whether cold layers are read by
+    their faults or ahead by the layer before. Without a cache it refuses in one line; with too
+    little for what must stay it refuses too."""
+    monkeypatch.setenv("SPARSEINFER_COLD_READS", cold_reads)
     want = _generate(model, layout_cache="off")
     eng = Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)), plan_only=True)
     plan = eng.memory
@@ -213,12 +320,14 @@ def test_layouts_that_do_not_fit_are_mapped_not_refused(model, tmp_path, monkeyp
     assert cold is not None and cold.any() and cold.shape == (eng.cfg.n_layers, 1)
     for _ in range(2):  # cold (made and written), then warm (mapped from the files)
         maps = []
-        assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-        assert all(n > 0 for n in maps), maps  # the coordinator's and the worker's cold parts are mapped
+        # lockstep: where a cold layer is read ahead by the one before it (Lockstep.cold_reads)
+        assert _generate(model, maps=maps, layout_cache=str(tmp_path), decode_path="lockstep", spin=True) == want
+        # the coordinator's and the worker's cold parts are mapped, what they hold read into memory
+        assert all(cold > 0 and held == 0 for held, cold in maps), maps
     monkeypatch.delenv("SPARSEINFER_MEM_AVAILABLE")
     maps = []
     assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-    assert maps == [0, 0]  # where everything fits, everything is read into memory
+    assert all(held > 0 and cold == 0 for held, cold in maps), maps  # where everything fits, all held mapped
     with pytest.raises(NotEnoughMemory, match="must stay in memory"):
         monkeypatch.setenv("SPARSEINFER_MEM_AVAILABLE", str(plan.must_stay - (1 << 20)))
         Engine(model, EngineOptions(threads=2, cpu_workers=1, layout_cache=str(tmp_path)))
@@ -253,7 +362,7 @@ def test_cold_experts_are_mapped_and_decode_the_same_tokens(tmp_path, tiny_model
     for _ in range(2):
         maps = []
         assert _generate(model, maps=maps, layout_cache=str(tmp_path)) == want
-        assert all(n > 0 for n in maps), maps
+        assert all(cold > 0 for _, cold in maps), maps
 
 
 

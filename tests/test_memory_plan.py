@@ -80,14 +80,23 @@ def test_cgroup_v2_limits_are_read_the_tightest_ancestor_first(tmp_path):
     assert free == 200 * mb and source.endswith("a/memory.max)")  # the parent's is the tighter
 
 
+def _down_bytes(path) -> int:
+    from sparsecore.gguf_file import open_gguf
+
+    return sum(int(t.n_bytes) for t in open_gguf(path).tensors if ".ffn_down." in t.name)
+
+
 def test_plan_counts_each_kind(tiny_model_factory):
     path = tiny_model_factory(tensor_type="Q4_0")
     fast, exact = _plan(path), _plan(path, fast=False)
     size = path.stat().st_size
-    # exact mode reads every matrix in place; fast mode copies the interleaved ones where the CPU takes them
-    assert exact.copied == 0 and 0.5 * size < exact.mapped <= size
+    # exact mode reads every matrix in place but down, whose columns the two processes holding
+    # neurons each copy a share of; fast mode copies the interleaved ones where the CPU takes them
+    assert exact.copied == _down_bytes(path) > 0 and 0.5 * size < exact.mapped + exact.copied <= size
     assert (fast.copied > 0.5 * size) == interleaving()
-    assert fast.copied + fast.mapped == exact.mapped
+    assert fast.copied + fast.mapped == exact.copied + exact.mapped
+    alone = _plan(path, fast=False, coordinator_share=0.0)
+    assert alone.copied == 0  # the worker holds every neuron, the coordinator none: nothing copied
     assert fast.runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME and fast.processes == 2
     # float copies of the weights compute in torch, which the coordinator then imports
     assert _plan(path, weights="f32").runtime == COORDINATOR_RUNTIME + WORKER_RUNTIME + TORCH_RUNTIME
@@ -169,21 +178,25 @@ def test_info_prints_the_plan(tiny_model_factory):
 
 def test_the_plan_bounds_what_the_processes_hold(smollm2_path):
     """After a prompt and some tokens, the processes' private memory is no more than the plan's
-    anonymous bytes, and at least the weights it says they copy. In an interpreter of its own:
+    anonymous bytes, and with the layouts they map from the layout cache at least the weights it
+    says they copy. In an interpreter of its own:
     this one's memory holds what every earlier test of the session left (710 MB late in a full
     run against the plan's 689)."""
     script = f"""
 import json, os
 from coordinator.runtime.engine import Engine, EngineOptions
-from tests.fixtures.procs import status_bytes
+from tests.fixtures.procs import mapped_rss, status_bytes
 with Engine({str(smollm2_path)!r}, EngineOptions()) as eng:
     list(eng.generate(list(range(5, 200)), 16, stop_at_eos=False))
-    held = status_bytes(os.getpid(), "RssAnon") + sum(status_bytes(w.pid, "RssAnon") for w in eng.pool.workers)
+    pids = [os.getpid(), *(w.pid for w in eng.pool.workers)]
+    anon = sum(status_bytes(p, "RssAnon") for p in pids)
+    layouts = sum(mapped_rss(p, ".lay") for p in pids)
     plan = eng.memory
-print(json.dumps(dict(held=held, copied=plan.copied, converted=plan.converted, anonymous=plan.anonymous,
-                      lines=plan.lines())))
+print(json.dumps(dict(anon=anon, layouts=layouts, copied=plan.copied, converted=plan.converted,
+                      anonymous=plan.anonymous, lines=plan.lines())))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["copied"] + got["converted"] <= got["held"] <= got["anonymous"], got
+    assert got["layouts"] > 0, got  # everything fits: the held layouts are mapped from the cache
+    assert got["copied"] + got["converted"] <= got["anon"] + got["layouts"] <= got["anonymous"], got

@@ -41,7 +41,7 @@ def generate(model, threads, cpu_workers, gpu_share, ctx, transport, sparsity, m
     sampling = sampling_params(temperature, top_k, top_p, seed)
     path, _, ctx = check_engine_args(model, threads, cpu_workers, ctx, gpu_share, sparsity)
     check_tokens("-n/--max-tokens", max_tokens, ctx)
-    n_prompt = count_prompt_tokens(path, prompt)  # the chat template only adds to it
+    n_prompt = count_prompt_tokens(path, prompt, max_tokens, ctx)  # the chat template only adds to it
     if n_prompt is not None and n_prompt + max_tokens > ctx:
         raise OptionError("-n/--max-tokens", max_tokens, f"the prompt's {n_prompt} tokens + {max_tokens} exceed "
                                                          f"the context of {ctx} tokens (raise --ctx or lower -n)")

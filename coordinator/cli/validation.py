@@ -96,9 +96,16 @@ def check_tokens(option: str, n: int, ctx: int, least: int = 1) -> None:
                                      f"up to the model's trained context, or lower {option.split('/')[-1]})")
 
 
-def count_prompt_tokens(path, text: str) -> int | None:
-    """The prompt's tokens as the engine will count them (0.3 s for SmolLM2's vocabulary: far less
-    than loading); None if the tokenizer cannot be built, which the engine then reports."""
+def count_prompt_tokens(path, text: str, max_tokens: int, ctx: int) -> int | None:
+    """The prompt's tokens as the engine will count them, where they might not leave room for
+    `max_tokens` in `ctx`; None where they surely do, or where the tokenizer cannot be built
+    (the engine then reports it). Building the tokenizer here costs its whole build before any
+    worker starts (0.2-0.3 s for a 49k vocabulary: a fifth of a warm start), where the engine
+    builds it while the workers load: so a prompt is tokenized here only when its UTF-8 bytes
+    and a BOS, an EOS and a leading space (no token spells less than a byte) may not fit. The
+    engine checks the count again (Engine.generate), whatever this says."""
+    if len(text.encode("utf-8", "surrogatepass")) + 3 + max_tokens <= ctx:
+        return None
     from sparsecore.gguf_file import open_gguf
 
     from ..text.tokenizer import GGUFTokenizer

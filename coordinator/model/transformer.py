@@ -26,7 +26,7 @@ from sparsecore.lm_head import HeadCandidates
 from sparsecore.kernels import norm_rows
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
-from sparsecore.rope import layer_tables, rope_tables
+from sparsecore.rope import layer_rope_tables, layer_tables, rope_tables  # noqa: F401 (rope_tables: re-exported)
 from sparsecore.tensors import TensorStore, unpermute_qk
 
 from ..runtime.decode_plan import DecodePaths, DecodePlan, local_paths
@@ -35,9 +35,11 @@ if TYPE_CHECKING:  # the split is passed in (coordinator/runtime/engine_build.py
     from ..runtime.attention_split import SplitStep
 
 Ffn = Callable[..., np.ndarray]
-"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden), decode=None) -> FFN output (T, hidden),
-numpy float32. `decode=True`: the T rows are decoded tokens of T sequences (a continuous batch),
-so decoding's sparsity applies to each; None: one row is a decoded token, several are a prompt."""
+"""ffn(layer, x_normed (T, hidden), x_before_norm (T, hidden), decode=None[, router_in=]) -> FFN
+output (T, hidden), numpy float32. `decode=True`: the T rows are decoded tokens of T sequences (a
+continuous batch), so decoding's sparsity applies to each; None: one row is a decoded token,
+several are a prompt. `router_in` (passed only where ModelConfig.router_reads_layer_input,
+smallthinker): the layer's inputs, before its attention, which the router scores."""
 
 
 def _torch():
@@ -357,7 +359,7 @@ class Transformer:
         sparsecore.rope.layer_tables' order (the KV pool's); each layer's `rope` is its pair."""
         factors = _f32(store.matrix("rope_freqs.weight")) if store.has("rope_freqs.weight") else None
         keys, index = layer_tables(self.cfg)
-        tables = [rope_tables(*key, self.cfg.rope_dim, self.max_ctx, factors, self.cfg.rope_yarn) for key in keys]
+        tables = [layer_rope_tables(key, self.cfg.rope_dim, self.max_ctx, factors, self.cfg.rope_yarn) for key in keys]
         for L, t in zip(self.layers, index):
             L.rope = tables[t]
         return tables
@@ -433,15 +435,22 @@ class Transformer:
             return None
         return L.ffn_norm(h, self.cfg.rms_eps), h.copy()
 
+    def _router_input(self, h: np.ndarray) -> np.ndarray | None:
+        """A copy of the layer's input h where the router scores it (smallthinker), taken before
+        the attention adds to h in place; None elsewhere."""
+        return h.copy() if self.cfg.router_reads_layer_input else None
+
     def _ffn(self, i: int, h: np.ndarray, decode: bool | None = None,
-             pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+             pre: tuple[np.ndarray, np.ndarray] | None = None, router_in: np.ndarray | None = None) -> np.ndarray:
         """h plus the FFN of its rows (and gemma3's norm of the FFN output), a new array. `pre`:
         a parallel layer's input read before its attention (_ffn_input); h then holds the input
         plus attention, and the sum is (h + attn) + ffn on every path, lockstep's too (transformers
-        adds (ffn + attn) + h: the same terms, rounded apart by an ulp)."""
+        adds (ffn + attn) + h: the same terms, rounded apart by an ulp). `router_in`: the layer's
+        input where the router scores it (_router_input)."""
         L, eps = self.layers[i], self.cfg.rms_eps
         x, before = pre if pre is not None else (L.ffn_norm(h, eps), h)
-        f = self.ffn(i, x, before, decode=decode)
+        routing = {} if router_in is None else {"router_in": router_in}
+        f = self.ffn(i, x, before, decode=decode, **routing)
         if L.post_ffn_norm is not None:
             f = L.post_ffn_norm(f, eps)
         return h + (f if self.cfg.residual_scale is None else f * np.float32(self.cfg.residual_scale))
@@ -461,12 +470,12 @@ class Transformer:
             cache.pos += 1
             return logits
         for i in range(len(self.layers)):
-            pre = self._ffn_input(i, h)
+            pre, router_in = self._ffn_input(i, h), self._router_input(h)
             if T > 1 and self._native_prompt(i, cache, T):
                 self._attend_prompt(i, h, cache)
             else:
                 h = self._attend(i, h, cache, step.split)
-            h = self._ffn(i, h, pre=pre)
+            h = self._ffn(i, h, pre=pre, router_in=router_in)
         cache.pos += T
         return self.head(self.out_norm(h if all_logits else h[-1:], eps))
 
@@ -480,7 +489,7 @@ class Transformer:
             c.pos = 0
         h = np.ascontiguousarray(self.embed([t for ids in texts for t in ids]), dtype=np.float32)
         for i in range(len(self.layers)):
-            parts = []
+            parts, router_in = [], self._router_input(h)
             for a, b, c in zip(bounds[:-1], bounds[1:], caches):
                 x = np.ascontiguousarray(h[a:b])
                 if self._native_prompt(i, c, b - a):
@@ -488,7 +497,7 @@ class Transformer:
                 else:
                     x = self._attend(i, x, c)
                 parts.append(x)
-            h = np.ascontiguousarray(self._ffn(i, np.concatenate(parts), decode=False))
+            h = np.ascontiguousarray(self._ffn(i, np.concatenate(parts), decode=False, router_in=router_in))
         for c, ids in zip(caches, texts):
             c.pos = len(ids)
         return self.out_norm(h, self.cfg.rms_eps)
@@ -534,6 +543,7 @@ class Transformer:
             bounds = np.cumsum([0] + [len(r) for r, _ in runs])
             for i, L in enumerate(self.layers):
                 pre = self._ffn_input(i, h)  # parallel blocks: the FFN's input is the layer's input
+                router_in = self._router_input(h)
                 if native_ok and self.native[i] is not None:
                     if step.split is not None:
                         self.split_attn(i, h, step.split)
@@ -542,7 +552,7 @@ class Transformer:
                 else:
                     h = np.concatenate([self._attend(i, np.ascontiguousarray(h[a:b]), c)
                                         for a, b, c in zip(bounds[:-1], bounds[1:], caches)])
-                h = np.ascontiguousarray(self._ffn(i, h, decode=True, pre=pre))
+                h = np.ascontiguousarray(self._ffn(i, h, decode=True, pre=pre, router_in=router_in))
             logits = self.head(self.out_norm(h, self.cfg.rms_eps))
         for r, c in runs:
             c.pos += len(r)

@@ -113,6 +113,9 @@ class EngineBuilder:
             if refused:
                 raise ValueError(f"{self.path.name}: a mixture-of-experts model runs its experts dense or with CATS "
                                  f"thresholds: not with {refused[0]}")
+        if cfg.router_reads_layer_input and opts.max_batch < 2:  # sparse_ffn.py: x[n:2n] carries it
+            raise ValueError(f"{self.path.name}: --max-batch {opts.max_batch}: {cfg.arch}'s router reads the layer's "
+                             f"input, which an exchange carries beside each token's FFN input: at least 2")
         self.down_t = down_t = [f"blk.{i}.ffn_down_t.weight" for i in range(cfg.n_layers)]
         check_supported_types(self.path, reader, [n for n in required_tensors(cfg) + down_t if n in names])
         if opts.weights == "gguf":  # say once which tensors cannot stay in the file's blocks
@@ -209,7 +212,8 @@ class EngineBuilder:
             raise
         try:
             # our conversions, as the workers', from the cache (each process's directory is its level's)
-            with layout_cache.using(layout_cache.level_directory(self.layout_root, self.path)):
+            with layout_cache.using(layout_cache.level_directory(self.layout_root, self.path),
+                                    copy_held=self.cold is not None):
                 self._load(launcher)
         except BaseException:
             self.close()

@@ -74,7 +74,8 @@ class MemoryPlan:
 
     def rows(self) -> list[tuple[str, int, str]]:
         n = self.processes
-        return [("copied", self.copied, "weights repacked into each process's memory (interleaved layouts)"),
+        return [("copied", self.copied, "weights repacked for each process (interleaved layouts), mapped from "
+                                        "the layout cache (or copied without one)"),
                 ("twins", self.twins, "input-major copies for sparse decoding"),
                 ("converted", self.converted, "tensors with no native kernel, converted at load"),
                 ("kv", self.kv, "KV caches at full length, rope tables"),
@@ -237,11 +238,18 @@ def _v1_free(base: Path, rel: str) -> tuple[int, str] | None:
     return best
 
 
+# Down matrices whose columns (one per neuron) a process holds a share of (FileLayer: columns_for)
+FFN_COLUMN_SHARES = (".ffn_down.", ".ffn_down_exps.", ".ffn_down_shexp.")
+
+
 def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_layout: str,
-                 sparse: bool) -> dict[str, tuple[str, int]]:
+                 sparse: bool, split_ffn: bool = False) -> dict[str, tuple[str, int]]:
     """{tensor name: (kind, bytes)} for the tensors a run reads: "copied", "converted" or
     "mapped", by the rules the loaders follow (FileMatrix.for_fast_products and
-    for_row_products; TensorStore's conversions)."""
+    for_row_products; TensorStore's conversions; layouts.columns_for). split_ffn: more than
+    one process holds FFN neurons, so each copies its share of down's columns (keep_columns,
+    in either mode and whatever the type: together the whole matrix), where a process holding
+    them all reads them in place."""
     from sparsecore.kernels import R16_TYPES, X16_TYPES, blocked_rows, interleaving, supports
     from sparsecore.tensors import converted_size
 
@@ -272,6 +280,8 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
             kind = "copied" if (sparse and int(t) in R16_TYPES and blocked_rows()) else "mapped"
         else:
             kind = "copied" if int(t) in X16_TYPES and interleaving(t) else "mapped"
+        if split_ffn and any(d in name for d in FFN_COLUMN_SHARES):
+            kind = "copied"
         out[name] = (kind, nbytes)
     return out
 
@@ -307,7 +317,8 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
             n = in_ram(name, input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes)))
             p.twins += n
             p.ffn_copied += n if ".ffn_" in name else 0
-    for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse).items():
+    for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse,
+                                             split_ffn=ffn_processes > 1).items():
         nbytes = in_ram(name, nbytes)
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1

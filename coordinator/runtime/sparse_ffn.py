@@ -31,9 +31,10 @@ from .worker_pool import WorkerPool
 if TYPE_CHECKING:  # coordinator/model/predictor.py imports torch: only a run with predictors loads it
     from ..model.predictor import Predictors
 
-# observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)):
+# observer(layer, FFN input after ffn_norm (T, hidden), residual before it (T, hidden)[, the
+# router's input (T, hidden): only where the router scores the layer's input, smallthinker]):
 # calibration and profiling watch every FFN input through it (coordinator/tools/).
-Observer = Callable[[int, np.ndarray, np.ndarray], None]
+Observer = Callable[..., None]
 
 
 @dataclass
@@ -111,13 +112,15 @@ class SparseFfn:
             self.buffers.thresholds[:] = per_layer
         self.thresholds = per_layer is not None
 
-    def __call__(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray, decode: bool | None = None) -> np.ndarray:
+    def __call__(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray, decode: bool | None = None,
+                 router_in: np.ndarray | None = None) -> np.ndarray:
         """The FFN output of `layer` for xs (T, hidden), the normed input, a new array;
         `pre_norm` is the residual before ffn_norm, which PowerInfer's predictors read.
         `decode`: the rows are decoded tokens of several sequences (None: one row is, several
-        are a prompt)."""
+        are a prompt). `router_in`: the layer's inputs (T, hidden) where the router scores them
+        (smallthinker): a step of n tokens carries them in x[n:2n], after the FFN's inputs."""
         if self.observer is not None:
-            self.observer(layer, xs, pre_norm)
+            self.observer(layer, xs, pre_norm, *(() if router_in is None else (router_in,)))
         # Decoding is sparse when thresholds or predictors are set (each token its own active
         # set); prefill stays dense (a long prompt's tokens together activate nearly every
         # neuron) unless perplexity asks otherwise.
@@ -125,15 +128,23 @@ class SparseFfn:
         if self.predictors is not None and sparse:
             return self._predicted(layer, xs, pre_norm)
         threshold = self.thresholds and sparse
-        if len(xs) <= self.max_tokens:  # one exchange (every decoded token): no chunking, no extra copy
-            self.buffers.x[: len(xs)] = xs
+        per_step = self.max_tokens if router_in is None else self.max_tokens // 2
+        if len(xs) <= per_step:  # one exchange (every decoded token): no chunking, no extra copy
+            self._write_inputs(xs, router_in)
             return self.exchange(layer, len(xs), threshold=threshold)
         out = np.empty_like(xs)
-        for a in range(0, len(xs), self.max_tokens):
-            chunk = xs[a:a + self.max_tokens]
-            self.buffers.x[: len(chunk)] = chunk
-            out[a:a + len(chunk)] = self.exchange(layer, len(chunk), threshold=threshold)
+        for a in range(0, len(xs), per_step):
+            n = min(per_step, len(xs) - a)
+            self._write_inputs(xs[a:a + n], None if router_in is None else router_in[a:a + n])
+            out[a:a + n] = self.exchange(layer, n, threshold=threshold)
         return out
+
+    def _write_inputs(self, xs: np.ndarray, router_in: np.ndarray | None) -> None:
+        """A step's FFN inputs into x[:n] and, where given, the router's into x[n:2n]."""
+        n = len(xs)
+        self.buffers.x[:n] = xs
+        if router_in is not None:
+            self.buffers.x[n:2 * n] = router_in
 
     def _predicted(self, layer: int, xs: np.ndarray, pre_norm: np.ndarray) -> np.ndarray:
         """One exchange per token: the shared mask holds one active set per step; or each

@@ -65,10 +65,13 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
     cfg = observe.config(engine)
     path = observe.model_path(engine)
     inputs: dict[int, list[np.ndarray]] = {i: [] for i in range(cfg.n_layers)}
+    routed_by: dict[int, list[np.ndarray]] = {i: [] for i in range(cfg.n_layers)}  # the routers' inputs where not x
     sample = _RowSample(cfg.n_layers, max(1, SAMPLE_ROWS // max(1, len(chunks))))  # chunks: a list or tqdm over one
 
-    def on_ffn(layer, x, *_):
+    def on_ffn(layer, x, pre_norm=None, router_in=None):
         inputs[layer].append(x.copy())
+        if router_in is not None:  # smallthinker: its router scores the layer's input
+            routed_by[layer].append(router_in.copy())
         sample.take(layer, "ffn_in", x, first=False)
 
     def on_attention(layer, x, out):
@@ -84,7 +87,7 @@ def calibrate(engine, chunks: list[list[int]], levels=DEFAULT_LEVELS) -> dict:
     t0 = time.perf_counter()
     n_tokens = observe.dense_run(engine, chunks, on_ffn, attention_observer=on_attention, head_observer=on_head)
     if cfg.routed:
-        return {**_header(path, cfg, n_tokens, t0), **_expert_levels(engine, inputs, levels)}
+        return {**_header(path, cfg, n_tokens, t0), **_expert_levels(engine, inputs, levels, routed_by)}
     gates = observe.GateActivity(engine)
     table = {level_key(s): [] for s in levels}
     input_table = {level_key(s): [] for s in levels}
@@ -119,16 +122,19 @@ def _header(path, cfg, n_tokens: int, t0: float) -> dict:
             "activation": cfg.activation, "tokens": n_tokens, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _expert_levels(engine, inputs: dict[int, list[np.ndarray]], levels) -> dict:
+def _expert_levels(engine, inputs: dict[int, list[np.ndarray]], levels,
+                   routed_by: dict[int, list[np.ndarray]] | None = None) -> dict:
     """A routed model's CATS thresholds: per level, the layer's (the quantile over every (token,
     chosen expert) pair's magnitudes) and each expert's (over the tokens routed to it, the layer's
-    where fewer than MIN_EXPERT_ROWS were)."""
+    where fewer than MIN_EXPERT_ROWS were). routed_by: per layer the routers' inputs where they
+    are not the FFN's (smallthinker's layer inputs), else empty."""
     acts = observe.ExpertActivity(engine)
     table = {level_key(s): [] for s in levels}
     experts = {level_key(s): [] for s in levels}
     for layer in range(len(inputs)):
         xs = np.concatenate(inputs.pop(layer))
-        ids = acts.route(layer, xs)
+        scored = routed_by.pop(layer, None) if routed_by else None
+        ids = acts.route(layer, np.concatenate(scored) if scored else xs)
         per_expert: dict[int, list[float]] = {}
         mags = []
         for e in range(acts.n_experts):

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 QUANTILE_SAMPLE = 1 << 24  # torch.quantile's input limit: larger inputs are sampled (seeded)
 
-# An observer: (layer, FFN input after ffn_norm (T, hidden), residual before ffn_norm (T, hidden)),
+# An observer: (layer, FFN input after ffn_norm (T, hidden), residual before ffn_norm (T, hidden)
+# [, the router's input (T, hidden), only where the router scores the layer's input: smallthinker]),
 # float32 numpy arrays valid only during the call (copy what you keep).
-Observer = Callable[[int, np.ndarray, np.ndarray], None]
+Observer = Callable[..., None]
 # An attention observer: (layer, attention input after attn_norm (T, hidden), attention output
 # before the output matrix (T, heads x head_dim)), valid only during the call likewise.
 AttentionObserver = Callable[[int, np.ndarray, np.ndarray], None]
@@ -349,7 +350,8 @@ class ExpertActivity:
                                                                 cfg.expert_norm)
 
     def route(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """The experts each row of x (T, hidden) goes to: (T, k) int32."""
+        """The experts each row of x (T, hidden), the router's inputs, goes to: (T, k) int32 (the
+        same for softmax and sigmoid gating: both keep the logits' order)."""
         from sparsecore.kernels import FileMatrix
         from sparsecore.experts import route
 

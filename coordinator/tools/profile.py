@@ -109,13 +109,16 @@ class RouteCounter:
         self.counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
         self.tokens = np.zeros(cfg.n_layers, np.int64)
 
-    def __call__(self, layer: int, x, *_rest) -> None:
+    def __call__(self, layer: int, x, pre_norm=None, router_in=None) -> None:
+        """x: the FFN's inputs; router_in: the layer's, where the router scores those (smallthinker).
+        The experts chosen do not depend on the gating (softmax and sigmoid keep the logits' order)."""
         from sparsecore.experts import route
 
+        scored = np.asarray(x if router_in is None else router_in, dtype=np.float32)
         if self.biased is not None:
-            ids, _ = self.biased[layer](np.asarray(x, dtype=np.float32), self.k)
+            ids, _ = self.biased[layer](scored, self.k)
         else:
-            ids, _ = route(self.routers[layer], np.asarray(x, dtype=np.float32), self.k, self.renormalize)
+            ids, _ = route(self.routers[layer], scored, self.k, self.renormalize)
         np.add.at(self.counts[layer], ids.reshape(-1), 1)
         self.tokens[layer] += len(ids)
 

@@ -13,10 +13,13 @@ temporary name and renamed, so a reader sees it whole or not at all). A file sta
 words and a CRC-32 of a sample of its pages); the data follows, page-aligned. A file whose header, size or
 checksum does not match is made again, with a one-line notice.
 
-Where a product goes (LayoutCache.resident): into anonymous memory, read from the file (the sum
-of all of it checked), as if it had just been converted; or mapped from the file (MAP_PRIVATE: a
-twin's header is patched in place, the rest stays clean page cache; the sampled CRC checked,
-which reads one page in 64, not all of what may stay on disk). The loader says which for each unit it loads (LayoutCache.placing).
+Where a product goes. A held product (one the memory plan keeps in memory) is mapped from its
+file (MAP_PRIVATE: clean page cache, shared, nothing copied) with the sum of all of it checked,
+which also faults it in; where the plan leaves some units on disk (LayoutCache.copy_held), or
+for a twin (whose sparse products jump pages and want huge pages), it is read into anonymous
+memory instead, which the kernel cannot drop for the cold units' reads. A cold product stays
+mapped with only the sampled CRC checked (one page in 64, not all of what may stay on disk).
+The loader says which for each unit it loads (LayoutCache.placing).
 """
 from __future__ import annotations
 
@@ -42,6 +45,14 @@ MAGIC = b"sparseinfer-lay1"
 _HEAD = struct.Struct("<16sIQQII")  # magic, version, nbytes, sum of all, crc of the sample, key length
 SAMPLE_STRIDE = 64 * 4096  # the mapped check reads one page in every 64 (and the last)
 COPY_CHUNK = 8 << 20
+# read_ahead asks for this much at a time: one MADV_WILLNEED reads no more than the device's
+# readahead window (or its largest request) of what it is given, the rest was left to faults
+READ_CHUNK = 256 << 10
+# Device readahead (read_ahead_kb) above which a cold dense layer is read ahead by the layer
+# before it rather than by its faults. This VM's virtio disk at its 8 MB: faults read the 1.45 GB
+# Q8_0 shape's cold layers at 0.66 GB/s (1.18 tok/s under 1000 MB), explicit reads one layer
+# ahead at 0.87 (1.52 tok/s); at 128 KB the faults' 1.1 GB/s (2.06 tok/s) beat them (1.51).
+LARGE_READAHEAD_KB = 1024
 
 
 def _sum_all(view, total: int = 0) -> int:
@@ -59,6 +70,16 @@ def _crc_sample(view: memoryview) -> int:
     for off in range(0, len(view), SAMPLE_STRIDE):
         crc = zlib.crc32(view[off:off + 4096], crc)
     return zlib.crc32(view[max(0, len(view) - 4096):], crc)
+
+
+def device_readahead_kb(path: Path) -> int | None:
+    """The readahead window, in KB, of the device holding `path` (its backing device's
+    read_ahead_kb in sysfs), or None where it cannot be read."""
+    try:
+        dev = os.stat(path).st_dev
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def kernels_build() -> str:
@@ -105,14 +126,25 @@ def prune_stale(directory: Path) -> None:
 class LayoutCache:
     """The conversions of one process, kept in `directory` (made if missing)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, copy_held: bool = False):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.resident = True  # where products go now (placing)
+        self.resident = True  # where products go now (placing): held in memory, or cold on disk
+        # Held products are read into anonymous memory rather than mapped where some units are
+        # cold: their pages would otherwise compete in the page cache with the cold units' reads.
+        # Mapped otherwise: a warm start of the 1.1B Q4_0 shape copied 0.43 GB per process into
+        # fresh memory (0.3 s of its 1.06), and mapped layouts decode as fast (45-48 tok/s both).
+        self.copy_held = copy_held
         self.hits = self.misses = self.rebuilt = 0
-        self.mapped_bytes = self.resident_bytes = 0
+        self.mapped_bytes = self.resident_bytes = self.held_mapped_bytes = 0
         self.maps: list[tuple[mmap.mmap, int]] = []  # mapped products: (map, data bytes), for prefetch
         self.writable = True
+        # whether a cold dense layer's files are read ahead explicitly (LARGE_READAHEAD_KB);
+        # $SPARSEINFER_COLD_READS=ahead|faults says so instead (tests take both paths anywhere)
+        forced = os.environ.get("SPARSEINFER_COLD_READS", "")
+        ra = device_readahead_kb(self.directory)
+        self.reads_layers_ahead = forced == "ahead" if forced in ("ahead", "faults") else \
+            ra is not None and ra > LARGE_READAHEAD_KB
 
     @contextlib.contextmanager
     def placing(self, resident: bool):
@@ -126,13 +158,15 @@ class LayoutCache:
     def path(self, key: str) -> Path:
         return self.directory / (hashlib.sha1(key.encode()).hexdigest()[:24] + ".lay")
 
-    def product(self, key: str, nbytes: int, alloc, fill) -> np.ndarray:
+    def product(self, key: str, nbytes: int, alloc, fill, mappable: bool = True) -> np.ndarray:
         """The conversion `key`'s nbytes of output: from its file when it holds them (read into
         alloc(nbytes), or mapped), else fill(buf) into alloc(nbytes), then written to its file
-        (and, where not resident, mapped from it and the memory given back)."""
+        (and, where it is to be mapped, mapped from it and the memory given back). `mappable`:
+        False where a held product must be in alloc's memory (a twin's huge pages)."""
         path = self.path(key)
+        copy = self.resident and (self.copy_held or not mappable)
         if path.exists():
-            got = self._read(path, key, nbytes, alloc)
+            got = self._read(path, key, nbytes, alloc, copy)
             if got is not None:
                 self.hits += 1
                 return got
@@ -141,8 +175,8 @@ class LayoutCache:
         self.misses += 1
         buf = alloc(nbytes)
         fill(buf)
-        if self.writable and self._write(path, key, buf) and not self.resident:
-            mapped = self._read(path, key, nbytes, alloc)
+        if self.writable and self._write(path, key, buf) and not copy:
+            mapped = self._read(path, key, nbytes, alloc, copy)
             if mapped is not None:
                 return mapped
         self.resident_bytes += nbytes
@@ -173,8 +207,9 @@ class LayoutCache:
             self.writable = False
             return False
 
-    def _read(self, path: Path, key: str, nbytes: int, alloc) -> np.ndarray | None:
-        """The file's data checked against its header (and the key, size, checksum), or None."""
+    def _read(self, path: Path, key: str, nbytes: int, alloc, copy: bool) -> np.ndarray | None:
+        """The file's data checked against its header (and the key, size, checksum), or None:
+        copied into alloc(nbytes), or mapped (held: all of it summed; cold: the sample's CRC)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -187,7 +222,7 @@ class LayoutCache:
             if (magic, version, n) != (MAGIC, LAYOUT_VERSION, nbytes) or head[_HEAD.size:_HEAD.size + klen] != key.encode() \
                     or os.fstat(fd).st_size != HEADER + nbytes:
                 return None
-            if self.resident:
+            if copy:
                 buf = alloc(nbytes)
                 view = memoryview(buf).cast("B")
                 got = 0
@@ -204,11 +239,14 @@ class LayoutCache:
                 return alloc(0)
             m = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             data = memoryview(m)[HEADER:]
-            if _crc_sample(data) != crc_s:
-                data.release()
+            ok = _sum_all(data) == total if self.resident else _crc_sample(data) == crc_s
+            data.release()
+            if not ok:
                 m.close()
                 return None
-            data.release()
+            if self.resident:  # held: checked whole, its pages now mapped in this process
+                self.held_mapped_bytes += nbytes
+                return np.frombuffer(m, np.uint8, nbytes, HEADER)
             # a product is read front to back: readahead runs ahead of the faults (without it, a
             # fault reads around itself, half behind: the 1.45 GB Q8_0 shape under 1000 MB with
             # this VM's 8 MB read_ahead_kb decoded at 1.08 tok/s where 128 KB gave 2.20)
@@ -230,17 +268,19 @@ def read_ahead(maps: list) -> None:
     instead of one page fault after another."""
     for m, n in maps:
         with contextlib.suppress(OSError, ValueError):
-            m.madvise(mmap.MADV_WILLNEED, 0, HEADER + n)
+            for off in range(0, HEADER + n, READ_CHUNK):
+                m.madvise(mmap.MADV_WILLNEED, off, min(READ_CHUNK, HEADER + n - off))
 
 
 @contextlib.contextmanager
-def using(directory: str | Path | None):
+def using(directory: str | Path | None, copy_held: bool = False):
     """A cache in `directory` for the conversions made inside (None or "": none), the process's
     earlier one (or none) after: a process that loads more than one model (the coordinator, a
-    test) must not look up one model's conversions in another's directory."""
+    test) must not look up one model's conversions in another's directory. copy_held: held
+    products read into memory, not mapped (LayoutCache.copy_held)."""
     global active
     before = active
-    active = LayoutCache(directory) if directory else None
+    active = LayoutCache(directory, copy_held) if directory else None
     try:
         yield active
     finally:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 4 << 20
 
 
-def _made(key: str, nbytes: int, alloc, fill) -> np.ndarray:
+def _made(key: str, nbytes: int, alloc, fill, mappable: bool = True) -> np.ndarray:
     """A conversion's nbytes of output: fill(alloc(nbytes)), or, where the process has a layout
     cache (layout_cache.active), its file's bytes when it holds them (nothing read from the
     model then) and the made ones written to it. key: what the output depends on besides the
@@ -41,7 +41,7 @@ def _made(key: str, nbytes: int, alloc, fill) -> np.ndarray:
         buf = alloc(nbytes)
         fill(buf)
         return buf
-    return cache.product(key, nbytes, alloc, fill)
+    return cache.product(key, nbytes, alloc, fill, mappable)
 
 
 def _np_bytes(n: int) -> np.ndarray:
@@ -243,7 +243,7 @@ def _twin_made(key: str, nbytes: int, fill, thr_ptr: int) -> np.ndarray:
     """A twin (header and data) made by fill, or read back from the layout cache: its header's
     threshold address is this process's (cols_generic.c cols_hdr.thr, at byte 40) and its
     counters start at zero, whatever the file holds."""
-    buf = _made(key, nbytes, twin_buffer, fill)
+    buf = _made(key, nbytes, twin_buffer, fill, mappable=False)  # huge pages (held_memory.twin_buffer)
     if layout_cache.active is not None:
         head = buf[:COLS_HEADER].view(np.int64)
         head[5], head[6], head[7] = thr_ptr, 0, 0

@@ -1,18 +1,31 @@
 /* _kernels.c, part: routed experts (sparsecore/shard.py ExpertsLayer): a token's routing and its
  * chosen experts' shares in one call, instead of a Python loop of k FFN calls a layer. */
 
-/* The routing of x (hidden) as llama.cpp's build_moe_ffn computes it for softmax gating: the
- * router's E logits (exact arithmetic, so every process that routes the same x picks the same
- * experts), softmax, the k most probable (ties to the lower index), their probabilities as
- * weights, renormalized to sum 1 where `renorm` (floored at 6.1e-5 as llama.cpp). probs: scratch
- * of E floats. */
-static void moe_route(mat router, const float *x, int hidden, int E, int k, int renorm, float *probs, int32_t *ids,
+/* How moe_route scores and weighs (its `flags`, llama.cpp's per-architecture build_moe_ffn
+ * arguments): MOE_RENORM, the top k's weights renormalized to sum 1 (floored at 6.1e-5 as
+ * llama.cpp); MOE_SIGMOID, each expert's probability the sigmoid of its logit instead of the
+ * softmax over all (smallthinker's expert_gating_func 2); MOE_ROUTED (moe_token only): ids and w
+ * already hold the token's routing, computed from another input than the FFN's (smallthinker's
+ * router reads the layer's input), so moe_token does not route. */
+#define MOE_RENORM 1
+#define MOE_SIGMOID 2
+#define MOE_ROUTED 4
+
+/* The routing of x (hidden) as llama.cpp's build_moe_ffn computes it: the router's E logits
+ * (exact arithmetic, so every process that routes the same x picks the same experts), softmax
+ * (or sigmoid: MOE_SIGMOID), the k most probable (ties to the lower index), their probabilities
+ * as weights, renormalized where MOE_RENORM. probs: scratch of E floats. */
+static void moe_route(mat router, const float *x, int hidden, int E, int k, int flags, float *probs, int32_t *ids,
                       float *w) {
     matvec(router, NULL, 0, E, 0, hidden, x, NULL, 0, probs);
-    float mx = probs[0], sum = 0.f;
-    for (int e = 1; e < E; e++) mx = probs[e] > mx ? probs[e] : mx;
-    for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - mx); sum += probs[e]; }
-    for (int e = 0; e < E; e++) probs[e] /= sum;
+    if (flags & MOE_SIGMOID) {
+        for (int e = 0; e < E; e++) probs[e] = 1.f / (1.f + expf(-probs[e]));  /* ggml_sigmoid's */
+    } else {
+        float mx = probs[0], sum = 0.f;
+        for (int e = 1; e < E; e++) mx = probs[e] > mx ? probs[e] : mx;
+        for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - mx); sum += probs[e]; }
+        for (int e = 0; e < E; e++) probs[e] /= sum;
+    }
     float total = 0.f;
     for (int j = 0; j < k; j++) {
         int best = -1;
@@ -23,13 +36,13 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
         }
         ids[j] = best, w[j] = probs[best], total += probs[best];
     }
-    if (renorm) {
+    if (flags & MOE_RENORM) {
         total = total > 6.1e-5f ? total : 6.1e-5f;
         for (int j = 0; j < k; j++) w[j] /= total;
     }
 }
 
-/* One token's share of a routed layer: route c->x, then for each chosen expert e (in order of
+/* One token's share of a routed layer: route c->x (unless MOE_ROUTED: ids and w hold it), then for each chosen expert e (in order of
  * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y;
  * the table holds every expert's gate, up and down as mat records, so the experts a token picks
  * are looked up, not passed)
@@ -41,9 +54,9 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
  * activations have their own scale), or c->threshold for every expert where thr_e is NULL; a
  * dense step (c->threshold < 0) ignores thr_e, so it runs exactly as before thresholds existed.
  * Returns the active neurons, or ffn_token's error. */
-static int64_t moe_token(const mat *table, int E, int k, int renorm, mat router, float *probs, int32_t *ids,
+static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, float *probs, int32_t *ids,
                          float *w, const float *thr_e, int64_t *counts, ffn_call *c, float *out) {
-    moe_route(router, c->x, c->hidden, E, k, renorm, probs, ids, w);
+    if (!(flags & MOE_ROUTED)) moe_route(router, c->x, c->hidden, E, k, flags, probs, ids, w);
     memset(out, 0, sizeof(float) * c->hidden);
     int sparse = c->threshold >= 0.f;
     int64_t n = 0;

@@ -93,25 +93,26 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *rec) {
     return ffn_result(n_active);
 }
 
-/* moe_route(<router: MAT_ARGS>, x_ptr, hidden, E, k, renorm, probs_ptr, ids_ptr (k int32), w_ptr (k float)) */
+/* moe_route(<router: MAT_ARGS>, x_ptr, hidden, E, k, flags (moe_step.c MOE_*), probs_ptr, ids_ptr (k int32),
+ *           w_ptr (k float)) */
 static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != MAT_ARGS + 8) { PyErr_Format(PyExc_TypeError, "moe_route takes %d arguments", MAT_ARGS + 8); return NULL; }
     mat r;
     if (get_mat(args, &r)) return NULL;
     args += MAT_ARGS;
     const float *x = ARG_PTR(0);
-    int hidden = (int)ARG_LL(1), E = (int)ARG_LL(2), k = (int)ARG_LL(3), renorm = (int)ARG_LL(4);
+    int hidden = (int)ARG_LL(1), E = (int)ARG_LL(2), k = (int)ARG_LL(3), flags = (int)ARG_LL(4) & ~MOE_ROUTED;
     float *probs = ARG_PTR(5), *w = ARG_PTR(7);
     int32_t *ids = ARG_PTR(6);
     if (PyErr_Occurred()) return NULL;
     if (E < 1 || k < 1 || k > E) { PyErr_SetString(PyExc_ValueError, "moe_route: bad expert counts"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    moe_route(r, x, hidden, E, k, renorm, probs, ids, w);
+    moe_route(r, x, hidden, E, k, flags, probs, ids, w);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, renorm,
+/* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, flags (moe_step.c MOE_*),
  *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, ffn_call_ptr (the matrices
  *           any expert's, y the one-expert scratch, its threshold < 0 dense or >= 0 CATS),
  *           thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all),
@@ -124,7 +125,7 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     const mat *table = ARG_PTR(0);
-    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), renorm = (int)ARG_LL(3);
+    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), flags = (int)ARG_LL(3);
     mat r;
     if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
     args += 4 + MAT_ARGS;
@@ -140,7 +141,7 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_token(table, E, k, renorm, r, probs, ids, w, thr_e, counts, &c, out);
+    n = moe_token(table, E, k, flags, r, probs, ids, w, thr_e, counts, &c, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
