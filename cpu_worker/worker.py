@@ -57,6 +57,7 @@ class Worker:
         self.buffers: SharedBuffers | None = None
         self.bell: WorkerBell | None = None
         self.lockstep: Lockstep | None = None  # its part of whole decode steps, where it can take one
+        self.experts_held = b""  # a routed model's experts it holds rows of (Ready.experts)
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
@@ -93,9 +94,14 @@ class Worker:
         """load's weights, each conversion from (or into) the model's layout cache: the FFN shard,
         the attention's heads and the twins."""
         cold = np.frombuffer(a.cold_units, np.uint8).reshape(len(neurons), -1) if a.cold_units else None
+        experts = np.frombuffer(a.experts, np.uint8).reshape(len(neurons), -1).astype(bool) if a.experts else None
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
-                                   a.fast, a.predictor_path or None, a.interleave, cold)
+                                   a.fast, a.predictor_path or None, a.interleave, cold, experts)
         self.buffers = SharedBuffers.attach(a.shm_name)
+        layout = self.buffers.layout
+        if layout.n_experts:  # a routed model: count the chosen experts computed here where the coordinator reads them
+            self.shard.count_routes_into(self.buffers.route_counts[a.slot])
+            self.experts_held = self.shard.experts_held(layout.n_layers, layout.n_experts).tobytes()
         if a.attn_heads:
             self.pool = KvPool.attach(KvShape(*a.kv_shape), a.kv_fd)
             cfg = read_config(a.model_path, store.reader)
@@ -128,7 +134,8 @@ class Worker:
             self.send(WorkerFailed(self.worker_id, self.role, f"{type(e).__name__}: {e}"))
             return 1
         self.send(Ready(self.worker_id, self.role, os.getpid(), self.shard.n_neurons, str(self.shard.device),
-                        time.perf_counter() - t0, self.shard.nbytes, self.shard.predicts, self.lockstep is not None))
+                        time.perf_counter() - t0, self.shard.nbytes, self.shard.predicts, self.lockstep is not None,
+                        self.experts_held))
         while True:
             req = self.bell.wait()
             if req is GONE:

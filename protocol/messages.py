@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 16  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer); 15: experts' CATS thresholds (ShmLayout.n_experts); 16: the layout cache (Assign.layout_cache, cold_units)
+PROTOCOL_VERSION = 17  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer); 15: experts' CATS thresholds (ShmLayout.n_experts); 16: the layout cache (Assign.layout_cache, cold_units); 17: experts owned whole or not at all (Assign.experts, Ready.experts; the shared segment's route counts)
 
 
 class ProtocolError(Exception):
@@ -82,6 +82,11 @@ class Assign:
     # uint8 (n_layers, units per layer: experts, or 1) C order, 1 where the unit's layouts stay
     # mapped from the layout cache (coordinator/runtime/residency.py); empty: all in memory.
     cold_units: bytes = b""
+    # A routed model's experts this worker owns: uint8 (n_layers, experts [+ 1: the shared
+    # expert, where the model has one]) C order, 1 where it holds its range `neurons[layer]` of
+    # that expert (under --vram-budget the GPU worker all of the most-routed experts, the others
+    # ranges of the rest: coordinator/runtime/placement.py expert_plan); empty: every expert.
+    experts: bytes = b""
 
 
 ROW_LAYOUTS = ("", "gate", "gate+up")
@@ -99,6 +104,8 @@ class Ready:
     weight_bytes: int = 0  # FFN weights held in memory, in the Assign's weight format
     predicts: bool = False  # it loaded the Assign's predictor for every layer it owns neurons of
     lockstep: bool = False  # it can take part in lockstep decode steps (sparsecore/lockstep.py)
+    # a routed model's experts it holds rows of: uint8 (n_layers, experts) C order; empty: a dense model
+    experts: bytes = b""
 
 
 @dataclass

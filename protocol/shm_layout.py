@@ -4,6 +4,7 @@ and the doorbell words that synchronize each layer without a system call.
     [header 64 B][x: f32 max_tokens*hidden][mask: u8 n_ff][out: f32 n_slots*max_tokens*hidden]
     [thresholds: f32 n_layers][input thresholds: f32 n_layers*INPUT_SITES + 1][seq: i64 max_tokens*2]
     [request: i64 x 8][slot 0: i64 x 8]...[expert thresholds: f32 n_layers*n_experts]
+    [route counts: i64 n_slots*n_layers*n_experts]
 Each region starts on a 64-byte boundary; the request line and every slot line fill a cache
 line of their own, so a worker spinning on the request never shares a line another one writes.
 
@@ -143,8 +144,12 @@ class ShmLayout:
         return self.slots_offset + 8 * LINE_WORDS * self.n_slots
 
     @property
-    def size(self) -> int:
+    def route_counts_offset(self) -> int:
         return _align(self.expert_thresholds_offset + 4 * self.n_layers * self.n_experts)
+
+    @property
+    def size(self) -> int:
+        return _align(self.route_counts_offset + 8 * self.n_slots * self.n_layers * self.n_experts)
 
     def header(self) -> bytes:
         return _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.hidden, self.n_ff, self.max_tokens, self.n_slots,
@@ -186,7 +191,10 @@ class SharedBuffers:
     seq (max_tokens, 2) int64, the doorbell: request (8,) and slots (n_slots, 8) int64, and a
     routed model's expert_thresholds (n_layers, n_experts): CATS's threshold of each expert,
     which a threshold step of a routed layer applies to each chosen expert (sparsecore/shard.py
-    ExpertsLayer) in place of the layer's."""
+    ExpertsLayer) in place of the layer's, and its route_counts (n_slots, n_layers, n_experts)
+    int64: how many tokens chose each expert that the slot's process computes (its part of the
+    routed work), counted by that process alone (sparsecore/experts.py ExpertsLayer.count_into)
+    since the run began and read by the coordinator for the measured routed share."""
 
     def __init__(self, shm: "_Mapping", layout: ShmLayout, owner: bool):
         self.shm, self.layout, self.owner = shm, layout, owner
@@ -204,6 +212,7 @@ class SharedBuffers:
         self.request = np.ndarray((LINE_WORDS,), np.int64, buf, L.request_offset)
         self.slots = np.ndarray((L.n_slots, LINE_WORDS), np.int64, buf, L.slots_offset)
         self.expert_thresholds = np.ndarray((L.n_layers, L.n_experts), np.float32, buf, L.expert_thresholds_offset)
+        self.route_counts = np.ndarray((L.n_slots, L.n_layers, L.n_experts), np.int64, buf, L.route_counts_offset)
 
     @property
     def name(self) -> str:

@@ -48,19 +48,26 @@ def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
 
 
 class ExpertsLayer:
-    """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of every
-    expert's neurons, each expert a FileLayer over its slices of the stacked ffn_*_exps tensors,
-    and the router. Every process routes each token itself, with the same native kernel on the
-    same FFN input (so all choose the same experts: no routing crosses the wire), and computes
-    its share of the chosen experts, each times its weight:
-        y = sum over the token's k experts e of w_e * down_e[:, own] (act(gate_e[own] x) * up_e[own] x)
+    """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of each
+    owned expert's neurons (`owned`: every expert by default; under --vram-budget the GPU worker
+    owns all of the most-routed experts and the other processes ranges of the rest), each expert
+    a FileLayer over its slices of the stacked ffn_*_exps tensors, and the router. Every process
+    routes each token itself, with the same native kernel on the same FFN input (so all choose
+    the same experts: no routing crosses the wire), and computes its share of the chosen experts
+    it owns, each times its weight:
+        y = sum over the token's k experts e, owned, of w_e * down_e[:, own] (act(gate_e[own] x) * up_e[own] x)
     Routing as llama.cpp's build_moe_ffn: softmax (or sigmoid: smallthinker's file may say) of
     router . x, the top k (ties to the lower index), renormalized to sum 1 where the architecture
     says (qwen3moe). smallthinker's router scores the layer's input instead of x (`router_x` of
-    the steps, which the caller must then pass: x cannot stand in for it)."""
+    the steps, which the caller must then pass: x cannot stand in for it).
+    `counts` (E int64) counts the chosen experts computed here, token by token: the measured
+    routed share (count_into points it at the process's row of shared memory)."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch, cfg,
-                 row_layout: str = "", cold: np.ndarray | None = None):
+                 row_layout: str = "", cold: np.ndarray | None = None, owned: np.ndarray | None = None,
+                 with_shared: bool = True):
+        """`owned`: (E,) bool, the experts this process holds the range `own` of (None: all);
+        `with_shared`: it holds the same multiple of that range of the shared expert (qwen2moe)."""
         self.router = FileMatrix(store.info(f"blk.{layer}.ffn_gate_inp.weight"))
         if self.router.rows != cfg.n_experts:
             raise ValueError(f"blk.{layer}.ffn_gate_inp.weight scores {self.router.rows} experts, the file says "
@@ -72,13 +79,20 @@ class ExpertsLayer:
         # gating is not the kernel's: OaiExpertsLayer routes in Python.
         self.flags = 0 if self.gating == "softmax_weight" else \
             route_flags(self.renormalize, self.gating) | (MOE_ROUTED if self.router_reads_layer_input else 0)
-        self.experts = []
+        self.owned = np.ones(cfg.n_experts, bool) if owned is None else np.asarray(owned, bool)
+        if self.owned.shape != (cfg.n_experts,):
+            raise ValueError(f"layer {layer}: an ownership of {self.owned.shape} experts, the file has {cfg.n_experts}")
+        self.counts = np.zeros(cfg.n_experts, np.int64)
+        self.experts: list[FileLayer | None] = []  # None: an expert another process computes
         for e in range(cfg.n_experts):
+            if not self.owned[e]:
+                self.experts.append(None)
+                continue
             with layout_cache.placing(cold is None or not cold[e]):
                 self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
         # cold experts' layouts stay mapped from the layout cache: read ahead, per expert, once a
         # token has chosen them (token_into)
-        self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f.cold_maps}
+        self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f is not None and f.cold_maps}
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
@@ -86,7 +100,7 @@ class ExpertsLayer:
         # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
         # times sigmoid(gate . x), which each process computes alike and applies to its own share.
         self.shared = self.shared_gate = None
-        if cfg.n_ff_shared:
+        if cfg.n_ff_shared and with_shared:
             m = cfg.n_ff_shared // cfg.n_ff
             own_shared = range(m * own.start, m * own.stop)
             self.shared = FileLayer(store, layer, own_shared, fast, FfnScratch(self.router.cols, len(own_shared)),
@@ -94,15 +108,29 @@ class ExpertsLayer:
             self.shared_gate = np.ascontiguousarray(
                 store.matrix(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1), dtype=np.float32)
         self.ids, self.weights = np.empty(self.k, np.int32), np.empty(self.k, np.float32)
+        # an owned expert (any: they share shapes and types; its record sets up the token step), or
+        # None where the process holds only a share of the shared expert here
+        self.first: FileLayer | None = next((e for e in self.experts if e is not None), None)
         self._tabulate()
 
     def _tabulate(self) -> None:
-        """Every expert's gate, up and down as mat records, looked up by the native token step."""
-        self.table = (Mat * (3 * len(self.experts)))(*(mat_record(m) for e in self.experts
-                                                       for m in (e.gate, e.up, e.down)))
+        """Every expert's gate, up and down as mat records, looked up by the native token step;
+        an expert owned elsewhere has empty records, which the step skips."""
+        records = []
+        for e in self.experts:
+            records += [Mat(), Mat(), Mat()] if e is None else [mat_record(m) for m in (e.gate, e.up, e.down)]
+        self.table = (Mat * len(records))(*records)
         self._head = (ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
+
+    def count_into(self, counts: np.ndarray) -> None:
+        """Count the chosen experts computed here into `counts` (E int64, this process's row of
+        shared memory for this layer: the coordinator reads every process's) from now on."""
+        if counts.shape != self.counts.shape or counts.dtype != np.int64 or not counts.flags.c_contiguous:
+            raise ValueError(f"route counts {counts.shape} {counts.dtype}: {len(self.counts)} contiguous int64")
+        self.counts = counts
+        self._calls = {}  # the token step's arguments hold the counts' address
 
     def add_twins(self, add) -> None:
         """Each expert's twins as its FileLayer makes them (sparsecore/input_sparsity.py): with
@@ -110,15 +138,17 @@ class ExpertsLayer:
         neuron skips its whole down row as a dense layer's does (down's file rows hold 32
         neurons a block: at 50 % of neurons active nearly every block has one)."""
         for e in self.experts:
-            e.add_twins(add)
+            if e is not None:
+                e.add_twins(add)
         self._tabulate()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the file a token reads here: its k experts' owned rows, the shared expert's
-        and the router."""
+        """Bytes of the file a token reads here at most: k owned experts' rows, the shared
+        expert's and the router."""
         shared = 0 if self.shared is None else self.shared.nbytes
-        return self.k * self.experts[0].nbytes + shared + self.router.rows * self.router.row_bytes
+        one = 0 if self.first is None else self.first.nbytes
+        return min(self.k, int(self.owned.sum())) * one + shared + self.router.rows * self.router.row_bytes
 
     def _shared_scale(self, x: np.ndarray) -> np.ndarray:
         """sigmoid(gate . x) per row of x (T, hidden): a float64 dot a row, the same whatever
@@ -167,23 +197,41 @@ class ExpertsLayer:
         key = (x.ctypes.data, out.ctypes.data)
         args, ffn = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)
-            e = self.experts[0]
+            e = self.first
+            if e is None:  # no routed expert here, only a share of the shared one: nothing to route
+                return self._shared_only(x, activation, out)
             ffn = ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
                                  self.gate_mode)
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
-            args = [*self._head, ptr(out), ffn.address, 0]
+            args = [*self._head, ptr(out), ffn.address, 0, ptr(self.counts)]
             self._calls[key] = (args, ffn)  # the record lives as long as its address is kept
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
                 self._calls = {key: self._calls[key]}
         # a sparse step: the record's threshold >= 0 says so, the kernel takes each chosen expert's
-        ffn.threshold, args[-1] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
+        ffn.threshold, args[-2] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
         n = _kernels.moe_token(*args)
         if self.shared is not None:  # its share of the shared expert (dense: no thresholds calibrated), scaled by the gate
             part = self.part[0]
             n += self.shared.token_into(x, activation, None, None, part)
             out += self._shared_scale(x[None])[0] * part
         return n
+
+    def _shared_only(self, x: np.ndarray, activation: str, out: np.ndarray) -> int:
+        """token_into where this process owns no routed expert of the layer, only a share of
+        its shared expert."""
+        out[:] = 0.0
+        part = self.part[0]
+        n = self.shared.token_into(x, activation, None, None, part)
+        out += self._shared_scale(x[None])[0] * part
+        return n
+
+    def _count(self, ids: np.ndarray) -> np.ndarray:
+        """The distinct experts of `ids` (T, k) this process owns, their choices counted."""
+        chosen = np.unique(ids)
+        mine = chosen[self.owned[chosen]]
+        self.counts += np.bincount(ids.reshape(-1), minlength=len(self.counts)) * self.owned
+        return mine
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray, router_x: np.ndarray | None = None) -> int:
@@ -199,10 +247,11 @@ class ExpertsLayer:
                                    None if router_x is None else router_x[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(self._scored(xs, router_x))
-        self._read_ahead(np.unique(ids))
-        parts = np.empty((B, self.k, xs.shape[1]), np.float32)
+        mine = self._count(ids)
+        self._read_ahead(mine)
+        parts = np.zeros((B, self.k, xs.shape[1]), np.float32)  # zero where another process's expert
         n = 0
-        for e in np.unique(ids):
+        for e in mine:
             rows, slot = np.nonzero(ids == e)
             share = self.part[:len(rows)]
             n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
@@ -228,9 +277,10 @@ class ExpertsLayer:
             return y, self.token_into(xs[0], activation, None, threshold, y[0],
                                       None if router_x is None else router_x[0])
         ids, weights = self.route(self._scored(xs, router_x))
-        self._read_ahead(np.unique(ids))
+        mine = self._count(ids)
+        self._read_ahead(mine)
         y, n = np.zeros_like(xs), 0
-        for e in np.unique(ids):
+        for e in mine:
             rows, slot = np.nonzero(ids == e)
             part, k = self.experts[e].step(xs[rows], activation, None, of_expert(thr, e))
             y[rows] += weights[rows, slot][:, None] * part

@@ -106,6 +106,7 @@ class OaiExpertsLayer(ExpertsLayer):
         """out[t] = token t's share, as each token alone: the tokens that chose an expert through
         its rows together, MAX_SMALL_BATCH at a time."""
         ids, weights = self.route(xs)
+        self.counts += np.bincount(ids.reshape(-1), minlength=len(self.counts))  # it owns every expert
         parts = np.empty((len(xs), self.k, xs.shape[1]), np.float32)
         for e in np.unique(ids):
             ts, js = np.nonzero(ids == e)

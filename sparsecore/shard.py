@@ -9,7 +9,8 @@ Summing y over the shards gives the full FFN with inactive neurons zeroed. A sha
 a range of the lm_head's vocabulary rows (`head`), which the CPU-only setup splits too.
 
 A dense layer's rows on the file's blocks are a FileLayer (sparsecore/file_layer.py); a routed
-layer's, an ExpertsLayer of FileLayers (sparsecore/experts.py; gpt-oss's, sparsecore/oai_experts.py).
+layer's, an ExpertsLayer of FileLayers (sparsecore/experts.py; gpt-oss's, sparsecore/oai_experts.py),
+or on a GPU (or with converted weights) a TorchExpertsLayer (sparsecore/torch_experts.py).
 
 `serve` is the one glue between a posted step in shared memory and `step`: read x, the mask or
 the layer's threshold, compute, write the partial output into the process's slot.
@@ -38,6 +39,7 @@ from .file_layer import FileLayer
 from .lm_head import HeadRows, head_tensor_name
 from .predictor_rows import PredictorRows, native_predictor, predictor_thresholds
 from .tensors import TensorStore
+from .torch_experts import TorchExpertsLayer
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +103,7 @@ class FfnShard:
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False,
              predictor_path: str | PathLike | None = None, row_layout: str = "",
-             cold: np.ndarray | None = None) -> "FfnShard":
+             cold: np.ndarray | None = None, experts: np.ndarray | None = None) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
         `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
@@ -111,7 +113,11 @@ class FfnShard:
         converted once (float32 on the CPU, float16 on a GPU). `row_layout`: with `fast`, which
         rows are interleaved (protocol.messages.ROW_LAYOUTS, FileLayer). `cold`: (n_layers, units)
         1 where a unit's (a layer's, an expert's) layouts stay mapped from the process's layout
-        cache (layout_cache.active) instead of held in memory; None: all held."""
+        cache (layout_cache.active) instead of held in memory; None: all held. `experts`: a routed
+        model's (n_layers, E [+ 1 where it has a shared expert]) bool, the experts whose range
+        neurons[layer] this process owns (the last column: the shared expert's); None: all of them.
+        Routed experts stay in the file's blocks on the CPU (ExpertsLayer); on CUDA, or with
+        converted weights, they are float copies computed in torch (TorchExpertsLayer)."""
         if row_layout not in ROW_LAYOUTS:
             raise ValueError(f"interleaved rows {row_layout!r}: one of {ROW_LAYOUTS}")
         if store is None:
@@ -125,15 +131,30 @@ class FfnShard:
         for layer, idx in enumerate(neurons):
             if not len(idx):
                 continue
-            if cfg.routed:  # experts stay in the file's blocks (the engine refuses other formats for them)
-                if not (device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer])):
-                    raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
-                                     f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
-                if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
-                    layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
-                else:
-                    layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
-                                                 None if cold is None else cold[layer])
+            if cfg.routed:
+                owned = None if experts is None else np.asarray(experts[layer, :cfg.n_experts], bool)
+                with_shared = experts is None or not cfg.n_ff_shared or bool(experts[layer, cfg.n_experts])
+                if cfg.expert_bias and owned is not None and not owned.all():
+                    raise ValueError("gpt-oss's experts split by ranges of neurons only, not whole experts")
+                if weights == "gguf" and device_type == "cpu":  # the file's blocks, the native kernels
+                    if not FileLayer.fits(store, layer, ranges[layer]):
+                        raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
+                                         f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
+                    if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
+                        layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                    else:
+                        layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
+                                                     None if cold is None else cold[layer], owned, with_shared)
+                    continue
+                import torch
+
+                own = as_range(np.asarray(idx, dtype=np.int64), 1)
+                if own is None or cfg.expert_bias or cfg.router_reads_layer_input:
+                    raise ValueError(f"layer {layer}: routed experts in torch take a contiguous range of each "
+                                     f"expert's neurons, and not gpt-oss's or smallthinker's routing")
+                device = torch.device(device)
+                fmt = weights if weights != "gguf" else ("f16" if device.type == "cuda" else "f32")
+                layers[layer] = TorchExpertsLayer(store, layer, own, cfg, device, fmt, owned, with_shared)
             elif weights == "gguf" and device_type == "cpu" and FileLayer.fits(store, layer, ranges[layer]):
                 with layout_cache.placing(cold is None or not cold[layer, 0]):
                     layers[layer] = FileLayer(store, layer, ranges[layer], fast, scratch, cfg.ffn_gate, row_layout)
@@ -161,6 +182,22 @@ class FfnShard:
     def n_neurons(self) -> int:
         return sum(len(w.idx) for w in self.layers.values())
 
+    def experts_held(self, n_layers: int, n_experts: int) -> np.ndarray:
+        """(n_layers, n_experts) uint8: 1 where this shard holds rows of that layer's routed expert."""
+        held = np.zeros((n_layers, n_experts), np.uint8)
+        for layer, w in self.layers.items():
+            owned = getattr(w, "owned", None)
+            if owned is not None:
+                held[layer] = [e is not None for e in w.experts]
+        return held
+
+    def count_routes_into(self, counts: np.ndarray) -> None:
+        """Count each routed layer's chosen experts computed here into counts[layer] (n_layers, E
+        int64: this process's rows of the shared segment's route counts)."""
+        for layer, w in self.layers.items():
+            if isinstance(w, (ExpertsLayer, TorchExpertsLayer)):
+                w.count_into(counts[layer])
+
     @property
     def nbytes(self) -> int:
         """FFN weight bytes held (the head's rows are not counted: they are the lm_head's)."""
@@ -179,7 +216,7 @@ class FfnShard:
 
         from .ffn import ffn_partial, ffn_partial_threshold
         w = self.layers[layer]
-        if isinstance(w, (FileLayer, ExpertsLayer)):
+        if isinstance(w, (FileLayer, ExpertsLayer, TorchExpertsLayer)):
             y, n = w.step(x.cpu().numpy(), self.activation, active, threshold)
             return torch.from_numpy(y), n
         if threshold is not None:
@@ -222,7 +259,8 @@ class FfnShard:
             n_active = w.batch_into(buf.x[:req.n_tokens], self.activation, active, threshold,
                                     buf.out[slot, :req.n_tokens], **routing)
             return n_active, int((time.perf_counter() - t0) * 1e9)
-        if isinstance(w, (FileLayer, ExpertsLayer)):  # a prompt: numpy's GEMM or integer tiles, no torch
+        if isinstance(w, (FileLayer, ExpertsLayer, TorchExpertsLayer)):  # a prompt: numpy's GEMM or integer tiles;
+            # torch's experts: routed here on the CPU, computed on their device
             y, n_active = w.step(buf.x[:req.n_tokens], self.activation, active, threshold, **routing)
             buf.out[slot, :req.n_tokens] = y
             return n_active, int((time.perf_counter() - t0) * 1e9)

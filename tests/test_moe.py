@@ -94,7 +94,7 @@ def test_fast_arithmetic_decodes_close_to_exact(moe_models, no_leaks):
     assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
 
 
-@pytest.mark.parametrize("opt,word", [(dict(weights="f32"), "--weights f32"),
+@pytest.mark.parametrize("opt,word", [(dict(predictor="predictor.gguf"), "--predictor"),
                                       (dict(sparsity=0.5), "--sparse-method input")])
 def test_what_experts_do_not_run_with_is_refused_in_one_line(moe_models, opt, word):
     with pytest.raises(ValueError) as e:

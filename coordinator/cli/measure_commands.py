@@ -19,43 +19,35 @@ from .options import (ENGINE_OPTION_NAMES, arith_from_context, corpus_options, e
 from .validation import check_corpus, check_engine_args, check_range
 
 
-def _memory_report(path, threads, cpu_workers, ctx, parallel):
+def _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb=None):
     """The memory plan an engine with these options makes (Engine(plan_only=True): no process
-    started, nothing loaded but the tensor table)."""
+    started, nothing loaded but the tensor table). `vram_budget_gb`: a routed model's, whose
+    experts on a GPU worker's CUDA device leave RAM (a dense model's budget is not planned here:
+    its plan writes the GPU index beside the model)."""
     from ..runtime.engine import Engine, EngineOptions
     from ..runtime.sparsity_level import choose
 
     # generate's and serve's default level, where the model is calibrated: its twins count
     level = choose(Path(path), "input", say=False)[0] if weights_from_context() == "gguf" else None
     opts = EngineOptions(threads=threads, cpu_workers=cpu_workers, ctx=ctx, weights=weights_from_context(),
-                         kv_caches=parallel + 1 if parallel else 2, sparsity=level)
+                         kv_caches=parallel + 1 if parallel else 2, sparsity=level, vram_budget_gb=vram_budget_gb)
     return Engine(path, opts, plan_only=True).memory
 
 
 def _expert_plan_report(path, cfg, vram_budget_gb) -> dict:
-    """A routed model's placement: its most-routed experts, whole, by its profile."""
+    """A routed model's placement: its most-routed experts, whole, by its profile, sized as the
+    engine sizes them on the GPU worker (float16 copies on CUDA, the file's blocks on the CPU):
+    the experts `generate --vram-budget` places (coordinator/runtime/placement.py)."""
     from sparsecore.gguf_file import open_gguf
+    from sparsecore.tensors import TensorStore
 
-    from ..runtime.model_files import load_profile, profile_path
-    from ..runtime.placement import GIB, expert_placement
+    from ..runtime.engine_build import cuda_available
+    from ..runtime.placement import experts_under_budget
 
-    ppath = profile_path(path)
-    if not ppath.exists():
-        raise click.ClickException(f"{ppath}: no routing profile for a VRAM budget; run `sparseinfer profile -m "
-                                   f"{path}` first")
-    prof = load_profile(ppath)
-    if prof.meta.get("unit") != "expert" or [len(f) for f in prof.freqs] != [cfg.n_experts] * cfg.n_layers:
-        raise click.ClickException(f"{ppath}: not a routing profile of this model's {cfg.n_layers} layers x "
-                                   f"{cfg.n_experts} experts; run `sparseinfer profile -m {path}` again")
-    tensors = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
-    per_layer = [sum(tensors.get(f"blk.{i}.ffn_{n}_exps.weight", 0) for n in ("gate", "up", "down"))
-                 for i in range(cfg.n_layers)]
-    expert_bytes = max(per_layer) // cfg.n_experts  # the file's blocks of one expert
-    budget = int(vram_budget_gb * GIB)
-    placed = expert_placement(prof.freqs, expert_bytes, budget)
-    return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": budget, "unit": "expert",
-            "profile_tokens": prof.meta.get("tokens"), **placed,
-            "experts": [e.tolist() for e in placed["experts"]]}
+    cuda = cuda_available()
+    placed = experts_under_budget(path, TensorStore(path, open_gguf(path)), cfg, vram_budget_gb,
+                                  weights_from_context(), cuda)
+    return {**placed, "device": "cuda" if cuda else "cpu", "experts": [e.tolist() for e in placed["experts"]]}
 
 
 def _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers) -> dict:
@@ -96,12 +88,13 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
     from sparsecore.config import read_config
     from sparsecore.gguf_file import open_gguf
 
-    check_values(ENGINE_OPTION_NAMES, ctx=ctx)  # the plan's context, as given (not capped at the trained one)
+    # the plan's context, as given (not capped at the trained one); the budget as generate checks it
+    check_values(ENGINE_OPTION_NAMES, ctx=ctx, vram_budget_gb=vram_budget_gb)
     path, _, _ = check_engine_args(model, threads, cpu_workers, None)
     reader = open_gguf(path)
     cfg = read_config(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    memory = _memory_report(path, threads, cpu_workers, ctx, parallel)
+    memory = _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb if cfg.routed else None)
     plan = None if vram_budget_gb is None else _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers)
     if as_json:
         click.echo(reports.info_json(cfg, types, memory, plan))

@@ -22,8 +22,20 @@ def generate_stats(s: dict) -> str:
     if s.get("spec") is not None and s["spec"].steps:  # speculative decoding's acceptance and tokens per step
         sync += f" | {s['spec'].line()}"
     return (f"[prompt {s['prompt_tokens']} tok, {pps:.1f} tok/s | decode {s['decode_tokens']} tok, "
-            f"{tps:.2f} tok/s{sync} | "
+            f"{tps:.2f} tok/s{sync}{routed_part(s.get('routed'))} | "
             f"{s['weights']} FFN weights {(sum(s['worker_weight_bytes']) + s['coordinator_ffn_bytes']) / 1e6:.0f} MB]")
+
+
+def routed_part(routed: dict | None) -> str:
+    """generate's words on a routed run under --vram-budget: the share of the routed (token,
+    expert) choices the GPU worker computed, beside what placement predicted (info --vram-budget)."""
+    if not routed or routed.get("predicted_share") is None or not routed["routes"]:
+        return ""
+    gpu = next((p for p in routed["processes"] if p["role"] == "gpu"), None)
+    if gpu is None:
+        return ""
+    return (f" | GPU worker {100 * gpu['share']:.1f}% of {routed['routes']} routed choices "
+            f"(predicted {100 * routed['predicted_share']:.1f}%)")
 
 
 # ---- info ---------------------------------------------------------------------------------------
@@ -78,7 +90,8 @@ def expert_placement_lines(plan: dict, vram_budget_gb: float) -> list[str]:
     share of routed work the profile says they take."""
     total = len(plan["layers"])
     lines = [f"\nexpert placement for --vram-budget {vram_budget_gb:g} GiB ({plan['vram_budget_bytes']} bytes; "
-             f"{plan['expert_bytes']} bytes per expert in the file's blocks; profile of "
+             f"{plan['expert_bytes']} bytes per expert "
+             f"{'as float copies on CUDA' if plan.get('device') == 'cuda' else 'on the CPU'}; profile of "
              f"{plan['profile_tokens']} tokens)",
              f"experts placed     {plan['placed']} ({total} layers)",
              f"predicted share    {100 * plan['predicted_share']:.1f}% of the routed work on the GPU worker",

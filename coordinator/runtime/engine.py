@@ -39,6 +39,24 @@ class RunStats:
     decode_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
     spec: SpecStats | None = None  # speculative decoding's counts (None: it was off)
+    # a routed model's route counts when the run began (SharedBuffers.route_counts), to count this run's
+    routes_before: np.ndarray | None = None
+
+
+def routed_shares(counts: np.ndarray, shards) -> dict:
+    """The measured routed share of each process from `counts` (n_slots, n_layers, E: the chosen
+    experts each process computed, SharedBuffers.route_counts, or a difference of two): every
+    (layer, expert) has an owner, and each owner counts every choice of it, so the largest count
+    over the processes is how often the expert was chosen. Returns {"routes": the routed (token,
+    expert) choices in all, "processes": per slot its role, worker id, the choices that fell on
+    experts it computes and their share}; `shards`: the plan's, by slot."""
+    routes = int(counts.max(axis=0).sum()) if len(counts) else 0
+    per = []
+    for slot, sh in enumerate(shards):
+        mine = int(counts[slot].sum())
+        per.append({"role": sh.role, "worker_id": sh.worker_id, "routes": mine,
+                    "share": mine / routes if routes else 0.0})
+    return {"routes": routes, "processes": per}
 
 
 class Engine:
@@ -55,6 +73,7 @@ class Engine:
         self.input_major, self.row_layout = built.input_major, built.row_layout
         self.store, self.plan, self.plan_source, self.memory = built.store, built.plan, built.plan_source, \
             built.memory
+        self.expert_placement = built.expert_placement  # a routed model's under --vram-budget, else None
         if plan_only:
             self.tokenizer = built.load_tokenizer()
             return
@@ -200,7 +219,7 @@ class Engine:
                              f"context size {self.model.max_ctx} (raise --ctx)")
         sampler = Sampler(sampling or SamplingParams())
         self.reset()
-        st = self.last = RunStats(prompt_tokens=len(prompt_ids))
+        st = self.last = RunStats(prompt_tokens=len(prompt_ids), routes_before=self._route_counts())
         t0 = time.perf_counter()
         logits = self.model.forward(list(prompt_ids))[-1]
         st.prefill_s = time.perf_counter() - t0
@@ -263,8 +282,24 @@ class Engine:
         has_bos = tk.bos_id is not None and text.startswith(tk.tokens[tk.bos_id])
         return tk.encode(text, add_bos=False if has_bos else None)
 
+    def _route_counts(self) -> np.ndarray | None:
+        """A copy of every process's route counts (a routed model), else None."""
+        return self.pool.buffers.route_counts.copy() if self.cfg.routed else None
+
+    def routed_work(self, since: np.ndarray | None = None) -> dict | None:
+        """A routed model's measured routed share per process (routed_shares) since `since` (a
+        copy of the route counts; None: since the engine started), with the share placement
+        predicted for the GPU worker under --vram-budget; None for a dense model."""
+        now = self._route_counts()
+        if now is None:
+            return None
+        out = routed_shares(now if since is None else now - since, self.plan.shards)
+        out["predicted_share"] = None if self.expert_placement is None else self.expert_placement["predicted_share"]
+        return out
+
     def stats(self) -> dict:
         return {
+            "routed": None if self.last.routes_before is None else self.routed_work(self.last.routes_before),
             "sync_us": list(self.ffn.stats.overhead_us),
             "round_trip_us": list(self.ffn.stats.round_trip_us),
             "prefill_s": self.last.prefill_s,

@@ -48,8 +48,8 @@ from .memory_plan import fit_hints, plan_memory
 from .model_files import load_input_level, load_thresholds, profile_path
 from .model_fetch import cache_root
 from .residency import cold_units
-from .placement import (default_coordinator_share, default_gpu_share, plan_under_budget, resolve_threads,
-                        split_vocabulary, static_plan)
+from .placement import (default_coordinator_share, default_gpu_share, expert_plan, experts_under_budget,
+                        plan_under_budget, resolve_threads, split_vocabulary, static_plan)
 from .worker_pool import WorkerPool
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def load_level(model: Path, opts: EngineOptions, sparsity: float) -> list:
     return load_thresholds(model, sparsity, path)
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     """torch.cuda.is_available(), without importing torch where no GPU driver exposes a device
     (no /dev/nvidiactl, /dev/kfd or /dev/dxg: CUDA, ROCm and WSL's need one), so that the
     placement, made before the workers start, does not wait for the torch import."""
@@ -102,16 +102,17 @@ class EngineBuilder:
         missing = [n for n in required_tensors(cfg) if n not in names and n.replace("ffn_down", "ffn_down_t") not in names]
         if missing:
             raise ModelFileError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-        if cfg.routed:  # what routed experts (ExpertsLayer) run with so far
-            refused = [what for what, on in (("--weights " + opts.weights, opts.weights != "gguf"),
+        if cfg.routed:  # what routed experts (ExpertsLayer, TorchExpertsLayer) run with so far
+            refused = [what for what, on in (("--weights " + opts.weights, opts.weights != "gguf" and cfg.expert_bias),
                                              ("--sparse-method input (experts take CATS thresholds)",
                                               opts.sparsity is not None and opts.sparse_method == "input"),
-                                             ("--vram-budget", opts.vram_budget_gb is not None),
+                                             ("--vram-budget (gpt-oss's experts split by ranges only)",
+                                              opts.vram_budget_gb is not None and cfg.expert_bias),
                                              ("--predictor", bool(opts.predictor) and opts.predictor != "none"))
                        if on]
             if refused:
-                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs on the file's blocks, its "
-                                 f"experts dense or with CATS thresholds: not with {refused[0]}")
+                raise ValueError(f"{self.path.name}: a mixture-of-experts model runs its experts dense or with CATS "
+                                 f"thresholds: not with {refused[0]}")
         if cfg.router_reads_layer_input and opts.max_batch < 2:  # sparse_ffn.py: x[n:2n] carries it
             raise ValueError(f"{self.path.name}: --max-batch {opts.max_batch}: {cfg.arch}'s router reads the layer's "
                              f"input, which an exchange carries beside each token's FFN input: at least 2")
@@ -145,6 +146,8 @@ class EngineBuilder:
             predictors is not None else "gate+up" if rows_dense and opts.interleave is not False else "gate"
         # the model file's tensors, opened once; the tools (coordinator/tools/) read through it too
         self.store = store = TensorStore(self.path, reader)
+        # a routed model's experts under --vram-budget (placement.experts_under_budget), else None
+        self.expert_placement: dict | None = None
         self.plan, self.plan_source, self.head_rows, self.per_worker, self.total = self._place(store)
         self.max_ctx = min(opts.ctx, cfg.context_length)
         # which processes compute decoded tokens' attention: decided now, the KV caches' place follows
@@ -297,12 +300,21 @@ class EngineBuilder:
     def _place(self, store: TensorStore):
         """(plan, where it came from, lm_head rows per slot, threads per worker, total threads)."""
         opts, cfg = self.opts, self.cfg
-        cuda = opts.gpu_device in ("auto", "cuda") and _cuda_available()
+        self.cuda = cuda = opts.gpu_device in ("auto", "cuda") and cuda_available()
         total, n_cpu, per_worker = resolve_threads(opts.threads, opts.cpu_workers, cuda)
         share = default_gpu_share(cuda) if opts.gpu_share is None else opts.gpu_share
         if opts.vram_budget_gb is not None and opts.coordinator_share:
             raise ValueError("--coordinator-share goes with the static split, not with --vram-budget")
-        if opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
+        align = max(FileLayer.align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
+        if opts.vram_budget_gb is not None and cfg.routed:  # the most-routed experts, whole, within the budget
+            self.expert_placement = placed = experts_under_budget(self.path, store, cfg, opts.vram_budget_gb,
+                                                                  opts.weights, cuda)
+            coord = default_coordinator_share(cuda, n_cpu, per_worker)
+            plan = expert_plan(cfg.n_layers, cfg.n_ff, placed["experts"], cfg.n_experts, bool(cfg.n_ff_shared),
+                               n_cpu, coord, align)
+            source = (f"{placed['placed']} most-routed experts on the GPU worker, predicted "
+                      f"{100 * placed['predicted_share']:.1f}% of the routed work")
+        elif opts.vram_budget_gb is not None:  # hot neurons by activation profile, within the budget
             plan, _, source = plan_under_budget(
                 self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
                 opts.reset_gpu_index, opts.disable_gpu_index, weights=opts.weights)
@@ -311,7 +323,6 @@ class EngineBuilder:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
             # the native kernels read down's columns in whole blocks: cut shards on block edges
-            align = max(FileLayer.align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
             plan, source = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, align), "static"
             # The head's rows follow the processes' intended shares, not the FFN's cuts on block
             # edges: a K-quant expert's 768 neurons split 512/256 between two processes (blocks
@@ -333,9 +344,13 @@ class EngineBuilder:
         # the worker processes WorkerPool.spawn starts: those with neurons (a GPU worker without CUDA has none)
         workers = [s for s in self.plan.shards if s.role != "coordinator" and any(len(n) for n in s.neurons)]
         ffn = sum(any(len(n) for n in s.neurons) for s in self.plan.shards)
+        # a routed model's experts on a CUDA device are not in RAM (placement.gpu_expert_bytes each, there)
+        placed = self.expert_placement if self.cuda else None
         return plan_memory(store, cfg, names, fast=opts.fast, weights=opts.weights, row_layout=self.row_layout,
                            sparse=opts.sparsity is not None or predictors is not None, n_workers=len(workers),
-                           ffn_processes=ffn, kv_shape=self.kv_shape, input_major=self.input_major)
+                           ffn_processes=ffn, kv_shape=self.kv_shape, input_major=self.input_major,
+                           gpu_experts=None if placed is None else [len(e) / cfg.n_experts for e in placed["experts"]],
+                           vram=0 if placed is None else placed["placed"] * placed["expert_bytes"])
 
     def _load_predictors(self, reader) -> Predictors | None:
         p = self.opts.predictor

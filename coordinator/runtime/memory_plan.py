@@ -14,7 +14,10 @@ Where the bytes go (the kinds below are the plan's rows):
              positions are written, so this is the most they take) and the rope tables;
   runtime    each process's interpreter, libraries and scratch (measured: docs/MEMORY.md);
   mapped     the file's pages read in place (page cache: shared by the processes, and clean,
-             so the kernel can drop them under pressure, at the price of reading them again).
+             so the kernel can drop them under pressure, at the price of reading them again);
+  vram       what the GPU worker holds on a CUDA device (a routed model's most-routed experts
+             under --vram-budget, as float16 copies): not RAM, and their share of the experts'
+             tensors is then in none of the rows above.
 The first five are anonymous memory nothing can reclaim: they must fit in what is available
 (MemAvailable, and a cgroup's limit less its use). The mapped pages should too, or every token
 reads part of the file from disk again: a one-line notice then, not a refusal.
@@ -57,6 +60,7 @@ class MemoryPlan:
     # (coordinator/runtime/residency.py), where the rest does not fit
     ffn_copied: int = 0
     cold: int = 0  # of those, what the residency leaves mapped from the layout cache (residency.py)
+    vram: int = 0  # on the GPU worker's CUDA device (its experts), not in RAM
     available: int | None = None
     available_from: str = ""
 
@@ -76,7 +80,8 @@ class MemoryPlan:
                 ("converted", self.converted, "tensors with no native kernel, converted at load"),
                 ("kv", self.kv, "KV caches at full length, rope tables"),
                 ("runtime", self.runtime, f"interpreters, libraries, scratch ({n} process{'es' if n > 1 else ''})"),
-                ("mapped", self.mapped, "the file's pages read in place (page cache, shared)")]
+                ("mapped", self.mapped, "the file's pages read in place (page cache, shared)")] + (
+            [("vram", self.vram, "the GPU worker's experts on its CUDA device (not RAM)")] if self.vram else [])
 
     def lines(self) -> list[str]:
         out = [f"{k:10s} {b / GB:7.3f} GB  {why}" for k, b, why in self.rows()]
@@ -282,15 +287,25 @@ def tensor_kinds(store, cfg, names: list[str], fast: bool, weights: str, row_lay
 
 
 def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_layout: str, sparse: bool,
-                n_workers: int, ffn_processes: int, kv_shape=None, input_major: str = "") -> MemoryPlan:
+                n_workers: int, ffn_processes: int, kv_shape=None, input_major: str = "",
+                gpu_experts: list[float] | None = None, vram: int = 0) -> MemoryPlan:
     """The plan for a run: `names` the tensors it reads, `n_workers` the worker processes besides
     the coordinator, `ffn_processes` the processes that hold FFN rows (each converts a converted
     FFN tensor whole), `kv_shape` the shared KV pool's KvShape (None: one private cache the size
     of cfg at ctx, passed as a KvShape too), `input_major` which matrices get twins
-    (sparsecore/input_sparsity.py: "", "down", "all")."""
+    (sparsecore/input_sparsity.py: "", "down", "all"). `gpu_experts`: per layer the share of a
+    routed model's experts the GPU worker holds on a CUDA device (the experts' tensors count that
+    much less in RAM), `vram` their bytes there; the GPU worker then imports torch."""
     from sparsecore.kernels import input_major_bytes, input_major_type
 
-    p = MemoryPlan(processes=1 + n_workers)
+    p = MemoryPlan(processes=1 + n_workers, vram=vram)
+
+    def in_ram(name: str, nbytes: int) -> int:
+        """A tensor's bytes less the GPU worker's experts' share of them (on CUDA)."""
+        if gpu_experts is None or "_exps." not in name:
+            return nbytes
+        return int(nbytes * (1.0 - gpu_experts[int(name.split(".")[1])]))
+
     twinned = (".ffn_down.", ".ffn_down_exps.") if input_major == "down" else (
         ".ffn_gate.", ".ffn_up.", ".ffn_down.", ".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.") \
         if input_major == "all" else ()
@@ -299,11 +314,12 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
         if not store.has(name) or not input_major_type(store.by_name[name].tensor_type):
             continue
         if any(t in name for t in twinned) or (input_major == "all" and name == head):
-            n = input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes))
+            n = in_ram(name, input_major_bytes(store.by_name[name].tensor_type, int(store.by_name[name].n_bytes)))
             p.twins += n
             p.ffn_copied += n if ".ffn_" in name else 0
     for name, (kind, nbytes) in tensor_kinds(store, cfg, names, fast, weights, row_layout, sparse,
                                              split_ffn=ffn_processes > 1).items():
+        nbytes = in_ram(name, nbytes)
         if kind == "converted":
             copies = ffn_processes if ".ffn_" in name else 1
             p.converted += copies * nbytes
@@ -317,7 +333,7 @@ def plan_memory(store, cfg, names: list[str], *, fast: bool, weights: str, row_l
     if kv_shape is not None:
         p.kv = kv_shape.size
     torch = TORCH_RUNTIME if coordinator_torch(store, cfg, weights) else 0
-    p.runtime = COORDINATOR_RUNTIME + n_workers * WORKER_RUNTIME + torch
+    p.runtime = COORDINATOR_RUNTIME + n_workers * WORKER_RUNTIME + torch + (TORCH_RUNTIME if vram else 0)
     p.available, p.available_from = available_memory()
     return p
 

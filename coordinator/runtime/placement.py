@@ -30,7 +30,10 @@ from .model_files import GPUIDX_FORMAT, gpuidx_path, read_gpuidx, write_gpuidx
 class WorkerShard:
     role: str  # "gpu", "cpu", or "coordinator" (computed in the coordinator's process; always last)
     worker_id: int
-    neurons: list[np.ndarray]  # per layer, sorted int32 neuron indices
+    neurons: list[np.ndarray]  # per layer, sorted int32 neuron indices (a routed layer's: of each expert)
+    # A routed model's (n_layers, experts [+ 1: the shared expert]) bool: the experts whose
+    # neurons[layer] this process owns (expert_plan); None: every expert (the static split).
+    experts: np.ndarray | None = None
 
 
 @dataclass
@@ -40,11 +43,16 @@ class Plan:
     shards: list[WorkerShard]
 
     def check_partition(self) -> None:
-        """Every neuron of every layer is owned by exactly one worker."""
+        """Every neuron of every layer (of every expert, where shards own experts) is owned by
+        exactly one worker."""
+        units = max((s.experts.shape[1] for s in self.shards if s.experts is not None), default=1)
         for layer in range(self.n_layers):
-            owned = np.concatenate([s.neurons[layer] for s in self.shards])
-            if len(owned) != self.n_ff or not np.array_equal(np.sort(owned), np.arange(self.n_ff)):
-                raise AssertionError(f"layer {layer}: neurons are not partitioned across workers")
+            for unit in range(units):
+                owned = np.concatenate([s.neurons[layer] for s in self.shards
+                                        if s.experts is None or s.experts[layer, unit]])
+                if len(owned) != self.n_ff or not np.array_equal(np.sort(owned), np.arange(self.n_ff)):
+                    raise AssertionError(f"layer {layer}{f', expert {unit}' if units > 1 else ''}: neurons are not "
+                                         f"partitioned across workers")
 
 
 def static_plan(n_layers: int, n_ff: int, gpu_share: float, n_cpu_workers: int,
@@ -308,3 +316,79 @@ def routed_share(freqs: list[np.ndarray], experts: list[np.ndarray]) -> float:
     f = np.stack([np.asarray(x, np.float64) for x in freqs])
     return float(sum(f[i, e].sum() for i, e in enumerate(experts)) / (f.sum() or 1.0))
 
+
+
+# ---- a routed model's experts under a VRAM budget -----------------------------------------------
+
+def expert_plan(n_layers: int, n_ff: int, gpu_experts: list[np.ndarray], n_experts: int, shared: bool,
+                n_cpu_workers: int, coordinator_share: float = 0.0, align: int = 1) -> Plan:
+    """A routed model's plan under --vram-budget: the GPU worker owns every neuron of the experts
+    in gpu_experts[layer] (expert_placement's, the most-routed that fit); the CPU workers and the
+    coordinator's share split the other experts' neurons as static_plan splits a layer's, the
+    same range of each (and of the shared expert, where the model has one: it is every token's,
+    and stays with them). A process owning no unit of a layer has no neurons there, and no step."""
+    base = static_plan(n_layers, n_ff, 0.0, n_cpu_workers, coordinator_share, align)
+    units = n_experts + int(shared)
+    on_gpu = np.zeros((n_layers, units), bool)
+    for layer, chosen in enumerate(gpu_experts):
+        on_gpu[layer, np.asarray(chosen, np.int64)] = True
+    none = np.zeros(0, np.int32)
+    every = np.arange(n_ff, dtype=np.int32)
+    shards = [WorkerShard("gpu", 0, [every if on_gpu[l].any() else none for l in range(n_layers)], on_gpu)]
+    for s in base.shards[1:]:
+        shards.append(WorkerShard(s.role, s.worker_id, [n if (~on_gpu[l]).any() else none
+                                                        for l, n in enumerate(s.neurons)], ~on_gpu))
+    plan = Plan(n_layers, n_ff, shards)
+    plan.check_partition()
+    return plan
+
+
+def routing_profile(path: Path, model: Path, n_layers: int, n_experts: int):
+    """The routing profile (`sparseinfer profile` on a routed model: how often each (layer,
+    expert) was chosen) at `path`; ValueError in one line when it is missing or not this model's."""
+    from .model_files import load_profile
+
+    if not path.exists():
+        raise ValueError(f"{path}: no routing profile for a VRAM budget; run `sparseinfer profile -m {model}` first "
+                         f"(or leave out --vram-budget)")
+    prof = load_profile(path)
+    if prof.meta.get("unit") != "expert" or [len(f) for f in prof.freqs] != [n_experts] * n_layers:
+        raise ValueError(f"{path}: not a routing profile of this model's {n_layers} layers x {n_experts} experts; "
+                         f"run `sparseinfer profile -m {model}` again")
+    return prof
+
+
+def gpu_expert_bytes(store, cfg, weights: str, cuda: bool) -> int:
+    """What one expert takes on the GPU worker, the unit --vram-budget counts: on CUDA its gate,
+    up and down as float copies (float16 for the file's blocks, else `weights`); on the CPU
+    (no GPU) the file's blocks it computes on, or its converted rows with `weights` other than
+    gguf."""
+    if cuda or weights != "gguf":
+        return neuron_bytes(cfg.hidden, weights, on_cpu=not cuda) * cfg.n_ff
+    per_layer = [sum(int(store.by_name[f"blk.{i}.{n}.weight"].n_bytes) for n in
+                     ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if store.has(f"blk.{i}.{n}.weight"))
+                 for i in range(cfg.n_layers)]
+    return max(per_layer) // cfg.n_experts
+
+
+def experts_under_budget(model: Path, store, cfg, vram_budget_gb: float, weights: str, cuda: bool,
+                         profile_file: Path | None = None) -> dict:
+    """The most-routed experts that fit in a VRAM budget (GiB), whole, by the model's routing
+    profile (expert_placement), with the share of the routed work they take: what `info
+    --vram-budget` prints and what the engine places. ValueError in one line for a budget that
+    is not a number >= 0, or that holds no expert."""
+    from .model_files import profile_path
+
+    if not (vram_budget_gb >= 0 and np.isfinite(vram_budget_gb)):
+        raise ValueError(f"--vram-budget must be a number of GiB >= 0, got {vram_budget_gb}")
+    model = Path(model)
+    prof = routing_profile(Path(profile_file) if profile_file else profile_path(model), model, cfg.n_layers,
+                           cfg.n_experts)
+    expert_bytes = gpu_expert_bytes(store, cfg, weights, cuda)
+    budget = int(vram_budget_gb * GIB)
+    placed = expert_placement(prof.freqs, expert_bytes, budget)
+    if not placed["placed"]:
+        raise ValueError(f"--vram-budget {vram_budget_gb:g} GiB holds no expert: one takes {expert_bytes / (1 << 20):.2f} "
+                         f"MiB on the GPU worker")
+    return {"vram_budget_gb": vram_budget_gb, "vram_budget_bytes": budget, "unit": "expert",
+            "profile_tokens": prof.meta.get("tokens"), **placed}

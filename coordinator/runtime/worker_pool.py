@@ -60,6 +60,7 @@ class WorkerProc:
     weight_bytes: int = 0
     predicts: bool = False  # scores its own neurons in FLAG_PREDICT steps (Ready.predicts)
     lockstep: bool = False  # takes part in lockstep decode steps (Ready.lockstep)
+    experts: bytes = b""  # a routed model's experts it holds rows of (Ready.experts)
 
     @property
     def label(self) -> str:
@@ -213,7 +214,8 @@ class WorkerPool:
                       self.kv_pool.fd if self.kv_pool is not None else -1,
                       list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path,
                       self.row_layout, self.input_major, self.layout_cache,
-                      b"" if self.cold_units is None else np.ascontiguousarray(self.cold_units, np.uint8).tobytes())
+                      b"" if self.cold_units is None else np.ascontiguousarray(self.cold_units, np.uint8).tobytes(),
+                      b"" if shard.experts is None else np.ascontiguousarray(shard.experts, np.uint8).tobytes())
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""
@@ -250,8 +252,8 @@ class WorkerPool:
             self._send(ident, self._assign(w.slot))
             self._pending_assign.discard(ident)
         elif isinstance(msg, Ready):
-            w.n_neurons, w.device, w.weight_bytes, w.predicts, w.lockstep = (
-                msg.n_neurons, msg.device, msg.weight_bytes, msg.predicts, msg.lockstep)
+            w.n_neurons, w.device, w.weight_bytes, w.predicts, w.lockstep, w.experts = (
+                msg.n_neurons, msg.device, msg.weight_bytes, msg.predicts, msg.lockstep, msg.experts)
             self._pending_ready.discard(ident)
         elif isinstance(msg, WorkerFailed):
             raise WorkerError(f"{w.label} failed while loading: {msg.reason}")

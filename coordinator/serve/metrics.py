@@ -51,9 +51,31 @@ class _Live:
             tokens = CounterMetricFamily("sparseinfer_ffn_layer_tokens", "token-layer pairs through the FFN")
             tokens.add_metric([], sum(st.tokens.values()))
             yield tokens
+            routed = eng.routed_work() if getattr(eng, "cfg", None) is not None and eng.cfg.routed else None
+            if routed is not None:  # a routed model: its (token, expert) choices, and each process's part
+                yield from routed_metrics(routed)
         spec = getattr(eng, "spec", None)
         if spec is not None:  # speculative decoding (coordinator/runtime/speculative.py)
             yield from spec_metrics(spec.stats)
+
+
+def routed_metrics(routed: dict):
+    """A routed model's choices since the start, those each process computed (the GPU worker's
+    share of them is the measured routed share) and placement's predicted share for the GPU worker."""
+    total = CounterMetricFamily("sparseinfer_routed_choices", "routed (token, expert) choices, over every layer")
+    total.add_metric([], routed["routes"])
+    yield total
+    mine = CounterMetricFamily("sparseinfer_routed_choices_computed",
+                               "routed (token, expert) choices that fell on experts the process computes",
+                               labels=["role", "worker"])
+    for p in routed["processes"]:
+        mine.add_metric([p["role"], str(p["worker_id"])], p["routes"])
+    yield mine
+    if routed["predicted_share"] is not None:
+        g = GaugeMetricFamily("sparseinfer_routed_share_predicted",
+                              "the GPU worker's share of the routed work its placement predicted (--vram-budget)")
+        g.add_metric([], routed["predicted_share"])
+        yield g
 
 
 def spec_metrics(st):

@@ -46,19 +46,24 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
  * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y;
  * the table holds every expert's gate, up and down as mat records, so the experts a token picks
  * are looked up, not passed)
- * times its weight, summed into out (hidden). Sparse steps (c->threshold >= 0: CATS) take each
+ * times its weight, summed into out (hidden). An expert this process owns no rows of has a row
+ * of empty records (gate.base NULL: another process computes it) and is skipped; `counts` (E
+ * int64, or NULL) counts each chosen expert that is computed here (the measured routed share:
+ * coordinator/runtime/engine.py).  Sparse steps (c->threshold >= 0: CATS) take each
  * chosen expert's own threshold from thr_e (E floats, calibrated per expert: an expert's gate
  * activations have their own scale), or c->threshold for every expert where thr_e is NULL; a
  * dense step (c->threshold < 0) ignores thr_e, so it runs exactly as before thresholds existed.
  * Returns the active neurons, or ffn_token's error. */
 static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, float *probs, int32_t *ids,
-                         float *w, const float *thr_e, ffn_call *c, float *out) {
+                         float *w, const float *thr_e, int64_t *counts, ffn_call *c, float *out) {
     if (!(flags & MOE_ROUTED)) moe_route(router, c->x, c->hidden, E, k, flags, probs, ids, w);
     memset(out, 0, sizeof(float) * c->hidden);
     int sparse = c->threshold >= 0.f;
     int64_t n = 0;
     for (int j = 0; j < k; j++) {
         const mat *row = table + (int64_t)ids[j] * 3;
+        if (!row[0].base) continue;  /* not owned here */
+        if (counts) counts[ids[j]]++;
         c->gate = row[0], c->up = row[1], c->down = row[2];
         if (sparse && thr_e) c->threshold = thr_e[ids[j]];
         int64_t a = ffn_token(c);

@@ -115,8 +115,10 @@ static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t 
 /* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, flags (moe_step.c MOE_*),
  *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, ffn_call_ptr (the matrices
  *           any expert's, y the one-expert scratch, its threshold < 0 dense or >= 0 CATS),
- *           thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all)) -> active neurons */
-#define MOE_ARGS (4 + MAT_ARGS + 6)
+ *           thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all),
+ *           counts_ptr (E int64 counts of the chosen experts computed here, or 0)) -> active neurons
+ * An expert whose table row is empty (gate.base NULL) is another process's: skipped. */
+#define MOE_ARGS (4 + MAT_ARGS + 7)
 static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != MOE_ARGS) {
         PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MOE_ARGS);
@@ -130,6 +132,7 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     float *probs = ARG_PTR(0), *w = ARG_PTR(2), *out = ARG_PTR(3);
     int32_t *ids = ARG_PTR(1);
     const float *thr_e = ARG_PTR(5);
+    int64_t *counts = ARG_PTR(6);
     ffn_call c;
     if (PyErr_Occurred() || get_ffn_call("moe_token", args[4], &c)) return NULL;
     if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask) {
@@ -138,7 +141,7 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_token(table, E, k, flags, r, probs, ids, w, thr_e, &c, out);
+    n = moe_token(table, E, k, flags, r, probs, ids, w, thr_e, counts, &c, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
