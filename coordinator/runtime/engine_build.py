@@ -306,6 +306,7 @@ class EngineBuilder:
         if opts.vram_budget_gb is not None and opts.coordinator_share:
             raise ValueError("--coordinator-share goes with the static split, not with --vram-budget")
         align = max(FileLayer.align(store, i) for i in range(cfg.n_layers)) if opts.weights == "gguf" else 1
+        shares = None  # the plan the head's rows follow, where not the plan itself (below)
         if opts.vram_budget_gb is not None and cfg.routed:  # the most-routed experts, whole, within the budget
             self.expert_placement = placed = experts_under_budget(self.path, store, cfg, opts.vram_budget_gb,
                                                                   opts.weights, cuda)
@@ -318,7 +319,6 @@ class EngineBuilder:
             plan, _, source = plan_under_budget(
                 self.path, cfg.n_layers, cfg.n_ff, cfg.hidden, opts.vram_budget_gb, n_cpu,
                 opts.reset_gpu_index, opts.disable_gpu_index, weights=opts.weights)
-            shares = None
         else:
             coord = (default_coordinator_share(cuda, n_cpu, per_worker) if opts.coordinator_share is None
                      else opts.coordinator_share)
@@ -328,7 +328,8 @@ class EngineBuilder:
             # edges: a K-quant expert's 768 neurons split 512/256 between two processes (blocks
             # of 256), and head rows in that proportion made its phase wait on the larger share
             # (the 30B-A3B shape in Q4_K_M decoded 71.3 tok/s, 76.4 with the rows even).
-            shares = None if align == 1 else static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, 1)
+            if align > 1:
+                shares = static_plan(cfg.n_layers, cfg.n_ff, share, n_cpu, coord, 1)
         head_rows = {}
         if opts.split_lm_head:
             n_vocab = store.shape(head_tensor_name(cfg.tied_embeddings))[0]
