@@ -74,11 +74,9 @@ class ExpertsLayer:
                              f"{cfg.n_experts}")
         self.k, self.renormalize, self.gating = cfg.n_experts_used, cfg.expert_norm, cfg.expert_gating
         self.router_reads_layer_input = cfg.router_reads_layer_input
-        # moe_route's and moe_token's flags; where the router reads the layer's input, token_into
-        # routes that first and moe_token runs the experts it chose (MOE_ROUTED). gpt-oss's
-        # gating is not the kernel's: OaiExpertsLayer routes in Python.
-        self.flags = 0 if self.gating == "softmax_weight" else \
-            route_flags(self.renormalize, self.gating) | (MOE_ROUTED if self.router_reads_layer_input else 0)
+        # moe_route's and moe_token's flags (MOE_ROUTED added below where token_into routes
+        # first). gpt-oss's gating is not the kernel's: OaiExpertsLayer routes in Python.
+        self.flags = 0 if self.gating == "softmax_weight" else route_flags(self.renormalize, self.gating)
         self.owned = np.ones(cfg.n_experts, bool) if owned is None else np.asarray(owned, bool)
         if self.owned.shape != (cfg.n_experts,):
             raise ValueError(f"layer {layer}: an ownership of {self.owned.shape} experts, the file has {cfg.n_experts}")
@@ -93,6 +91,12 @@ class ExpertsLayer:
         # cold experts' layouts stay mapped from the layout cache: read ahead, per expert, once a
         # token has chosen them (token_into)
         self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f is not None and f.cold_maps}
+        # token_into routes a token itself, into the arrays moe_token reads, which then runs the
+        # experts chosen (MOE_ROUTED): where the router reads the layer's input, and where
+        # chosen cold experts are read ahead before any of them is computed (routed once)
+        self.routes_first = self.router_reads_layer_input or bool(self.cold_maps)
+        if self.routes_first:
+            self.flags |= MOE_ROUTED
         self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
@@ -186,14 +190,12 @@ class ExpertsLayer:
         expert dense or, with `threshold` (expert_thresholds.per_expert), at its own threshold.
         router_x: the token's layer input, where the router scores that (smallthinker)."""
         thr = per_expert(threshold, self._flat, active)
-        if self.router_reads_layer_input:  # routed here, into the arrays moe_token reads (MOE_ROUTED)
+        if self.routes_first:  # into the arrays moe_token reads (MOE_ROUTED)
             rx = self._scored(x, router_x)
             _kernels.moe_route(*self.router.args, ptr(rx), len(rx), len(self.experts), self.k, self.flags,
                                ptr(self.probs), ptr(self.ids), ptr(self.weights))
-            if self.cold_maps:
+            if self.cold_maps:  # every chosen cold expert's reads start together
                 self._read_ahead(self.ids)
-        elif self.cold_maps:  # route here first, to have the chosen cold experts' reads start together
-            self._read_ahead(self.route(x[None])[0][0])
         key = (x.ctypes.data, out.ctypes.data)
         args, ffn = self._calls.get(key, (None, None))
         if args is None:  # checked and resolved once per pair of buffers (a slot, lockstep's rows)

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .memory_plan import MIB, MemoryPlan
-from .model_files import load_profile
-from .placement import expert_placement
+from .placement import expert_placement, routing_profile
 
 # Memory left to the page cache for the units read from disk: room for the next layer's part to
 # be read ahead while this one computes, and for the kernel's own readahead.
@@ -72,13 +71,11 @@ def cold_units(plan: MemoryPlan, store, cfg, profile_file: Path | None = None) -
 
 
 def _routing(profile_file: Path | None, shape) -> list[np.ndarray] | None:
-    """The profile's routing counts per layer, if it has them for this shape."""
-    if profile_file is None or not Path(profile_file).exists():
+    """The profile's routing counts per layer, if it is a routing profile of this shape
+    (placement.routing_profile's check; none: the first experts are kept instead)."""
+    if profile_file is None:
         return None
     try:
-        prof = load_profile(profile_file)
+        return routing_profile(Path(profile_file), Path(profile_file), *shape).freqs
     except ValueError:
         return None
-    if prof.meta.get("unit") != "expert" or len(prof.freqs) != shape[0] or any(len(f) != shape[1] for f in prof.freqs):
-        return None
-    return prof.freqs
