@@ -47,6 +47,15 @@ def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
     return ids, weights
 
 
+def shared_scale(gate: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The shared expert's scale (qwen2moe), sigmoid(gate . x) per row of x (T, hidden): a float64
+    dot a row, the same whatever the batch (a matrix product may sum in another order), in every
+    process and on every device alike."""
+    g64 = gate.astype(np.float64)
+    g = np.array([np.dot(row, g64) for row in x.astype(np.float64)])
+    return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
+
+
 class ExpertsLayer:
     """One routed layer's owned neurons (sparsecore/arch.py FFN_KINDS): the range `own` of each
     owned expert's neurons (`owned`: every expert by default; under --vram-budget the GPU worker
@@ -154,13 +163,6 @@ class ExpertsLayer:
         one = 0 if self.first is None else self.first.nbytes
         return min(self.k, int(self.owned.sum())) * one + shared + self.router.rows * self.router.row_bytes
 
-    def _shared_scale(self, x: np.ndarray) -> np.ndarray:
-        """sigmoid(gate . x) per row of x (T, hidden): a float64 dot a row, the same whatever
-        the batch (a matrix product may sum in another order), every process alike."""
-        g64 = self.shared_gate.astype(np.float64)
-        g = np.array([np.dot(row, g64) for row in x.astype(np.float64)])
-        return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
-
     def _read_ahead(self, ids: np.ndarray) -> None:
         """Start reading the chosen experts that are mapped from disk (all of them, then compute):
         one fault at a time would read them one after the other, a token's few hundred KB each."""
@@ -216,7 +218,7 @@ class ExpertsLayer:
         if self.shared is not None:  # its share of the shared expert (dense: no thresholds calibrated), scaled by the gate
             part = self.part[0]
             n += self.shared.token_into(x, activation, None, None, part)
-            out += self._shared_scale(x[None])[0] * part
+            out += shared_scale(self.shared_gate, x[None])[0] * part
         return n
 
     def _shared_only(self, x: np.ndarray, activation: str, out: np.ndarray) -> int:
@@ -225,7 +227,7 @@ class ExpertsLayer:
         out[:] = 0.0
         part = self.part[0]
         n = self.shared.token_into(x, activation, None, None, part)
-        out += self._shared_scale(x[None])[0] * part
+        out += shared_scale(self.shared_gate, x[None])[0] * part
         return n
 
     def _count(self, ids: np.ndarray) -> np.ndarray:
@@ -265,7 +267,7 @@ class ExpertsLayer:
         if self.shared is not None:
             share = self.part[:B]
             n += self.shared.batch_into(xs, activation, None, None, share)
-            out[:B] += self._shared_scale(xs)[:, None] * share
+            out[:B] += shared_scale(self.shared_gate, xs)[:, None] * share
         return n
 
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
@@ -289,6 +291,6 @@ class ExpertsLayer:
             n += k
         if self.shared is not None:
             part, k = self.shared.step(xs, activation, None, None)
-            y += self._shared_scale(xs)[:, None] * part
+            y += shared_scale(self.shared_gate, xs)[:, None] * part
             n += k
         return y, n

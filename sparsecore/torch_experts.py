@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .expert_thresholds import of_expert, per_expert
-from .experts import route
+from .experts import route, shared_scale
 from .kernels import FileMatrix
 from .tensors import TensorStore
 
@@ -85,12 +85,6 @@ class TorchExpertsLayer:
         held = [r for e in self.experts if e is not None for r in e] + list(self.shared or ())
         return sum(rows_nbytes(r) for r in held)
 
-    def _shared_scale(self, x: np.ndarray) -> np.ndarray:
-        """sigmoid(gate . x) per row of x, as ExpertsLayer computes it (float64 dots)."""
-        g64 = self.shared_gate.astype(np.float64)
-        g = np.array([np.dot(row, g64) for row in x.astype(np.float64)])
-        return (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
-
     def step(self, x: np.ndarray, activation: str, active: np.ndarray | None,
              threshold) -> tuple[np.ndarray, int]:
         """x (T, hidden) float32 on the CPU -> (this process's partial output (T, hidden) float32
@@ -123,6 +117,6 @@ class TorchExpertsLayer:
             n += k
         if self.shared is not None:  # dense (no thresholds calibrated for it), scaled by its gate
             part = ffn_partial(xd, *self.shared, activation, gate_mode=self.gate_mode)
-            y += torch.from_numpy(self._shared_scale(xs)).to(self.device)[:, None] * part.to(y.dtype)
+            y += torch.from_numpy(shared_scale(self.shared_gate, xs)).to(self.device)[:, None] * part.to(y.dtype)
             n += self.shared_width * len(xs)
         return y.cpu().numpy(), n

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model.transformer import rope_tables
+from sparsecore.rope import rope_tables
 from coordinator.model.torch_layers import rope
 
 

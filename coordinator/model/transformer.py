@@ -26,7 +26,7 @@ from sparsecore.lm_head import HeadCandidates
 from sparsecore.kernels import norm_rows
 from sparsecore.kv_pool import KvPool
 from sparsecore.lm_head import Q8Head, head_tensor_name
-from sparsecore.rope import layer_rope_tables, layer_tables, rope_tables  # noqa: F401 (rope_tables: re-exported)
+from sparsecore.rope import layer_rope_tables, layer_tables
 from sparsecore.tensors import TensorStore, unpermute_qk
 
 from ..runtime.decode_plan import DecodePaths, DecodePlan, local_paths
