@@ -3,6 +3,7 @@ llama.cpp's type mix; our engine loads the dense and the ReLU/PWRI outputs and g
 PWRI predictors mark about the requested fraction of neurons active."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from coordinator.runtime.sampling import SamplingParams
 from sparsecore.config import read_config
 from sparsecore.gguf_file import open_gguf
 from tests.conftest import REPO, run_make_bench_model
+from tests.fixtures.child_env import repo_env
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_bench_model as mbm  # noqa: E402
@@ -142,8 +144,36 @@ def test_types_that_need_an_importance_matrix_are_refused_in_one_line(tmp_path, 
     assert mbm.parse_args([*TINY, "--type", "q4_0"]).quantizer == "own"
 
 
+def _refused_without_llama_cpp(tmp_path, tiny_model, env=None) -> None:
+    """--type q3_k_m where llama_cpp cannot be imported: one line saying what to install, status
+    1, and no file left (not even the f16 one the quantizer would have read)."""
+    r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--tokenizer-from", str(tiny_model), "--type", "q3_k_m",
+                        "-o", str(tmp_path / "q3km.gguf")], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "install llama-cpp-python (scripts/setup-bench)" in lines[0], r.stderr
+    assert not list(tmp_path.glob("q3km.gguf*"))
+
+
+def test_without_llama_cpp_its_types_are_refused_in_one_line(tmp_path, tiny_model):
+    """llama_cpp shadowed by a package that fails to import (what a machine without
+    llama-cpp-python gives), wherever the suite runs."""
+    shadow = tmp_path / "shadow" / "llama_cpp"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("no llama-cpp-python here")\n')
+    env = repo_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), env.get("PYTHONPATH", "")])
+    _refused_without_llama_cpp(tmp_path, tiny_model, env)
+
+
 def test_llama_cpp_types_are_made_by_its_quantizer_and_load(tmp_path, tiny_model):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (scripts/setup-bench) makes these files")
+    """Where llama-cpp-python is installed (scripts/setup-bench), its quantizer makes the file
+    and the engine loads it; where it is not (CI), the one-line refusal above."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        _refused_without_llama_cpp(tmp_path, tiny_model)
+        return
     path, _ = _make(tmp_path, tiny_model, "q3km.gguf", "--type", "q3_k_m")
     types = set(_types(path).values())
     assert QT.Q3_K in types and not (tmp_path / "q3km.gguf.f16.tmp").exists()
