@@ -96,7 +96,8 @@ class Worker:
         cold = np.frombuffer(a.cold_units, np.uint8).reshape(len(neurons), -1) if a.cold_units else None
         experts = np.frombuffer(a.experts, np.uint8).reshape(len(neurons), -1).astype(bool) if a.experts else None
         self.shard = FfnShard.load(a.model_path, neurons, device, a.weights, tuple(a.head_rows) or None, store,
-                                   a.fast, a.predictor_path or None, a.interleave, cold, experts)
+                                   a.fast, a.predictor_path or None, a.interleave, cold, experts,
+                                   tuple(a.deal) or None)
         self.buffers = SharedBuffers.attach(a.shm_name)
         layout = self.buffers.layout
         if layout.n_experts:  # a routed model: count the chosen experts computed here where the coordinator reads them

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 17  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer); 15: experts' CATS thresholds (ShmLayout.n_experts); 16: the layout cache (Assign.layout_cache, cold_units); 17: experts owned whole or not at all (Assign.experts, Ready.experts; the shared segment's route counts)
+PROTOCOL_VERSION = 18  # 2: doorbell words; 3: wake pipes; 4: lm_head rows; 5: no Ffn/Done; 6: Assign.fast; 7: Hello.secret; 8: no prompt messages (HTTP); 9: attention heads (Assign.attn_heads, kv pool, shm seq); 10: predictors in the shards (Assign.predictor_path, Ready.predicts, FLAG_PREDICT); 11: lockstep decode steps (LOCKSTEP_LAYER, SLOT_PHASE, Ready.lockstep); 12: Assign.interleave; 13: input thresholds (INPUT_SITES), Assign.input_sparse; 14: typed steps (REQ_WHAT: StepKind and layer); 15: experts' CATS thresholds (ShmLayout.n_experts); 16: the layout cache (Assign.layout_cache, cold_units); 17: experts owned whole or not at all (Assign.experts, Ready.experts; the shared segment's route counts); 18: dealt experts (Assign.deal)
 
 
 class ProtocolError(Exception):
@@ -87,6 +87,10 @@ class Assign:
     # that expert (under --vram-budget the GPU worker all of the most-routed experts, the others
     # ranges of the rest: coordinator/runtime/placement.py expert_plan); empty: every expert.
     experts: bytes = b""
+    # [phase, dealers]: its routed layers hold the owned experts whole, and of each token's chosen
+    # experts it owns it computes every dealers-th from phase (sparsecore/experts.py ExpertsLayer);
+    # empty: its range of each.
+    deal: list[int] = field(default_factory=list)
 
 
 ROW_LAYOUTS = ("", "gate", "gate+up")

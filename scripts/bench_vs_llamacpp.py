@@ -565,12 +565,14 @@ def main():
                 continue
             ratio = dict(pp=o["pp_tok_s"] / base["pp_tok_s"], tg=o["tg_tok_s"] / base["tg_tok_s"],
                          ttft_cold=o["ttft_cold_s"] / base["ttft_cold_s"],
-                         peak_rss=o["peak_rss_bytes"] / max(1, base["peak_rss_bytes"]))
+                         peak_rss=o["peak_rss_bytes"] / max(1, base["peak_rss_bytes"]),
+                         pss=o["pss_bytes"] / max(1, base["pss_bytes"]))
             result["ratio_ours_over_llamacpp"][name] = ratio
             same = next((i for i, (a, b) in enumerate(zip(o["ids"], base["ids"])) if a != b), len(o["ids"]))
             extra = f", {100 * o['active_fraction']:.1f}% of FFN neurons computed" if "active_fraction" in o else ""
             print(f"{name}/llama.cpp: pp {ratio['pp']:.3f}x, tg {ratio['tg']:.3f}x, cold TTFT "
-                  f"{ratio['ttft_cold']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x; greedy ids agree for the "
+                  f"{ratio['ttft_cold']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x (a page mapped by n processes "
+                  f"counted n times), PSS {ratio['pss']:.2f}x (once); greedy ids agree for the "
                   f"first {same} of {len(o['ids'])} tokens{extra}")
     for name, r in res.items():
         if "sync_us" in r:

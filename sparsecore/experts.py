@@ -17,8 +17,31 @@ from .kernels import layout_cache
 from .tensors import TensorStore
 
 
-# moe_step.c's routing flags
+# moe_step.c's routing flags, and where in them moe_token finds a dealt share (deal_flags)
 MOE_RENORM, MOE_SIGMOID, MOE_ROUTED = 1, 2, 4
+MOE_DEAL_SHIFT = 8
+MAX_DEALERS = 255
+
+
+def deal_flags(deal: tuple[int, int] | None) -> int:
+    """moe_token's flags for a dealt share (ExpertsLayer `deal`): of each token's chosen experts
+    that the process owns, every `dealers`-th from `phase`, in order of probability."""
+    if deal is None:
+        return 0
+    phase, dealers = deal
+    if not 0 <= phase < dealers <= MAX_DEALERS:
+        raise ValueError(f"a dealt share is a phase in [0, dealers) of at most {MAX_DEALERS} dealers, got {deal}")
+    return (phase << MOE_DEAL_SHIFT) | (dealers << (MOE_DEAL_SHIFT + 8))
+
+
+def dealt(ids: np.ndarray, owned: np.ndarray, deal: tuple[int, int] | None) -> np.ndarray:
+    """(T, k) bool: the token's choices `ids` (T, k) that a process owning `owned` (E,) computes
+    with `deal` (None: every owned one): moe_token's rule, for the batch paths."""
+    mine = owned[ids]
+    if deal is None:
+        return mine
+    turn = np.cumsum(mine, axis=1) - 1  # each owned choice's place among the token's owned ones
+    return mine & (turn % deal[1] == deal[0])
 
 
 def route_flags(renormalize: bool, gating: str = "softmax") -> int:
@@ -70,13 +93,21 @@ class ExpertsLayer:
     says (qwen3moe). smallthinker's router scores the layer's input instead of x (`router_x` of
     the steps, which the caller must then pass: x cannot stand in for it).
     `counts` (E int64) counts the chosen experts computed here, token by token: the measured
-    routed share (count_into points it at the process's row of shared memory)."""
+    routed share (count_into points it at the process's row of shared memory).
+    Dealt (`deal` = (phase, dealers)): the process holds its owned experts whole and computes,
+    of each token's chosen experts it owns, every dealers-th from `phase` in order of probability
+    (the other processes the rest): each of two processes computes 4 of a token's 8 experts
+    whole, where ranges of K-quant experts (768 neurons, cut on blocks of 256) gave one 2/3 of
+    every expert. The engine deals where the processes' layouts are mapped from the same layout
+    cache files (one copy in memory for all); `own` then still splits the shared expert."""
 
     def __init__(self, store: TensorStore, layer: int, own: range, fast: bool, scratch: FfnScratch, cfg,
                  row_layout: str = "", cold: np.ndarray | None = None, owned: np.ndarray | None = None,
-                 with_shared: bool = True):
+                 with_shared: bool = True, deal: tuple[int, int] | None = None):
         """`owned`: (E,) bool, the experts this process holds the range `own` of (None: all);
-        `with_shared`: it holds the same multiple of that range of the shared expert (qwen2moe)."""
+        `with_shared`: it holds the same multiple of that range of the shared expert (qwen2moe);
+        `deal`: (phase, dealers), it holds its owned experts whole and computes its dealt share
+        of each token's (None: the range `own` of each)."""
         self.router = FileMatrix(store.info(f"blk.{layer}.ffn_gate_inp.weight"))
         if self.router.rows != cfg.n_experts:
             raise ValueError(f"blk.{layer}.ffn_gate_inp.weight scores {self.router.rows} experts, the file says "
@@ -90,13 +121,20 @@ class ExpertsLayer:
         if self.owned.shape != (cfg.n_experts,):
             raise ValueError(f"layer {layer}: an ownership of {self.owned.shape} experts, the file has {cfg.n_experts}")
         self.counts = np.zeros(cfg.n_experts, np.int64)
-        self.experts: list[FileLayer | None] = []  # None: an expert another process computes
-        for e in range(cfg.n_experts):
-            if not self.owned[e]:
-                self.experts.append(None)
-                continue
-            with layout_cache.placing(cold is None or not cold[e]):
-                self.experts.append(FileLayer(store, layer, own, fast, scratch, cfg.ffn_gate, row_layout, expert=e))
+        self.deal = deal
+        self.flags |= deal_flags(deal)
+        routed = range(0, cfg.n_ff) if deal is not None else own  # each owned expert's neurons held here
+        if deal is not None and scratch.n_own < cfg.n_ff:
+            scratch = FfnScratch(self.router.cols, cfg.n_ff)
+        self.experts: list[FileLayer | None] = [None] * cfg.n_experts  # None: an expert another process computes
+        # Dealt processes convert the same layouts: each starts at its own part of the experts, so
+        # that on a first start each makes its part and reads the others' from the cache.
+        first = 0 if deal is None else deal[0] * cfg.n_experts // deal[1]
+        for e in np.roll(np.arange(cfg.n_experts), -first):
+            if self.owned[e]:
+                with layout_cache.placing(cold is None or not cold[e]):
+                    self.experts[e] = FileLayer(store, layer, routed, fast, scratch, cfg.ffn_gate, row_layout,
+                                                expert=int(e))
         # cold experts' layouts stay mapped from the layout cache: read ahead, per expert, once a
         # token has chosen them (token_into)
         self.cold_maps = {e: f.cold_maps for e, f in enumerate(self.experts) if f is not None and f.cold_maps}
@@ -106,14 +144,14 @@ class ExpertsLayer:
         self.routes_first = self.router_reads_layer_input or bool(self.cold_maps)
         if self.routes_first:
             self.flags |= MOE_ROUTED
-        self.own, self.idx, self.gate_mode = own, np.arange(own.start, own.stop), cfg.ffn_gate
+        self.own, self.idx, self.gate_mode = routed, np.arange(routed.start, routed.stop), cfg.ffn_gate
         self.part = np.empty((MAX_SMALL_BATCH, self.router.cols), np.float32)  # one expert's share
         self.probs = np.empty(cfg.n_experts, np.float32)
         self._flat = np.empty(cfg.n_experts, np.float32)  # one threshold for every expert (per_expert)
         # The shared expert (qwen2moe): the same multiple of this range of its neurons, every token,
         # times sigmoid(gate . x), which each process computes alike and applies to its own share.
         self.shared = self.shared_gate = None
-        if cfg.n_ff_shared and with_shared:
+        if cfg.n_ff_shared and with_shared:  # split by the range `own`, dealt or not
             m = cfg.n_ff_shared // cfg.n_ff
             own_shared = range(m * own.start, m * own.stop)
             self.shared = FileLayer(store, layer, own_shared, fast, FfnScratch(self.router.cols, len(own_shared)),
@@ -157,11 +195,14 @@ class ExpertsLayer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the file a token reads here at most: k owned experts' rows, the shared
-        expert's and the router."""
+        """Bytes of the file a token reads here at most: k owned experts' rows (dealt: its
+        share of them), the shared expert's and the router."""
         shared = 0 if self.shared is None else self.shared.nbytes
         one = 0 if self.first is None else self.first.nbytes
-        return min(self.k, int(self.owned.sum())) * one + shared + self.router.rows * self.router.row_bytes
+        n = min(self.k, int(self.owned.sum()))
+        if self.deal is not None:
+            n = -(-n // self.deal[1])
+        return n * one + shared + self.router.rows * self.router.row_bytes
 
     def _read_ahead(self, ids: np.ndarray) -> None:
         """Start reading the chosen experts that are mapped from disk (all of them, then compute):
@@ -230,12 +271,12 @@ class ExpertsLayer:
         out += shared_scale(self.shared_gate, x[None])[0] * part
         return n
 
-    def _count(self, ids: np.ndarray) -> np.ndarray:
-        """The distinct experts of `ids` (T, k) this process owns, their choices counted."""
-        chosen = np.unique(ids)
-        mine = chosen[self.owned[chosen]]
-        self.counts += np.bincount(ids.reshape(-1), minlength=len(self.counts)) * self.owned
-        return mine
+    def _count(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct experts of `ids` (T, k) this process computes for some token, (T, k)
+        bool: which choices it computes), those choices counted."""
+        pick = dealt(ids, self.owned, self.deal)
+        self.counts += np.bincount(ids[pick], minlength=len(self.counts))
+        return np.unique(ids[pick]), pick
 
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray, router_x: np.ndarray | None = None) -> int:
@@ -251,12 +292,12 @@ class ExpertsLayer:
                                    None if router_x is None else router_x[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
         ids, weights = self.route(self._scored(xs, router_x))
-        mine = self._count(ids)
+        mine, pick = self._count(ids)
         self._read_ahead(mine)
         parts = np.zeros((B, self.k, xs.shape[1]), np.float32)  # zero where another process's expert
         n = 0
         for e in mine:
-            rows, slot = np.nonzero(ids == e)
+            rows, slot = np.nonzero((ids == e) & pick)
             share = self.part[:len(rows)]
             n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
                                             of_expert(thr, e), share)
@@ -281,11 +322,11 @@ class ExpertsLayer:
             return y, self.token_into(xs[0], activation, None, threshold, y[0],
                                       None if router_x is None else router_x[0])
         ids, weights = self.route(self._scored(xs, router_x))
-        mine = self._count(ids)
+        mine, pick = self._count(ids)
         self._read_ahead(mine)
         y, n = np.zeros_like(xs), 0
         for e in mine:
-            rows, slot = np.nonzero(ids == e)
+            rows, slot = np.nonzero((ids == e) & pick)
             part, k = self.experts[e].step(xs[rows], activation, None, of_expert(thr, e))
             y[rows] += weights[rows, slot][:, None] * part
             n += k

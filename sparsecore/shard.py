@@ -103,7 +103,8 @@ class FfnShard:
              weights: str = "f32", head_rows: tuple[int, int] | None = None,
              store: TensorStore | None = None, fast: bool = False,
              predictor_path: str | PathLike | None = None, row_layout: str = "",
-             cold: np.ndarray | None = None, experts: np.ndarray | None = None) -> "FfnShard":
+             cold: np.ndarray | None = None, experts: np.ndarray | None = None,
+             deal: tuple[int, int] | None = None) -> "FfnShard":
         """Rows of `neurons[layer]` (global neuron indices) of every layer, and optionally the
         lm_head's vocabulary rows [start, stop). `store`: an open TensorStore of the same file.
         `predictor_path`: a file with blk.N.fc1/fc2 (the model itself or a predictor file):
@@ -117,7 +118,9 @@ class FfnShard:
         model's (n_layers, E [+ 1 where it has a shared expert]) bool, the experts whose range
         neurons[layer] this process owns (the last column: the shared expert's); None: all of them.
         Routed experts stay in the file's blocks on the CPU (ExpertsLayer); on CUDA, or with
-        converted weights, they are float copies computed in torch (TorchExpertsLayer)."""
+        converted weights, they are float copies computed in torch (TorchExpertsLayer). `deal`:
+        (phase, dealers), the CPU's routed layers hold their owned experts whole and compute
+        this process's dealt share of each token's (ExpertsLayer); None: the ranges."""
         if row_layout not in ROW_LAYOUTS:
             raise ValueError(f"interleaved rows {row_layout!r}: one of {ROW_LAYOUTS}")
         if store is None:
@@ -141,10 +144,12 @@ class FfnShard:
                         raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
                                          f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
                     if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
+                        if deal is not None:
+                            raise ValueError("gpt-oss's experts split by ranges of neurons, they are not dealt")
                         layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
                     else:
                         layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
-                                                     None if cold is None else cold[layer], owned, with_shared)
+                                                     None if cold is None else cold[layer], owned, with_shared, deal)
                     continue
                 import torch
 

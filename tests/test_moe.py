@@ -64,12 +64,15 @@ def test_config_reads_the_experts(moe_models, arch):
     assert cfg.arch == ("llama" if arch == "mixtral" else arch) and cfg.permuted_qk == (arch == "mixtral")
 
 
+@pytest.mark.parametrize("split", ["dealt", "ranges"])
 @pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
                          ids=["coordinator+worker", "split-attention", "lockstep", "worker-alone"])
 @pytest.mark.parametrize("arch", MOE)
-def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, no_leaks):
-    """Each process computes its range of every chosen expert's neurons (64 split 32 / 32 with a
-    worker), routing each token itself; prompts group their tokens by expert."""
+def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, split, no_leaks, monkeypatch):
+    """Two processes deal each token's chosen experts, each computing its experts whole (dealt),
+    or each computes its range of every chosen expert's neurons (64 split 32 / 32: ranges),
+    routing each token itself; prompts group their tokens by expert."""
+    monkeypatch.setenv("SPARSEINFER_EXPERT_SPLIT", split)
     cases = REF["archs"][arch]
     opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, decode_path=path, kv_caches=2,
                          coordinator_share=share, adaptive_spin=False if path == "lockstep" else None)
@@ -77,6 +80,7 @@ def test_greedy_and_logits_match_transformers(moe_models, arch, share, path, no_
         owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
         assert sum(owned) == eng.cfg.n_layers * N_FF_EXPERT
         assert sum(1 for n in owned if n) == (1 if share == 0.0 else 2)  # split where there is a share
+        assert len(eng.dealt) == (2 if split == "dealt" and share != 0.0 else 0)
         assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
                                                     "lockstep": "lockstep"}[path]
         assert_matches(eng, arch)
@@ -185,6 +189,7 @@ def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(moe_model
     # split across the processes, so it would be summed in another order
     opts = EngineOptions(cpu_workers=1, threads=2, fast=fast, kv_caches=2 * len(prompts) + 1)
     with Engine(moe_models[arch], opts) as eng:
+        assert len(eng.dealt) == 2  # the two processes deal each token's experts
         assert_batch_is_alone(eng.model, prompts)
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
@@ -43,20 +43,27 @@ class RunStats:
     routes_before: np.ndarray | None = None
 
 
-def routed_shares(counts: np.ndarray, shards) -> dict:
+def routed_shares(counts: np.ndarray, shards, dealt: Iterable[int] = ()) -> dict:
     """The measured routed share of each process from `counts` (n_slots, n_layers, E: the chosen
     experts each process computed, SharedBuffers.route_counts, or a difference of two): every
     (layer, expert) has an owner, and each owner counts every choice of it, so the largest count
-    over the processes is how often the expert was chosen. Returns {"routes": the routed (token,
-    expert) choices in all, "processes": per slot its role, worker id, the choices that fell on
-    experts it computes and their share}; `shards`: the plan's, by slot."""
-    routes = int(counts.max(axis=0).sum()) if len(counts) else 0
+    over the processes is how often the expert was chosen; where the slots `dealt` deal each
+    token's experts among them (placement.deal_experts), each choice is counted by one of them,
+    and their sum is. Returns {"routes": the routed (token, expert) choices in all, "processes":
+    per slot its role, worker id, the choices it computed and their share, "dealt": the dealing
+    slots}; `shards`: the plan's, by slot."""
+    dealt = sorted(dealt)
+    whole = np.delete(counts, dealt, axis=0)
+    chosen = whole.max(axis=0) if len(whole) else np.zeros(counts.shape[1:], counts.dtype)
+    if dealt:
+        chosen = np.maximum(chosen, counts[dealt].sum(axis=0))
+    routes = int(chosen.sum()) if len(counts) else 0
     per = []
     for slot, sh in enumerate(shards):
         mine = int(counts[slot].sum())
         per.append({"role": sh.role, "worker_id": sh.worker_id, "routes": mine,
                     "share": mine / routes if routes else 0.0})
-    return {"routes": routes, "processes": per}
+    return {"routes": routes, "processes": per, "dealt": dealt}
 
 
 class Engine:
@@ -74,6 +81,7 @@ class Engine:
         self.store, self.plan, self.plan_source, self.memory = built.store, built.plan, built.plan_source, \
             built.memory
         self.expert_placement = built.expert_placement  # a routed model's under --vram-budget, else None
+        self.dealt = tuple(built.deal)  # the slots that deal each token's experts among them
         if plan_only:
             self.tokenizer = built.load_tokenizer()
             return
@@ -293,7 +301,7 @@ class Engine:
         now = self._route_counts()
         if now is None:
             return None
-        out = routed_shares(now if since is None else now - since, self.plan.shards)
+        out = routed_shares(now if since is None else now - since, self.plan.shards, self.dealt)
         out["predicted_share"] = None if self.expert_placement is None else self.expert_placement["predicted_share"]
         return out
 

@@ -343,6 +343,15 @@ def expert_plan(n_layers: int, n_ff: int, gpu_experts: list[np.ndarray], n_exper
     return plan
 
 
+def deal_experts(plan: Plan) -> dict[int, tuple[int, int]]:
+    """slot -> (phase, dealers) for the CPU's processes that hold routed neurons (CPU workers and
+    the coordinator, in slot order), where there are two or more: each then holds its owned
+    experts whole and computes every dealers-th of a token's chosen ones (sparsecore/experts.py
+    ExpertsLayer); {} where one process computes them. The GPU worker keeps its whole experts."""
+    slots = [i for i, sh in enumerate(plan.shards) if sh.role != "gpu" and any(len(n) for n in sh.neurons)]
+    return {slot: (phase, len(slots)) for phase, slot in enumerate(slots)} if len(slots) > 1 else {}
+
+
 def routing_profile(path: Path, model: Path, n_layers: int, n_experts: int):
     """The routing profile (`sparseinfer profile` on a routed model: how often each (layer,
     expert) was chosen) at `path`; ValueError in one line when it is missing or not this model's."""

@@ -93,7 +93,8 @@ class SparseFfn:
         own = None if slot is None else FfnShard.load(pool.model_path, pool.plan.shards[slot].neurons, "cpu",
                                                       weights, pool.head_rows.get(slot), store, fast,
                                                       pool.predictor_path or None, pool.row_layout,
-                                                      pool.cold_units, pool.plan.shards[slot].experts)
+                                                      pool.cold_units, pool.plan.shards[slot].experts,
+                                                      pool.deal.get(slot))
         if own is not None and pool.buffers.layout.n_experts:  # counted where the workers' counts are
             own.count_routes_into(pool.buffers.route_counts[slot])
         return cls(pool.bell, pool.buffers, [sh.neurons for sh in pool.proc_shards], own, slot, predictors)

@@ -114,7 +114,8 @@ class WorkerPool:
                  head_rows: dict[int, tuple[int, int]] | None = None, fast: bool = False,
                  attn_heads: dict[int, tuple[int, int]] | None = None, kv_pool=None, predictor_path: str = "",
                  row_layout: str = "", input_major: str = "", adaptive_spin: bool | None = None,
-                 layout_cache: str = "", cold_units: np.ndarray | None = None, n_experts: int = 0):
+                 layout_cache: str = "", cold_units: np.ndarray | None = None, n_experts: int = 0,
+                 deal: dict[int, tuple[int, int]] | None = None):
         if "coordinator" in [sh.role for sh in plan.shards[:-1]]:  # before anything is allocated
             raise ValueError("a plan has at most one coordinator shard, and it comes last")
         self.model_path = Path(model_path).resolve()
@@ -129,6 +130,7 @@ class WorkerPool:
         self.startup_timeout_s = startup_timeout_s
         self.launcher = launcher or default_launcher
         self.head_rows = head_rows or {}  # slot -> [start, stop) of the lm_head's vocabulary rows
+        self.deal = deal or {}  # slot -> (phase, dealers) of its routed layers' experts (Assign.deal)
         # slot -> [kv0, kv1): KV heads of decoded tokens' attention (sparsecore/attn_shard.py),
         # over the KV caches of kv_pool (sparsecore/kv_pool.py), whose descriptor workers inherit
         self.attn_heads, self.kv_pool = attn_heads or {}, kv_pool
@@ -215,7 +217,8 @@ class WorkerPool:
                       list(astuple(self.kv_pool.shape)) if self.kv_pool is not None else [], self.predictor_path,
                       self.row_layout, self.input_major, self.layout_cache,
                       b"" if self.cold_units is None else np.ascontiguousarray(self.cold_units, np.uint8).tobytes(),
-                      b"" if shard.experts is None else np.ascontiguousarray(shard.experts, np.uint8).tobytes())
+                      b"" if shard.experts is None else np.ascontiguousarray(shard.experts, np.uint8).tobytes(),
+                      list(self.deal.get(slot, ())))
 
     def wait_ready(self) -> None:
         """Handshake: answer each Hello with an Assign, wait for every Ready (or a failure)."""

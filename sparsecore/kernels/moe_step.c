@@ -6,10 +6,14 @@
  * llama.cpp); MOE_SIGMOID, each expert's probability the sigmoid of its logit instead of the
  * softmax over all (smallthinker's expert_gating_func 2); MOE_ROUTED (moe_token only): ids and w
  * already hold the token's routing, computed from another input than the FFN's (smallthinker's
- * router reads the layer's input), so moe_token does not route. */
+ * router reads the layer's input), so moe_token does not route. Bits MOE_DEAL_SHIFT.. (moe_token
+ * only): a dealt share, the phase (8 bits) then the dealers (8 bits; 0 or 1: not dealt): of the
+ * token's chosen experts this process owns, it computes every dealers-th from phase, in order
+ * of probability (the processes hold the experts whole: sparsecore/experts.py ExpertsLayer). */
 #define MOE_RENORM 1
 #define MOE_SIGMOID 2
 #define MOE_ROUTED 4
+#define MOE_DEAL_SHIFT 8
 
 /* The routing of x (hidden) as llama.cpp's build_moe_ffn computes it: the router's E logits
  * (exact arithmetic, so every process that routes the same x picks the same experts), softmax
@@ -60,9 +64,11 @@ static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, 
     memset(out, 0, sizeof(float) * c->hidden);
     int sparse = c->threshold >= 0.f;
     int64_t n = 0;
+    int dealers = (flags >> (MOE_DEAL_SHIFT + 8)) & 0xff, phase = (flags >> MOE_DEAL_SHIFT) & 0xff, turn = 0;
     for (int j = 0; j < k; j++) {
         const mat *row = table + (int64_t)ids[j] * 3;
         if (!row[0].base) continue;  /* not owned here */
+        if (dealers > 1 && turn++ % dealers != phase) continue;  /* dealt to another process */
         if (counts) counts[ids[j]]++;
         c->gate = row[0], c->up = row[1], c->down = row[2];
         if (sparse && thr_e) c->threshold = thr_e[ids[j]];

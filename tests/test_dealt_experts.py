@@ -1,0 +1,138 @@
+"""Dealt experts (sparsecore/experts.py ExpertsLayer `deal`, moe_step.c moe_token, coordinator/
+runtime/placement.py deal_experts): the CPU's processes hold every expert whole and each computes
+every dealers-th of a token's chosen experts, in order of probability, instead of a range of
+each. The shares must sum to the whole layer, each choice computed once, counted by the process
+that computed it, a batch's rows as each token alone; the engine deals where the layouts are
+shared through the layout cache, and its tokens stay transformers' (tests/test_moe.py runs
+the oracle on both splits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.runtime.engine import Engine, EngineOptions, routed_shares
+from coordinator.runtime.placement import WorkerShard, Plan, deal_experts
+from sparsecore.config import read_config
+from sparsecore.experts import ExpertsLayer, deal_flags, dealt
+from sparsecore.gguf_file import open_gguf
+from sparsecore.kernels import FfnScratch
+from sparsecore.tensors import TensorStore
+from tests.fixtures.tiny_arch import N_EXPERTS, N_FF_EXPERT, write_tiny_arch
+
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dealt")
+    return {arch: write_tiny_arch(d / f"tiny-{arch}.gguf", arch) for arch in ("qwen3moe", "qwen2moe")}
+
+
+def layers(path, fast: bool, shares):
+    """Layer 0's ExpertsLayer for each (own range, deal) of `shares`."""
+    store = TensorStore(path, open_gguf(path))
+    cfg = read_config(path, store.reader)
+    return cfg, [ExpertsLayer(store, 0, own, fast, FfnScratch(cfg.hidden, len(own)), cfg, deal=deal)
+                 for own, deal in shares]
+
+
+def inputs(cfg, n: int = TOKENS) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((n, cfg.hidden)).astype(np.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_two_dealt_shares_sum_to_the_whole_layer_each_choice_once(models, arch, fast):
+    """Each token's 2 chosen experts: the first to phase 0, the second to phase 1, whole; the
+    shared expert (qwen2moe) still by the ranges. The shares' sum is the undivided layer."""
+    half = N_FF_EXPERT // 2
+    cfg, (whole, p0, p1) = layers(models[arch], fast, [(range(0, N_FF_EXPERT), None),
+                                                       (range(0, half), (0, 2)), (range(half, N_FF_EXPERT), (1, 2))])
+    x = inputs(cfg)
+    ids, _ = whole.route(x)
+    for t in range(TOKENS):
+        outs = [np.empty(cfg.hidden, np.float32) for _ in range(3)]
+        n = [layer.token_into(x[t], cfg.activation, None, None, out) for layer, out in zip((whole, p0, p1), outs)]
+        np.testing.assert_allclose(outs[1] + outs[2], outs[0], rtol=1e-4, atol=1e-4 if fast else 1e-5)
+        assert n[1] + n[2] == n[0]  # dense: every neuron of each chosen expert, once
+    # each process counted the choices it computed: the first of each token's, the second
+    for phase, layer in enumerate((p0, p1)):
+        np.testing.assert_array_equal(layer.counts, np.bincount(ids[:, phase], minlength=N_EXPERTS))
+    np.testing.assert_array_equal(p0.counts + p1.counts, whole.counts)
+    # a token reads half the experts whole, not a range of each
+    assert p0.nbytes == p1.nbytes and p0.own == p1.own == range(0, N_FF_EXPERT)
+    if arch == "qwen2moe":  # twice the neurons of an expert, by the ranges
+        assert (p0.shared.own, p1.shared.own) == (range(0, N_FF_EXPERT), range(N_FF_EXPERT, 2 * N_FF_EXPERT))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_a_dealt_batch_row_is_the_token_alone_bit_for_bit(models, fast):
+    """batch_into groups the tokens by expert and computes only the dealt choices: each row is
+    what token_into gives that token, bit for bit (continuous batching must not change a reply);
+    a prompt's step gives the same share within rounding."""
+    half = N_FF_EXPERT // 2
+    cfg, (p0, p1) = layers(models["qwen3moe"], fast, [(range(0, half), (0, 2)), (range(half, N_FF_EXPERT), (1, 2))])
+    x = inputs(cfg, 4)
+    for layer in (p0, p1):
+        alone = np.empty_like(x)
+        for t in range(len(x)):
+            layer.token_into(x[t], cfg.activation, None, None, alone[t])
+        together = np.empty_like(x)
+        layer.batch_into(x, cfg.activation, None, None, together)
+        np.testing.assert_array_equal(together, alone)
+        prompt, _ = layer.step(x, cfg.activation, None, None)
+        np.testing.assert_allclose(prompt, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_the_deal_rule_and_its_flags():
+    """dealt(): of each token's owned choices, every dealers-th from phase (moe_token's rule);
+    experts another process owns whole (the GPU worker's) are not counted in the turns."""
+    ids = np.array([[3, 1, 0, 2], [0, 1, 2, 3]])
+    owned = np.array([True, False, True, True])
+    np.testing.assert_array_equal(dealt(ids, owned, (0, 2)), [[True, False, False, True], [True, False, False, True]])
+    np.testing.assert_array_equal(dealt(ids, owned, (1, 2)), [[False, False, True, False], [False, False, True, False]])
+    np.testing.assert_array_equal(dealt(ids, owned, None), owned[ids])
+    assert deal_flags(None) == 0 and deal_flags((1, 3)) == (1 << 8) | (3 << 16)
+    for bad in ((2, 2), (-1, 2), (0, 256)):
+        with pytest.raises(ValueError, match="dealers"):
+            deal_flags(bad)
+
+
+def test_the_cpu_processes_deal_the_gpu_worker_keeps_its_experts():
+    """deal_experts: phases in slot order over the CPU's processes that hold neurons; one such
+    process, or none, deals nothing."""
+    held, empty = [np.arange(4, dtype=np.int32)], [np.zeros(0, np.int32)]
+    plan = Plan(1, 4, [WorkerShard("gpu", 0, held), WorkerShard("cpu", 1, held), WorkerShard("cpu", 2, empty),
+                       WorkerShard("coordinator", 3, held)])
+    assert deal_experts(plan) == {1: (0, 2), 3: (1, 2)}
+    assert deal_experts(Plan(1, 4, [WorkerShard("gpu", 0, held), WorkerShard("cpu", 1, held)])) == {}
+
+
+def test_routed_shares_sum_the_dealt_counts():
+    """A GPU worker's experts counted by it alone, the rest split between two dealt processes: the
+    routes are each expert's choices once."""
+    counts = np.array([[[5, 0, 0]], [[0, 2, 1]], [[0, 3, 4]]])  # (slots, layers, experts)
+    shards = [WorkerShard(r, i, []) for i, r in enumerate(("gpu", "cpu", "coordinator"))]
+    out = routed_shares(counts, shards, dealt=[1, 2])
+    assert out["routes"] == 15 and out["dealt"] == [1, 2]
+    assert [p["routes"] for p in out["processes"]] == [5, 3, 7]
+    assert routed_shares(counts, shards)["routes"] == 5 + 3 + 4  # by ranges: the largest count
+
+
+def test_the_engine_deals_where_the_layouts_are_shared_and_not_where_they_are_copied(models, no_leaks, monkeypatch):
+    """With the layout cache (the tests' own directory), everything held: the CPU worker and the
+    coordinator deal; SPARSEINFER_EXPERT_SPLIT=ranges, or sparse decoding's twins (a copy per
+    process), keep the ranges. The greedy tokens of both splits agree on this F32 file."""
+    opts = EngineOptions(cpu_workers=1, threads=2, fast=False)
+    with Engine(models["qwen3moe"], opts) as eng:
+        computing = tuple(i for i, s in enumerate(eng.plan.shards) if s.role != "gpu" and any(map(len, s.neurons)))
+        assert len(computing) == 2 and eng.dealt == computing
+        dealt_tokens = list(eng.generate([1, 2, 3, 4], 8, stop_at_eos=False))
+        assert eng.routed_work()["dealt"] == list(eng.dealt)
+    monkeypatch.setenv("SPARSEINFER_EXPERT_SPLIT", "ranges")
+    with Engine(models["qwen3moe"], opts) as eng:
+        assert eng.dealt == ()
+        assert list(eng.generate([1, 2, 3, 4], 8, stop_at_eos=False)) == dealt_tokens
+    monkeypatch.setenv("SPARSEINFER_EXPERT_SPLIT", "whole")
+    with pytest.raises(ValueError, match="SPARSEINFER_EXPERT_SPLIT='whole': dealt or ranges"):
+        Engine(models["qwen3moe"], opts, plan_only=True)
