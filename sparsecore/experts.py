@@ -12,7 +12,8 @@ import numpy as np
 
 from .expert_thresholds import of_expert, per_expert
 from .file_layer import FileLayer
-from .kernels import MAX_SMALL_BATCH, FfnScratch, FileMatrix, Mat, _kernels, ffn_token_call, mat_record, ptr
+from .kernels import (MAX_SMALL_BATCH, FfnScratch, FileMatrix, Mat, _kernels, ffn_batch_call, ffn_token_call,
+                      mat_record, ptr)
 from .kernels import layout_cache
 from .tensors import TensorStore
 
@@ -174,6 +175,7 @@ class ExpertsLayer:
         self._head = (ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
                       ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
+        self._batch: tuple | None = None  # batch_into's record and buffers, made on the first batch
 
     def count_into(self, counts: np.ndarray) -> None:
         """Count the chosen experts computed here into `counts` (E int64, this process's row of
@@ -181,7 +183,7 @@ class ExpertsLayer:
         if counts.shape != self.counts.shape or counts.dtype != np.int64 or not counts.flags.c_contiguous:
             raise ValueError(f"route counts {counts.shape} {counts.dtype}: {len(self.counts)} contiguous int64")
         self.counts = counts
-        self._calls = {}  # the token step's arguments hold the counts' address
+        self._calls, self._batch = {}, None  # the steps' arguments hold the counts' address
 
     def add_twins(self, add) -> None:
         """Each expert's twins as its FileLayer makes them (sparsecore/input_sparsity.py): with
@@ -278,33 +280,53 @@ class ExpertsLayer:
         self.counts += np.bincount(ids[pick], minlength=len(self.counts))
         return np.unique(ids[pick]), pick
 
+    def _batch_args(self, activation: str) -> tuple[list, object, np.ndarray, np.ndarray]:
+        """moe_batch's arguments (its flags, thresholds, x, token count and out set per call), its
+        batch record, and the (MAX_SMALL_BATCH, k) ids and weights it routes into: made once."""
+        if self._batch is None or self._batch[0] != activation:
+            e, hidden = self.first, self.router.cols
+            xg, yg = (np.empty((MAX_SMALL_BATCH, hidden), np.float32) for _ in range(2))
+            ffn = ffn_batch_call(e.gate, e.up, e.down, xg, self.own, activation, e.scratch, e.fast, yg,
+                                 self.gate_mode)
+            ids, weights = np.empty((MAX_SMALL_BATCH, self.k), np.int32), np.empty((MAX_SMALL_BATCH, self.k), np.float32)
+            parts = np.empty((MAX_SMALL_BATCH, self.k, hidden), np.float32)
+            args = [ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
+                    ptr(self.probs), ptr(ids), ptr(weights), 0, ptr(self.counts), ffn.address, 0, 0, ptr(xg), ptr(yg),
+                    ptr(parts), 0]
+            self._batch = (activation, args, ffn, ids, weights, (xg, yg, parts))
+        return self._batch[1:5]
+
     def batch_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold,
                    out: np.ndarray, router_x: np.ndarray | None = None) -> int:
-        """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), the tokens
-        grouped by expert: each chosen expert's rows are read once for every token that chose it
-        (ffn_batch gives each token what ffn_token gives it alone, at the expert's threshold),
-        then each token's shares are summed in its own order of experts, as moe_token sums
-        them: a row is what token_into gives, bit for bit (continuous batching must not change a
-        reply). router_x: the layer's inputs (B, hidden) where the router scores them."""
+        """A small batch (T, hidden), T <= MAX_SMALL_BATCH, into out (T, hidden), in one native
+        call (moe_step.c moe_batch), the tokens grouped by expert: each chosen expert's rows are
+        read once for every token that chose it (ffn_batch gives each token what ffn_token gives
+        it alone, at the expert's threshold), then each token's shares are summed in its own
+        order of experts, as moe_token sums them: a row is what token_into gives, bit for bit
+        (continuous batching must not change a reply). Before, a Python loop called ffn_batch per
+        chosen expert: 4 sequences on a layer of the 30B-A3B shape (Q4_0, dealt half, one core)
+        took 3.35 ms that way, 2.71 ms in the one call (2.73 ms token by token).
+        router_x: the layer's inputs (B, hidden) where the router scores them."""
         B, thr = len(x), per_expert(threshold, self._flat, active)
         if B == 1:
             return self.token_into(x[0], activation, None, threshold, out[0],
                                    None if router_x is None else router_x[0])
         xs = np.ascontiguousarray(x, dtype=np.float32)
-        ids, weights = self.route(self._scored(xs, router_x))
-        mine, pick = self._count(ids)
-        self._read_ahead(mine)
-        parts = np.zeros((B, self.k, xs.shape[1]), np.float32)  # zero where another process's expert
-        n = 0
-        for e in mine:
-            rows, slot = np.nonzero((ids == e) & pick)
-            share = self.part[:len(rows)]
-            n += self.experts[e].batch_into(np.ascontiguousarray(xs[rows]), activation, None,
-                                            of_expert(thr, e), share)
-            parts[rows, slot] = share
-        out[:B] = 0.0
-        for j in range(self.k):
-            out[:B] += weights[:, j, None] * parts[:, j]
+        if self.first is None:  # only a share of the shared expert here
+            out[:B] = 0.0
+            n = 0
+        else:  # one native call (moe_step.c moe_batch): routing, grouping, each expert's tokens, the sums
+            args, ffn, ids, weights = self._batch_args(activation)
+            flags = self.flags
+            if self.routes_first:  # routed here first: the router's own input, or cold experts read ahead
+                ids[:B], weights[:B] = self.route(self._scored(xs, router_x))
+                self._read_ahead(np.unique(ids[:B][dealt(ids[:B], self.owned, self.deal)]))
+            if out.dtype != np.float32 or out.shape[1:] != xs.shape[1:] or len(out) < B or not out.flags.c_contiguous:
+                raise ValueError(f"out must hold {B} contiguous float32 rows of {xs.shape[1]}")
+            ffn.threshold = -1.0 if thr is None else 0.0
+            args[3], args[-9], args[-6], args[-5], args[-1] = (
+                flags, 0 if thr is None else thr.ctypes.data, ptr(xs), B, ptr(out))
+            n = _kernels.moe_batch(*args)
         if self.shared is not None:
             share = self.part[:B]
             n += self.shared.batch_into(xs, activation, None, None, share)

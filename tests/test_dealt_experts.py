@@ -65,23 +65,32 @@ def test_two_dealt_shares_sum_to_the_whole_layer_each_choice_once(models, arch, 
         assert (p0.shared.own, p1.shared.own) == (range(0, N_FF_EXPERT), range(N_FF_EXPERT, 2 * N_FF_EXPERT))
 
 
+def thresholds(kind: str):
+    """A step's CATS thresholds: none (dense), one for every expert, or one per expert, some dense (< 0)."""
+    return {"dense": None, "one": 0.02, "each": np.linspace(-0.01, 0.05, N_EXPERTS).astype(np.float32)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["dense", "one", "each"])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_a_dealt_batch_row_is_the_token_alone_bit_for_bit(models, fast):
-    """batch_into groups the tokens by expert and computes only the dealt choices: each row is
-    what token_into gives that token, bit for bit (continuous batching must not change a reply);
-    a prompt's step gives the same share within rounding."""
+@pytest.mark.parametrize("deal", [None, (0, 2), (1, 2)], ids=["whole", "phase0", "phase1"])
+def test_a_batch_row_is_the_token_alone_bit_for_bit(models, fast, deal, kind):
+    """batch_into (moe_step.c moe_batch) groups the tokens by expert and computes only the choices
+    this process computes: each row is what token_into gives that token, bit for bit (continuous
+    batching must not change a reply), dense or at each expert's threshold; the route counts
+    grow alike; a prompt's step gives the same share within rounding."""
     half = N_FF_EXPERT // 2
-    cfg, (p0, p1) = layers(models["qwen3moe"], fast, [(range(0, half), (0, 2)), (range(half, N_FF_EXPERT), (1, 2))])
-    x = inputs(cfg, 4)
-    for layer in (p0, p1):
-        alone = np.empty_like(x)
-        for t in range(len(x)):
-            layer.token_into(x[t], cfg.activation, None, None, alone[t])
-        together = np.empty_like(x)
-        layer.batch_into(x, cfg.activation, None, None, together)
-        np.testing.assert_array_equal(together, alone)
-        prompt, _ = layer.step(x, cfg.activation, None, None)
-        np.testing.assert_allclose(prompt, alone, rtol=1e-4, atol=1e-4)
+    own = range(0, N_FF_EXPERT) if deal is None else range(half * deal[0], half * (deal[0] + 1))
+    x, thr = inputs(read_config(models["qwen3moe"], open_gguf(models["qwen3moe"])), 5), thresholds(kind)
+    (cfg, (alone_layer,)), (_, (batch_layer,)) = (layers(models["qwen3moe"], fast, [(own, deal)]) for _ in range(2))
+    alone = np.empty_like(x)
+    n_alone = sum(alone_layer.token_into(x[t], cfg.activation, None, thr, alone[t]) for t in range(len(x)))
+    together = np.full_like(x, np.nan)
+    n_together = batch_layer.batch_into(x, cfg.activation, None, thr, together)
+    np.testing.assert_array_equal(together, alone)
+    assert n_together == n_alone > 0 and (kind == "dense") == (n_alone == len(x) * N_FF_EXPERT * (1 if deal else 2))
+    np.testing.assert_array_equal(batch_layer.counts, alone_layer.counts)
+    prompt, _ = batch_layer.step(x, cfg.activation, None, thr)
+    np.testing.assert_allclose(prompt, alone, rtol=1e-3, atol=1e-3)
 
 
 def test_the_deal_rule_and_its_flags():

@@ -243,6 +243,25 @@ def ffn_token_call(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.nda
     return call
 
 
+def ffn_batch_call(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
+                   scratch: FfnScratch, fast: bool, out: np.ndarray, gate_mode: str = "par") -> FfnCall:
+    """A batch record for ffn_batch's kernel over x (MAX_SMALL_BATCH, hidden) into out (the same
+    shape), checked, with the scratch's small-batch buffers, of its own (FfnCall), as
+    ffn_token_call's: moe_batch (sparsecore/experts.py) sets its matrices, token count and
+    thresholds per expert."""
+    hidden = _check_ffn(gate, up, down, own, None, False)
+    if len(own) > scratch.n_own or scratch.hidden != hidden:
+        raise ValueError(f"scratch sized for {scratch.n_own} neurons of {scratch.hidden}, not {len(own)} of {hidden}")
+    for a in (x, out):
+        if a.dtype != np.float32 or a.shape != (MAX_SMALL_BATCH, hidden) or not a.flags.c_contiguous:
+            raise ValueError(f"a batch record's rows are ({MAX_SMALL_BATCH}, {hidden}) contiguous float32 values")
+    small = scratch.small_batch()
+    call = _set_fields(FfnCall(**dict(zip(("h", "any", "xq", "hq", "counts"), (ptr(a) for a in small[:5])))),
+                       gate, up, down, x, own, activation, fast, False, out, gate_mode, None, MAX_SMALL_BATCH)
+    call.keep = (x, out, scratch)
+    return call
+
+
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold=None, mask: np.ndarray | None = None, fast: bool = False,
               down_t: bool = False, out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:

@@ -43,7 +43,7 @@
 #include "dispatch.c"            /* each product through the table: dot_any, dots_any, pack_x, x16_products, r16_rows, cols_products, kq_products */
 #include "row_loops.c"           /* matvec, matmul, dequant_rows */
 #include "ffn_step.c"            /* the fused FFN step: ffn_token, ffn_batch */
-#include "moe_step.c"            /* routed experts: moe_route, moe_token (a token's experts in one call) */
+#include "moe_step.c"            /* routed experts: moe_route, moe_token, moe_batch (a token's or a small batch's experts in one call) */
 #include "attention_generic.c"   /* RoPE and softmax attention, portable */
 #include "attention_layer.c"     /* RMSNorm, attend, attn_part / attn_batch / attn_token */
 #include "python_module.c"       /* argument parsing, the method table, set_isa, the module */

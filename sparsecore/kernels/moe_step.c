@@ -46,6 +46,15 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
     }
 }
 
+/* out += w y (n values): one function for moe_token and moe_batch, so that a batch's row sums
+ * exactly as the token alone does (never inlined: no call site contracts it otherwise) */
+__attribute__((noinline)) static void moe_add(float *out, float w, const float *y, int n) {
+    for (int i = 0; i < n; i++) out[i] += w * y[i];
+}
+
+/* the most experts a token chooses that moe_batch takes */
+#define MOE_MAX_K 64
+
 /* One token's share of a routed layer: route c->x (unless MOE_ROUTED: ids and w hold it), then for each chosen expert e (in order of
  * probability) its FFN over the owned neurons (ffn_token on table row e's matrices, into c->y;
  * the table holds every expert's gate, up and down as mat records, so the experts a token picks
@@ -75,7 +84,61 @@ static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, 
         int64_t a = ffn_token(c);
         if (a < 0) return a;
         n += a;
-        for (int i = 0; i < c->hidden; i++) out[i] += w[j] * c->y[i];
+        moe_add(out, w[j], c->y, c->hidden);
+    }
+    return n;
+}
+
+/* A small batch's shares of a routed layer: B tokens (x: B rows of c->hidden, B <= MAXB), each
+ * routed as moe_token routes it (unless MOE_ROUTED: ids and w hold B rows of k), the chosen
+ * experts this process computes (owned, and dealt here) grouped by expert: an expert's tokens
+ * gathered into xg and run in one ffn_batch (its rows read once for all of them; each token's
+ * y is the one ffn_token gives it alone, bit for bit), into parts (B k rows of hidden), then each
+ * token's shares summed into out in its own order of experts, as moe_token sums them: every row
+ * of out is moe_token's for that token, bit for bit (continuous batching must not change a
+ * reply). c: a batch record with scratch for MAXB tokens (its x, B, y, thr and matrices are set
+ * here); xg, yg: MAXB rows of hidden; counts as moe_token's. Returns the active (neuron, token)
+ * pairs, or ffn_batch's error. */
+static int64_t moe_batch(const mat *table, int E, int k, int flags, mat router, float *probs, int32_t *ids, float *w,
+                         const float *thr_e, int64_t *counts, ffn_call *c, const float *x, int B, float *xg, float *yg,
+                         float *parts, float *out) {
+    const int hidden = c->hidden, sparse = c->threshold >= 0.f;
+    int dealers = (flags >> (MOE_DEAL_SHIFT + 8)) & 0xff, phase = (flags >> MOE_DEAL_SHIFT) & 0xff;
+    uint8_t pick[MAXB * MOE_MAX_K];  /* 1: computed here, not yet; 2: done */
+    for (int t = 0; t < B; t++) {
+        if (!(flags & MOE_ROUTED)) moe_route(router, x + (int64_t)t * hidden, hidden, E, k, flags, probs, ids + t * k, w + t * k);
+        for (int j = 0, turn = 0; j < k; j++) {
+            int own = table[(int64_t)ids[t * k + j] * 3].base != NULL;
+            pick[t * k + j] = own && (dealers <= 1 || turn++ % dealers == phase);
+        }
+    }
+    float thr[MAXB];
+    int who[MAXB];  /* the gathered tokens' (t k + j) */
+    int64_t n = 0;
+    for (int tj = 0; tj < B * k; tj++) {
+        if (pick[tj] != 1) continue;
+        const int e = ids[tj];
+        int m = 0;
+        for (int u = tj; u < B * k; u++) {  /* a token chooses an expert once: one u per token */
+            if (pick[u] != 1 || ids[u] != e) continue;
+            pick[u] = 2, who[m] = u;
+            memcpy(xg + (int64_t)m * hidden, x + (int64_t)(u / k) * hidden, sizeof(float) * hidden);
+            thr[m++] = thr_e ? thr_e[e] : c->threshold;
+        }
+        const mat *row = table + (int64_t)e * 3;
+        c->gate = row[0], c->up = row[1], c->down = row[2];
+        c->x = xg, c->y = yg, c->B = m, c->thr = sparse ? thr : NULL;
+        int64_t a = ffn_batch(c);
+        if (a < 0) return a;
+        n += a;
+        if (counts) counts[e] += m;
+        for (int i = 0; i < m; i++) memcpy(parts + (int64_t)who[i] * hidden, yg + (int64_t)i * hidden, sizeof(float) * hidden);
+    }
+    for (int t = 0; t < B; t++) {
+        float *o = out + (int64_t)t * hidden;
+        memset(o, 0, sizeof(float) * hidden);
+        for (int j = 0; j < k; j++)
+            if (pick[t * k + j]) moe_add(o, w[t * k + j], parts + (int64_t)(t * k + j) * hidden, hidden);
     }
     return n;
 }

@@ -146,6 +146,43 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     return ffn_result(n);
 }
 
+/* moe_batch(table_ptr, E, k, flags, <router: MAT_ARGS>, probs_ptr, ids_ptr (B k int32), w_ptr (B k float32),
+ * thr_e_ptr|0, counts_ptr|0, ffn_call_ptr (a batch record), x_ptr (B hidden), B, xg_ptr, yg_ptr (MAXB hidden
+ * each), parts_ptr (B k hidden), out_ptr (B hidden)) -> n_active: moe_step.c moe_batch */
+#define MOE_BATCH_ARGS (4 + MAT_ARGS + 12)
+static PyObject *py_moe_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != MOE_BATCH_ARGS) {
+        PyErr_Format(PyExc_TypeError, "moe_batch takes %d arguments", MOE_BATCH_ARGS);
+        return NULL;
+    }
+    const mat *table = ARG_PTR(0);
+    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), flags = (int)ARG_LL(3);
+    mat r;
+    if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
+    args += 4 + MAT_ARGS;
+    float *probs = ARG_PTR(0), *w = ARG_PTR(2);
+    int32_t *ids = ARG_PTR(1);
+    const float *thr_e = ARG_PTR(3);
+    int64_t *counts = ARG_PTR(4);
+    ffn_call c;
+    if (PyErr_Occurred() || get_ffn_call("moe_batch", args[5], &c)) return NULL;
+    const float *x = ARG_PTR(6);
+    int B = (int)ARG_LL(7);
+    float *xg = ARG_PTR(8), *yg = ARG_PTR(9), *parts = ARG_PTR(10), *out = ARG_PTR(11);
+    if (PyErr_Occurred()) return NULL;
+    if (E < 1 || k < 1 || k > E || k > MOE_MAX_K || B < 1 || B > MAXB || c.mask || !table || !x || !xg || !yg || !parts
+        || !out || !ids || !w || !probs) {
+        PyErr_Format(PyExc_ValueError, "moe_batch: 1..%d tokens, 1 <= k <= min(E, %d), no mask, every buffer", MAXB,
+                     MOE_MAX_K);
+        return NULL;
+    }
+    int64_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = moe_batch(table, E, k, flags, r, probs, ids, w, thr_e, counts, &c, x, B, xg, yg, parts, out);
+    Py_END_ALLOW_THREADS
+    return ffn_result(n);
+}
+
 /* matmul(<mat: MAT_ARGS>, rows_ptr|0, start, n_rows, col0, n, x_ptr, ldx, B, fast, xq_ptr, y_ptr, ldy):
  * xq: room for B (n/32 rounded up) q8 blocks */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -567,6 +604,7 @@ static PyMethodDef methods[] = {
     {"ffn_batch", py_ffn_batch, METH_O, "a small batch's partial FFN (an ffn_call record's address)"},
     {"moe_route", (PyCFunction)(void (*)(void))py_moe_route, METH_FASTCALL, "a token's experts and weights"},
     {"moe_token", (PyCFunction)(void (*)(void))py_moe_token, METH_FASTCALL, "a token's share of its experts"},
+    {"moe_batch", (PyCFunction)(void (*)(void))py_moe_batch, METH_FASTCALL, "a small batch's shares of their experts, grouped by expert"},
     {"dequant", (PyCFunction)(void (*)(void))py_dequant, METH_FASTCALL, "rows as float32"},
     {"interleave", (PyCFunction)(void (*)(void))py_interleave, METH_FASTCALL, "rows of the X16 types, 16 side by side"},
     {"interleave_blocks", (PyCFunction)(void (*)(void))py_interleave_blocks, METH_FASTCALL, "each row's blocks, 16 side by side"},
