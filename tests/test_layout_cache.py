@@ -394,3 +394,27 @@ def test_a_rewritten_model_is_never_read_from_its_old_layouts(tmp_path):
     assert want != first  # other weights, other tokens: a stale cache would give `first`
     assert _generate(path, layout_cache=str(layouts)) == want
     assert not any(d.exists() for d in old) and list(layouts.rglob("*.lay"))
+
+
+def test_processes_making_the_same_layout_at_once_keep_the_first_file(tmp_path):
+    """Dealt experts: two processes may make the same conversion at once. The first file written
+    stays (the one the first process has mapped), the second maps it too instead of renaming its
+    own over it (which would leave two copies of the layout in memory), and no temporary is left."""
+    first, second = LayoutCache(tmp_path), LayoutCache(tmp_path)
+    data = (np.arange(3 * 4096 + 5) % 251).astype(np.uint8)
+    alloc = lambda n: np.empty(n, np.uint8)  # noqa: E731
+    seen = {}
+
+    def fill_first(buf):
+        buf[:] = data
+
+    def fill_second(buf):  # while this one converts, the other makes the same and writes it first
+        buf[:] = data
+        seen["first"] = first.product("expert 3", data.size, alloc, fill_first)
+        seen["inode"] = os.stat(first.path("expert 3")).st_ino
+
+    got = second.product("expert 3", data.size, alloc, fill_second)
+    assert os.stat(second.path("expert 3")).st_ino == seen["inode"]
+    np.testing.assert_array_equal(got, data)
+    np.testing.assert_array_equal(seen["first"], data)
+    assert [p.name for p in tmp_path.iterdir()] == [first.path("expert 3").name]

@@ -6,9 +6,10 @@ out of memory is mapped from its file (page cache the kernel can drop and read b
 being anonymous memory a run must hold whole.
 
 One file per conversion (a process's part of one matrix: one expert's rows, one layer's gate):
-what one token reads of a cold unit is one contiguous run on disk, and processes that load at
-the same time never write the same file (each converts its own share; a file is written to a
-temporary name and renamed, so a reader sees it whole or not at all). A file starts with a
+what one token reads of a cold unit is one contiguous run on disk. A file is written to a
+temporary name and linked into place, so a reader sees it whole or not at all; processes that
+hold the same layouts (dealt experts, each process every expert whole) may make one at the same
+time, and the first file written is the one they all map (LayoutCache._write). A file starts with a
 4096-byte header (magic, version, the conversion's key, its size, the sum of all its 64-bit
 words and a CRC-32 of a sample of its pages); the data follows, page-aligned. A file whose header, size or
 checksum does not match is made again, with a one-line notice.
@@ -165,7 +166,8 @@ class LayoutCache:
         False where a held product must be in alloc's memory (a twin's huge pages)."""
         path = self.path(key)
         copy = self.resident and (self.copy_held or not mappable)
-        if path.exists():
+        stale = path.exists()
+        if stale:
             got = self._read(path, key, nbytes, alloc, copy)
             if got is not None:
                 self.hits += 1
@@ -175,7 +177,7 @@ class LayoutCache:
         self.misses += 1
         buf = alloc(nbytes)
         fill(buf)
-        if self.writable and self._write(path, key, buf) and not copy:
+        if self.writable and self._write(path, key, buf, replace=stale) and not copy:
             mapped = self._read(path, key, nbytes, alloc, copy)
             if mapped is not None:
                 return mapped
@@ -189,7 +191,11 @@ class LayoutCache:
             raise ValueError(f"layout cache key too long: {key[:80]}...")
         return head.ljust(HEADER, b"\0")
 
-    def _write(self, path: Path, key: str, buf: np.ndarray) -> bool:
+    def _write(self, path: Path, key: str, buf: np.ndarray, replace: bool = False) -> bool:
+        """Write buf as the conversion's file. Processes that hold the same layouts (dealt experts)
+        may make one at the same time: the first file written stays (linked, not renamed over), so
+        a process that has mapped it keeps sharing its pages with the others, which map it too;
+        `replace`: the file there is damaged or stale, and this one takes its place."""
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         view = memoryview(buf).cast("B")
         try:
@@ -197,7 +203,17 @@ class LayoutCache:
                 f.write(self._header(key, view))
                 for off in range(0, len(view), COPY_CHUNK):
                     f.write(view[off:off + COPY_CHUNK])
-            os.replace(tmp, path)
+            if replace:
+                os.replace(tmp, path)
+                return True
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process wrote it first: theirs is the file
+                pass
+            except OSError:  # a file system without hard links
+                os.replace(tmp, path)
+                return True
+            tmp.unlink()
             return True
         except OSError as e:  # a full or read-only disk: run on, without the cache
             with contextlib.suppress(OSError):
