@@ -251,12 +251,12 @@ class ExpertsLayer:
                                  self.gate_mode)
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
-            args = [*self._head, ptr(out), ffn.address, 0, ptr(self.counts)]
+            args = [*self._head, 0, ptr(self.counts), ffn.address, ptr(out)]  # moe_token's, thresholds at [-4]
             self._calls[key] = (args, ffn)  # the record lives as long as its address is kept
             if len(self._calls) > 64:  # buffers of calls gone by: keep the latest
                 self._calls = {key: self._calls[key]}
         # a sparse step: the record's threshold >= 0 says so, the kernel takes each chosen expert's
-        ffn.threshold, args[-2] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
+        ffn.threshold, args[-4] = (-1.0, 0) if thr is None else (0.0, thr.ctypes.data)
         n = _kernels.moe_token(*args)
         if self.shared is not None:  # its share of the shared expert (dense: no thresholds calibrated), scaled by the gate
             part = self.part[0]

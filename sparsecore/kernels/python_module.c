@@ -112,73 +112,78 @@ static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* moe_token(table_ptr (E x 3 mat records: each expert's gate, up, down), E, k, flags (moe_step.c MOE_*),
- *           <router: MAT_ARGS>, probs_ptr, ids_ptr, w_ptr, out_ptr, ffn_call_ptr (the matrices
- *           any expert's, y the one-expert scratch, its threshold < 0 dense or >= 0 CATS),
- *           thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all),
- *           counts_ptr (E int64 counts of the chosen experts computed here, or 0)) -> active neurons
- * An expert whose table row is empty (gate.base NULL) is another process's: skipped. */
-#define MOE_ARGS (4 + MAT_ARGS + 7)
-static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != MOE_ARGS) {
-        PyErr_Format(PyExc_TypeError, "moe_token takes %d arguments", MOE_ARGS);
-        return NULL;
-    }
-    const mat *table = ARG_PTR(0);
-    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), flags = (int)ARG_LL(3);
-    mat r;
-    if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
-    args += 4 + MAT_ARGS;
-    float *probs = ARG_PTR(0), *w = ARG_PTR(2), *out = ARG_PTR(3);
-    int32_t *ids = ARG_PTR(1);
-    const float *thr_e = ARG_PTR(5);
-    int64_t *counts = ARG_PTR(6);
+/* moe_token's and moe_batch's first arguments: table_ptr (E x 3 mat records: each expert's gate,
+ * up, down; an empty row, gate.base NULL, is another process's expert, skipped), E, k, flags
+ * (moe_step.c MOE_*), <router: MAT_ARGS>, probs_ptr (E floats), ids_ptr and w_ptr (k per token),
+ * thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all), counts_ptr (E
+ * int64 counts of the chosen experts computed here, or 0), ffn_call_ptr (a record whose
+ * matrices are any expert's: moe_token's with B 1, y the one-expert scratch, its threshold < 0
+ * dense or >= 0 CATS; moe_batch's with scratch for MAXB tokens) */
+typedef struct {
+    const mat *table;
+    int E, k, flags;
+    mat router;
+    float *probs, *w;
+    int32_t *ids;
+    const float *thr_e;
+    int64_t *counts;
     ffn_call c;
-    if (PyErr_Occurred() || get_ffn_call("moe_token", args[4], &c)) return NULL;
-    if (E < 1 || k < 1 || k > E || c.B != 1 || c.mask) {
-        PyErr_SetString(PyExc_ValueError, "moe_token: one token, no mask, 1 <= k <= E");
+} moe_args;
+#define MOE_HEAD_ARGS (4 + MAT_ARGS + 6)
+static int get_moe_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t more, moe_args *m) {
+    if (nargs != MOE_HEAD_ARGS + more) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, (int)(MOE_HEAD_ARGS + more));
+        return -1;
+    }
+    m->table = ARG_PTR(0);
+    m->E = (int)ARG_LL(1), m->k = (int)ARG_LL(2), m->flags = (int)ARG_LL(3);
+    if (PyErr_Occurred() || get_mat(args + 4, &m->router)) return -1;
+    args += 4 + MAT_ARGS;
+    m->probs = ARG_PTR(0), m->ids = ARG_PTR(1), m->w = ARG_PTR(2), m->thr_e = ARG_PTR(3), m->counts = ARG_PTR(4);
+    if (PyErr_Occurred() || get_ffn_call(name, args[5], &m->c)) return -1;
+    if (m->E < 1 || m->k < 1 || m->k > m->E || m->k > MOE_MAX_K || m->c.mask || !m->table || !m->probs || !m->ids
+        || !m->w) {
+        PyErr_Format(PyExc_ValueError, "%s: 1 <= k <= min(E, %d), no mask, every buffer", name, MOE_MAX_K);
+        return -1;
+    }
+    return 0;
+}
+
+/* moe_token(<moe_args>, out_ptr (hidden)) -> active neurons: moe_step.c moe_token */
+static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    moe_args m;
+    if (get_moe_args("moe_token", args, nargs, 1, &m)) return NULL;
+    float *out = ARG_PTR(MOE_HEAD_ARGS);
+    if (PyErr_Occurred()) return NULL;
+    if (m.c.B != 1 || !out) {
+        PyErr_SetString(PyExc_ValueError, "moe_token: one token, into an output");
         return NULL;
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_token(table, E, k, flags, r, probs, ids, w, thr_e, counts, &c, out);
+    n = moe_token(m.table, m.E, m.k, m.flags, m.router, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
 
-/* moe_batch(table_ptr, E, k, flags, <router: MAT_ARGS>, probs_ptr, ids_ptr (B k int32), w_ptr (B k float32),
- * thr_e_ptr|0, counts_ptr|0, ffn_call_ptr (a batch record), x_ptr (B hidden), B, xg_ptr, yg_ptr (MAXB hidden
- * each), parts_ptr (B k hidden), out_ptr (B hidden)) -> n_active: moe_step.c moe_batch */
-#define MOE_BATCH_ARGS (4 + MAT_ARGS + 12)
+/* moe_batch(<moe_args>, x_ptr (B hidden), B, xg_ptr, yg_ptr (MAXB hidden each), parts_ptr (B k hidden),
+ * out_ptr (B hidden)) -> active (neuron, token) pairs: moe_step.c moe_batch */
 static PyObject *py_moe_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != MOE_BATCH_ARGS) {
-        PyErr_Format(PyExc_TypeError, "moe_batch takes %d arguments", MOE_BATCH_ARGS);
-        return NULL;
-    }
-    const mat *table = ARG_PTR(0);
-    int E = (int)ARG_LL(1), k = (int)ARG_LL(2), flags = (int)ARG_LL(3);
-    mat r;
-    if (PyErr_Occurred() || get_mat(args + 4, &r)) return NULL;
-    args += 4 + MAT_ARGS;
-    float *probs = ARG_PTR(0), *w = ARG_PTR(2);
-    int32_t *ids = ARG_PTR(1);
-    const float *thr_e = ARG_PTR(3);
-    int64_t *counts = ARG_PTR(4);
-    ffn_call c;
-    if (PyErr_Occurred() || get_ffn_call("moe_batch", args[5], &c)) return NULL;
-    const float *x = ARG_PTR(6);
-    int B = (int)ARG_LL(7);
-    float *xg = ARG_PTR(8), *yg = ARG_PTR(9), *parts = ARG_PTR(10), *out = ARG_PTR(11);
+    moe_args m;
+    if (get_moe_args("moe_batch", args, nargs, 6, &m)) return NULL;
+    args += MOE_HEAD_ARGS;
+    const float *x = ARG_PTR(0);
+    int B = (int)ARG_LL(1);
+    float *xg = ARG_PTR(2), *yg = ARG_PTR(3), *parts = ARG_PTR(4), *out = ARG_PTR(5);
     if (PyErr_Occurred()) return NULL;
-    if (E < 1 || k < 1 || k > E || k > MOE_MAX_K || B < 1 || B > MAXB || c.mask || !table || !x || !xg || !yg || !parts
-        || !out || !ids || !w || !probs) {
-        PyErr_Format(PyExc_ValueError, "moe_batch: 1..%d tokens, 1 <= k <= min(E, %d), no mask, every buffer", MAXB,
-                     MOE_MAX_K);
+    if (B < 1 || B > MAXB || !x || !xg || !yg || !parts || !out) {
+        PyErr_Format(PyExc_ValueError, "moe_batch: 1..%d tokens, every buffer", MAXB);
         return NULL;
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_batch(table, E, k, flags, r, probs, ids, w, thr_e, counts, &c, x, B, xg, yg, parts, out);
+    n = moe_batch(m.table, m.E, m.k, m.flags, m.router, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c, x, B, xg, yg,
+                  parts, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
