@@ -7,6 +7,10 @@ shared through the layout cache, and its tokens stay transformers' (tests/test_m
 the oracle on both splits)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -17,7 +21,9 @@ from sparsecore.experts import ExpertsLayer, deal_flags, dealt
 from sparsecore.gguf_file import open_gguf
 from sparsecore.kernels import FfnScratch
 from sparsecore.tensors import TensorStore
-from tests.fixtures.tiny_arch import N_EXPERTS, N_FF_EXPERT, write_tiny_arch
+from tests.conftest import REPO
+from tests.fixtures.child_env import repo_env
+from tests.fixtures.tiny_arch import N_EXPERTS, N_FF_EXPERT, N_USED, write_tiny_arch
 
 TOKENS = 12
 
@@ -145,3 +151,20 @@ def test_the_engine_deals_where_the_layouts_are_shared_and_not_where_they_are_co
     monkeypatch.setenv("SPARSEINFER_EXPERT_SPLIT", "whole")
     with pytest.raises(ValueError, match="SPARSEINFER_EXPERT_SPLIT='whole': dealt or ranges"):
         Engine(models["qwen3moe"], opts, plan_only=True)
+
+
+@pytest.mark.parametrize("split", ["dealt", "ranges"])
+def test_info_says_how_the_experts_are_split(models, split):
+    """`sparseinfer info` says whether the processes deal the experts, as the engine would."""
+    env = {**repo_env(), "SPARSEINFER_EXPERT_SPLIT": split}
+    run = lambda *more: subprocess.run([sys.executable, "-m", "coordinator", "info", "-m", str(models["qwen3moe"]),  # noqa: E731
+                                        "-t", "2", *more], capture_output=True, text=True, timeout=300, cwd=REPO,
+                                       env=env)
+    text, as_json = run(), run("--json")
+    assert text.returncode == 0 == as_json.returncode, text.stderr + as_json.stderr
+    line = next(l for l in text.stdout.splitlines() if l.startswith("experts "))
+    if split == "dealt":
+        assert f"dealt between 2 processes: each computes about {N_USED // 2} of a token's {N_USED}" in line
+    else:
+        assert "a range of every chosen expert's neurons" in line
+    assert json.loads(as_json.stdout)["experts_dealt_between"] == (2 if split == "dealt" else 0)

@@ -20,10 +20,11 @@ from .validation import check_corpus, check_engine_args, check_range
 
 
 def _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb=None):
-    """The memory plan an engine with these options makes (Engine(plan_only=True): no process
-    started, nothing loaded but the tensor table). `vram_budget_gb`: a routed model's, whose
-    experts on a GPU worker's CUDA device leave RAM (a dense model's budget is not planned here:
-    its plan writes the GPU index beside the model)."""
+    """(the memory plan an engine with these options makes, how many processes deal a routed
+    model's experts (0: none)): Engine(plan_only=True), no process started, nothing loaded but
+    the tensor table. `vram_budget_gb`: a routed model's, whose experts on a GPU worker's CUDA
+    device leave RAM (a dense model's budget is not planned here: its plan writes the GPU index
+    beside the model)."""
     from ..runtime.engine import Engine, EngineOptions
     from ..runtime.sparsity_level import choose
 
@@ -31,7 +32,8 @@ def _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb=Non
     level = choose(Path(path), "input", say=False)[0] if weights_from_context() == "gguf" else None
     opts = EngineOptions(threads=threads, cpu_workers=cpu_workers, ctx=ctx, weights=weights_from_context(),
                          kv_caches=parallel + 1 if parallel else 2, sparsity=level, vram_budget_gb=vram_budget_gb)
-    return Engine(path, opts, plan_only=True).memory
+    eng = Engine(path, opts, plan_only=True)
+    return eng.memory, len(eng.dealt)
 
 
 def _expert_plan_report(path, cfg, vram_budget_gb) -> dict:
@@ -94,12 +96,12 @@ def info(model, as_json, vram_budget_gb, threads, cpu_workers, ctx, parallel):
     reader = open_gguf(path)
     cfg = read_config(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    memory = _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb if cfg.routed else None)
+    memory, dealers = _memory_report(path, threads, cpu_workers, ctx, parallel, vram_budget_gb if cfg.routed else None)
     plan = None if vram_budget_gb is None else _plan_report(path, cfg, vram_budget_gb, threads, cpu_workers)
     if as_json:
-        click.echo(reports.info_json(cfg, types, memory, plan))
+        click.echo(reports.info_json(cfg, types, memory, plan, dealers))
         return
-    lines = reports.info_lines(cfg, types, memory, ctx, parallel)
+    lines = reports.info_lines(cfg, types, memory, ctx, parallel, dealers)
     if plan is not None:
         lines += (reports.expert_placement_lines if cfg.routed else reports.placement_lines)(plan, vram_budget_gb)
     for line in lines:

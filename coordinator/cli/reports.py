@@ -40,8 +40,8 @@ def routed_part(routed: dict | None) -> str:
 
 # ---- info ---------------------------------------------------------------------------------------
 
-def info_json(cfg, types: dict, memory, plan: dict | None) -> str:
-    out = {"config": asdict(cfg), "tensor_types": dict(types),
+def info_json(cfg, types: dict, memory, plan: dict | None, dealers: int = 0) -> str:
+    out = {"config": asdict(cfg), "tensor_types": dict(types), "experts_dealt_between": dealers,
            "memory": {**{k: b for k, b, _ in memory.rows()}, "total": memory.total, "must_fit": memory.anonymous,
                       "available": memory.available, "available_from": memory.available_from,
                       "processes": memory.processes, "cold": memory.cold}}
@@ -50,10 +50,16 @@ def info_json(cfg, types: dict, memory, plan: dict | None) -> str:
     return json.dumps(out, indent=2)
 
 
-def info_lines(cfg, types: dict, memory, ctx, parallel) -> list[str]:
-    """The model's configuration, its tensor types and the memory plan against what is free."""
+def info_lines(cfg, types: dict, memory, ctx, parallel, dealers: int = 0) -> list[str]:
+    """The model's configuration, its tensor types, how a routed model's experts are split
+    (`dealers`: the processes that deal them, 0 none) and the memory plan against what is free."""
     lines = [f"{k:18s} {v}" for k, v in asdict(cfg).items()]
     lines.append("tensor types       " + ", ".join(f"{k}: {v}" for k, v in types.items()))
+    if cfg.routed:
+        lines.append("experts            " + (
+            f"dealt between {dealers} processes: each computes about {cfg.n_experts_used / dealers:g} of a token's "
+            f"{cfg.n_experts_used} chosen experts whole" if dealers else
+            "each process computes a range of every chosen expert's neurons"))
     lines.append(f"\nmemory plan (--ctx {ctx}, {memory.processes} processes"
                  f"{f', serve --parallel {parallel}' if parallel else ''}):")
     lines += ["  " + line for line in memory.lines()]
