@@ -317,15 +317,13 @@ class ExpertsLayer:
             n = 0
         else:  # one native call (moe_step.c moe_batch): routing, grouping, each expert's tokens, the sums
             args, ffn, ids, weights = self._batch_args(activation)
-            flags = self.flags
             if self.routes_first:  # routed here first: the router's own input, or cold experts read ahead
                 ids[:B], weights[:B] = self.route(self._scored(xs, router_x))
                 self._read_ahead(np.unique(ids[:B][dealt(ids[:B], self.owned, self.deal)]))
             if out.dtype != np.float32 or out.shape[1:] != xs.shape[1:] or len(out) < B or not out.flags.c_contiguous:
                 raise ValueError(f"out must hold {B} contiguous float32 rows of {xs.shape[1]}")
             ffn.threshold = -1.0 if thr is None else 0.0
-            args[3], args[-9], args[-6], args[-5], args[-1] = (
-                flags, 0 if thr is None else thr.ctypes.data, ptr(xs), B, ptr(out))
+            args[-9], args[-6], args[-5], args[-1] = 0 if thr is None else thr.ctypes.data, ptr(xs), B, ptr(out)
             n = _kernels.moe_batch(*args)
         if self.shared is not None:
             share = self.part[:B]
