@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import MAX_SMALL_BATCH
-from .experts import ExpertsLayer
+from .experts import ExpertsLayer, dealt
 
 SWIGLU_ALPHA = np.float32(1.702)  # gpt-oss's sigmoid gain (transformers' swiglu_alpha; llama.cpp's constant)
 
@@ -58,10 +58,13 @@ class OaiRouter:
 class OaiExpertsLayer(ExpertsLayer):
     """ExpertsLayer with gpt-oss's routing, expert biases and clamped SwiGLU (module doc)."""
 
-    def __init__(self, store, layer: int, own: range, fast: bool, scratch, cfg, row_layout: str = ""):
+    def __init__(self, store, layer: int, own: range, fast: bool, scratch, cfg, row_layout: str = "",
+                 deal: tuple[int, int] | None = None):
         # the experts' matrices as the file lays them out (fast mode's interleaved copies are for
-        # ffn_token's fused step), fast mode's 8-bit activations at call time
-        super().__init__(store, layer, own, False, scratch, cfg, row_layout)
+        # ffn_token's fused step), fast mode's 8-bit activations at call time; dealt (ExpertsLayer),
+        # each expert whole
+        super().__init__(store, layer, own, False, scratch, cfg, row_layout, deal=deal)
+        own = self.own
         self.fast = fast
         self.calls = [(e.gate.prepare(own, fast=fast), e.up.prepare(own, fast=fast),
                        e.down.prepare(None, own, fast=fast)) for e in self.experts]
@@ -70,7 +73,8 @@ class OaiExpertsLayer(ExpertsLayer):
         f32 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float32)  # noqa: E731
         sl = slice(own.start, own.stop)
         self.gate_b, self.up_b = f32("ffn_gate_exps.bias")[:, sl], f32("ffn_up_exps.bias")[:, sl]
-        # the down bias once across the processes: by the one whose range starts the neurons
+        # the down bias once across the processes: by the one whose range starts the neurons (dealt:
+        # every process, each expert being computed by one of them)
         self.down_b = f32("ffn_down_exps.bias") if own.start == 0 else None
         self.limit = np.float32(cfg.swiglu_limit)
 
@@ -106,10 +110,11 @@ class OaiExpertsLayer(ExpertsLayer):
         """out[t] = token t's share, as each token alone: the tokens that chose an expert through
         its rows together, MAX_SMALL_BATCH at a time."""
         ids, weights = self.route(xs)
-        self.counts += np.bincount(ids.reshape(-1), minlength=len(self.counts))  # it owns every expert
-        parts = np.empty((len(xs), self.k, xs.shape[1]), np.float32)
-        for e in np.unique(ids):
-            ts, js = np.nonzero(ids == e)
+        pick = dealt(ids, self.owned, self.deal)  # every choice, or this process's dealt ones
+        self.counts += np.bincount(ids[pick], minlength=len(self.counts))
+        parts = np.zeros((len(xs), self.k, xs.shape[1]), np.float32)  # zero where another process's
+        for e in np.unique(ids[pick]):
+            ts, js = np.nonzero((ids == e) & pick)
             for a in range(0, len(ts), MAX_SMALL_BATCH):
                 t, j = ts[a:a + MAX_SMALL_BATCH], js[a:a + MAX_SMALL_BATCH]
                 if len(t) == 1:
@@ -119,7 +124,7 @@ class OaiExpertsLayer(ExpertsLayer):
         out[:len(xs)] = 0.0
         for j in range(self.k):
             out[:len(xs)] += weights[:, j, None] * parts[:, j]
-        return len(xs) * self.k * len(self.own)
+        return int(pick.sum()) * len(self.own)
 
     def token_into(self, x: np.ndarray, activation: str, active: np.ndarray | None, threshold: float | None,
                    out: np.ndarray) -> int:

@@ -144,9 +144,8 @@ class FfnShard:
                         raise ValueError(f"layer {layer}: routed experts run on the file's blocks on the CPU, as a "
                                          f"{FileLayer.align(store, layer)}-aligned range of each expert's neurons")
                     if cfg.expert_bias:  # gpt-oss: biases, its gating and clamped SwiGLU (sparsecore/oai_experts.py)
-                        if deal is not None:
-                            raise ValueError("gpt-oss's experts split by ranges of neurons, they are not dealt")
-                        layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout)
+                        layers[layer] = OaiExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
+                                                        deal)
                     else:
                         layers[layer] = ExpertsLayer(store, layer, ranges[layer], fast, scratch, cfg, row_layout,
                                                      None if cold is None else cold[layer], owned, with_shared, deal)

@@ -57,18 +57,22 @@ def test_the_ffn_norm_is_post_attention_norm_and_no_output_norm(model):
                                   gguf_tensors()["blk.0.post_attention_norm.weight"])
 
 
+@pytest.mark.parametrize("split", ["dealt", "ranges"])
 @pytest.mark.parametrize("share,path", [(None, "auto"), (None, "split"), (None, "lockstep"), (0.0, "auto")],
                          ids=["coordinator+worker", "split-attention", "lockstep", "worker-alone"])
-def test_greedy_and_logits_match_transformers(model, share, path, no_leaks):
-    """Each process computes its range of every chosen expert's neurons (32 / 32 with a worker;
-    the down bias once, by the range that starts the expert), routing each token itself; the
-    attention is the native step's (sinks, the output bias once, by the share of head 0; the even
-    layers' window), split by heads across the processes or in lockstep where asked."""
+def test_greedy_and_logits_match_transformers(model, share, path, split, no_leaks, monkeypatch):
+    """Two processes deal each token's chosen experts, each expert whole with its down bias
+    (dealt), or each computes its range of every chosen expert's neurons (32 / 32 with a worker;
+    the down bias once, by the range that starts the expert: ranges), routing each token itself;
+    the attention is the native step's (sinks, the output bias once, by the share of head 0; the
+    even layers' window), split by heads across the processes or in lockstep where asked."""
+    monkeypatch.setenv("SPARSEINFER_EXPERT_SPLIT", split)
     opts = EngineOptions(cpu_workers=1, threads=2, weights="gguf", fast=False, kv_caches=2, coordinator_share=share,
                          decode_path=path, adaptive_spin=False if path == "lockstep" else None)
     with Engine(model, opts) as eng:
         owned = [sum(len(n) for n in s.neurons) for s in eng.plan.shards]
         assert sum(owned) == N_LAYERS * N_FF_EXPERT and sum(1 for n in owned if n) == (1 if share == 0.0 else 2)
+        assert len(eng.dealt) == (2 if split == "dealt" and share != 0.0 else 0)
         assert all(step is not None for step in eng.model.native)  # no layer on the torch path
         assert eng.model.decode_plan.path.value == {"auto": eng.model.decode_plan.path.value, "split": "split attention",
                                                     "lockstep": "lockstep"}[path]
@@ -98,6 +102,7 @@ def test_fast_arithmetic_decodes_close_to_exact(model, no_leaks):
 def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(model, no_leaks):
     prompts = [c["prompt_ids"] for c in REF["archs"]["gpt-oss"]] + [[5, 6, 7, 8, 9]]
     with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False, kv_caches=2 * len(prompts) + 1)) as eng:
+        assert len(eng.dealt) == 2  # each process computes its dealt experts whole
         assert_batch_is_alone(eng.model, prompts)
 
 

@@ -350,7 +350,7 @@ class EngineBuilder:
         split = os.environ.get("SPARSEINFER_EXPERT_SPLIT", "dealt")
         if split not in ("dealt", "ranges"):
             raise ValueError(f"SPARSEINFER_EXPERT_SPLIT={split!r}: dealt or ranges")
-        if (split == "ranges" or not cfg.routed or cfg.expert_bias or opts.weights != "gguf" or not self.layout_root
+        if (split == "ranges" or not cfg.routed or opts.weights != "gguf" or not self.layout_root
                 or self.cold is not None or self.input_major):
             return {}
         return deal_experts(self.plan)
