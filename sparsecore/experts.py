@@ -125,7 +125,7 @@ class ExpertsLayer:
         self.deal = deal
         self.flags |= deal_flags(deal)
         routed = range(0, cfg.n_ff) if deal is not None else own  # each owned expert's neurons held here
-        if deal is not None and scratch.n_own < cfg.n_ff:
+        if deal is not None and scratch.n_own < cfg.n_ff:  # a caller's scratch for a range (FfnShard sizes its own)
             scratch = FfnScratch(self.router.cols, cfg.n_ff)
         self.experts: list[FileLayer | None] = [None] * cfg.n_experts  # None: an expert another process computes
         # Dealt processes convert the same layouts: each starts at its own part of the experts, so

@@ -130,7 +130,9 @@ class FfnShard:
         layers: dict[int, LayerRows | FileLayer] = {}
         ranges = [as_range(np.asarray(idx, dtype=np.int64), FileLayer.align(store, layer))
                   for layer, idx in enumerate(neurons)]
-        scratch = FfnScratch(cfg.hidden, max((len(r) for r in ranges if r is not None), default=0))
+        # one scratch for every layer: a dealt routed layer computes whole experts (n_ff neurons)
+        widest = max((len(r) for r in ranges if r is not None), default=0)
+        scratch = FfnScratch(cfg.hidden, max(widest, cfg.n_ff) if deal is not None and cfg.routed else widest)
         for layer, idx in enumerate(neurons):
             if not len(idx):
                 continue

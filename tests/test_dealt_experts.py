@@ -168,3 +168,16 @@ def test_info_says_how_the_experts_are_split(models, split):
     else:
         assert "a range of every chosen expert's neurons" in line
     assert json.loads(as_json.stdout)["experts_dealt_between"] == (2 if split == "dealt" else 0)
+
+
+def test_a_dealt_shard_has_one_scratch_for_every_layer(models):
+    """FfnShard.load sizes its one scratch for whole experts where it deals: no layer makes its own."""
+    from sparsecore.shard import FfnShard
+
+    path = models["qwen3moe"]
+    cfg = read_config(path, open_gguf(path))
+    half = [np.arange(N_FF_EXPERT // 2, dtype=np.int64)] * cfg.n_layers
+    shard = FfnShard.load(path, half, "cpu", "gguf", deal=(0, 2))
+    scratches = {id(e.scratch) for w in shard.layers.values() for e in w.experts if e is not None}
+    assert len(scratches) == 1
+    assert next(e for e in shard.layers[0].experts if e is not None).scratch.n_own == N_FF_EXPERT
