@@ -2,7 +2,7 @@
 values/s of one core.
 
     python scripts/bench_block_types.py [--rows 5632 --cols 2048 --matrices 8 --reps 5]
-                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_XXS IQ3_S] [--isa avx2]
+                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_XXS IQ3_S MXFP4] [--isa avx2]
                                         [--batches 1 4 8] [--x16]
 
 Random valid blocks (random bits, small f16 scales) of each type in `--matrices` matrices of
@@ -33,7 +33,9 @@ SCALES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q5_0: (0,), T.Q5_1: (0, 
 def random_matrix(rng, rows: int, cols: int, t: T) -> SimpleNamespace:
     per, nbytes = quants.GGML_QUANT_SIZES[t]
     blocks = rng.integers(0, 256, size=(rows * cols // per, nbytes), dtype=np.uint8)
-    for off in SCALES[t]:  # small normal f16 values (random bits could be NaN or subnormal)
+    if t == T.MXFP4:  # E8M0 scales 2^-10 .. 2^-4 (times values up to 12)
+        blocks[:, 0] = rng.integers(118, 125, len(blocks))
+    for off in SCALES.get(t, ()):  # small normal f16 values (random bits could be NaN or subnormal)
         blocks[:, off:off + 2] = (rng.uniform(0.5, 1, len(blocks)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return SimpleNamespace(name=f"{t.name}", tensor_type=t, shape=np.array([cols, rows]),
                            data=blocks.reshape(rows, -1))

@@ -106,6 +106,34 @@ def test_a_continuous_batch_decodes_each_sequence_as_alone_bit_for_bit(model, no
         assert_batch_is_alone(eng.model, prompts)
 
 
+def test_fast_mode_interleaves_the_experts_and_a_batch_decodes_each_as_alone(model, no_leaks, monkeypatch):
+    """Fast mode holds the experts' MXFP4 rows interleaved 16 by 16 (X16) in every process where
+    the level has tiles (the best SIMD level this CPU runs; none: the file's rows), decodes
+    close to exact, and a continuous batch still gives each sequence its lone tokens bit for bit
+    (the tiles give a token alone what they give it in a batch)."""
+    from sparsecore import kernels as K
+    from sparsecore.oai_experts import OaiExpertsLayer
+    from tests.conftest import runnable_isas
+
+    simd = [level for level in runnable_isas() if level in K.SIMD_LEVELS]
+    level, default = (simd[-1] if simd else "generic"), K.isa()
+    monkeypatch.setenv("SPARSEINFER_ISA", level)  # the worker's level too
+    K.set_isa(level)
+    prompts = [c["prompt_ids"] for c in REF["archs"]["gpt-oss"]] + [[5, 6, 7, 8, 9]]
+    try:
+        with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=True, kv_caches=2 * len(prompts) + 1)) as eng:
+            routed = [w for w in eng.ffn.own.layers.values() if isinstance(w, OaiExpertsLayer)]
+            mats = [m for w in routed for e in w.experts if e is not None for m in (e.gate, e.up, e.down)]
+            assert routed and mats and all(m.interleaved == bool(simd) for m in mats)
+            case = REF["archs"]["gpt-oss"][0]
+            logits = eng.forward_logits(case["prompt_ids"])
+            want = reference_logits("gpt-oss")[: len(case["prompt_ids"])]
+            assert float(np.abs(logits - want).max()) < 0.05 * float(np.abs(want).max())
+            assert_batch_is_alone(eng.model, prompts)
+    finally:
+        K.set_isa(default)
+
+
 def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
     """One routed layer over every expert's whole range (a process alone) against transformers'
     GptOssMLP on the same weights, on inputs where the SwiGLU's clamp at 7 is met by many

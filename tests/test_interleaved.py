@@ -1,5 +1,5 @@
 """Rows interleaved 16 by 16 (FileMatrix.interleave, _kernels.c X16): fast mode's dense products
-on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K/IQ4_NL/IQ4_XS against float64 products of gguf-py's dequantized blocks and the 8-bit activations
+on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4 against float64 products of gguf-py's dequantized blocks and the 8-bit activations
 every fast kernel uses; a token alone equals it in any batch bit for bit, on every ISA level
 (the portable loop is the VNNI kernel's lane, operation for operation); odd row counts, ranges
 starting on any group, held columns, the fused FFN step, and what the layout refuses."""
@@ -17,9 +17,10 @@ from tests.fixtures import quant_q5_iq4 as Q
 from tests.fixtures.kernel_checks import BATCHES, check_product, interleaved_shard
 from tests.fixtures.kernel_files import deq, ffn_file, random_kquant, write_tensors
 
-X16_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+X16_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 KTYPES = (T.Q4_K, T.Q6_K)
-QTYPES = (T.IQ4_NL, T.IQ4_XS)  # random valid blocks of tests/fixtures/quant_q5_iq4 (gguf-py cannot quantize to them)
+QTYPES = (T.IQ4_NL, T.IQ4_XS, T.MXFP4)  # random valid blocks of tests/fixtures/quant_q5_iq4: every codebook index,
+# MXFP4's E8M0 scales 0 and 1 (float32 subnormals) too
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_what_interleaved_rows_refuse(mats):
             p.matvec(x, rows=bad, fast=True)
     with pytest.raises(ValueError, match="fast-mode"):  # no float path: exact mode keeps the file's layout
         p.matvec(x)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K and Q3_K"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K and MXFP4"):
         K.FileMatrix(mats["w.F16"]).interleave()
 
 

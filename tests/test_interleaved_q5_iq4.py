@@ -1,5 +1,5 @@
 """The fused FFN step on interleaved (X16) gate, up and down of the types tests/test_interleaved's
-fixture does not make (Q5_0, Q5_1: gguf-py's quantizer; IQ4_NL, IQ4_XS: tests/fixtures/quant_q5_iq4's):
+fixture does not make (Q5_0, Q5_1, MXFP4: gguf-py's quantizer; IQ4_NL, IQ4_XS: tests/fixtures/quant_q5_iq4's):
 ffn_token against the float64 FFN of gguf-py's dequantized blocks (fast mode's tolerance), the
 file layout's step (the same integers, another float order), and ffn_batch equal to it token
 for token, bit for bit, at every ISA level; IQ4_XS's down columns held on its 256-value blocks."""
@@ -20,7 +20,8 @@ from tests.fixtures.kernel_files import ffn_matrices, ffn_shapes
 SHAPES = {T.Q5_0: (96, 160, [range(0, 160), range(32, 96)]),
           T.Q5_1: (96, 160, [range(0, 160), range(128, 160)]),
           T.IQ4_NL: (96, 160, [range(0, 160), range(32, 96), range(128, 160)]),
-          T.IQ4_XS: (256, 512, [range(0, 512), range(256, 512)])}
+          T.IQ4_XS: (256, 512, [range(0, 512), range(256, 512)]),
+          T.MXFP4: (96, 160, [range(0, 160), range(32, 96)])}
 CASES = [(t, own) for t, (_, _, owns) in SHAPES.items() for own in owns]
 
 

@@ -116,7 +116,7 @@ static const type_traits TYPES[N_TYPES] = {
     [T_Q4_K] = {QKK, 144, TF_KQUANT | TF_X16}, [T_Q5_K] = {QKK, 176, TF_KQUANT}, [T_Q6_K] = {QKK, 210, TF_KQUANT | TF_X16},
     [T_IQ4_XS] = {QKK, 136, TF_KQUANT | TF_X16},
     [T_IQ3_XXS] = {QKK, 98, TF_KQUANT | TF_IQ3}, [T_IQ3_S] = {QKK, 110, TF_KQUANT | TF_IQ3},
-    [T_MXFP4] = {QK, 17, 0},
+    [T_MXFP4] = {QK, 17, TF_X16},
 };
 /* t's entry; ids the table lacks read as an empty entry (0 bytes: not a type the kernels take) */
 static inline type_traits traits(int t) {

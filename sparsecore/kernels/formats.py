@@ -17,7 +17,7 @@ NATIVE_TYPES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 8: 32,  # F32, F16, BF16, Q4_0,
                 10: 256, 11: 256, 12: 256, 13: 256, 14: 256,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
                 6: 32, 7: 32, 20: 32, 23: 256,  # Q5_0, Q5_1, IQ4_NL, IQ4_XS
                 18: 256, 21: 256,  # IQ3_XXS, IQ3_S
-                39: 32}  # MXFP4 (IQ4_NL's code paths with its own codebook and E8M0 scale: blocks_generic.c)
+                39: 32}  # MXFP4 (IQ4_NL's code paths with its own codebook and E8M0 scale: blocks_generic.c, X16 too)
 Q8_BLOCK_BYTES = 40  # struct q8blk: float d, int32 s, int8 q[32]
 # Most tokens the small-batch kernels take at once (base.c MAXB); larger batches (prefill)
 # dequantize tiles and run a GEMM instead.
@@ -34,7 +34,8 @@ COLS_TYPES = (2, 3, 8, 6, 7, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, 
 # gate | up channel row is 44 lines where gate's alone is 22 (docs/KERNELS.md)
 FUSED_TYPES = COLS_TYPES
 COLS_HEADER = 64  # bytes of a twin's header (cols_generic.c cols_hdr): n_active at 48, n_groups at 56
-X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K
+X16_TYPES = (2, 3, 6, 7, 8, 12, 14, 20, 23, 10, 11, 39)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS,
+#                                                        Q2_K, Q3_K, MXFP4
 R16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 

@@ -26,7 +26,8 @@ LV static INLINE __m256i NM(a2_sum_u4)(const __m256i *u, const int8_t *xq) {
     for (int j = 0; j < 8; j++) s = ACC16(s, u[j], _mm256_set1_epi32(rd32(xq + 4 * j)));
     return FIN16(s);
 }
-/* Q5_0, Q5_1: values up to 31, so maddubs pairs (2 x 31 x 127) add four at a time in int16 */
+/* Q5_0, Q5_1 (and MXFP4's codebook + 12): values up to 31, so maddubs pairs (2 x 31 x 127) add
+ * four at a time in int16 */
 LV static INLINE __m256i NM(a2_sum_u5)(const __m256i *u, const int8_t *xq) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
@@ -84,6 +85,15 @@ LV static INLINE __m256i NM(iq4_sum)(const __m256i *u, const __m256i *q, const q
 #endif
 }
 
+/* MXFP4's 8 E8M0 scale bytes at p as floats, e8m0_half's exactly: 2^(e - 128), the float32
+ * subnormals 2^-128, 2^-127 for e 0 and 1 */
+LV static INLINE __m256 NM(e8m0_half8)(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), one = _mm256_set1_epi32(1);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, one)));
+}
+
 /* the 8 lanes of acc (rows r0..r0+7) into y, the first nvalid - r0 of them */
 LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
     if (n >= 8) { _mm256_storeu_ps(y, acc); return; }
@@ -100,19 +110,20 @@ LV static INLINE void NM(a2_store)(float *y, __m256 acc, int n) {
         if ((nvalid) > 8) NM(a2_store)((y) + b_ * (ldy) + 8, (acc)[1][b_], (nvalid) - 8);   \
     }
 
-/* IQ4_NL, Q5_0, Q5_1: per block and half, the values unpacked once for every token */
+/* IQ4_NL, MXFP4, Q5_0, Q5_1: per block and half, the values unpacked once for every token */
 LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B, float *y,
                                       int64_t ldy, int nvalid) {
     __m256 acc[2][TILE_A];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q5_1, nl = t == T_IQ4_NL;
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q5_1, nl = t == T_IQ4_NL, mx = t == T_MXFP4;
     const int hd = run_head(t, 16);
     const __m256i m4 = _mm256_set1_epi8(15), kv = NM(iq4_book)();
+    const __m256i kmx = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4_u8));
     for (int h = 0; h < 2; h++)
         for (int b = 0; b < B; b++) acc[h][b] = _mm256_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         x16_fetch(g, X16_AHEAD * gb, 0, gb);
         for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+            __m256 d = mx ? NM(e8m0_half8)(g + 8 * h) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
             __m256 m = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h))) : d;
             const uint8_t *v = g + hd + 32 * h;
             __m256i si[TILE_A];  /* each token's integer sums of the 8 rows */
@@ -120,6 +131,15 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                 __m256i u[8], q[8];
                 NM(iq4_runs)(v, kv, u, q);
                 for (int b = 0; b < B; b++) si[b] = NM(iq4_sum)(u, q, xq + b * ldq + k);
+            } else if (mx) {  /* the codebook's values + 12 (0..24), summed as Q5's, less 12 sum x */
+                __m256i u[8];
+                for (int j = 0; j < 4; j++) {
+                    __m256i z = _mm256_loadu_si256((const __m256i *)(v + 64 * j));
+                    u[j] = _mm256_shuffle_epi8(kmx, _mm256_and_si256(z, m4));
+                    u[4 + j] = _mm256_shuffle_epi8(kmx, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4));
+                }
+                for (int b = 0; b < B; b++)
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
             } else {  /* Q5: unpacked once for every token (loading a run per token measured slower) */
                 __m256i u[8];
                 /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
@@ -501,6 +521,7 @@ LV static INLINE void NM(x16_tile_k23)(const int t, const uint8_t *g, int nb, co
 #define Q4_K_TILE_A(n) NM(x16_tile_q4k)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE_A(n) NM(x16_tile_q6k)(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 #define IQ4_NL_TILE_A(n) NM(x16_tile)(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
+#define MXFP4_TILE_A(n) NM(x16_tile)(T_MXFP4, g, nb, xb, ldq, n, yb, ldy, nv)
 #define IQ4_XS_TILE_A(n) NM(x16_tile_iq4xs)(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_0_TILE_A(n) NM(x16_tile)(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_1_TILE_A(n) NM(x16_tile)(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
@@ -524,6 +545,7 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
             else if (t == T_Q4_1) BY_TILE_A(Q4_1_TILE_A)
             else if (t == T_IQ4_XS) BY_TILE_A(IQ4_XS_TILE_A)
             else if (t == T_IQ4_NL) BY_TILE_A(IQ4_NL_TILE_A)
+            else if (t == T_MXFP4) BY_TILE_A(MXFP4_TILE_A)
             else if (t == T_Q5_0) BY_TILE_A(Q5_0_TILE_A)
             else if (t == T_Q5_1) BY_TILE_A(Q5_1_TILE_A)
             else BY_TILE_A(Q8_0_TILE_A)
@@ -538,6 +560,7 @@ LV static void NM(x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_
 #undef Q4_K_TILE_A
 #undef Q6_K_TILE_A
 #undef IQ4_NL_TILE_A
+#undef MXFP4_TILE_A
 #undef IQ4_XS_TILE_A
 #undef Q5_0_TILE_A
 #undef Q5_1_TILE_A

@@ -25,20 +25,28 @@ VNNI static INLINE void run_values(int q8, const uint8_t *v, int L, __m512i *u) 
         u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
     }
 }
+/* MXFP4's 16 E8M0 scale bytes at p as floats, e8m0_half's exactly (e8m0_half8's, 16 lanes) */
+VNNI static INLINE __m512 e8m0_half16(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), one = _mm512_set1_epi32(1);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(e, one), tiny, normal));
+}
 VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8blk *xq, int64_t ldq, int B,
                                       float *y, int64_t ldy, int nvalid) {
     __m512 acc[TILE_V];
-    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, nl = t == T_IQ4_NL;
-    const int q5 = is_q5(t);
-    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_u8));
+    const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0;
+    const int nl = t == T_IQ4_NL || t == T_MXFP4, q5 = is_q5(t);
+    /* IQ4_NL's codebook + 128, MXFP4's + 12 (run_value) */
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_MXFP4 ? kvalues_mxfp4_u8 : kvalues_u8)));
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         x16_fetch(g, X16_AHEAD * gb, 0, gb);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        __m512 d = t == T_MXFP4 ? e8m0_half16(g) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
         __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32))) : d;
         __m512i u[8];  /* u[i]: values 4i..4i+3 of the 16 rows, unsigned */
         run_values(q8, g + run_head(t, 16), 16, u);
-        if (nl)  /* IQ4_NL: the nibbles' codebook values + 128 */
+        if (nl)  /* IQ4_NL, MXFP4: the nibbles' codebook values, unsigned */
             for (int j = 0; j < 8; j++) u[j] = _mm512_shuffle_epi8(kv, u[j]);
         if (q5) {  /* Q5: the fifth bits (interleave_run) to bit 4, run j's low nibbles from bit j, its high from 4 + j */
             const __m512i hb = _mm512_loadu_si512(g + run_head(t, 16) - 64), m16 = _mm512_set1_epi8(16);
@@ -269,6 +277,7 @@ VNNI static INLINE void x16_tile_k23_vnni(const int t, const uint8_t *g, int nb,
 #define Q4_K_TILE(n) x16_tile_q4k_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q6_K_TILE(n) x16_tile_q6k_vnni(g, nb, xb, ldq, hs + b * ldh, ldh, n, yb, ldy, nv)
 #define IQ4_NL_TILE(n) x16_tile_vnni(T_IQ4_NL, g, nb, xb, ldq, n, yb, ldy, nv)
+#define MXFP4_TILE(n) x16_tile_vnni(T_MXFP4, g, nb, xb, ldq, n, yb, ldy, nv)
 #define IQ4_XS_TILE(n) x16_tile_iq4xs_vnni(g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_0_TILE(n) x16_tile_vnni(T_Q5_0, g, nb, xb, ldq, n, yb, ldy, nv)
 #define Q5_1_TILE(n) x16_tile_vnni(T_Q5_1, g, nb, xb, ldq, n, yb, ldy, nv)
@@ -293,6 +302,7 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
             else if (t == T_Q4_1) BY_TILE(Q4_1_TILE)
             else if (t == T_IQ4_XS) BY_TILE(IQ4_XS_TILE)
             else if (t == T_IQ4_NL) BY_TILE(IQ4_NL_TILE)
+            else if (t == T_MXFP4) BY_TILE(MXFP4_TILE)
             else if (t == T_Q5_0) BY_TILE(Q5_0_TILE)
             else if (t == T_Q5_1) BY_TILE(Q5_1_TILE)
             else BY_TILE(Q8_0_TILE)
@@ -306,6 +316,7 @@ VNNI static void x16_rows_vnni(int t, const uint8_t *g, int64_t gstride, int64_t
 #undef Q4_K_TILE
 #undef Q6_K_TILE
 #undef IQ4_NL_TILE
+#undef MXFP4_TILE
 #undef IQ4_XS_TILE
 #undef Q5_0_TILE
 #undef Q5_1_TILE

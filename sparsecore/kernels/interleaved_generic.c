@@ -5,11 +5,12 @@
  * prefetching the SIMD loops share. */
 
 /* ---- the layouts' bytes ---------------------------------------------------------------------
- * Interleaved rows (X16) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, per group of 16 rows and
- * block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0 and IQ4_NL, 320 for Q4_1, 352 for
- * Q5_0, 384 for Q5_1, 544 for Q8_0): the 16 rows' f16 scales d, for Q4_1 and Q5_1 then their
+ * Interleaved rows (X16) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and MXFP4, per group of 16 rows
+ * and block of 32 columns (gb = 16 blocks' bytes: 288 for Q4_0 and IQ4_NL, 272 for MXFP4, 320 for
+ * Q4_1, 352 for Q5_0, 384 for Q5_1, 544 for Q8_0): the 16 rows' f16 scales d (MXFP4: their E8M0
+ * bytes, x16_scale), for Q4_1 and Q5_1 then their
  * 16 f16 mins, for Q5 then their fifth bits (64 bytes, run_value), then the values in runs of
- * 64 bytes (IQ4_NL: the codebook's indices as Q4's nibbles): run j holds bytes
+ * 64 bytes (IQ4_NL, MXFP4: the codebook's indices as Q4's nibbles): run j holds bytes
  * 4j..4j+3 of each row's value bytes, row r at 4r. Q4: 4 runs of the 16 nibble bytes; a byte's
  * low nibble is value 4j + c of its row, its high nibble value 16 + 4j + c (GGUF's order), so
  * one run masked (and shifted) is 4 values of 16 rows. Q8_0: 8 runs of the 32 values, each
@@ -26,26 +27,36 @@ static inline int x16_block_bytes(int t) {
 /* IQ4_NL's and IQ4_XS's codebook + 128: the unsigned values vpdpbusd multiplies (the lanes'
  * integer sums less 128 sum x: the codebook's own products, exactly) */
 static const uint8_t kvalues_u8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+/* MXFP4's codebook (the E2M1 values doubled, -12..12) + 12: unsigned values that maddubs pairs
+ * add four at a time in int16 as Q5's (4 x 2 x 24 x 127 < 2^15); the sums' offset -12 sum x */
+static const uint8_t kvalues_mxfp4_u8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 static inline int is_q5(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 /* a Q5 run's fifth bits (4 L bytes before its values): byte 4 r + c of lane r holds in bit j
  * (j < 4) value 4 j + c's, in bit 4 + j value 16 + 4 j + c's: run j's nibbles take theirs by
  * one shift and one mask */
 /* A run of L lanes (interleave_run: X16's 16 rows' block, or R16's blocks of a row): bytes
  * before its values, its L f16 scales (and Q4_1's L f16 mins); t the file's type */
-static inline int run_head(int t, int L) { return (t == T_Q4_1 || t == T_Q5_1 ? 4 : 2) * L + (is_q5(t) ? 4 * L : 0); }
+static inline int run_head(int t, int L) {
+    return t == T_MXFP4 ? L : (t == T_Q4_1 || t == T_Q5_1 ? 4 : 2) * L + (is_q5(t) ? 4 * L : 0);
+}
+/* lane r's scale in a run at p: an f16, MXFP4's E8M0 byte as ggml reads it (e8m0_half) */
+static inline float x16_scale(int t, const uint8_t *p, int r) {
+    return t == T_MXFP4 ? e8m0_half(p[r]) : f16_to_f32(rd16(p + 2 * r));
+}
 /* the unsigned value i of lane r in a run of L lanes: Q4 a nibble, Q8_0 q + 128 (as stored),
- * IQ4_NL its nibble's codebook value + 128 (it stores the nibbles, as the file) */
+ * IQ4_NL its nibble's codebook value + 128, MXFP4 its + 12 (both store the nibbles, as the file) */
 static inline int run_value(int t, const uint8_t *p, int L, int r, int i) {
     int h = run_head(t, L);
     if (t == T_Q8_0) return p[h + 4 * L * (i / 4) + 4 * r + i % 4];
     int l = i % 16, q = (p[h + 4 * L * (l / 4) + 4 * r + l % 4] >> (4 * (i / 16))) & 15;
     if (is_q5(t)) q |= ((p[h - 4 * L + 4 * r + l % 4] >> (l / 4 + 4 * (i / 16))) & 1) << 4;
-    return t == T_IQ4_NL ? kvalues_u8[q] : q;
+    return t == T_IQ4_NL ? kvalues_u8[q] : t == T_MXFP4 ? kvalues_mxfp4_u8[q] : q;
 }
 /* x's offset in each lane's integer sum: Q4_0's values are u - 8, Q8_0's stored u = q + 128,
- * IQ4_NL's and IQ4_XS's u = codebook + 128 */
+ * IQ4_NL's and IQ4_XS's u = codebook + 128, MXFP4's codebook + 12 */
 static inline int32_t x16_offset(int t, int32_t sx) {
-    return t == T_Q4_0 ? -8 * sx : t == T_Q5_0 ? -16 * sx : t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS ? -128 * sx : 0;
+    return t == T_Q4_0 ? -8 * sx : t == T_Q5_0 ? -16 * sx : t == T_MXFP4 ? -12 * sx
+         : t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS ? -128 * sx : 0;
 }
 /* Q6_K's X16 block (16 rows x 256 values, 3360 bytes): the rows' f16 d, then per activation
  * block xb (32 values, sub-blocks 2 xb and 2 xb + 1) 416 bytes in the order the tile reads
@@ -166,14 +177,16 @@ static void interleave_k23(int t, const uint8_t *src, int64_t stride, int64_t ro
 }
 
 /* A run of L lanes of Q4_0, Q4_1 or Q8_0 blocks at p (L x the block's bytes): the n blocks at w,
- * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales, for Q4_1
+ * `stride` apart, in lanes 0..n-1 (the rest left as they are: zeros): their f16 scales (MXFP4:
+ * its scale bytes), for Q4_1
  * then their mins, then the values, run j holding bytes 4j..4j+3 of each lane's value bytes */
 static inline __attribute__((always_inline)) void interleave_run(int t, const uint8_t *w, int64_t stride, int n, int L,
                                                                   uint8_t *p) {
-    int q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, h = run_head(t, L);
-    int vo = (q41 ? 4 : 2) + (is_q5(t) ? 4 : 0);  /* the values' offset in the file's block (Q5: after qh) */
+    int q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0, mx = t == T_MXFP4, h = run_head(t, L);
+    int vo = mx ? 1 : (q41 ? 4 : 2) + (is_q5(t) ? 4 : 0);  /* the values' offset in the file's block (Q5: after qh) */
     for (int r = 0; r < n; r++, w += stride) {
-        memcpy(p + 2 * r, w, 2);
+        if (mx) p[r] = w[0];  /* the E8M0 scale byte */
+        else memcpy(p + 2 * r, w, 2);
         if (q41) memcpy(p + 2 * L + 2 * r, w + 2, 2);
         if (is_q5(t)) {
             uint32_t qh = (uint32_t)rd32(w + vo - 4);
@@ -192,7 +205,7 @@ static inline __attribute__((always_inline)) void interleave_run(int t, const ui
     }
 }
 
-/* Groups of 16 rows of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 (or IQ4_NL) blocks, each block's run of 16
+/* Groups of 16 rows of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 (or IQ4_NL, MXFP4) blocks, each block's run of 16
  * lanes; a whole group's run covers every byte of it, a last group of fewer rows is zeroed first */
 static inline __attribute__((always_inline)) void interleave_runs(int t, const uint8_t *src, int64_t stride,
                                                                    int64_t rows, int nb, uint8_t *dst) {
@@ -237,6 +250,7 @@ static void interleave(int t, const uint8_t *src, int64_t stride, int64_t rows, 
     case T_Q8_0: interleave_runs(T_Q8_0, src, stride, rows, nb, dst); break;
     case T_Q5_0: interleave_runs(T_Q5_0, src, stride, rows, nb, dst); break;
     case T_Q5_1: interleave_runs(T_Q5_1, src, stride, rows, nb, dst); break;
+    case T_MXFP4: interleave_runs(T_MXFP4, src, stride, rows, nb, dst); break;
     default: interleave_runs(t, src, stride, rows, nb, dst);
     }
 }
@@ -284,7 +298,7 @@ static inline int x16_value(int t, const uint8_t *p, int r, int i) {
 static inline float x16_block_c(int t, const uint8_t *p, int L, int r, const q8blk *x, float acc) {
     int32_t s = x16_offset(t, x->s);
     for (int i = 0; i < QK; i++) s += run_value(t, p, L, r, i) * x->q[i];
-    float d = f16_to_f32(rd16(p + 2 * r));
+    float d = x16_scale(t, p, r);
     if (t == T_Q4_1 || t == T_Q5_1) return fmaf(fmaf((float)s, d, f16_to_f32(rd16(p + 2 * L + 2 * r)) * (float)x->s), x->d, acc);
     return fmaf((float)s, d * x->d, acc);
 }
@@ -417,13 +431,14 @@ static void r16_pack(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *
 
 /* The file's values of row r's block in the X16 (group, block) at p, as the file's rows give them */
 static void x16_dequant_block(int t, const uint8_t *p, int L, int r, float *o) {  /* L: lanes of p's run (16 but R16's tails) */
-    float d = f16_to_f32(rd16(p + 2 * r)), d2 = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
+    float d = x16_scale(t, p, r), d2 = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K ? f16_to_f32(rd16(p + 2 * L + 2 * r)) : 0.f;
     for (int v = 0; v < block_size(t); v++) {
         int q = is_kquant(t) ? x16_value(t, p, r, v) : run_value(t, p, L, r, v);
         switch (t) {
         case T_Q4_0: o[v] = d * (float)(q - 8); break;
         case T_Q4_1: case T_Q5_1: o[v] = d * (float)q + d2; break;  /* d2: the min */
         case T_Q5_0: o[v] = d * (float)(q - 16); break;
+        case T_MXFP4: o[v] = d * (float)(q - 12); break;
         case T_Q8_0: case T_IQ4_NL: o[v] = d * (float)(q - 128); break;
         case T_IQ4_XS: o[v] = d * (float)(int8_t)p[IQ4XS_SC(v / 32) + r] * (float)(q - 128); break;  /* as kunpack */
         case T_Q2_K: {  /* as kunpack: (d sc) q - dmin m */

@@ -134,7 +134,7 @@ def held_copy(m: FileMatrix) -> "FileMatrix":
 
 def can_interleave(m: FileMatrix) -> bool:
     """Whether interleave() takes this matrix: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL,
-    IQ4_XS, Q2_K or Q3_K, at an ISA level
+    IQ4_XS, Q2_K, Q3_K or MXFP4, at an ISA level
     with interleaved tiles (interleaving())."""
     return m.type in X16_TYPES and not m.interleaved and interleaving(m.type)
 
@@ -151,7 +151,7 @@ def interleave(m: FileMatrix) -> "FileMatrix":
         raise ValueError(f"tensor {m.name}: already interleaved")
     if m.type not in X16_TYPES:
         raise ValueError(f"tensor {m.name}: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_NL, IQ4_XS, "
-                         f"Q2_K and Q3_K rows interleave")
+                         f"Q2_K, Q3_K and MXFP4 rows interleave")
     held = m.col_range or range(m.cols)
     nb, gb = len(held) // m.block, m.x16_block_bytes
     n_held = len(m.data)  # rows held: all, or row_range's
