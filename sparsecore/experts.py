@@ -19,7 +19,7 @@ from .tensors import TensorStore
 
 
 # moe_step.c's routing flags, and where in them moe_token finds a dealt share (deal_flags)
-MOE_RENORM, MOE_SIGMOID, MOE_ROUTED = 1, 2, 4
+MOE_RENORM, MOE_SIGMOID, MOE_ROUTED, MOE_SOFTMAX_WEIGHT = 1, 2, 4, 8
 MOE_DEAL_SHIFT = 8
 MAX_DEALERS = 255
 
@@ -45,29 +45,44 @@ def dealt(ids: np.ndarray, owned: np.ndarray, deal: tuple[int, int] | None) -> n
     return mine & (turn % deal[1] == deal[0])
 
 
+GATINGS = {"softmax": 0, "sigmoid": MOE_SIGMOID, "softmax_weight": MOE_SOFTMAX_WEIGHT}
+
+
 def route_flags(renormalize: bool, gating: str = "softmax") -> int:
-    """moe_route's flags for a model's routing (ModelConfig.expert_norm, .expert_gating)."""
-    if gating not in ("softmax", "sigmoid"):
-        raise ValueError(f"the routing kernel computes softmax or sigmoid gating, not {gating!r}")
-    return (MOE_RENORM if renormalize else 0) | (MOE_SIGMOID if gating == "sigmoid" else 0)
+    """moe_route's flags for a model's routing (ModelConfig.expert_norm, .expert_gating):
+    softmax, sigmoid, or softmax_weight (gpt-oss: the top k logits, then their softmax)."""
+    if gating not in GATINGS:
+        raise ValueError(f"the routing kernel computes {', '.join(GATINGS)} gating, not {gating!r}")
+    return (MOE_RENORM if renormalize else 0) | GATINGS[gating]
+
+
+def router_bias(store: TensorStore, layer: int, cfg) -> np.ndarray | None:
+    """Layer `layer`'s router bias (gpt-oss: ModelConfig.expert_bias) as float32, else None."""
+    if not cfg.expert_bias:
+        return None
+    return np.ascontiguousarray(store.matrix(f"blk.{layer}.ffn_gate_inp.bias").reshape(-1), dtype=np.float32)
 
 
 def route(router: FileMatrix, x: np.ndarray, k: int, renormalize: bool,
-          probs: np.ndarray | None = None, gating: str = "softmax") -> tuple[np.ndarray, np.ndarray]:
+          probs: np.ndarray | None = None, gating: str = "softmax",
+          bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The k experts of each row of x (T, hidden) and their weights, (T, k) int32 and float32,
     by the kernel the token step routes with (moe_step.c moe_route): what a process computes,
     and what `sparseinfer profile` counts. router: ffn_gate_inp, one row per expert; x: what it
-    scores (the FFN's input, or smallthinker's layer input); gating: softmax or sigmoid."""
+    scores (the FFN's input, or smallthinker's layer input); gating: route_flags'; bias: the
+    router's (E float32, gpt-oss), or None."""
     T, E = len(x), router.rows
     xs = np.ascontiguousarray(x, dtype=np.float32)
     if xs.ndim != 2 or xs.shape[1] != router.cols or not 1 <= k <= E:
         raise ValueError(f"routing {xs.shape} inputs over {E} experts of width {router.cols}, top {k}")
+    if bias is not None and (bias.dtype != np.float32 or bias.shape != (E,) or not bias.flags.c_contiguous):
+        raise ValueError(f"a router bias is {E} contiguous float32 values")
     probs = np.empty(E, np.float32) if probs is None else probs
     ids, weights = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
     flags = route_flags(renormalize, gating)
     for t in range(T):
-        _kernels.moe_route(*router.args, ptr(xs[t]), xs.shape[1], E, k, flags, ptr(probs), ptr(ids[t]),
-                           ptr(weights[t]))
+        _kernels.moe_route(*router.args, 0 if bias is None else ptr(bias), ptr(xs[t]), xs.shape[1], E, k, flags,
+                           ptr(probs), ptr(ids[t]), ptr(weights[t]))
     return ids, weights
 
 
@@ -115,9 +130,13 @@ class ExpertsLayer:
                              f"{cfg.n_experts}")
         self.k, self.renormalize, self.gating = cfg.n_experts_used, cfg.expert_norm, cfg.expert_gating
         self.router_reads_layer_input = cfg.router_reads_layer_input
-        # moe_route's and moe_token's flags (MOE_ROUTED added below where token_into routes
-        # first). gpt-oss's gating is not the kernel's: OaiExpertsLayer routes in Python.
-        self.flags = 0 if self.gating == "softmax_weight" else route_flags(self.renormalize, self.gating)
+        self.router_bias = router_bias(store, layer, cfg)  # gpt-oss's, else None
+        # gpt-oss's experts' biases, a row per expert, and its clamp (OaiExpertsLayer): what the
+        # FFN records' ACT_OAI activation reads
+        self.expert_biases: np.ndarray | None = None
+        self.limit = 0.0
+        # moe_route's and moe_token's flags (MOE_ROUTED added below where token_into routes first)
+        self.flags = route_flags(self.renormalize, self.gating)
         self.owned = np.ones(cfg.n_experts, bool) if owned is None else np.asarray(owned, bool)
         if self.owned.shape != (cfg.n_experts,):
             raise ValueError(f"layer {layer}: an ownership of {self.owned.shape} experts, the file has {cfg.n_experts}")
@@ -173,9 +192,21 @@ class ExpertsLayer:
             records += [Mat(), Mat(), Mat()] if e is None else [mat_record(m) for m in (e.gate, e.up, e.down)]
         self.table = (Mat * len(records))(*records)
         self._head = (ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
-                      ptr(self.probs), ptr(self.ids), ptr(self.weights))
+                      self._bias_ptr, ptr(self.probs), ptr(self.ids), ptr(self.weights))
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
         self._batch: tuple | None = None  # batch_into's record and buffers, made on the first batch
+
+    @property
+    def _bias_ptr(self) -> int:
+        """The router bias's address for the kernels (gpt-oss), else 0."""
+        return 0 if self.router_bias is None else ptr(self.router_bias)
+
+    def _biased(self, ffn):
+        """An FFN record with the experts' bias table and clamp, where the activation reads them
+        (gpt-oss: OaiExpertsLayer sets expert_biases); the record itself."""
+        if self.expert_biases is not None:
+            ffn.bias, ffn.limit = ptr(self.expert_biases), self.limit
+        return ffn
 
     def count_into(self, counts: np.ndarray) -> None:
         """Count the chosen experts computed here into `counts` (E int64, this process's row of
@@ -217,7 +248,7 @@ class ExpertsLayer:
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts of each row of x (T, hidden), the rows the router scores, and their
         weights: (T, k) int32, (T, k) float32."""
-        return route(self.router, x, self.k, self.renormalize, self.probs, self.gating)
+        return route(self.router, x, self.k, self.renormalize, self.probs, self.gating, self.router_bias)
 
     def _scored(self, x: np.ndarray, router_x: np.ndarray | None) -> np.ndarray:
         """What the router scores for the FFN inputs x: x, or the layer's inputs router_x
@@ -237,7 +268,7 @@ class ExpertsLayer:
         thr = per_expert(threshold, self._flat, active)
         if self.routes_first:  # into the arrays moe_token reads (MOE_ROUTED)
             rx = self._scored(x, router_x)
-            _kernels.moe_route(*self.router.args, ptr(rx), len(rx), len(self.experts), self.k, self.flags,
+            _kernels.moe_route(*self.router.args, self._bias_ptr, ptr(rx), len(rx), len(self.experts), self.k, self.flags,
                                ptr(self.probs), ptr(self.ids), ptr(self.weights))
             if self.cold_maps:  # every chosen cold expert's reads start together
                 self._read_ahead(self.ids)
@@ -247,8 +278,8 @@ class ExpertsLayer:
             e = self.first
             if e is None:  # no routed expert here, only a share of the shared one: nothing to route
                 return self._shared_only(x, activation, out)
-            ffn = ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False, self.part[0],
-                                 self.gate_mode)
+            ffn = self._biased(ffn_token_call(e.gate, e.up, e.down, x, self.own, activation, e.scratch, e.fast, False,
+                                              self.part[0], self.gate_mode))
             if out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous:
                 raise ValueError(f"out must be {x.shape[0]} contiguous float32 values")
             args = [*self._head, 0, ptr(self.counts), ffn.address, ptr(out)]  # moe_token's, thresholds at [-4]
@@ -290,9 +321,10 @@ class ExpertsLayer:
                                  self.gate_mode)
             ids, weights = np.empty((MAX_SMALL_BATCH, self.k), np.int32), np.empty((MAX_SMALL_BATCH, self.k), np.float32)
             parts = np.empty((MAX_SMALL_BATCH, self.k, hidden), np.float32)
+            self._biased(ffn)
             args = [ctypes.addressof(self.table), len(self.experts), self.k, self.flags, *self.router.args,
-                    ptr(self.probs), ptr(ids), ptr(weights), 0, ptr(self.counts), ffn.address, 0, 0, ptr(xg), ptr(yg),
-                    ptr(parts), 0]
+                    self._bias_ptr, ptr(self.probs), ptr(ids), ptr(weights), 0, ptr(self.counts), ffn.address, 0, 0,
+                    ptr(xg), ptr(yg), ptr(parts), 0]
             self._batch = (activation, args, ffn, ids, weights, (xg, yg, parts))
         return self._batch[1:5]
 

@@ -160,10 +160,14 @@ def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
         gate_up = torch.einsum("th,ehf->tef", torch.from_numpy(x), mlp.experts.gate_up_proj) + mlp.experts.gate_up_proj_bias
     assert float(np.abs(got - want).max()) < 1e-4 * max(1.0, float(np.abs(want).max()))
     assert int((gate_up[..., 0::2] > 7).sum()) > 10 and int((gate_up[..., 1::2].abs() > 7).sum()) > 10
-    no_clamp = layer.limit
-    layer.limit = np.float32(1e9)
-    assert float(np.abs(layer.step(x, "silu", None, None)[0] - want).max()) > 1e-2
-    layer.limit = no_clamp
+    unclamped = OaiExpertsLayer(store, 1, range(0, N_FF_EXPERT), False, FfnScratch(cfg.hidden, N_FF_EXPERT), cfg)
+    unclamped.limit = 1e9  # before its first step: the kernels' records take it then
+    assert float(np.abs(unclamped.step(x, "silu", None, None)[0] - want).max()) > 1e-2
+    # a prompt longer than a small batch: the tokens grouped by expert over it (numpy's SwiGLU)
+    xl = np.random.default_rng(4).standard_normal((40, cfg.hidden)).astype(np.float32)
+    with torch.inference_mode():
+        want_l = mlp(torch.from_numpy(xl)[None])[0][0].numpy()
+    assert float(np.abs(layer.step(xl, "silu", None, None)[0] - want_l).max()) < 1e-4 * max(1.0, float(np.abs(want_l).max()))
 
 
 def test_yarn_tables_match_transformers_and_truncation_matters():
@@ -309,7 +313,6 @@ def test_the_coordinator_decodes_without_importing_torch(model):
 def test_profile_counts_the_routes_the_engine_takes(model, no_leaks):
     """`sparseinfer profile` routes each FFN input with the router's bias, as the layers do."""
     from coordinator.tools import profile
-    from sparsecore.oai_experts import OaiRouter
 
     with Engine(model, EngineOptions(cpu_workers=1, threads=2, fast=False)) as eng:
         seen = []
@@ -317,6 +320,10 @@ def test_profile_counts_the_routes_the_engine_takes(model, no_leaks):
         eng.forward_logits([5, 6, 7, 8])
         eng.ffn.observer = None
         freqs = profile.collect(eng, [[5, 6, 7, 8]]).freqs
-        for layer, x in seen:
-            ids = OaiRouter(eng.store, layer)(x, N_USED)[0]
+        for layer, x in seen:  # float64 logits with the router's bias, the N_USED largest
+            w, bias = (eng.store.matrix(f"blk.{layer}.ffn_gate_inp.{n}").astype(np.float64) for n in ("weight", "bias"))
+            logits = x.astype(np.float64) @ w.reshape(-1, x.shape[1]).T + bias.reshape(-1)
+            top = np.sort(logits, axis=1)[:, ::-1]
+            assert (top[:, N_USED - 1] - top[:, N_USED] > 1e-4).all()  # no near-tie decides
+            ids = np.argsort(-logits, axis=1, kind="stable")[:, :N_USED]
             np.testing.assert_allclose(freqs[layer], np.bincount(ids.reshape(-1), minlength=N_EXPERTS) / 4)

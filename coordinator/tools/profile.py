@@ -99,13 +99,14 @@ class RouteCounter:
     routed by the engine's own kernel (sparsecore.shard.route) over the file's router."""
 
     def __init__(self, store, cfg):
+        from sparsecore.experts import router_bias
         from sparsecore.kernels import FileMatrix
-        from sparsecore.oai_experts import OaiRouter
 
         self.routers = [FileMatrix(store.info(f"blk.{i}.ffn_gate_inp.weight")) for i in range(cfg.n_layers)]
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
-        # gpt-oss: the router's bias decides too (sparsecore/oai_experts.py routes as the engine)
-        self.biased = [OaiRouter(store, i) for i in range(cfg.n_layers)] if cfg.expert_bias else None
+        # gpt-oss: the router's bias decides too, and its gating picks by the logits alone
+        self.gating = cfg.expert_gating if cfg.expert_gating == "softmax_weight" else "softmax"
+        self.biases = [router_bias(store, i, cfg) for i in range(cfg.n_layers)]
         self.counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
         self.tokens = np.zeros(cfg.n_layers, np.int64)
 
@@ -115,10 +116,8 @@ class RouteCounter:
         from sparsecore.experts import route
 
         scored = np.asarray(x if router_in is None else router_in, dtype=np.float32)
-        if self.biased is not None:
-            ids, _ = self.biased[layer](scored, self.k)
-        else:
-            ids, _ = route(self.routers[layer], scored, self.k, self.renormalize)
+        ids, _ = route(self.routers[layer], scored, self.k, self.renormalize, gating=self.gating,
+                       bias=self.biases[layer])
         np.add.at(self.counts[layer], ids.reshape(-1), 1)
         self.tokens[layer] += len(ids)
 

@@ -38,7 +38,9 @@ from .formats import (COLS_HEADER, COLS_TYPES, FILE_LAYOUT, FUSED_TYPES, MAX_SMA
                       input_major_type, interleaving, isa, neuron_align, set_isa, supports)
 from .held_memory import ptr
 
-ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3}  # act_fn in ffn_step.c
+# act_fn in ffn_step.c; "swiglu_oai" gpt-oss's clamped SwiGLU with its experts' biases (ACT_OAI:
+# the record's bias and limit, sparsecore/oai_experts.py)
+ACT_IDS = {"silu": 0, "relu": 1, "gelu_tanh": 2, "gelu": 3, "swiglu_oai": 4}
 # How gate and up combine (ModelConfig.ffn_gate), or'ed into the activation id: "par"
 # act(gate x) * (up x); "none" act(gate x) alone, with `gate` the up matrix (falcon: no second
 # row is read); "sym" act(gate x) * act(up x) (bamboo). ACT_NOGATE, ACT_SYM in ffn_step.c.

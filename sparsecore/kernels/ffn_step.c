@@ -8,6 +8,17 @@
 #define ACT_MASK 15
 #define ACT_NOGATE 16
 #define ACT_SYM 32
+/* gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai, transformers' GptOssMLP), with the experts'
+ * biases (ffn_call.bias) and clamp (ffn_call.limit):
+ *     h = (clamp(u + bu, -L, L) + 1) * g' sigmoid(1.702 g'),   g' = min(g + bg, L)
+ * then y = down h + bd: a gate activation and an up factor of their own, one neuron each */
+#define ACT_OAI 4
+#define OAI_ALPHA 1.702f
+static inline float oai_gate(float g, float bias, float limit) {
+    g = fminf(g + bias, limit);
+    return g * (1.f / (1.f + expf(-(g * OAI_ALPHA))));
+}
+static inline float oai_up(float u, float bias, float limit) { return fminf(fmaxf(u + bias, -limit), limit) + 1.f; }
 static float act_fn(int act, float g) {
     if (act == 1) return g > 0.f ? g : 0.f;                /* relu */
     if (act == 3) return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));  /* gelu (erf): falcon */
@@ -20,7 +31,7 @@ static float act_fn(int act, float g) {
  * fills by field name (sparsecore/kernels/ffn_call.py's FfnCall, its layout checked at import
  * against ffn_call_layout in python_module.c, which reads it: get_ffn_call), so that a field is
  * named in both languages rather than kept at the same position of an argument list. Fields
- * are laid out without padding (every 8-byte field on 8 bytes). gate, up: (n_ff rows, hidden cols); down: (hidden
+ * are laid out without padding (every 8-byte field on 8 bytes) but the size's, rounded to 8. gate, up: (n_ff rows, hidden cols); down: (hidden
  * rows, n_ff cols), or with down_t its transpose (n_ff rows of hidden: PowerInfer's
  * ffn_down_t, a neuron's down column as a row). */
 typedef struct {
@@ -38,6 +49,10 @@ typedef struct {
     q8blk *xq, *hq;       /* scratch: B hidden / 32 and B ceil(n_own / 32) q8 blocks */
     int64_t *counts;      /* ffn_batch: each token's active neurons (ffn_token: NULL) */
     float *y;             /* B rows of hidden */
+    /* ACT_OAI: gate's biases of the owned neurons, then up's (n_own each), then down's (hidden;
+     * zeros where another process adds them); moe_token and moe_batch: one such row per expert */
+    const float *bias;
+    float limit;          /* ACT_OAI's clamp */
 } ffn_call;
 
 /* Owned neurons to visit, as offsets into the shard, per thread (grown on demand) */
@@ -73,6 +88,14 @@ static int gate_x16(const ffn_call *c, int sparse) {
     float *u = up_scratch((int64_t)B * n_own);
     if (!u) return -1;
     matmul(up, NULL, own0, n_own, 0, hidden, x, hidden, xq, hidden / QK, B, fast, u, n_own);
+    if (act == ACT_OAI) {
+        const float *bg = c->bias, *bu = c->bias + n_own;
+        for (int64_t i = 0; i < (int64_t)B * n_own; i++) {
+            int64_t j = i % n_own;
+            h[i] = oai_gate(h[i], bg[j], c->limit) * oai_up(u[i], bu[j], c->limit);
+        }
+        return 1;
+    }
     for (int64_t i = 0; i < (int64_t)B * n_own; i++) {
         float g = act_fn(act, h[i]);
         h[i] = g * (mode == ACT_SYM ? act_fn(act, u[i]) : u[i]);
@@ -99,7 +122,7 @@ static int64_t ffn_teal(const ffn_call *c) {
     const cols_hdr *tg = tgu ? tgu : cols_take(gate, NULL, own0, n_own, 0, hidden);
     const cols_hdr *tu = tgu ? tgu : mode == ACT_NOGATE ? tg : cols_take(up, NULL, own0, n_own, 0, hidden);
     const cols_hdr *td = cols_take(down, NULL, 0, hidden, own0, n_own);
-    if (c->down_t || c->mask || !tg || !tu || !td || n_own % QK) return -3;
+    if (c->down_t || c->mask || !tg || !tu || !td || n_own % QK || act == ACT_OAI) return -3;
     float *h = c->h, *u = up_scratch(tgu ? 2 * n_own : n_own);
     if (!u) return -1;
     if (fast) quantize_q8(c->x, hidden, c->xq);
@@ -125,7 +148,7 @@ static int64_t ffn_teal(const ffn_call *c) {
  * over all n_ff neurons, or |act(gate x)| > threshold. h: scratch of n_own floats; hq: scratch
  * of n_own / 32 q8 blocks; xq: scratch of hidden / 32 q8 blocks. Returns the number of active
  * neurons. With input-major twins on gate, up and down: ffn_teal. */
-static int64_t ffn_token(const ffn_call *c) {
+static int64_t ffn_token_step(const ffn_call *c) {
     mat gate = c->gate, up = c->up, down = c->down;
     int down_t = c->down_t, hidden = c->hidden, act = c->act, fast = c->fast;
     int64_t own0 = c->own0, n_own = c->n_own;
@@ -187,7 +210,7 @@ static int64_t ffn_token(const ffn_call *c) {
             if (mask && j + PREFETCH_ROWS < n_gate) prefetch_row(row_at(gate, own0 + live[j + PREFETCH_ROWS], 0), gbytes);
             raw = dot_any(gate, row_at(gate, own0 + i, 0), x, xq, xp, hidden, fast);
         }
-        float g = act_fn(act, raw);
+        float g = act == ACT_OAI ? oai_gate(raw, c->bias[i], c->limit) : act_fn(act, raw);
         if (threshold >= 0.f && !(fabsf(g) > threshold)) continue;  /* sparsecore.ffn.is_active */
         n_active++;
         if (g == 0.f) continue;
@@ -211,7 +234,7 @@ static int64_t ffn_token(const ffn_call *c) {
             if (j + PREFETCH_ROWS < n_live) prefetch_row(row_at(up, own0 + live[j + PREFETCH_ROWS], 0), ubytes);
             u = dot_any(up, row_at(up, own0 + i, 0), x, xq, xp, hidden, fast);
         }
-        h[i] *= mode == ACT_SYM ? act_fn(act, u) : u;
+        h[i] *= act == ACT_OAI ? oai_up(u, c->bias[n_own + i], c->limit) : mode == ACT_SYM ? act_fn(act, u) : u;
     }
     if (n_active == 0) { memset(y, 0, sizeof(float) * hidden); return 0; }
     if (down_t) {  /* down stored transposed (rows = neurons): an axpy per active neuron only */
@@ -237,7 +260,7 @@ static int64_t ffn_token(const ffn_call *c) {
  * (a predictor's, over all n_ff neurons) is the same for every token. Scratch: h (B n_own),
  * any (n_own), xq (B hidden/32 blocks), hq (B ceil(n_own/32) blocks). counts[b]: token b's
  * active neurons; returns their sum. y: B rows of hidden. */
-static int64_t ffn_batch(const ffn_call *c) {
+static int64_t ffn_batch_step(const ffn_call *c) {
     mat gate = c->gate, up = c->up, down = c->down;
     int down_t = c->down_t, hidden = c->hidden, act = c->act, B = c->B, fast = c->fast;
     int64_t own0 = c->own0, n_own = c->n_own, *counts = c->counts;
@@ -282,7 +305,7 @@ static int64_t ffn_batch(const ffn_call *c) {
         }
         if (!is_x16(gate)) dots_any(gate, row_at(gate, n, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
         for (int b = 0; b < B; b++) {
-            float v = act_fn(act, g[b]);
+            float v = act == ACT_OAI ? oai_gate(g[b], c->bias[i], c->limit) : act_fn(act, g[b]);
             if (thr && thr[b] >= 0.f && !(fabsf(v) > thr[b])) continue;  /* sparsecore.ffn.is_active */
             h[b * n_own + i] = v;
             counts[b]++;
@@ -296,7 +319,9 @@ static int64_t ffn_batch(const ffn_call *c) {
         if (!any[i]) continue;
         dots_any(up, row_at(up, own0 + i, 0), x, hidden, xq, ldq, xp, hidden, fast, B, B == 1, g, 1);
         for (int b = 0; b < B; b++)
-            if (h[b * n_own + i] != 0.f) h[b * n_own + i] *= mode == ACT_SYM ? act_fn(act, g[b]) : g[b];
+            if (h[b * n_own + i] != 0.f)
+                h[b * n_own + i] *= act == ACT_OAI ? oai_up(g[b], c->bias[n_own + i], c->limit)
+                                    : mode == ACT_SYM ? act_fn(act, g[b]) : g[b];
     }
     for (int b = 0; b < B; b++) total += counts[b];
     if (total == 0 || down_t) memset(y, 0, sizeof(float) * hidden * B);
@@ -319,4 +344,25 @@ static int64_t ffn_batch(const ffn_call *c) {
     for (int b = 0; b < B; b++)  /* as ffn_token: a token with nothing active gets exact zeros */
         if (counts[b] == 0) memset(y + (int64_t)b * hidden, 0, sizeof(float) * hidden);
     return total;
+}
+
+/* ACT_OAI's down bias (the record's, after gate's and up's) added to each of the B rows of y */
+static void add_down_bias(const ffn_call *c, int B) {
+    const float *bd = c->bias + 2 * c->n_own;
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < c->hidden; j++) c->y[(int64_t)b * c->hidden + j] += bd[j];
+}
+
+/* THE hot function's entry (ffn_token_step), gpt-oss's down bias added (ACT_OAI) */
+static int64_t ffn_token(const ffn_call *c) {
+    int64_t n = ffn_token_step(c);
+    if (n >= 0 && (c->act & ACT_MASK) == ACT_OAI) add_down_bias(c, 1);
+    return n;
+}
+
+/* ffn_batch_step, gpt-oss's down bias added to every token's row (ACT_OAI) */
+static int64_t ffn_batch(const ffn_call *c) {
+    int64_t n = ffn_batch_step(c);
+    if (n >= 0 && (c->act & ACT_MASK) == ACT_OAI) add_down_bias(c, c->B);
+    return n;
 }

@@ -4,7 +4,9 @@
 /* How moe_route scores and weighs (its `flags`, llama.cpp's per-architecture build_moe_ffn
  * arguments): MOE_RENORM, the top k's weights renormalized to sum 1 (floored at 6.1e-5 as
  * llama.cpp); MOE_SIGMOID, each expert's probability the sigmoid of its logit instead of the
- * softmax over all (smallthinker's expert_gating_func 2); MOE_ROUTED (moe_token only): ids and w
+ * softmax over all (smallthinker's expert_gating_func 2); MOE_SOFTMAX_WEIGHT, the k largest
+ * logits chosen and their softmax over those k alone (gpt-oss: llama.cpp's
+ * LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT); MOE_ROUTED (moe_token only): ids and w
  * already hold the token's routing, computed from another input than the FFN's (smallthinker's
  * router reads the layer's input), so moe_token does not route. Bits MOE_DEAL_SHIFT.. (moe_token
  * only): a dealt share, the phase (8 bits) then the dealers (8 bits; 0 or 1: not dealt): of the
@@ -13,16 +15,24 @@
 #define MOE_RENORM 1
 #define MOE_SIGMOID 2
 #define MOE_ROUTED 4
+#define MOE_SOFTMAX_WEIGHT 8
 #define MOE_DEAL_SHIFT 8
 
 /* The routing of x (hidden) as llama.cpp's build_moe_ffn computes it: the router's E logits
- * (exact arithmetic, so every process that routes the same x picks the same experts), softmax
- * (or sigmoid: MOE_SIGMOID), the k most probable (ties to the lower index), their probabilities
- * as weights, renormalized where MOE_RENORM. probs: scratch of E floats. */
-static void moe_route(mat router, const float *x, int hidden, int E, int k, int flags, float *probs, int32_t *ids,
-                      float *w) {
+ * (exact arithmetic, so every process that routes the same x picks the same experts), plus the
+ * router's bias where it has one (bias: E floats, or NULL), softmax (or sigmoid: MOE_SIGMOID),
+ * the k most probable (ties to the lower index), their probabilities as weights, renormalized
+ * where MOE_RENORM; MOE_SOFTMAX_WEIGHT: the k largest logits, weighed by their own softmax.
+ * probs: scratch of E floats. */
+static void moe_route(mat router, const float *bias, const float *x, int hidden, int E, int k, int flags, float *probs,
+                      int32_t *ids, float *w) {
     matvec(router, NULL, 0, E, 0, hidden, x, NULL, 0, probs);
-    if (flags & MOE_SIGMOID) {
+    if (bias)
+        for (int e = 0; e < E; e++) probs[e] += bias[e];
+    if (flags & MOE_SOFTMAX_WEIGHT) {
+        /* probs holds the logits: the selection below picks by them, then each weight is its
+         * logit's softmax over the chosen k (the first, the largest, subtracted) */
+    } else if (flags & MOE_SIGMOID) {
         for (int e = 0; e < E; e++) probs[e] = 1.f / (1.f + expf(-probs[e]));  /* ggml_sigmoid's */
     } else {
         float mx = probs[0], sum = 0.f;
@@ -40,6 +50,12 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
         }
         ids[j] = best, w[j] = probs[best], total += probs[best];
     }
+    if (flags & MOE_SOFTMAX_WEIGHT) {
+        float mx = w[0], sum = 0.f;
+        for (int j = 0; j < k; j++) { w[j] = expf(w[j] - mx); sum += w[j]; }
+        for (int j = 0; j < k; j++) w[j] /= sum;
+        return;
+    }
     if (flags & MOE_RENORM) {
         total = total > 6.1e-5f ? total : 6.1e-5f;
         for (int j = 0; j < k; j++) w[j] /= total;
@@ -50,6 +66,12 @@ static void moe_route(mat router, const float *x, int hidden, int E, int k, int 
  * exactly as the token alone does (never inlined: no call site contracts it otherwise) */
 __attribute__((noinline)) static void moe_add(float *out, float w, const float *y, int n) {
     for (int i = 0; i < n; i++) out[i] += w * y[i];
+}
+
+/* Expert e's row of an ACT_OAI record's bias table (gate's and up's biases of the owned
+ * neurons, then down's), or the record's own where the activation has none */
+static inline const float *expert_bias(const ffn_call *c, const float *table, int e) {
+    return (c->act & ACT_MASK) == ACT_OAI ? table + (int64_t)e * (2 * c->n_own + c->hidden) : table;
 }
 
 /* the most experts a token chooses that moe_batch takes */
@@ -67,9 +89,11 @@ __attribute__((noinline)) static void moe_add(float *out, float w, const float *
  * activations have their own scale), or c->threshold for every expert where thr_e is NULL; a
  * dense step (c->threshold < 0) ignores thr_e, so it runs exactly as before thresholds existed.
  * Returns the active neurons, or ffn_token's error. */
-static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, float *probs, int32_t *ids,
-                         float *w, const float *thr_e, int64_t *counts, ffn_call *c, float *out) {
-    if (!(flags & MOE_ROUTED)) moe_route(router, c->x, c->hidden, E, k, flags, probs, ids, w);
+static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, const float *router_bias,
+                         float *probs, int32_t *ids, float *w, const float *thr_e, int64_t *counts, ffn_call *c,
+                         float *out) {
+    if (!(flags & MOE_ROUTED)) moe_route(router, router_bias, c->x, c->hidden, E, k, flags, probs, ids, w);
+    const float *bias = c->bias;  /* ACT_OAI: every expert's row of biases (expert_bias) */
     memset(out, 0, sizeof(float) * c->hidden);
     int sparse = c->threshold >= 0.f;
     int64_t n = 0;
@@ -80,6 +104,7 @@ static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, 
         if (dealers > 1 && turn++ % dealers != phase) continue;  /* dealt to another process */
         if (counts) counts[ids[j]]++;
         c->gate = row[0], c->up = row[1], c->down = row[2];
+        c->bias = expert_bias(c, bias, ids[j]);
         if (sparse && thr_e) c->threshold = thr_e[ids[j]];
         int64_t a = ffn_token(c);
         if (a < 0) return a;
@@ -99,14 +124,16 @@ static int64_t moe_token(const mat *table, int E, int k, int flags, mat router, 
  * reply). c: a batch record with scratch for MAXB tokens (its x, B, y, thr and matrices are set
  * here); xg, yg: MAXB rows of hidden; counts as moe_token's. Returns the active (neuron, token)
  * pairs, or ffn_batch's error. */
-static int64_t moe_batch(const mat *table, int E, int k, int flags, mat router, float *probs, int32_t *ids, float *w,
-                         const float *thr_e, int64_t *counts, ffn_call *c, const float *x, int B, float *xg, float *yg,
-                         float *parts, float *out) {
+static int64_t moe_batch(const mat *table, int E, int k, int flags, mat router, const float *router_bias, float *probs,
+                         int32_t *ids, float *w, const float *thr_e, int64_t *counts, ffn_call *c, const float *x, int B,
+                         float *xg, float *yg, float *parts, float *out) {
     const int hidden = c->hidden, sparse = c->threshold >= 0.f;
+    const float *bias = c->bias;
     int dealers = (flags >> (MOE_DEAL_SHIFT + 8)) & 0xff, phase = (flags >> MOE_DEAL_SHIFT) & 0xff;
     uint8_t pick[MAXB * MOE_MAX_K];  /* 1: computed here, not yet; 2: done */
     for (int t = 0; t < B; t++) {
-        if (!(flags & MOE_ROUTED)) moe_route(router, x + (int64_t)t * hidden, hidden, E, k, flags, probs, ids + t * k, w + t * k);
+        if (!(flags & MOE_ROUTED))
+            moe_route(router, router_bias, x + (int64_t)t * hidden, hidden, E, k, flags, probs, ids + t * k, w + t * k);
         for (int j = 0, turn = 0; j < k; j++) {
             int own = table[(int64_t)ids[t * k + j] * 3].base != NULL;
             pick[t * k + j] = own && (dealers <= 1 || turn++ % dealers == phase);
@@ -127,7 +154,7 @@ static int64_t moe_batch(const mat *table, int E, int k, int flags, mat router, 
         }
         const mat *row = table + (int64_t)e * 3;
         c->gate = row[0], c->up = row[1], c->down = row[2];
-        c->x = xg, c->y = yg, c->B = m, c->thr = sparse ? thr : NULL;
+        c->x = xg, c->y = yg, c->B = m, c->thr = sparse ? thr : NULL, c->bias = expert_bias(c, bias, e);
         int64_t a = ffn_batch(c);
         if (a < 0) return a;
         n += a;

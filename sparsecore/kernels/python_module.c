@@ -69,6 +69,10 @@ static int get_ffn_call(const char *name, PyObject *addr, ffn_call *c) {
     *c = *rec;
     if (check_mat(&c->gate) || check_mat(&c->up) || check_mat(&c->down)) return -1;
     if (c->B < 1 || c->B > MAXB) { PyErr_Format(PyExc_ValueError, "%s: %d tokens, at most %d", name, c->B, MAXB); return -1; }
+    if ((c->act & ACT_MASK) == ACT_OAI && !c->bias) {
+        PyErr_Format(PyExc_ValueError, "%s: gpt-oss's activation reads the experts' biases: none given", name);
+        return -1;
+    }
     return 0;
 }
 
@@ -93,28 +97,28 @@ static PyObject *py_ffn_token(PyObject *self, PyObject *rec) {
     return ffn_result(n_active);
 }
 
-/* moe_route(<router: MAT_ARGS>, x_ptr, hidden, E, k, flags (moe_step.c MOE_*), probs_ptr, ids_ptr (k int32),
- *           w_ptr (k float)) */
+/* moe_route(<router: MAT_ARGS>, router_bias_ptr (E floats) | 0, x_ptr, hidden, E, k, flags (moe_step.c MOE_*),
+ *           probs_ptr, ids_ptr (k int32), w_ptr (k float)) */
 static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != MAT_ARGS + 8) { PyErr_Format(PyExc_TypeError, "moe_route takes %d arguments", MAT_ARGS + 8); return NULL; }
+    if (nargs != MAT_ARGS + 9) { PyErr_Format(PyExc_TypeError, "moe_route takes %d arguments", MAT_ARGS + 9); return NULL; }
     mat r;
     if (get_mat(args, &r)) return NULL;
     args += MAT_ARGS;
-    const float *x = ARG_PTR(0);
-    int hidden = (int)ARG_LL(1), E = (int)ARG_LL(2), k = (int)ARG_LL(3), flags = (int)ARG_LL(4) & ~MOE_ROUTED;
-    float *probs = ARG_PTR(5), *w = ARG_PTR(7);
-    int32_t *ids = ARG_PTR(6);
+    const float *bias = ARG_PTR(0), *x = ARG_PTR(1);
+    int hidden = (int)ARG_LL(2), E = (int)ARG_LL(3), k = (int)ARG_LL(4), flags = (int)ARG_LL(5) & ~MOE_ROUTED;
+    float *probs = ARG_PTR(6), *w = ARG_PTR(8);
+    int32_t *ids = ARG_PTR(7);
     if (PyErr_Occurred()) return NULL;
     if (E < 1 || k < 1 || k > E) { PyErr_SetString(PyExc_ValueError, "moe_route: bad expert counts"); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    moe_route(r, x, hidden, E, k, flags, probs, ids, w);
+    moe_route(r, bias, x, hidden, E, k, flags, probs, ids, w);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* moe_token's and moe_batch's first arguments: table_ptr (E x 3 mat records: each expert's gate,
  * up, down; an empty row, gate.base NULL, is another process's expert, skipped), E, k, flags
- * (moe_step.c MOE_*), <router: MAT_ARGS>, probs_ptr (E floats), ids_ptr and w_ptr (k per token),
+ * (moe_step.c MOE_*), <router: MAT_ARGS>, router_bias_ptr (E floats) | 0, probs_ptr (E floats), ids_ptr and w_ptr (k per token),
  * thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all), counts_ptr (E
  * int64 counts of the chosen experts computed here, or 0), ffn_call_ptr (a record whose
  * matrices are any expert's: moe_token's with B 1, y the one-expert scratch, its threshold < 0
@@ -123,13 +127,14 @@ typedef struct {
     const mat *table;
     int E, k, flags;
     mat router;
+    const float *router_bias;
     float *probs, *w;
     int32_t *ids;
     const float *thr_e;
     int64_t *counts;
     ffn_call c;
 } moe_args;
-#define MOE_HEAD_ARGS (4 + MAT_ARGS + 6)
+#define MOE_HEAD_ARGS (4 + MAT_ARGS + 7)
 static int get_moe_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t more, moe_args *m) {
     if (nargs != MOE_HEAD_ARGS + more) {
         PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, (int)(MOE_HEAD_ARGS + more));
@@ -139,8 +144,9 @@ static int get_moe_args(const char *name, PyObject *const *args, Py_ssize_t narg
     m->E = (int)ARG_LL(1), m->k = (int)ARG_LL(2), m->flags = (int)ARG_LL(3);
     if (PyErr_Occurred() || get_mat(args + 4, &m->router)) return -1;
     args += 4 + MAT_ARGS;
-    m->probs = ARG_PTR(0), m->ids = ARG_PTR(1), m->w = ARG_PTR(2), m->thr_e = ARG_PTR(3), m->counts = ARG_PTR(4);
-    if (PyErr_Occurred() || get_ffn_call(name, args[5], &m->c)) return -1;
+    m->router_bias = ARG_PTR(0), m->probs = ARG_PTR(1), m->ids = ARG_PTR(2), m->w = ARG_PTR(3), m->thr_e = ARG_PTR(4);
+    m->counts = ARG_PTR(5);
+    if (PyErr_Occurred() || get_ffn_call(name, args[6], &m->c)) return -1;
     if (m->E < 1 || m->k < 1 || m->k > m->E || m->k > MOE_MAX_K || m->c.mask || !m->table || !m->probs || !m->ids
         || !m->w) {
         PyErr_Format(PyExc_ValueError, "%s: 1 <= k <= min(E, %d), no mask, every buffer", name, MOE_MAX_K);
@@ -161,7 +167,8 @@ static PyObject *py_moe_token(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_token(m.table, m.E, m.k, m.flags, m.router, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c, out);
+    n = moe_token(m.table, m.E, m.k, m.flags, m.router, m.router_bias, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c,
+                  out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
@@ -182,8 +189,8 @@ static PyObject *py_moe_batch(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = moe_batch(m.table, m.E, m.k, m.flags, m.router, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c, x, B, xg, yg,
-                  parts, out);
+    n = moe_batch(m.table, m.E, m.k, m.flags, m.router, m.router_bias, m.probs, m.ids, m.w, m.thr_e, m.counts, &m.c, x,
+                  B, xg, yg, parts, out);
     Py_END_ALLOW_THREADS
     return ffn_result(n);
 }
@@ -289,13 +296,13 @@ static PyObject *py_ffn_call_layout(PyObject *self, PyObject *unused) {
     PyObject *m = Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "size", (Py_ssize_t)sizeof(mat), OFF(mat, base),
                                 OFF(mat, stride), OFF(mat, t), OFF(mat, layout), OFF(mat, cols));
     if (!m) return NULL;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:N}",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:N}",
                          "size", (Py_ssize_t)sizeof(ffn_call), OFF(ffn_call, gate), OFF(ffn_call, up),
                          OFF(ffn_call, down), OFF(ffn_call, down_t), OFF(ffn_call, hidden), OFF(ffn_call, own0),
                          OFF(ffn_call, n_own), OFF(ffn_call, act), OFF(ffn_call, threshold), OFF(ffn_call, thr),
                          OFF(ffn_call, mask), OFF(ffn_call, x), OFF(ffn_call, B), OFF(ffn_call, fast),
                          OFF(ffn_call, h), OFF(ffn_call, any), OFF(ffn_call, xq), OFF(ffn_call, hq),
-                         OFF(ffn_call, counts), OFF(ffn_call, y), "mat", m);
+                         OFF(ffn_call, counts), OFF(ffn_call, y), OFF(ffn_call, bias), OFF(ffn_call, limit), "mat", m);
 }
 #undef OFF
 
