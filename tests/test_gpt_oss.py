@@ -170,6 +170,22 @@ def test_experts_match_transformers_layer_and_the_clamp_is_met(model):
     assert float(np.abs(layer.step(xl, "silu", None, None)[0] - want_l).max()) < 1e-4 * max(1.0, float(np.abs(want_l).max()))
 
 
+def test_the_oai_activation_without_its_biases_is_refused_in_one_line(model):
+    """gpt-oss's activation reads each expert's biases from the FFN record: a record without
+    them is refused by the kernel's entry, not read through a null pointer."""
+    from sparsecore import kernels as K
+    from sparsecore.tensors import TensorStore
+
+    store = TensorStore(model, open_gguf(model))
+    gate, up, down = (K.FileMatrix(store.expert(f"blk.0.ffn_{n}_exps.weight", 0)) for n in ("gate", "up", "down"))
+    x = np.ones(gate.cols, np.float32)
+    with pytest.raises(ValueError) as e:
+        K.ffn_token(gate, up, down, x, range(0, gate.rows), "swiglu_oai", K.FfnScratch(gate.cols, gate.rows))
+    assert "biases" in str(e.value) and "\n" not in str(e.value)
+    y, n = K.ffn_token(gate, up, down, x, range(0, gate.rows), "silu", K.FfnScratch(gate.cols, gate.rows))
+    assert n == gate.rows and np.isfinite(y).all()
+
+
 def test_yarn_tables_match_transformers_and_truncation_matters():
     import torch
     import transformers
