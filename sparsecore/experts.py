@@ -268,8 +268,8 @@ class ExpertsLayer:
         thr = per_expert(threshold, self._flat, active)
         if self.routes_first:  # into the arrays moe_token reads (MOE_ROUTED)
             rx = self._scored(x, router_x)
-            _kernels.moe_route(*self.router.args, self._bias_ptr, ptr(rx), len(rx), len(self.experts), self.k, self.flags,
-                               ptr(self.probs), ptr(self.ids), ptr(self.weights))
+            _kernels.moe_route(*self.router.args, self._bias_ptr, ptr(rx), len(rx), len(self.experts), self.k,
+                               self.flags, ptr(self.probs), ptr(self.ids), ptr(self.weights))
             if self.cold_maps:  # every chosen cold expert's reads start together
                 self._read_ahead(self.ids)
         key = (x.ctypes.data, out.ctypes.data)

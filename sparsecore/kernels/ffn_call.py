@@ -36,7 +36,8 @@ class FfnCall(ctypes.Structure):
                 ("threshold", ctypes.c_float), ("thr", ctypes.c_void_p), ("mask", ctypes.c_void_p),
                 ("x", ctypes.c_void_p), ("B", ctypes.c_int), ("fast", ctypes.c_int), ("h", ctypes.c_void_p),
                 ("any", ctypes.c_void_p), ("xq", ctypes.c_void_p), ("hq", ctypes.c_void_p),
-                ("counts", ctypes.c_void_p), ("y", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("limit", ctypes.c_float)]
+                ("counts", ctypes.c_void_p), ("y", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("limit", ctypes.c_float)]
 
     @property
     def address(self) -> int:

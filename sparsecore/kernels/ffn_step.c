@@ -31,7 +31,8 @@ static float act_fn(int act, float g) {
  * fills by field name (sparsecore/kernels/ffn_call.py's FfnCall, its layout checked at import
  * against ffn_call_layout in python_module.c, which reads it: get_ffn_call), so that a field is
  * named in both languages rather than kept at the same position of an argument list. Fields
- * are laid out without padding (every 8-byte field on 8 bytes) but the size's, rounded to 8. gate, up: (n_ff rows, hidden cols); down: (hidden
+ * are laid out without padding (every 8-byte field on 8 bytes) but the size's, rounded to 8.
+ * gate, up: (n_ff rows, hidden cols); down: (hidden
  * rows, n_ff cols), or with down_t its transpose (n_ff rows of hidden: PowerInfer's
  * ffn_down_t, a neuron's down column as a row). */
 typedef struct {

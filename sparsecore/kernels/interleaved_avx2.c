@@ -138,8 +138,10 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                     u[j] = _mm256_shuffle_epi8(kmx, _mm256_and_si256(z, m4));
                     u[4 + j] = _mm256_shuffle_epi8(kmx, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4));
                 }
-                for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + k;
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, x->q), _mm256_set1_epi32(x16_offset(t, x->s)));
+                }
             } else {  /* Q5: unpacked once for every token (loading a run per token measured slower) */
                 __m256i u[8];
                 /* the fifth bits (interleave_run): bit j of a byte to bit 4 for run j's low nibbles, 4 + j for its high */
@@ -150,8 +152,10 @@ LV static INLINE void NM(x16_tile)(int t, const uint8_t *g, int nb, const q8blk 
                     u[4 + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(z, 4), m4),
                                                _mm256_and_si256(_mm256_srli_epi16(hb, j), m16));
                 }
-                for (int b = 0; b < B; b++)
-                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, xq[b * ldq + k].q), _mm256_set1_epi32(x16_offset(t, xq[b * ldq + k].s)));
+                for (int b = 0; b < B; b++) {
+                    const q8blk *x = xq + b * ldq + k;
+                    si[b] = _mm256_add_epi32(NM(a2_sum_u5)(u, x->q), _mm256_set1_epi32(x16_offset(t, x->s)));
+                }
             }
             for (int b = 0; b < B; b++) {
                 const q8blk *x = xq + b * ldq + k;

@@ -38,7 +38,8 @@ VNNI static INLINE void x16_tile_vnni(int t, const uint8_t *g, int nb, const q8b
     const int gb = 16 * type_bytes(t), q41 = t == T_Q4_1 || t == T_Q5_1, q8 = t == T_Q8_0;
     const int nl = t == T_IQ4_NL || t == T_MXFP4, q5 = is_q5(t);
     /* IQ4_NL's codebook + 128, MXFP4's + 12 (run_value) */
-    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_MXFP4 ? kvalues_mxfp4_u8 : kvalues_u8)));
+    const uint8_t *book = t == T_MXFP4 ? kvalues_mxfp4_u8 : kvalues_u8;
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book));
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++, g += gb) {
         x16_fetch(g, X16_AHEAD * gb, 0, gb);
