@@ -131,10 +131,7 @@ class ExpertsLayer:
         self.k, self.renormalize, self.gating = cfg.n_experts_used, cfg.expert_norm, cfg.expert_gating
         self.router_reads_layer_input = cfg.router_reads_layer_input
         self.router_bias = router_bias(store, layer, cfg)  # gpt-oss's, else None
-        # gpt-oss's experts' biases, a row per expert, and its clamp (OaiExpertsLayer): what the
-        # FFN records' ACT_OAI activation reads
-        self.expert_biases: np.ndarray | None = None
-        self.limit = 0.0
+        self._bias_ptr = 0 if self.router_bias is None else ptr(self.router_bias)  # the kernels' argument
         # moe_route's and moe_token's flags (MOE_ROUTED added below where token_into routes first)
         self.flags = route_flags(self.renormalize, self.gating)
         self.owned = np.ones(cfg.n_experts, bool) if owned is None else np.asarray(owned, bool)
@@ -196,16 +193,9 @@ class ExpertsLayer:
         self._calls: dict[tuple[int, int], tuple] = {}  # (x, out) addresses -> the call's arguments, its record
         self._batch: tuple | None = None  # batch_into's record and buffers, made on the first batch
 
-    @property
-    def _bias_ptr(self) -> int:
-        """The router bias's address for the kernels (gpt-oss), else 0."""
-        return 0 if self.router_bias is None else ptr(self.router_bias)
-
     def _biased(self, ffn):
-        """An FFN record with the experts' bias table and clamp, where the activation reads them
-        (gpt-oss: OaiExpertsLayer sets expert_biases); the record itself."""
-        if self.expert_biases is not None:
-            ffn.bias, ffn.limit = ptr(self.expert_biases), self.limit
+        """The FFN record the native steps read, given what its activation reads besides the
+        matrices (gpt-oss's biases: OaiExpertsLayer); here nothing: the record itself."""
         return ffn
 
     def count_into(self, counts: np.ndarray) -> None:

@@ -9,22 +9,20 @@ The down bias is added once across the processes, by the one whose range starts 
 neurons (dealt: by the process that computes the expert); every process routes each token
 itself alike.
 
-A token, and a batch of up to MAX_SMALL_BATCH, run ExpertsLayer's native steps (moe_step.c
-moe_token, moe_batch): the routing with the router's bias and MOE_SOFTMAX_WEIGHT, and the FFN
-records' ACT_OAI activation, which reads each expert's row of `expert_biases` (gate's and up's
-biases of the owned neurons, then down's) and the clamp `limit` (ffn_step.c). A token's output
-is then the same bit for bit alone or in a batch (continuous batching must not change a reply).
-Longer prompts group their tokens by expert over the whole prompt (each expert's rows read once
-for up to MAX_SMALL_BATCH of its tokens, matmul) with the same formula in numpy.
+Everything runs ExpertsLayer's native steps: the routing with the router's bias and
+MOE_SOFTMAX_WEIGHT (moe_step.c), the FFN records' ACT_OAI activation, which reads each expert's
+row of `expert_biases` (gate's and up's biases of the owned neurons, then down's) and the clamp
+`limit` (ffn_step.c). A token and a batch of up to MAX_SMALL_BATCH take moe_token and moe_batch,
+so a token's output is the same bit for bit alone or in a batch (continuous batching must not
+change a reply); a longer prompt groups its tokens by expert over the whole prompt, each
+expert's rows read once for up to MAX_SMALL_BATCH of its tokens (ffn_batch).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .kernels import MAX_SMALL_BATCH
+from .kernels import MAX_SMALL_BATCH, ffn_batch, ptr
 from .experts import ExpertsLayer, dealt
-
-SWIGLU_ALPHA = np.float32(1.702)  # gpt-oss's sigmoid gain (transformers' swiglu_alpha; ffn_step.c OAI_ALPHA)
 
 
 def _dense_only(active, threshold) -> None:
@@ -42,39 +40,21 @@ class OaiExpertsLayer(ExpertsLayer):
         # level has the tiles: one token's expert products 1.75x the file rows' speed, 2880 x
         # 2880 on one AVX2 core); dealt (ExpertsLayer), each expert whole
         super().__init__(store, layer, own, fast, scratch, cfg, row_layout, deal=deal)
-        own, self.fast = self.own, fast
-        p = f"blk.{layer}."
-        f32 = lambda n: np.ascontiguousarray(store.matrix(p + n), dtype=np.float32)  # noqa: E731
-        sl = slice(own.start, own.stop)
-        down = f32("ffn_down_exps.bias")
+        own = self.own
+        f32 = lambda n: np.ascontiguousarray(store.matrix(f"blk.{layer}.{n}"), dtype=np.float32)  # noqa: E731
+        sl, down = slice(own.start, own.stop), f32("ffn_down_exps.bias")
         # the down bias once across the processes: by the one whose range starts the neurons (dealt:
         # every process, each expert being computed by one of them); zeros elsewhere add nothing
         self.expert_biases = np.ascontiguousarray(np.concatenate(
-            [f32("ffn_gate_exps.bias")[:, sl], f32("ffn_up_exps.bias")[:, sl], down if own.start == 0 else 0 * down],
-            axis=1))
-        n = len(own)
-        self.gate_b, self.up_b, self.down_b = (self.expert_biases[:, :n], self.expert_biases[:, n:2 * n],
-                                               self.expert_biases[:, 2 * n:])
-        self.limit = float(cfg.swiglu_limit)
+            [f32("ffn_gate_exps.bias")[:, sl], f32("ffn_up_exps.bias")[:, sl],
+             down if own.start == 0 else np.zeros_like(down)], axis=1))
+        self.limit = float(cfg.swiglu_limit)  # read by the records made at a layer's first step
 
-    def _glu(self, e: int, g: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """The clamped SwiGLU of tokens' gate and up products of expert e (biases added here):
-        ffn_step.c's oai_gate times oai_up, in numpy."""
-        limit = np.float32(self.limit)
-        g = np.minimum(g + self.gate_b[e], limit)
-        u = np.clip(u + self.up_b[e], -limit, limit)
-        return ((u + np.float32(1)) * (g * (np.float32(1) / (np.float32(1) + np.exp(-(g * SWIGLU_ALPHA)))))).astype(
-            np.float32)
-
-    def _shares(self, e: int, X: np.ndarray) -> np.ndarray:
-        """Several tokens' shares of expert e (before their weights), (B, hidden), B <=
-        MAX_SMALL_BATCH: its rows read once for all, the down bias included (zeros where another
-        process adds it)."""
-        ex = self.experts[e]
-        G = ex.gate.matmul(X, rows=self.own, fast=self.fast)
-        U = ex.up.matmul(X, rows=self.own, fast=self.fast)
-        Y = ex.down.matmul(self._glu(e, G, U), cols=self.own, fast=self.fast)
-        return Y + self.down_b[e]
+    def _biased(self, ffn):
+        """The record with every expert's biases (moe_token and moe_batch take expert e's row)
+        and the clamp."""
+        ffn.bias, ffn.limit = ptr(self.expert_biases), self.limit
+        return ffn
 
     def _rows(self, xs: np.ndarray, out: np.ndarray) -> int:
         """out[t] = token t's share, the tokens that chose an expert through its rows together,
@@ -85,9 +65,11 @@ class OaiExpertsLayer(ExpertsLayer):
         parts = np.zeros((len(xs), self.k, xs.shape[1]), np.float32)  # zero where another process's
         for e in np.unique(ids[pick]):
             ts, js = np.nonzero((ids == e) & pick)
+            ex = self.experts[e]
             for a in range(0, len(ts), MAX_SMALL_BATCH):
                 t, j = ts[a:a + MAX_SMALL_BATCH], js[a:a + MAX_SMALL_BATCH]
-                parts[t, j] = self._shares(int(e), np.ascontiguousarray(xs[t]))
+                parts[t, j] = ffn_batch(ex.gate, ex.up, ex.down, np.ascontiguousarray(xs[t]), self.own, "swiglu_oai",
+                                        ex.scratch, fast=ex.fast, bias=self.expert_biases[e], limit=self.limit)[0]
         out[:len(xs)] = 0.0
         for j in range(self.k):
             out[:len(xs)] += weights[:, j, None] * parts[:, j]

@@ -104,8 +104,8 @@ class RouteCounter:
 
         self.routers = [FileMatrix(store.info(f"blk.{i}.ffn_gate_inp.weight")) for i in range(cfg.n_layers)]
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
-        # gpt-oss: the router's bias decides too, and its gating picks by the logits alone
-        self.gating = cfg.expert_gating if cfg.expert_gating == "softmax_weight" else "softmax"
+        # as the layers route: the model's gating (gpt-oss's picks by the logits alone), its router bias
+        self.gating = cfg.expert_gating
         self.biases = [router_bias(store, i, cfg) for i in range(cfg.n_layers)]
         self.counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
         self.tokens = np.zeros(cfg.n_layers, np.int64)

@@ -189,16 +189,19 @@ def _check_ffn(gate: FileMatrix, up: FileMatrix, down: FileMatrix, own: range, m
 def ffn_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold: float | None = None, mask: np.ndarray | None = None,
               fast: bool = False, down_t: bool = False,
-              out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:
+              out: np.ndarray | None = None, gate_mode: str = "par", bias: np.ndarray | None = None,
+              limit: float = 0.0) -> tuple[np.ndarray, int]:
     """One token's partial FFN over owned neurons `own` (a range of the layer's aligned to whole
     blocks of down's rows, 32 or 256 values, or any range when `down_t`): (y (hidden,) float32 in scratch.y, active neurons). Dense unless
     `threshold` (|act(gate x)| > threshold) or `mask` (uint8 over all the layer's neurons) says
     which are active. `down_t`: `down` is stored transposed (n_ff rows of hidden values, as
-    PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS."""
+    PowerInfer's ffn_down_t), and only active neurons' rows are read. `gate_mode`: GATE_BITS.
+    `bias`, `limit`: "swiglu_oai"'s (one expert's row of OaiExpertsLayer.expert_biases, the clamp)."""
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     y = scratch.y if out is None else out  # out: e.g. the process's output slot in shared memory
     _check_token(gate, up, down, x, own, mask, down_t, y)
-    call = _set_fields(scratch.token_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, 1)
+    call = _set_fields(scratch.token_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, 1,
+                       bias, limit)
     call.threshold = -1.0 if threshold is None else float(threshold)
     return y, _kernels.ffn_token(scratch.token_address)
 
@@ -214,9 +217,14 @@ def _check_token(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarr
 
 def _set_fields(call: FfnCall, gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range,
                 activation: str, fast: bool, down_t: bool, out: np.ndarray, gate_mode: str,
-                mask: np.ndarray | None, B: int) -> FfnCall:
+                mask: np.ndarray | None, B: int, bias: np.ndarray | None = None, limit: float = 0.0) -> FfnCall:
     """Every field of an FFN step's record but its scratch's, by name; threshold -1 (dense), no
-    per-token thresholds."""
+    per-token thresholds; `bias` (gate's and up's biases of the owned neurons, then down's) and
+    `limit`: the ACT_OAI activation's, or none."""
+    if bias is not None and (bias.dtype != np.float32 or bias.shape != (2 * len(own) + x.shape[-1],)
+                             or not bias.flags.c_contiguous):
+        raise ValueError(f"biases are {2 * len(own) + x.shape[-1]} contiguous float32 values: gate's and up's of "
+                         f"the owned neurons, then down's")
     mats = (gate.args, up.args, down.args)
     held = call.__dict__.get("mats")  # the matrices' records are copied in only when they change (~3 us)
     if held is None or held[0] is not mats[0] or held[1] is not mats[1] or held[2] is not mats[2]:
@@ -225,6 +233,7 @@ def _set_fields(call: FfnCall, gate: FileMatrix, up: FileMatrix, down: FileMatri
     call.down_t, call.hidden, call.own0, call.n_own = int(down_t), x.shape[-1], own.start, len(own)
     call.act, call.threshold, call.thr = ACT_IDS[activation] | GATE_BITS[gate_mode], -1.0, None
     call.mask, call.x, call.B, call.fast, call.y = None if mask is None else ptr(mask), ptr(x), B, int(fast), ptr(out)
+    call.bias, call.limit = None if bias is None else ptr(bias), limit
     return call
 
 
@@ -266,13 +275,15 @@ def ffn_batch_call(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.nda
 
 def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray, own: range, activation: str,
               scratch: FfnScratch, threshold=None, mask: np.ndarray | None = None, fast: bool = False,
-              down_t: bool = False, out: np.ndarray | None = None, gate_mode: str = "par") -> tuple[np.ndarray, int]:
+              down_t: bool = False, out: np.ndarray | None = None, gate_mode: str = "par",
+              bias: np.ndarray | None = None, limit: float = 0.0) -> tuple[np.ndarray, int]:
     """ffn_token for a small batch x (B, hidden), 1 <= B <= MAX_SMALL_BATCH, in one pass over the
     shard's rows: (y (B, hidden), active (neuron, token) pairs); scratch.small_batch()[4][:B]
     holds each token's count. `threshold`: one value for every token or B values (None, or a
     negative value: dense for that token), each token's neurons chosen by its own gate; `mask`
     is shared by all tokens. y[b] equals ffn_token(x[b]) bit for bit. `out`: (B, hidden)
-    float32, contiguous (e.g. the first B rows of the process's output slot)."""
+    float32, contiguous (e.g. the first B rows of the process's output slot). `bias`, `limit`:
+    as ffn_token's."""
     hidden = _check_ffn(gate, up, down, own, mask, down_t)
     B = check_batch(x, hidden, "ffn_batch")
     if len(own) > scratch.n_own or scratch.hidden != hidden:
@@ -281,7 +292,8 @@ def ffn_batch(gate: FileMatrix, up: FileMatrix, down: FileMatrix, x: np.ndarray,
     y = ys[:B] if out is None else out
     if y.dtype != np.float32 or y.shape != (B, hidden) or not y.flags.c_contiguous:
         raise ValueError(f"out must be ({B}, {hidden}) contiguous float32 values")
-    call = _set_fields(scratch.batch_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, B)
+    call = _set_fields(scratch.batch_call, gate, up, down, x, own, activation, fast, down_t, y, gate_mode, mask, B,
+                       bias, limit)
     if threshold is not None:
         thr[:B] = threshold  # a scalar or B values
         call.thr = ptr(thr)

@@ -29,12 +29,11 @@ static void moe_route(mat router, const float *bias, const float *x, int hidden,
     matvec(router, NULL, 0, E, 0, hidden, x, NULL, 0, probs);
     if (bias)
         for (int e = 0; e < E; e++) probs[e] += bias[e];
-    if (flags & MOE_SOFTMAX_WEIGHT) {
-        /* probs holds the logits: the selection below picks by them, then each weight is its
-         * logit's softmax over the chosen k (the first, the largest, subtracted) */
-    } else if (flags & MOE_SIGMOID) {
+    /* MOE_SOFTMAX_WEIGHT: probs keeps the logits, the selection below picks by them, then each
+     * weight is its logit's softmax over the chosen k (the first, the largest, subtracted) */
+    if (flags & MOE_SIGMOID) {
         for (int e = 0; e < E; e++) probs[e] = 1.f / (1.f + expf(-probs[e]));  /* ggml_sigmoid's */
-    } else {
+    } else if (!(flags & MOE_SOFTMAX_WEIGHT)) {
         float mx = probs[0], sum = 0.f;
         for (int e = 1; e < E; e++) mx = probs[e] > mx ? probs[e] : mx;
         for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - mx); sum += probs[e]; }
