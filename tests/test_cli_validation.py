@@ -193,3 +193,23 @@ def test_ctrl_c_works_when_started_with_sigint_ignored(tiny_model_factory):
     while any(procs.exists(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [w for w in workers if procs.exists(w)], "a worker outlived the interrupted run"
+
+
+def test_a_ctrl_c_a_library_rewrapped_still_ends_as_an_interrupt():
+    """A Ctrl-C that lands where a library re-raises it as another error (a class body's
+    dataclass field: Python 3.11's __set_name__ wraps it in a RuntimeError, seen while a start
+    imported coordinator/runtime/sparse_ffn.py) ends as one: one line, status 130, no traceback."""
+    code = ("import os, signal, time\n"
+            "from coordinator.cli.app import main\n"
+            "@main.command()\n"
+            "def wrapped():\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        time.sleep(30)\n"
+            "    except KeyboardInterrupt as e:\n"
+            "        raise RuntimeError('a library wrapped the interrupt') from e\n"
+            "main(['wrapped'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                       env=repo_env())
+    assert r.returncode == 128 + signal.SIGINT, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip() == "interrupted"

@@ -10,7 +10,7 @@ import click
 
 from sparsecore.errors import ModelFileError
 
-from ..runtime.interrupts import exit_status, stop_on_signals
+from ..runtime.interrupts import exit_status, pending, stop_on_signals
 from ..runtime.model_fetch import FetchError
 
 EXIT_ERROR = 1
@@ -71,6 +71,8 @@ class _Cli(click.Group):
                        err=True)
             sys.exit(e.exit_code)
         except Exception as e:
+            if pending():  # a Ctrl-C a library re-raised as another error (interrupts.pending)
+                _interrupted(ctx)
             # worker_pool imports torch (2 s): only a run that got that far can raise its error,
             # so look it up rather than import it, and a refused option fails fast.
             pool = sys.modules.get("coordinator.runtime.worker_pool")
@@ -78,9 +80,14 @@ class _Cli(click.Group):
                 fail(str(e))
             raise
         except KeyboardInterrupt:
-            status = exit_status(ctx.invoked_subcommand)
-            click.echo("\nstopped" if status == 0 else "\ninterrupted", err=True)
-            sys.exit(status)
+            _interrupted(ctx)
+
+
+def _interrupted(ctx) -> None:
+    """End a command stopped by a signal: one line, the signal's exit status."""
+    status = exit_status(ctx.invoked_subcommand)
+    click.echo("\nstopped" if status == 0 else "\ninterrupted", err=True)
+    sys.exit(status)
 
 
 @click.group(cls=_Cli)

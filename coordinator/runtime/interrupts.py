@@ -35,6 +35,13 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def pending() -> bool:
+    """Whether a stop signal arrived whose KeyboardInterrupt no one has handled: another error
+    raised meanwhile may be that interrupt wrapped by a library (a class body's dataclass fields:
+    dataclasses' __set_name__ re-raises it as a RuntimeError)."""
+    return _pending
+
+
 def clear() -> None:
     """A KeyboardInterrupt was handled (the chat REPL stops a reply and goes on)."""
     global _pending
