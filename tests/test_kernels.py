@@ -56,6 +56,24 @@ def test_matvec_rows_and_columns(mats, isa, t, fast):
     check_matvec(K.FileMatrix(mats[f"w.{t.name}"]), deq(mats[f"w.{t.name}"]), x, t, fast, [range(32, 96)])
 
 
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_rows_of_every_width_and_batch(tmp_path, isa, t):
+    """F16 and BF16 rows are read in runs of 32 values (four chains), then 8, then one by one:
+    widths that end in each of those loops, one token and batches (each row of a batch is the
+    token alone, bit for bit), against float64; and converted to float32 for a prompt's GEMM
+    (dequantize) as gguf-py converts them."""
+    rng = np.random.default_rng(3)
+    widths = (5, 8, 40, 100, 2053)
+    tensors = write_tensors(tmp_path / "w.gguf", {f"w{n}": (rng.standard_normal((9, n)), t) for n in widths})
+    for n in widths:
+        m, w = K.FileMatrix(tensors[f"w{n}"]), deq(tensors[f"w{n}"])
+        xs = rng.standard_normal((5, n)).astype(np.float32)
+        alone = np.stack([m.matvec(x) for x in xs])
+        np.testing.assert_allclose(alone, xs.astype(np.float64) @ w.T, rtol=0, atol=tol(False, t, xs[0], w))
+        np.testing.assert_array_equal(m.matmul(xs), alone)
+        np.testing.assert_array_equal(m.dequantize(), w.astype(np.float32))  # a prompt's GEMM tiles
+
+
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_gguf(mats, isa, t):
     m = K.FileMatrix(mats[f"w.{t.name}"])

@@ -10,6 +10,10 @@
 /* f16_to_f32 in one instruction (F16C: exact, as the portable conversion; the axpy and dot
  * loops of one-row products converted a scale per block, some 20 instructions each) */
 AVX2 static inline float f16c_f32(uint16_t h) { return _cvtsh_ss(h); }
+/* 8 BF16 values as floats: each the upper half of its float32 (exact, as bf16_to_f32) */
+AVX2 static inline __m256 bf16x8_f32(const uint8_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
 
 AVX2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -224,6 +228,43 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
 AVX2 static float dot_exact_k23(int t, const uint8_t *w, const float *x, int n);
 AVX2 static void axpy_k23(int t, const uint8_t *w, float a, float *y, int n);
 
+/* 8 F16 or BF16 values (t) as floats: both conversions exact */
+AVX2 static INLINE __m256 half8_f32(int t, const uint8_t *w) {
+    return t == T_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)) : bf16x8_f32(w);
+}
+
+/* A row of n F16 or BF16 values (t) as float32, as dequant_row gives them: the tiles a prompt's
+ * GEMM reads (dequant_rows). The portable loop converts F16 bit by bit: a 1.1B-shape F16 file's
+ * 32-token prompt spent most of its time there. */
+AVX2 static void half_row_avx2(int t, const uint8_t *w, int n, float *o) {
+    int i = 0;
+    if (t == T_F16)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, half8_f32(T_F16, w + 2 * i));
+    else
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, half8_f32(T_BF16, w + 2 * i));
+    for (; i < n; i++) o[i] = t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i));
+}
+
+/* One token's F16 or BF16 row dot (t): four chains (of every 32 values, 8 to each), added
+ * pairwise before the sum. One chain is bound by the FMA's latency: F16's read 11.9 GB/s a core
+ * that way (5632 x 2048 from memory), and BF16 had only the portable loop at every level, 1.8
+ * GB/s; four read 26 GB/s. Several tokens call it in turn while the row is in L1
+ * (dots_exact_avx2), so a token's result does not depend on its batch. */
+AVX2 static INLINE float dot_half_avx2(int t, const uint8_t *w, const float *x, int n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i + 32), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i + 48), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i), _mm256_loadu_ps(x + i), a0);
+    float r = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) r += (t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i))) * x[i];
+    return r;
+}
+
 AVX2 static INLINE float dot_exact_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
     int nb = n / QK;
@@ -234,14 +275,6 @@ AVX2 static INLINE float dot_exact_avx2(int t, const uint8_t *w, const float *x,
         for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), acc);
         float r = hsum8(acc);
         for (; i < n; i++) r += f[i] * x[i];
-        return r;
-    }
-    case T_F16: {
-        int i = 0;
-        for (; i + 8 <= n; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
-        float r = hsum8(acc);
-        for (; i < n; i++) r += f16c_f32(rd16(w + 2 * i)) * x[i];
         return r;
     }
     case T_Q4_0: {
@@ -295,6 +328,8 @@ AVX2 static INLINE float dot_exact_avx2(int t, const uint8_t *w, const float *x,
         }
         return hsum8(acc);
     }
+    case T_F16: case T_BF16:
+        return dot_half_avx2(t, w, x, n);
     case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: case T_IQ4_XS: case T_IQ3_XXS: case T_IQ3_S: {  /* the batch kernel's one-token case */
         float y;
         dots_exact_tile(t, w, x, 0, n, 1, &y, 0);
@@ -471,6 +506,13 @@ AVX2 static INLINE void axpy_avx2(int t, const uint8_t *w, float a, float *y, in
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_set1_ps(a), _mm256_loadu_ps(y + i)));
         for (; i < n; i++) y[i] += a * f[i];
+        return;
+    }
+    case T_F16: case T_BF16: {
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(half8_f32(t, w + 2 * i), _mm256_set1_ps(a), _mm256_loadu_ps(y + i)));
+        for (; i < n; i++) y[i] += a * (t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i)));
         return;
     }
     default:
@@ -732,20 +774,6 @@ AVX2 static INLINE void dots_exact_tile(int t, const uint8_t *w, const float *x,
             const float *xb = x + b * ldx;
             float r = hsum8(acc[b]);
             for (int k = i; k < n; k++) r += fw[k] * xb[k];
-            y[b * ldy] = r;
-        }
-        return;
-    }
-    case T_F16: {
-        int i = 0;
-        for (; i + 8 <= n; i += 8) {
-            __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
-            for (int b = 0; b < B; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + i), acc[b]);
-        }
-        for (int b = 0; b < B; b++) {
-            const float *xb = x + b * ldx;
-            float r = hsum8(acc[b]);
-            for (int k = i; k < n; k++) r += f16c_f32(rd16(w + 2 * k)) * xb[k];
             y[b * ldy] = r;
         }
         return;
@@ -1022,6 +1050,10 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
 }
 
 AVX2 static INLINE void dots_exact_avx2(int t, const uint8_t *w, const float *x, int64_t ldx, int n, int B, float *y, int64_t ldy) {
+    if (t == T_F16 || t == T_BF16) {  /* token by token, the row in L1 after the first (dot_half_avx2) */
+        for (int b = 0; b < B; b++) y[b * ldy] = dot_half_avx2(t, w, x + b * ldx, n);
+        return;
+    }
     for (int b = 0; b < B; b += TILE, x += TILE * ldx, y += TILE * ldy)
         switch (B - b < TILE ? B - b : TILE) {  /* constant counts: each case its own inlined copy */
         case 4: dots_exact_tile(t, w, x, ldx, n, 4, y, ldy); break;

@@ -51,6 +51,7 @@ typedef struct {
     cols_fast_fn cols_fast;                   /* twins of Q4_0, Q4_1, Q8_0 (NULL: the portable loop) */
     cols_fast_fn kq_fast;                     /* twins of Q5_0, Q5_1 and the K-quants */
     double (*sum_squares)(const float *h, int n);  /* RMSNorm's sum (NULL: the portable loop) */
+    void (*half_row)(int t, const uint8_t *w, int n, float *o);  /* F16 or BF16 values as floats (NULL: portable) */
     attend_fn attend8, attend16;              /* softmax attention, head sizes a multiple of 8, of 16 (NULL: portable) */
 } kernel_table;
 

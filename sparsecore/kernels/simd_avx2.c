@@ -68,6 +68,7 @@ void fill_kernels_avx2(kernel_table *k) {
     k->cols_mask = cols_mask_avx2;
     k->cols_fast = cols_fast_avx2, k->kq_fast = kq_fast_avx2;
     k->sum_squares = sum_squares_avx2, k->attend8 = attend_heads_avx2;
+    k->half_row = half_row_avx2;
     if (use_dp256 == 1) {  /* the interleaved layouts' and the twins' sums with VEX vpdpbusd */
         k->x16_rows = x16_rows_avxvnni, k->r16_dot = r16_dot_avxvnni, k->r16_rows = r16_rows_avxvnni;
         k->cols_fast = cols_fast_avxvnni;
