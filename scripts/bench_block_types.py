@@ -2,12 +2,14 @@
 values/s of one core.
 
     python scripts/bench_block_types.py [--rows 5632 --cols 2048 --matrices 8 --reps 5]
-                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_XXS IQ3_S MXFP4] [--isa avx2]
+                                        [--types Q4_0 Q4_K Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_XXS IQ3_S MXFP4 F16 BF16]
+                                        [--isa avx2]
                                         [--batches 1 4 8] [--x16]
 
-Random valid blocks (random bits, small f16 scales) of each type in `--matrices` matrices of
-the 1.1B shape's up matrix, cycled so that the rows come from memory, not the caches (8 of
-them are over 32 MB for every type here); prints the best of `--reps` passes, per matrix.
+Random valid blocks (random bits, small f16 scales) of each type (F32, F16, BF16: normal
+values) in `--matrices` matrices of the 1.1B shape's up matrix, cycled so that the rows come
+from memory, not the caches (8 of them are over 32 MB for every type here); prints the best of
+`--reps` passes, per matrix.
 `--batches`: also small batches of tokens (one matmul each); `--x16`: also each type's
 interleaved rows (FileMatrix.interleave, where the type has them), their time over the file's.
 `--isa` runs the kernels at that level on a better CPU (the level is printed)."""
@@ -30,7 +32,14 @@ SCALES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q5_0: (0,), T.Q5_1: (0, 
           T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,)}
 
 
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # no blocks: the values themselves, every mode multiplies as floats
+
+
 def random_matrix(rng, rows: int, cols: int, t: T) -> SimpleNamespace:
+    if t in FLOAT_TYPES:  # normal values (random bits would hold NaNs and, for BF16, subnormals)
+        w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        data = w if t == T.F32 else w.astype(np.float16) if t == T.F16 else (w.view(np.uint32) >> 16).astype(np.uint16)
+        return SimpleNamespace(name=f"{t.name}", tensor_type=t, shape=np.array([cols, rows]), data=data)
     per, nbytes = quants.GGML_QUANT_SIZES[t]
     blocks = rng.integers(0, 256, size=(rows * cols // per, nbytes), dtype=np.uint8)
     if t == T.MXFP4:  # E8M0 scales 2^-10 .. 2^-4 (times values up to 12)
