@@ -246,10 +246,10 @@ AVX2 static void half_row_avx2(int t, const uint8_t *w, int n, float *o) {
 }
 
 /* One token's F16 or BF16 row dot (t): four chains (of every 32 values, 8 to each), added
- * pairwise before the sum. One chain is bound by the FMA's latency: F16's read 11.9 GB/s a core
- * that way (5632 x 2048 from memory), and BF16 had only the portable loop at every level, 1.8
- * GB/s; four read 26 GB/s. Several tokens call it in turn while the row is in L1
- * (dots_exact_avx2), so a token's result does not depend on its batch. */
+ * pairwise before the sum. One chain is bound by the FMA's latency: F16's read 12.2 GB/s a core
+ * that way (5632 x 2048 from memory), and BF16 had only the portable loop at every level, 1.9
+ * GB/s; four read 22-25 GB/s (docs/KERNELS.md). Several tokens call it in turn while the row is
+ * in L1 (dots_exact_avx2), so a token's result does not depend on its batch. */
 AVX2 static INLINE float dot_half_avx2(int t, const uint8_t *w, const float *x, int n) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
