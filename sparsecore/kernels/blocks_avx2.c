@@ -228,21 +228,22 @@ AVX2 static INLINE void dots_fast_tile(int t, const uint8_t *w, const q8blk *xq,
 AVX2 static float dot_exact_k23(int t, const uint8_t *w, const float *x, int n);
 AVX2 static void axpy_k23(int t, const uint8_t *w, float a, float *y, int n);
 
-/* 8 F16 or BF16 values (t) as floats: both conversions exact */
+/* 8 F16 or BF16 values (t) as floats, and one: every conversion exact */
 AVX2 static INLINE __m256 half8_f32(int t, const uint8_t *w) {
     return t == T_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)) : bf16x8_f32(w);
 }
+AVX2 static INLINE float half1_f32(int t, const uint8_t *w) {
+    return t == T_F16 ? f16c_f32(rd16(w)) : bf16_to_f32(rd16(w));
+}
 
-/* A row of n F16 or BF16 values (t) as float32, as dequant_row gives them: the tiles a prompt's
- * GEMM reads (dequant_rows). The portable loop converts F16 bit by bit: a 1.1B-shape F16 file's
- * 32-token prompt spent most of its time there. */
-AVX2 static void half_row_avx2(int t, const uint8_t *w, int n, float *o) {
+/* A row of n F16 or BF16 values (t, a constant in its callers: the kernel table's dequant
+ * entries) as float32, as dequant_row gives them: the tiles a prompt's GEMM reads. The portable
+ * loop converts F16 bit by bit: a 1.1B-shape F16 file's 32-token prompt spent most of its time
+ * there. */
+AVX2 static INLINE void half_row_avx2(int t, const uint8_t *w, int n, float *o) {
     int i = 0;
-    if (t == T_F16)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, half8_f32(T_F16, w + 2 * i));
-    else
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, half8_f32(T_BF16, w + 2 * i));
-    for (; i < n; i++) o[i] = t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, half8_f32(t, w + 2 * i));
+    for (; i < n; i++) o[i] = half1_f32(t, w + 2 * i);
 }
 
 /* One token's F16 or BF16 row dot (t): four chains (of every 32 values, 8 to each), added
@@ -261,7 +262,7 @@ AVX2 static INLINE float dot_half_avx2(int t, const uint8_t *w, const float *x, 
     }
     for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(half8_f32(t, w + 2 * i), _mm256_loadu_ps(x + i), a0);
     float r = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < n; i++) r += (t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i))) * x[i];
+    for (; i < n; i++) r += half1_f32(t, w + 2 * i) * x[i];
     return r;
 }
 
@@ -509,10 +510,11 @@ AVX2 static INLINE void axpy_avx2(int t, const uint8_t *w, float a, float *y, in
         return;
     }
     case T_F16: case T_BF16: {
+        const __m256 av = _mm256_set1_ps(a);
         int i = 0;
         for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(half8_f32(t, w + 2 * i), _mm256_set1_ps(a), _mm256_loadu_ps(y + i)));
-        for (; i < n; i++) y[i] += a * (t == T_F16 ? f16c_f32(rd16(w + 2 * i)) : bf16_to_f32(rd16(w + 2 * i)));
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(half8_f32(t, w + 2 * i), av, _mm256_loadu_ps(y + i)));
+        for (; i < n; i++) y[i] += a * half1_f32(t, w + 2 * i);
         return;
     }
     default:

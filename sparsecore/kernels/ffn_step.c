@@ -32,9 +32,8 @@ static float act_fn(int act, float g) {
  * against ffn_call_layout in python_module.c, which reads it: get_ffn_call), so that a field is
  * named in both languages rather than kept at the same position of an argument list. Fields
  * are laid out without padding (every 8-byte field on 8 bytes) but the size's, rounded to 8.
- * gate, up: (n_ff rows, hidden cols); down: (hidden
- * rows, n_ff cols), or with down_t its transpose (n_ff rows of hidden: PowerInfer's
- * ffn_down_t, a neuron's down column as a row). */
+ * gate, up: (n_ff rows, hidden cols); down: (hidden rows, n_ff cols), or with down_t its
+ * transpose (n_ff rows of hidden: PowerInfer's ffn_down_t, a neuron's down column as a row). */
 typedef struct {
     mat gate, up, down;
     int down_t, hidden;

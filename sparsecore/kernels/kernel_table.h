@@ -24,6 +24,7 @@ typedef float (*dot_packed_fn)(const uint8_t *w, const q8blk *xq, const xpair *x
 typedef void (*dots_packed_fn)(const uint8_t *w, const q8blk *xq, int64_t ldq, const xpair *xp, int nb, int B,
                                int alone, float *y, int64_t ldy);
 typedef void (*axpy_fn)(const uint8_t *w, float a, float *y, int n);
+typedef void (*dequant_fn)(const uint8_t *w, int n, float *o);
 /* sinks: per head a logit in the softmax's denominator only (gpt-oss), or NULL */
 typedef void (*attend_fn)(const float *q, int g, const float *K, const float *V, int n, int hd, float scale,
                           const float *sinks, float *out);
@@ -40,6 +41,7 @@ typedef struct {
     dots_packed_fn dots_packed[N_TYPES];
     axpy_fn axpy[N_TYPES];                    /* exact mode's axpy (down_t rows) */
     axpy_fn axpy_fast[N_TYPES];               /* fast mode's */
+    dequant_fn dequant[N_TYPES];              /* a row's n values as float32 (a prompt's GEMM tiles) */
     /* per level */
     void (*quantize_q8)(const float *x, int n, q8blk *out);
     void (*x16_rows)(int t, const uint8_t *g, int64_t gstride, int64_t n_rows, int nb, const q8blk *xq, int64_t ldq,
@@ -51,7 +53,6 @@ typedef struct {
     cols_fast_fn cols_fast;                   /* twins of Q4_0, Q4_1, Q8_0 (NULL: the portable loop) */
     cols_fast_fn kq_fast;                     /* twins of Q5_0, Q5_1 and the K-quants */
     double (*sum_squares)(const float *h, int n);  /* RMSNorm's sum (NULL: the portable loop) */
-    void (*half_row)(int t, const uint8_t *w, int n, float *o);  /* F16 or BF16 values as floats (NULL: portable) */
     attend_fn attend8, attend16;              /* softmax attention, head sizes a multiple of 8, of 16 (NULL: portable) */
 } kernel_table;
 

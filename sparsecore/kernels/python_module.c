@@ -119,10 +119,10 @@ static PyObject *py_moe_route(PyObject *self, PyObject *const *args, Py_ssize_t 
 /* moe_token's and moe_batch's first arguments: table_ptr (E x 3 mat records: each expert's gate,
  * up, down; an empty row, gate.base NULL, is another process's expert, skipped), E, k, flags
  * (moe_step.c MOE_*), <router: MAT_ARGS>, router_bias_ptr (E floats) | 0, probs_ptr (E floats),
- * ids_ptr and w_ptr (k per token), thr_ptr (E per-expert thresholds of a CATS step, or 0: the record's for all), counts_ptr (E
- * int64 counts of the chosen experts computed here, or 0), ffn_call_ptr (a record whose
- * matrices are any expert's: moe_token's with B 1, y the one-expert scratch, its threshold < 0
- * dense or >= 0 CATS; moe_batch's with scratch for MAXB tokens) */
+ * ids_ptr and w_ptr (k per token), thr_ptr (E per-expert thresholds of a CATS step, or 0: the
+ * record's for all), counts_ptr (E int64 counts of the chosen experts computed here, or 0),
+ * ffn_call_ptr (a record whose matrices are any expert's: moe_token's with B 1, y the one-expert
+ * scratch, its threshold < 0 dense or >= 0 CATS; moe_batch's with scratch for MAXB tokens) */
 typedef struct {
     const mat *table;
     int E, k, flags;

@@ -84,9 +84,6 @@ static inline void products(mat m, const int32_t *rows, int64_t start, int64_t n
 static void dequant_rows(mat m, const int32_t *rows, int64_t start, int64_t n_rows, int64_t col0, int n, float *out) {
     if (is_x16(m)) { x16_dequant_rows(m, start, n_rows, col0, n, out); return; }  /* rows is NULL: X16 matrices take ranges on groups only */
     if (is_r16(m)) { r16_dequant_rows(m, rows, start, n_rows, n, out); return; }  /* whole rows: col0 0 */
-    if ((m.t == T_F16 || m.t == T_BF16) && kern.half_row) {  /* the prompt's GEMM tiles of a float file */
-        for (int64_t i = 0; i < n_rows; i++) kern.half_row(m.t, row_at(m, rows ? rows[i] : start + i, col0), n, out + i * n);
-        return;
-    }
-    for (int64_t i = 0; i < n_rows; i++) dequant_row(m.t, row_at(m, rows ? rows[i] : start + i, col0), n, out + i * n);
+    dequant_fn row = kern.dequant[m.t];  /* the level's, where it has one (F16, BF16 at AVX2) */
+    for (int64_t i = 0; i < n_rows; i++) row(row_at(m, rows ? rows[i] : start + i, col0), n, out + i * n);
 }

@@ -45,6 +45,10 @@ FOR_TYPES(AVX2_T)
     }
 K23_T(Q2_K) K23_T(Q3_K)
 
+/* the float files' rows as float32 (a prompt's GEMM tiles): the vector conversions */
+AVX2 static void dequant_avx2_F16(const uint8_t *w, int n, float *o) { half_row_avx2(T_F16, w, n, o); }
+AVX2 static void dequant_avx2_BF16(const uint8_t *w, int n, float *o) { half_row_avx2(T_BF16, w, n, o); }
+
 static void k23_pack_t(int t, const q8blk *xq, int64_t ldq, int nb, int B, xpair *out) {
     (void)t;
     k23_pack(xq, ldq, nb, B, out);
@@ -68,7 +72,7 @@ void fill_kernels_avx2(kernel_table *k) {
     k->cols_mask = cols_mask_avx2;
     k->cols_fast = cols_fast_avx2, k->kq_fast = kq_fast_avx2;
     k->sum_squares = sum_squares_avx2, k->attend8 = attend_heads_avx2;
-    k->half_row = half_row_avx2;
+    k->dequant[T_F16] = dequant_avx2_F16, k->dequant[T_BF16] = dequant_avx2_BF16;
     if (use_dp256 == 1) {  /* the interleaved layouts' and the twins' sums with VEX vpdpbusd */
         k->x16_rows = x16_rows_avxvnni, k->r16_dot = r16_dot_avxvnni, k->r16_rows = r16_rows_avxvnni;
         k->cols_fast = cols_fast_avxvnni;

@@ -26,7 +26,8 @@ static kernel_table kern;
     static void dots_fast_c_##T(const uint8_t *w, const q8blk *xq, int64_t ldq, int nb, int B, float *y, int64_t ldy) { \
         for (int b = 0; b < B; b++) y[b * ldy] = dot_fast_c(T_##T, w, xq + b * ldq, nb);                         \
     }                                                                                                           \
-    static void axpy_c_##T(const uint8_t *w, float a, float *y, int n) { axpy_c(T_##T, w, a, y, n); }
+    static void axpy_c_##T(const uint8_t *w, float a, float *y, int n) { axpy_c(T_##T, w, a, y, n); }           \
+    static void dequant_c_##T(const uint8_t *w, int n, float *o) { dequant_row(T_##T, w, n, o); }
 FOR_TYPES(GENERIC_T)
 
 
@@ -38,7 +39,8 @@ static void fill_kernels(void) {
 #define SET_GENERIC(T)                                                                                          \
     k.dot_exact[T_##T] = dot_exact_c_##T, k.dots_exact[T_##T] = dots_exact_c_##T;                               \
     k.dot_fast[T_##T] = dot_fast_c_##T, k.dots_fast[T_##T] = dots_fast_c_##T;                                   \
-    k.axpy[T_##T] = k.axpy_fast[T_##T] = axpy_c_##T;
+    k.axpy[T_##T] = k.axpy_fast[T_##T] = axpy_c_##T;                                                           \
+    k.dequant[T_##T] = dequant_c_##T;
     FOR_TYPES(SET_GENERIC)
     k.quantize_q8 = quantize_q8_c;
     k.x16_rows = x16_rows_c;
